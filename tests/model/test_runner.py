@@ -1,0 +1,129 @@
+"""Equivalence of the runner's forward with Hugging Face, and of its reuse primitives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachedrag.errors import ContextWindowError, UnsupportedModelError
+from cachedrag.model.generation import SamplingParams
+from cachedrag.model.runner import ModelRunner
+from cachedrag.model.textgen import TextGenerator
+from cachedrag.testing import TINY_ARCHITECTURES, tiny_model, tiny_runner
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("length", [1, 7, 61])
+def test_full_prefill_equals_hf_logits(arch, length):
+    runner = tiny_runner(arch)
+    ids = _ids(length)
+    with torch.no_grad():
+        expected = runner.model(ids[None]).logits[0]  # [T, V]
+    got = runner.prefill(ids, all_logits=True)  # [T, V]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("subset", [[0], [5, 6, 7], [3, 9, 10, 30, 44], list(range(20, 45))])
+def test_subset_with_exact_kv_equals_full(arch, subset):
+    """Recomputing a gapped subset against exact K/V of every other row reproduces full prefill."""
+    runner = tiny_runner(arch)
+    ids = _ids(45)
+    full_kv = runner.new_kv(45)
+    full = runner.prefill(ids, kv=full_kv, all_logits=True)  # [T, V]
+    kv = runner.new_kv(45)
+    kv.k.copy_(full_kv.k)
+    kv.v.copy_(full_kv.v)
+    rows = torch.tensor(subset)
+    kv.k[:, :, rows] = 0.0  # the subset's rows must be recomputed, not read
+    kv.v[:, :, rows] = 0.0
+    got = runner.prefill(ids[rows], positions=rows, kv=kv, kv_len=45, all_logits=True)
+    torch.testing.assert_close(got, full[rows], atol=1e-4, rtol=0)
+    torch.testing.assert_close(kv.k, full_kv.k, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen3"])
+def test_rerotation_equals_rope_at_new_positions(arch):
+    runner = tiny_runner(arch)
+    raw = torch.randn(runner.n_kv_heads, 13, runner.head_dim)  # [H, T, D]
+    old = torch.arange(13) + 3
+    new = torch.tensor([40, 41, 42, 50, 51, 52, 53, 54, 90, 91, 92, 93, 200])
+    rotated_old = runner.rotary.apply(raw, old)
+    torch.testing.assert_close(runner.rotary.rerotate(rotated_old, old, new), runner.rotary.apply(raw, new),
+                               atol=1e-5, rtol=1e-5)
+    # raw K is old_positions = 0 rotation
+    torch.testing.assert_close(runner.rotary.rerotate(raw, torch.zeros(13, dtype=torch.long), new),
+                               runner.rotary.apply(raw, new), atol=1e-5, rtol=1e-5)
+
+
+def test_raw_k_is_pre_rope():
+    runner = tiny_runner("llama")
+    ids = _ids(10)
+    kv = runner.new_kv(10)
+    hidden = runner.embed(ids)
+    raw = {}
+    runner.forward_layer(0, hidden, torch.arange(10), kv, 10, raw_out=raw)
+    torch.testing.assert_close(runner.rotary.apply(raw["k"], torch.arange(10)), kv.k[0, :, :10])
+    torch.testing.assert_close(raw["v"], kv.v[0, :, :10])
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_greedy_generation_equals_hf_generate(arch):
+    runner = tiny_runner(arch)
+    prompt = _ids(12, seed=3).tolist()
+    gen = TextGenerator(runner)
+    result = gen.generate(prompt, SamplingParams(max_new_tokens=16))
+    with torch.no_grad():
+        expected = runner.model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, 12, dtype=torch.long), max_new_tokens=16,
+            do_sample=False, eos_token_id=list(gen.eos_ids), pad_token_id=runner.tokenizer.pad_token_id,
+        )[0, 12:].tolist()
+    expected = [t for t in expected if t not in gen.eos_ids]
+    assert result.token_ids == expected
+    assert result.prompt_tokens == 12 and result.ttft_s > 0
+
+
+def test_segment_attention_mass_matches_dense_softmax():
+    runner = tiny_runner("qwen2")
+    ids = _ids(30)
+    kv = runner.new_kv(30)
+    runner.prefill(ids, kv=kv)
+    hidden = runner.embed(ids)
+    raw = {}
+    runner.forward_layer(0, hidden, torch.arange(30), kv, 30, raw_out=raw)
+    bounds = [0, 4, 17, 30]
+    mass = runner.segment_attention_mass(0, raw["q"], torch.arange(30), kv, 30, bounds)  # [T, S]
+    group = runner.n_heads // runner.n_kv_heads
+    k = kv.k[0, :, :30].repeat_interleave(group, 0)
+    scores = (raw["q"] @ k.transpose(1, 2)) * runner.scaling
+    scores = scores.masked_fill(~torch.ones(30, 30, dtype=torch.bool).tril(), float("-inf"))
+    probs = scores.softmax(-1).mean(0)  # [T, T]
+    expected = torch.stack([probs[:, a:b].sum(-1) for a, b in zip(bounds, bounds[1:])], -1)
+    torch.testing.assert_close(mass, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.sum(-1), torch.ones(30), atol=1e-5, rtol=0)
+
+
+def test_unknown_architecture_is_refused_with_supported_list():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        ModelRunner(model)
+
+
+def test_length_dependent_rope_is_refused():
+    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="rotary variant 'dynamic'"):
+        ModelRunner(model)
+
+
+def test_prompt_longer_than_context_window_is_refused():
+    runner = tiny_runner("llama")
+    gen = TextGenerator(runner)
+    with pytest.raises(ContextWindowError, match="context window of 512"):
+        gen.generate(list(range(200)) * 3, SamplingParams(max_new_tokens=8))
