@@ -1,0 +1,125 @@
+"""Settings of the chunk-cache policy layer, validated once.
+
+Owns: ``CacheConfig``, the one place every threshold of the policy layer lives (Cache-Craft's
+alpha, variant caps N x M, the f_r guard, focus window / minimum layers / mass threshold, the
+fixed recompute ratio, the tree's replacement policy, the seed of the ``random`` mode).
+Does not own: byte budgets of the tiers (the store's config), model or retrieval settings.
+
+Every field is checked in ``__post_init__``; a bad value raises ``ConfigError`` naming the
+field, the value and the allowed range. ``dataclasses.replace(cfg, alpha=2.0)`` re-validates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from cachedrag.errors import ConfigError
+from cachedrag.kvcache.policy import POLICY_NAMES, canonical_policy_name
+
+
+def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"CacheConfig.{name} must be a finite number, got {value!r}")
+    lo_ok = value > lo if lo_open else value >= lo
+    hi_ok = value < hi if hi_open else value <= hi
+    if not (lo_ok and hi_ok):
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        raise ConfigError(f"CacheConfig.{name} must be in {left}{lo}, {hi}{right}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"CacheConfig.{name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ConfigError(f"CacheConfig.{name} must be >= {lo}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Thresholds of the chunk-cache policy layer.
+
+    Cache-Craft reuse (see ``variants.py`` for the formulas):
+      alpha: scale of CFO = alpha x CCI x (1 - beta'); CFO is clipped to [0, 1]. >= 0.
+      cold_cci: CCI assumed for a variant computed with no prior chunk (right after the system
+        prefix) when it is reused behind other chunks: its metadata cannot say how much context
+        it would have absorbed. 0.15 follows the prototype, where recomputing ~15% of each
+        non-first chunk cut KL(full || reuse) from 0.082 to 0.025. In [0, 1].
+      reuse_cfo_limit: a chunk whose best CFO is >= this is computed fresh instead of reused
+        (loading a cache and recomputing all of it is slower than computing it). In (0, 1].
+      recompute_ratio: None = per-chunk ceil(CFO x len) recompute; a number = fixed global
+        ratio, ceil(ratio x len) tokens of every reused chunk (token choice unchanged). [0, 1].
+      penalize_novel_prefix: beta as Cache-Craft defines it only looks at the chunks the variant
+        saw; True also scales beta by |common| / |new prefix| so that new, unseen prior chunks
+        lower the overlap. Off by default (paper-faithful).
+
+    Variant registry (``index.py``):
+      max_chunks (N), max_variants_per_chunk (M): at most M variants per chunk and N x M in all.
+      cfo_floor: each reuse adds 1 / max(CFO, cfo_floor) to the variant's f_r (CFO may be 0).
+
+    Focused-chunk early termination (``focus.py``):
+      focus_window (w): the focused set must stay the same for w consecutive layer updates.
+      focus_min_layers: never decide before this many layers have been fed.
+      focus_mass_threshold: the focused set is the smallest set of chunks, by cumulative
+        question attention, holding at least this share of the total. In (0, 1].
+
+    Knowledge tree (``tree.py``): policy, one of ``policy.POLICY_NAMES``.
+    seed: seeds the ``random`` planning mode and the simulator's defaults.
+    """
+
+    alpha: float = 1.0
+    cold_cci: float = 0.15
+    reuse_cfo_limit: float = 1.0
+    recompute_ratio: float | None = None
+    penalize_novel_prefix: bool = False
+    max_chunks: int = 10_000
+    max_variants_per_chunk: int = 4
+    cfo_floor: float = 0.05
+    focus_window: int = 3
+    focus_min_layers: int = 4
+    focus_mass_threshold: float = 0.8
+    policy: str = "pgdsf"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_number("alpha", self.alpha, 0.0, math.inf, hi_open=True)
+        _check_number("cold_cci", self.cold_cci, 0.0, 1.0)
+        _check_number("reuse_cfo_limit", self.reuse_cfo_limit, 0.0, 1.0, lo_open=True)
+        if self.recompute_ratio is not None:
+            _check_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
+        if not isinstance(self.penalize_novel_prefix, bool):
+            raise ConfigError(f"CacheConfig.penalize_novel_prefix must be a bool, got {self.penalize_novel_prefix!r}")
+        _check_int("max_chunks", self.max_chunks, 1)
+        _check_int("max_variants_per_chunk", self.max_variants_per_chunk, 1)
+        _check_number("cfo_floor", self.cfo_floor, 0.0, 1.0, lo_open=True)
+        _check_int("focus_window", self.focus_window, 1)
+        _check_int("focus_min_layers", self.focus_min_layers, 1)
+        _check_number("focus_mass_threshold", self.focus_mass_threshold, 0.0, 1.0, lo_open=True)
+        if not isinstance(self.policy, str):
+            raise ConfigError(f"CacheConfig.policy must be a string, got {self.policy!r}")
+        try:
+            object.__setattr__(self, "policy", canonical_policy_name(self.policy))
+        except KeyError:
+            raise ConfigError(
+                f"CacheConfig.policy must be one of {sorted(POLICY_NAMES)}, got {self.policy!r}"
+            ) from None
+        _check_int("seed", self.seed, 0)
+
+    @property
+    def max_variants(self) -> int:
+        """Total variant cap N x M."""
+        return self.max_chunks * self.max_variants_per_chunk
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheConfig:
+        """Build from a mapping; unknown keys are an error (a typo must not be ignored)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"CacheConfig: unknown setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
