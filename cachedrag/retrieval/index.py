@@ -1,0 +1,311 @@
+"""Index directories: build a corpus into chunks + IVF, save, load, search by text.
+
+Owns: ``build_index`` (chunk -> embed -> train IVF-Flat), the on-disk layout and its
+``IndexManifest`` (embedder name and dimension, metric, nlist, chunk settings, tokenizer
+identity, per-file sha256), ``load_index`` with its mismatch and checksum checks, and
+``RetrievalIndex``, which maps search results back to ``Chunk`` records. Does not own: the
+search kernels (``ivf``) or the tiers and prefetching (``cluster_store``, ``lookahead``).
+
+Layout of an index directory (no pickle anywhere; numpy files load with
+``allow_pickle=False``)::
+
+    manifest.json      IndexManifest
+    chunks.jsonl       one Chunk record per line (id, doc_id, text, offsets), row order
+    token_ids.npy      int32 [T] all chunks' LLM token ids, concatenated
+    token_offsets.npy  int64 [n_chunks + 1] chunk i is token_ids[o[i]:o[i + 1]]
+    centroids.npy      float32 [nlist, d]
+    vectors.npy        float32 [n_chunks, d] embeddings, cluster-contiguous
+    ids.npy            int64 [n_chunks] chunk row of each vector row
+    offsets.npy        int64 [nlist + 1] cluster c is vector rows o[c]:o[c + 1]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+
+import cachedrag
+from cachedrag.corpus import Document
+from cachedrag.errors import ConfigError, CorruptCacheError, EmptyInputError, IndexMismatchError
+from cachedrag.retrieval.chunker import Chunk, Tokenizer, chunk_documents, tokenizer_identity
+from cachedrag.retrieval.cluster_store import DiskClusterStore
+from cachedrag.retrieval.config import ChunkConfig, IndexConfig, Metric, RetrievalConfig
+from cachedrag.retrieval.embedder import Embedder
+from cachedrag.retrieval.ivf import PAD_ID, IVFIndex, Stage, check_nprobe
+
+MANIFEST = "manifest.json"
+FORMAT = "cachedrag-ivf-index"
+FORMAT_VERSION = 1
+_ARRAYS = ("token_ids", "token_offsets", "centroids", "vectors", "ids", "offsets")
+
+
+class IndexManifest(BaseModel):
+    """What an index directory holds and how it was made."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["cachedrag-ivf-index"] = FORMAT
+    format_version: int = FORMAT_VERSION
+    cachedrag_version: str = cachedrag.__version__
+    embedder: str
+    dim: int
+    metric: Metric
+    nlist: int
+    nlist_requested: int
+    n_chunks: int
+    n_docs: int
+    chunk: ChunkConfig
+    index: IndexConfig
+    tokenizer: dict
+    files: dict[str, str] = {}  # file name -> sha256
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One ranked search result."""
+
+    rank: int
+    score: float
+    row: int
+    chunk: Chunk
+
+
+class RetrievalIndex:
+    """Chunks + their IVF index + the manifest; searches by text or vector.
+
+    >>> index = load_index("my-index")                       # doctest: +SKIP
+    >>> [h.chunk.id for h in index.search("heapq push", k=3)[0]]  # doctest: +SKIP
+    """
+
+    def __init__(self, manifest: IndexManifest, chunks: list[Chunk], ivf: IVFIndex, path: Path | None = None):
+        assert len(chunks) == manifest.n_chunks == ivf.ntotal, (len(chunks), manifest.n_chunks, ivf.ntotal)
+        self.manifest = manifest
+        self.chunks = chunks
+        self.ivf = ivf
+        self.path = path
+        self._embedder: Embedder | None = None
+
+    @property
+    def chunk_ids(self) -> list[str]:
+        return [c.id for c in self.chunks]
+
+    @property
+    def embedder(self) -> Embedder:
+        """The attached embedder, else the manifest's model (loaded once, offline)."""
+        if self._embedder is None:
+            self._embedder = Embedder(model=self.manifest.embedder)
+            self._embedder.check_compatible(self.manifest.embedder, self.manifest.dim)
+        return self._embedder
+
+    def attach_embedder(self, embedder: Embedder) -> None:
+        """Use ``embedder`` for queries; ``IndexMismatchError`` unless it is the index's model."""
+        embedder.check_compatible(self.manifest.embedder, self.manifest.dim)
+        self._embedder = embedder
+
+    def check_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """``IndexMismatchError`` unless ``tokenizer`` is the one the chunks' token ids came from."""
+        identity = tokenizer_identity(tokenizer)
+        if identity["fingerprint"] != self.manifest.tokenizer.get("fingerprint"):
+            raise IndexMismatchError(
+                f"the index's chunks were tokenized by {self.manifest.tokenizer.get('name')!r}, "
+                f"not by {identity['name']!r}; their token ids (and chunk KV caches) do not apply"
+            )
+
+    def embed(self, queries: str | Sequence[str] | torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Queries as vectors ``[B, d]`` (texts go through the embedder)."""
+        if isinstance(queries, str):
+            queries = [queries]
+        if isinstance(queries, (torch.Tensor, np.ndarray)):
+            q = torch.as_tensor(queries, dtype=torch.float32)
+            q = q[None, :] if q.dim() == 1 else q  # [B, d]
+        else:
+            q = torch.from_numpy(self.embedder.encode(list(queries)))  # [B, d]
+        if q.shape[1] != self.manifest.dim:
+            raise IndexMismatchError(f"query vectors have dimension {q.shape[1]}, the index {self.manifest.dim}")
+        return q
+
+    def search(self, queries, k: int = 10, nprobe: int = 8) -> list[list[Hit]]:
+        """IVF search (all clusters in memory) -> ranked hits per query."""
+        check_nprobe(nprobe, self.ivf.nlist)
+        scores, ids = self.ivf.search(self.embed(queries), k, nprobe)  # [B, k], [B, k]
+        return self.hits(scores, ids)
+
+    def search_stages(self, queries, k: int = 10, nprobe: int = 8, n_stages: int = 2) -> Iterator[tuple[Stage, list[list[Hit]]]]:
+        """Staged search (speculative pipelining): ``(stage, hits)`` after each group of clusters."""
+        check_nprobe(nprobe, self.ivf.nlist)
+        for stage in self.ivf.search_stages(self.embed(queries), k, nprobe, n_stages):
+            yield stage, self.hits(stage.scores, stage.ids)
+
+    def hits(self, scores: torch.Tensor, ids: torch.Tensor) -> list[list[Hit]]:
+        """Map ``(scores [B, k], ids [B, k])`` to ranked ``Hit`` lists (padding dropped)."""
+        out = []
+        for row_scores, row_ids in zip(scores.tolist(), ids.tolist()):
+            hits = [
+                Hit(rank=r, score=s, row=i, chunk=self.chunks[i])
+                for r, (s, i) in enumerate(zip(row_scores, row_ids))
+                if i != PAD_ID
+            ]
+            out.append(hits)
+        return out
+
+    def disk_store(self) -> DiskClusterStore:
+        """The slow tier over this directory's cluster files."""
+        if self.path is None:
+            raise ConfigError("this index is not saved to a directory; save() it first")
+        return DiskClusterStore(self.path / "vectors.npy", self.path / "ids.npy", self.ivf.offsets.tolist())
+
+    def save(self, out: str | Path) -> Path:
+        """Write the index directory atomically (temp dir + rename); returns its path."""
+        self.path = _save(self, Path(out))
+        self.manifest = _read_manifest(self.path)
+        return self.path
+
+
+def build_index(
+    docs: Iterable[Document],
+    tokenizer: Tokenizer,
+    embedder: Embedder,
+    config: RetrievalConfig | None = None,
+    out: str | Path | None = None,
+    progress: bool | None = None,
+) -> RetrievalIndex:
+    """Chunk ``docs`` in ``tokenizer``'s tokens, embed, train IVF-Flat; save to ``out`` if given.
+
+    ``nlist`` larger than the number of chunks is clamped to it with a warning (the manifest
+    records both). Raises ``EmptyInputError`` for an empty corpus.
+    """
+    config = config or RetrievalConfig()
+    docs = list(docs)
+    if not docs:
+        raise EmptyInputError("cannot build an index from an empty corpus")
+    chunks = chunk_documents(docs, tokenizer, config.chunk, progress=progress)
+    show = len(docs) >= config.chunk.progress_min_docs if progress is None else progress
+    vectors = embedder.encode([c.text for c in chunks], progress=show)  # [N, d]
+    ivf = IVFIndex.train(vectors, config.index)
+    manifest = IndexManifest(
+        embedder=embedder.name,
+        dim=embedder.dim,
+        metric=config.index.metric,
+        nlist=ivf.nlist,
+        nlist_requested=config.index.nlist,
+        n_chunks=len(chunks),
+        n_docs=len(docs),
+        chunk=config.chunk,
+        index=config.index,
+        tokenizer=tokenizer_identity(tokenizer),
+    )
+    index = RetrievalIndex(manifest, chunks, ivf)
+    index._embedder = embedder
+    if out is not None:
+        index.save(out)
+    return index
+
+
+def load_index(path: str | Path, embedder: Embedder | None = None, verify: bool = True) -> RetrievalIndex:
+    """Load an index directory; check ``embedder`` (if given) and file checksums (if ``verify``).
+
+    Raises ``IndexMismatchError`` when ``embedder`` is another model or dimension than the
+    index's, ``CorruptCacheError`` when a file fails its checksum or shape checks.
+    """
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise FileNotFoundError(f"{path} is not a cachedrag index directory (no {MANIFEST})")
+    manifest = _read_manifest(path)
+    if embedder is not None:
+        embedder.check_compatible(manifest.embedder, manifest.dim)
+    if verify:
+        for name, digest in manifest.files.items():
+            if _sha256(path / name) != digest:
+                raise CorruptCacheError(f"index file {path / name} fails its checksum; rebuild the index")
+    arrays = {name: np.load(path / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
+    with (path / "chunks.jsonl").open(encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    tok_off = arrays["token_offsets"]
+    if len(records) != manifest.n_chunks or len(tok_off) != manifest.n_chunks + 1:
+        raise CorruptCacheError(f"{path}: chunk files disagree with the manifest ({len(records)} records)")
+    chunks = [Chunk.from_record(r, arrays["token_ids"][tok_off[i] : tok_off[i + 1]]) for i, r in enumerate(records)]
+    ivf = IVFIndex(
+        torch.from_numpy(arrays["centroids"]),
+        torch.from_numpy(arrays["vectors"]),
+        torch.from_numpy(arrays["ids"]),
+        torch.from_numpy(arrays["offsets"]),
+        manifest.metric,
+    )
+    if ivf.dim != manifest.dim or ivf.nlist != manifest.nlist:
+        raise CorruptCacheError(f"{path}: arrays (dim {ivf.dim}, nlist {ivf.nlist}) disagree with the manifest")
+    index = RetrievalIndex(manifest, chunks, ivf, path)
+    if embedder is not None:
+        index._embedder = embedder
+    return index
+
+
+def _save(index: RetrievalIndex, out: Path) -> Path:
+    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not a cachedrag index directory; refusing to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        token_offsets = np.concatenate([[0], np.cumsum([len(c.token_ids) for c in index.chunks])]).astype(np.int64)
+        token_ids = np.fromiter((t for c in index.chunks for t in c.token_ids), dtype=np.int32, count=int(token_offsets[-1]))
+        arrays = {
+            "token_ids": token_ids,
+            "token_offsets": token_offsets,
+            "centroids": index.ivf.quantizer.centroids.cpu().numpy(),
+            "vectors": index.ivf.vectors.cpu().numpy(),
+            "ids": index.ivf.ids.cpu().numpy(),
+            "offsets": index.ivf.offsets.cpu().numpy(),
+        }
+        files = {}
+        for name, array in arrays.items():
+            files[f"{name}.npy"] = _write(tmp / f"{name}.npy", lambda fh, a=array: np.save(fh, np.ascontiguousarray(a)))
+        lines = "".join(json.dumps(c.to_record(), ensure_ascii=False) + "\n" for c in index.chunks)
+        files["chunks.jsonl"] = _write(tmp / "chunks.jsonl", lambda fh: fh.write(lines.encode("utf-8")))
+        manifest = index.manifest.model_copy(update={"files": files})
+        _write(tmp / MANIFEST, lambda fh: fh.write(manifest.model_dump_json(indent=2).encode()))
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.replace(out, old / "index")
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(path: Path, write) -> str:
+    """Write a file, fsync it (so its pages can later be dropped from the cache), return its sha256."""
+    with path.open("wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return _sha256(path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_manifest(path: Path) -> IndexManifest:
+    try:
+        return IndexManifest.model_validate_json((path / MANIFEST).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise CorruptCacheError(f"{path / MANIFEST} is not a valid index manifest: {exc}") from exc
