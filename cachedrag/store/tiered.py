@@ -1,0 +1,558 @@
+"""The tiered chunk-cache store: ordered tiers (fastest first) behind one get/put API.
+
+Owns: composing tiers, executing the placement policy's decisions (place, promote on
+reuse, demote before delete, swap-out-only-once, tree-consistent moves), probing shared
+tiers, store-level statistics, and the entry points for preloading (``prefetch``,
+``open_layers``). Does not own: the decisions themselves (``policy``), bytes and media
+(tiers), threads that load ahead (``preload``).
+
+Placement, in short (details in ``docs/store.md``):
+
+- ``put(key, entry, priority, parent)`` places the entry in the fastest tier where it can
+  make room by moving out entries of lower priority (``policy.victims``); otherwise the
+  next tier, and so on; if none takes it, the put is refused (``False``).
+- A victim is demoted to the next tier that takes it (making room there the same way)
+  before anything is deleted; only what no tier takes is dropped, with its cached
+  descendants. When a slower tier already holds the victim's copy (it was promoted from
+  there), the demotion just forgets the fast copy: swap-out-only-once.
+- ``get`` from a slow tier copies the entry up to the fastest tier that takes it (the slow
+  copy stays), possibly demoting others; its ancestors are promoted first.
+- Parents are never slower than their children: children leave a tier first, parents are
+  promoted first, and a put lands no slower than its cached children allow.
+- Shared tiers (Redis) are probed on a miss and evict by their own LRU (other processes
+  write there too); the tree rule is kept for the local tiers.
+
+Locking: one store lock serializes placement (cheap bookkeeping plus the tier writes it
+decides); tier reads of a ``get`` run outside it, so hits in different tiers proceed in
+parallel. Tiers have their own locks; lock order is always store -> tier.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from cachedrag.errors import ConfigError
+from cachedrag.store.base import Tier, check_key
+from cachedrag.store.codec import check_namespace, encode
+from cachedrag.store.config import StoreConfig
+from cachedrag.store.cpu import CPUTier, MemoryTier
+from cachedrag.store.entry import KVEntry
+from cachedrag.store.policy import PlacementPolicy, SortKey, priority_then_recency
+from cachedrag.store.preload import LayerLoader, PrefetchHandle, Prefetcher
+
+
+@dataclass
+class StoreStats:
+    """Store-level counters (per-tier counters live in each tier's ``TierStats``)."""
+
+    puts: int = 0
+    puts_existing: int = 0  # put of a key already cached: priority/parent updated, no rewrite
+    puts_refused: int = 0  # no tier would take the entry
+    hits: int = 0
+    misses: int = 0
+    promotions: int = 0  # copies made into a faster tier on reuse / prefetch
+    demotions: int = 0  # entries moved (or, if already there, handed) to a slower tier
+    demotion_writes_saved: int = 0  # demotions where the slower tier already held the copy
+    drops: int = 0  # entries deleted from the store for lack of room anywhere
+    stale_index: int = 0  # a tier no longer held what the index said (removed as corrupt, TTL, other process)
+    prefetches: int = 0
+    load_seconds: float = 0.0  # time in get() reading hits
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class TieredStore:
+    """Ordered tiers (fastest first) with priority placement; thread-safe."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        namespace: str,
+        write_through: bool = False,
+        prefetch_workers: int = 1,
+        sort_key: SortKey = priority_then_recency,
+    ) -> None:
+        if not tiers:
+            raise ConfigError("a TieredStore needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        for t in tiers:
+            if t.namespace != namespace:
+                raise ConfigError(f"tier {t.name} has namespace {t.namespace!r}, store has {namespace!r}")
+            if not t.shared:
+                t.self_evict = False  # the store chooses victims in local tiers
+        self.tiers = list(tiers)
+        self.namespace = namespace
+        self.write_through = write_through
+        self.stats = StoreStats()
+        self._policy = PlacementPolicy(len(self.tiers), sort_key)
+        self._lock = threading.RLock()
+        self._prefetcher = Prefetcher(self._fetch_up, prefetch_workers)
+        self._loaders: weakref.WeakSet[LayerLoader] = weakref.WeakSet()
+        for i, tier in enumerate(self.tiers):  # adopt what local tiers already hold (disk after a restart)
+            if not tier.shared:
+                for key in tier.keys():
+                    self._policy.ensure(key)
+                    self._policy.add_copy(key, i)
+
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> TieredStore:
+        """Build gpu -> cpu -> disk -> redis tiers from a validated ``StoreConfig``."""
+        tiers: list[Tier] = []
+        ns = config.namespace
+        if config.gpu_bytes:
+            from cachedrag.store.gpu import GPUTier
+
+            tiers.append(GPUTier(config.gpu_bytes, namespace=ns, device=config.gpu_device))
+        if config.cpu_bytes:
+            tiers.append(CPUTier(config.cpu_bytes, namespace=ns, pin_memory=config.pin_memory))
+        if config.disk_dir is not None:
+            from cachedrag.store.disk import DiskTier
+
+            tiers.append(DiskTier(config.disk_dir, config.disk_bytes, namespace=ns,
+                                  validate=config.disk_validate, fsync=config.disk_fsync))
+        if config.redis_url is not None:
+            from cachedrag.store.redis_tier import RedisTier
+
+            tiers.append(RedisTier(config.redis_url, config.redis_bytes, namespace=ns,
+                                   ttl_s=config.redis_ttl_s, prefix=config.redis_prefix))
+        return cls(tiers, namespace=ns, write_through=config.write_through, prefetch_workers=config.prefetch_workers)
+
+    # ---- queries -------------------------------------------------------------------------
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
+
+    def contains(self, key: str) -> bool:
+        check_key(key)
+        with self._lock:
+            if self._policy.cached(key) is not None:
+                return True
+        return any(t.contains(key) for t in self.tiers if t.shared)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [self.contains(k) for k in keys]
+
+    def where(self, key: str) -> str | None:
+        """Name of the fastest tier holding ``key`` (local index; shared tiers probed)."""
+        with self._lock:
+            node = self._policy.cached(key)
+            if node is not None:
+                return self.tiers[node.level].name
+        return next((t.name for t in self.tiers if t.shared and t.contains(key)), None)
+
+    def priority(self, key: str) -> float | None:
+        with self._lock:
+            node = self._policy.node(key)
+            return None if node is None else node.priority
+
+    def keys(self) -> list[str]:
+        """Keys cached in the local tiers (shared tiers are not enumerated)."""
+        with self._lock:
+            return [k for k, n in self._policy.nodes.items() if n.copies]
+
+    # ---- get -----------------------------------------------------------------------------
+    def get(self, key: str, *, promote: bool = True) -> KVEntry | None:
+        """The entry (from the fastest tier holding it), or ``None``.
+
+        With ``promote``, a hit in a slower tier is copied up toward the fastest tier (the
+        returned entry is then the fast copy). The entry is shared with the store: read-only.
+        """
+        check_key(key)
+        t0 = time.perf_counter()
+        entry, found_at, version = self._read(key)
+        with self._lock:
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self.stats.hits += 1
+            self.stats.load_seconds += time.perf_counter() - t0
+        if promote and found_at > 0:
+            lifted = self._promote_after_read(key, entry, found_at, version)
+            if lifted is not None:
+                entry = lifted
+        return entry
+
+    def get_many(self, keys: Sequence[str], *, promote: bool = True) -> list[KVEntry | None]:
+        return [self.get(k, promote=promote) for k in keys]
+
+    def _read(self, key: str) -> tuple[KVEntry | None, int, int]:
+        """Read ``key`` from the fastest tier that has it (outside the store lock)."""
+        with self._lock:
+            node = self._policy.cached(key)
+            order = sorted(node.copies) if node is not None else []
+            version = node.version if node is not None else -1
+            self._policy.touch(key)
+        for i in order:
+            entry = self.tiers[i].get(key)
+            if entry is not None:
+                return entry, i, version
+            self._lost(key, i)
+        for i, tier in enumerate(self.tiers):
+            if tier.shared and i not in order:
+                entry = tier.get(key)
+                if entry is not None:
+                    with self._lock:
+                        node = self._policy.ensure(key)
+                        self._policy.add_copy(key, i)
+                        self._policy.touch(key)
+                        return entry, i, node.version
+        return None, -1, -1
+
+    def _lost(self, key: str, tier: int) -> None:
+        """The index said ``tier`` holds ``key`` and it did not: fix the index."""
+        with self._lock:
+            node = self._policy.node(key)
+            if node is None or tier not in node.copies or self.tiers[tier].contains(key):
+                return
+            self.stats.stale_index += 1
+            self._policy.drop_copy(key, tier)
+            if not node.copies:
+                self._policy.forget(key)
+
+    def _promote_after_read(self, key: str, entry: KVEntry, found_at: int, version: int) -> KVEntry | None:
+        with self._lock:
+            node = self._policy.node(key)
+            if node is None or node.version != version or node.level is None or node.level < found_at:
+                return None  # replaced, removed or promoted meanwhile
+            placed = self._lift(key, entry, found_at, 0, {key}, {})
+            if placed is None:
+                return None
+            return self._peek(placed, key)
+
+    # ---- put -----------------------------------------------------------------------------
+    def put(
+        self,
+        key: str,
+        entry: KVEntry,
+        *,
+        priority: float = 0.0,
+        parent: str | None = None,
+        replace: bool = False,
+    ) -> bool:
+        """Cache ``entry`` under ``key`` in the fastest tier its ``priority`` earns.
+
+        ``priority``: higher is more valuable (the engine's score, e.g. PGDSF or Cache-Craft's
+        frequency-reuse). ``parent``: the key of the prefix entry this one extends (knowledge
+        tree); a parent is never kept in a slower tier than its children. A key already
+        cached is not rewritten (keys name content) unless ``replace``; its priority and
+        parent are updated. Returns whether the entry is cached.
+        """
+        check_key(key)
+        if parent is not None:
+            check_key(parent)
+        check_namespace(entry, self.namespace)
+        with self._lock:
+            node = self._policy.cached(key)
+            if node is not None and not replace:
+                old_parent = node.parent
+                self._policy.ensure(key, priority, parent)
+                self._policy.touch(key)
+                if node.parent != old_parent:
+                    self._repair_parent(key)
+                self.stats.puts_existing += 1
+                return True
+            if node is not None:
+                self._remove_copies(key)
+            node = self._policy.ensure(key, priority, parent)
+            node.version += 1
+            self._policy.touch(key)
+            protect = {key, *self._policy.ancestors(key)}
+            blobs: dict[str, bytes] = {}
+            parent_node = self._policy.parent_of(key)
+            if parent_node is not None and parent_node.level > 0:
+                self._lift_cached(parent_node.key, 0, protect, blobs)
+            placed = None
+            for j in self._policy.allowed_levels(key):
+                if self._place(key, entry, j, protect, blobs, copy=True):
+                    placed = j
+                    break
+            if placed is None:
+                self._policy.forget(key)
+                self.stats.puts_refused += 1
+                return False
+            if self.write_through:
+                for k in range(placed + 1, len(self.tiers)):
+                    if self.tiers[k].persistent:
+                        self._place(key, entry, k, protect, blobs, copy=True, evict="duplicates")
+            self.stats.puts += 1
+            return True
+
+    def _repair_parent(self, key: str) -> None:
+        """After a new parent link: lift the parent to the child's tier, else drop the link."""
+        node = self._policy.nodes[key]
+        parent = self._policy.parent_of(key)
+        if parent is None or parent.level <= node.level:
+            return
+        self._lift_cached(parent.key, node.level, {key, *self._policy.ancestors(key)}, {})
+        parent = self._policy.parent_of(key)
+        if parent is not None and parent.level > node.level:
+            self._policy.unlink(key)
+
+    def put_many(self, items: Iterable[tuple[str, KVEntry]], *, priority: float = 0.0) -> list[bool]:
+        return [self.put(k, e, priority=priority) for k, e in items]
+
+    def set_priority(self, key: str, priority: float) -> bool:
+        """Update ``key``'s priority (used at its next placement decision); ``False`` if unknown."""
+        with self._lock:
+            node = self._policy.node(key)
+            if node is None:
+                return False
+            node.priority = float(priority)
+            return True
+
+    # ---- remove --------------------------------------------------------------------------
+    def remove(self, key: str) -> bool:
+        """Delete ``key`` from every tier (shared tiers included). Its children stay cached."""
+        check_key(key)
+        with self._lock:
+            had = self._policy.cached(key) is not None
+            self._remove_copies(key)
+            self._policy.forget(key)
+            self._policy.unlink(key)
+        for tier in self.tiers:
+            if tier.shared:
+                had = tier.remove(key) or had
+        return had
+
+    def _remove_copies(self, key: str) -> None:
+        node = self._policy.node(key)
+        if node is None:
+            return
+        for t in sorted(node.copies):
+            self.tiers[t].remove(key)
+            self._policy.drop_copy(key, t)
+
+    # ---- placement (store lock held) -----------------------------------------------------
+    def _place(
+        self,
+        key: str,
+        entry: KVEntry,
+        j: int,
+        protect: set[str],
+        blobs: dict[str, bytes],
+        *,
+        copy: bool,
+        evict: str = "all",
+    ) -> bool:
+        """Store ``key`` in tier ``j``, moving lower-ordered entries out first.
+
+        ``evict``: ``"all"`` (duplicates, then lower-ordered primaries), ``"duplicates"``
+        (only copies that also live in a faster tier) or ``"none"`` (free room only).
+        """
+        node = self._policy.nodes[key]
+        if j in node.copies:
+            return True  # already there (swap-out-only-once)
+        tier = self.tiers[j]
+        blob = None
+        if tier.serialized:
+            blob = blobs.get(key)
+            if blob is None:
+                blob = blobs[key] = encode(key, entry, self.namespace)
+        prepared = tier.prepare(key, entry, blob=blob, copy=copy)
+        if not tier.shared:
+            if prepared.nbytes > tier.budget_bytes:
+                return False
+            need = tier.used_bytes + prepared.nbytes - tier.budget_bytes
+            if need > 0:
+                if evict == "none":
+                    return False
+                victims = self._policy.victims(j, need, tier.entry_bytes, key, protect, primaries=evict == "all")
+                if victims is None:
+                    return False
+                for victim in victims:
+                    self._evict(victim, j, protect, blobs)
+                if tier.used_bytes + prepared.nbytes > tier.budget_bytes:
+                    return False
+        if not tier.commit(prepared):
+            return False
+        self._policy.add_copy(key, j)
+        return True
+
+    def _evict(self, key: str, j: int, protect: set[str], blobs: dict[str, bytes]) -> None:
+        """Move ``key`` out of tier ``j``: drop a duplicate, else demote, else delete."""
+        node = self._policy.node(key)
+        if node is None or j not in node.copies:
+            return
+        if node.level < j or any(c > j for c in node.copies):
+            self.tiers[j].remove(key)
+            self._policy.drop_copy(key, j)
+            if node.level is not None and node.level > j:
+                self.stats.demotions += 1
+                self.stats.demotion_writes_saved += 1
+            return
+        entry = self._peek(j, key)
+        demoted = False
+        if entry is not None:
+            children = [c.level for c in self._policy.children_of(key)]
+            deepest = min(children) if children else len(self.tiers) - 1
+            inner = protect | {key, *self._policy.ancestors(key)}
+            for k in range(j + 1, deepest + 1):
+                if self._place(key, entry, k, inner, blobs, copy=False):
+                    demoted = True
+                    break
+        self.tiers[j].remove(key)
+        self._policy.drop_copy(key, j)
+        if demoted:
+            self.stats.demotions += 1
+        else:
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        """Delete ``key`` and its cached descendants from every tier."""
+        for k in [*self._policy.descendants(key), key]:
+            self._remove_copies(k)
+            self._policy.forget(k)
+            self._policy.unlink(k)
+            self.stats.drops += 1
+
+    def _lift(self, key: str, entry: KVEntry, found_at: int, target: int, protect: set[str], blobs: dict[str, bytes]) -> int | None:
+        """Copy ``key`` (read from ``found_at``) into the fastest tier in ``[target, found_at)`` taking it."""
+        protect = protect | {key, *self._policy.ancestors(key)}
+        parent = self._policy.parent_of(key)
+        if parent is not None and parent.level > target:
+            self._lift_cached(parent.key, target, protect, blobs)
+            parent = self._policy.parent_of(key)
+        start = max(target, parent.level if parent is not None else 0)
+        for j in range(start, found_at):
+            if self._place(key, entry, j, protect, blobs, copy=False):
+                self.stats.promotions += 1
+                return j
+        return None
+
+    def _lift_cached(self, key: str, target: int, protect: set[str], blobs: dict[str, bytes]) -> None:
+        """Promote an already cached ``key`` (e.g. a parent) toward ``target``."""
+        node = self._policy.cached(key)
+        if node is None or node.level <= target:
+            return
+        level = node.level
+        entry = self._peek(level, key)
+        if entry is None:
+            return
+        self._lift(key, entry, level, target, protect, blobs)
+
+    def _peek(self, j: int, key: str) -> KVEntry | None:
+        """Read ``key`` from tier ``j`` for a move (memory tiers: no copy, no stats)."""
+        tier = self.tiers[j]
+        if isinstance(tier, MemoryTier):
+            return tier.peek(key)
+        entry = tier.get(key)
+        if entry is None:
+            self._lost(key, j)
+        return entry
+
+    # ---- preloading ----------------------------------------------------------------------
+    def prefetch(self, keys: Iterable[str]) -> PrefetchHandle:
+        """Start moving ``keys`` toward the fastest tier in background threads; returns at once."""
+        keys = [check_key(k) for k in keys]
+        with self._lock:
+            self.stats.prefetches += len(keys)
+        return self._prefetcher.submit(keys)
+
+    def _fetch_up(self, key: str) -> bool:
+        """Prefetch worker: promote ``key``; ``True`` if it now sits in tier 0."""
+        with self._lock:
+            node = self._policy.cached(key)
+            if node is not None and node.level == 0:
+                return True
+        entry, found_at, version = self._read(key)
+        if entry is None:
+            return False
+        if found_at > 0:
+            self._promote_after_read(key, entry, found_at, version)
+        with self._lock:
+            node = self._policy.cached(key)
+            return node is not None and node.level == 0
+
+    def open_layers(self, key: str, device: torch.device | str = "cpu", depth: int | None = None) -> LayerLoader | None:
+        """A layer-wise loader of ``key`` onto ``device`` (``None`` on a miss).
+
+        Layers ``0..depth-1`` start loading at once (``depth`` from ``preload_depth``; None =
+        all); ``loader.layer(l)`` then keeps ``depth`` layers ahead. Close the loader (or use
+        it as a context manager). The entry is read from the fastest tier holding it; use
+        ``prefetch`` first to move it up.
+        """
+        check_key(key)
+        with self._lock:
+            node = self._policy.cached(key)
+            order = sorted(node.copies) if node is not None else []
+            self._policy.touch(key)
+        order += [i for i, t in enumerate(self.tiers) if t.shared and i not in order]
+        for i in order:
+            source = self.tiers[i].open_source(key)
+            if source is not None:
+                loader = LayerLoader(source, device, depth)
+                with self._lock:
+                    self.stats.hits += 1
+                    self._loaders.add(loader)
+                return loader
+            self._lost(key, i)
+        with self._lock:
+            self.stats.misses += 1
+        return None
+
+    # ---- maintenance ---------------------------------------------------------------------
+    def flush(self) -> int:
+        """Copy entries held only in volatile tiers into the first persistent tier with free
+        room (evicting nothing there); returns how many were copied."""
+        copied = 0
+        with self._lock:
+            persistent = [i for i, t in enumerate(self.tiers) if t.persistent]
+            if not persistent:
+                return 0
+            for key, node in list(self._policy.nodes.items()):
+                if not node.copies or any(c in persistent for c in node.copies):
+                    continue
+                entry = self._peek(node.level, key)
+                if entry is None:
+                    continue
+                protect = {key, *self._policy.ancestors(key)}
+                for k in persistent:
+                    if self._place(key, entry, k, protect, {}, copy=False, evict="none"):
+                        copied += 1
+                        break
+        return copied
+
+    def check_invariants(self) -> list[str]:
+        """Budget, index and tree-consistency violations (empty when all hold)."""
+        problems: list[str] = []
+        with self._lock:
+            for i, tier in enumerate(self.tiers):
+                if tier.used_bytes > tier.budget_bytes:
+                    problems.append(f"{tier.name}: used {tier.used_bytes} > budget {tier.budget_bytes}")
+                if not tier.shared and set(tier.keys()) != self._policy.members[i]:
+                    extra = set(tier.keys()) ^ self._policy.members[i]
+                    problems.append(f"{tier.name}: index and tier disagree on {len(extra)} keys")
+            problems += self._policy.tree_violations()
+        return problems
+
+    def stats_dict(self) -> dict[str, dict]:
+        """JSON-ready: store counters plus every tier's counters, usage and budget."""
+        with self._lock:
+            store = self.stats.as_dict()
+        return {"store": store, "tiers": {t.name: t.stats_dict() for t in self.tiers}}
+
+    def close(self) -> None:
+        """Stop prefetching, close open loaders and tiers."""
+        self._prefetcher.shutdown()
+        for loader in list(self._loaders):
+            loader.close()
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
