@@ -86,7 +86,9 @@ def _pydoc_text(module_name: str) -> str:
         obj, name = pydoc.resolve(module_name)
         text = pydoc.render_doc(obj, "Help on %s", renderer=pydoc.plaintext)
     text = re.sub(".\b", "", text)  # strip bold overstrike sequences
-    return text
+    # object reprs carry per-process memory addresses; drop them so the corpus (and so chunk
+    # token ids and cache keys) is identical in every process
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
 
 
 def stdlib_corpus(modules: tuple[str, ...] = STDLIB_MODULES, max_chars_per_doc: int = 20_000) -> list[Document]:
