@@ -133,11 +133,13 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 
 def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
-                eos_ids: set[int], stream: TextStream | None = None) -> Iterator[int]:
+                eos_ids: set[int], stream: TextStream | None = None,
+                logprobs: list[float] | None = None) -> Iterator[int]:
     """Yield generated token ids until EOS, a stop string, or ``max_new_tokens``.
 
     ``first_logits`` are the prefill's last-position logits; the token chosen from them sits
-    at ``start_position``. EOS tokens are not yielded.
+    at ``start_position``. EOS tokens are not yielded. With ``logprobs``, the model's log
+    probability of each yielded token (under the unscaled distribution) is appended to it.
     """
     generator = make_generator(params, runner.device)
     logits = first_logits
@@ -146,6 +148,8 @@ def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, par
         token = next_token(logits, params, generator)
         if token in eos_ids:
             return
+        if logprobs is not None:
+            logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
         yield token
         if stream is not None and stream.stopped:
             return

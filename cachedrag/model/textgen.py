@@ -27,6 +27,7 @@ class GenerationResult:
     ttft_s: float
     total_s: float
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    token_logprobs: list[float] | None = None  # log p of each generated token
 
 
 def chat_messages(question: str, system_prompt: str | None = None) -> list[dict[str, str]]:
@@ -95,8 +96,9 @@ def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams
     text_stream = TextStream(runner.tokenizer, params.stop)
     ttft = None
     tokens: list[int] = []
+    logprobs: list[float] = []
     with torch.inference_mode():
-        for token in decode_loop(runner, kv, logits, prompt_tokens, params, eos_ids, text_stream):
+        for token in decode_loop(runner, kv, logits, prompt_tokens, params, eos_ids, text_stream, logprobs):
             if ttft is None:
                 ttft = time.perf_counter() - start
             tokens.append(token)
@@ -111,5 +113,5 @@ def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams
     finish = "length" if len(tokens) >= params.max_new_tokens and not text_stream.stopped else "stop"
     owner.last_result = GenerationResult(
         text=text_stream.text, token_ids=tokens, prompt_tokens=prompt_tokens, ttft_s=ttft,
-        total_s=time.perf_counter() - start, finish_reason=finish,
+        total_s=time.perf_counter() - start, finish_reason=finish, token_logprobs=logprobs,
     )

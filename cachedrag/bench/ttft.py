@@ -1,0 +1,152 @@
+"""``cachedrag bench ttft``: time to first token and fidelity of each reuse mode, side by side.
+
+Owns: the TTFT suite. It builds a workload (corpus -> LLM-token chunks -> exact top-k per
+question), runs every request through each mode in turn (interleaved, so machine noise hits
+all modes alike; each mode has its own engine and cache, sharing one loaded model), and
+reports per mode: TTFT median/mean/p95, computed-token fraction, chunk hit rate, ROUGE-L and
+first-token agreement against the ``full`` answer of the same request, and speedups measured
+in the same run. Also reports the planner micro-benchmark (10k cached chunks) and the
+replacement-policy trace simulation. Prints a table; ``--json OUT`` writes
+``{"config", "n_requests", "modes": {mode: {...}}, "planning", "policy_simulation"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from cachedrag.bench.metrics import rouge_l, summary
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the Python documentation excerpts "
+    "given by the user. Be brief."
+)
+ALL_MODES = ("full", "prefix", "naive", "random", "cachedrag")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--corpus", help="directory of .txt/.md files or a JSONL of {id, text} (default: stdlib docs)")
+    parser.add_argument("--questions", help="one question per line, used in order (default: a Zipf stream of stdlib questions)")
+    parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated subset of " + ",".join(ALL_MODES))
+    parser.add_argument("--warmup", type=int, default=None, help="leading requests not counted (default 10%% of the stream)")
+    parser.add_argument("--requests", type=int, default=40, help="stream length when no --questions file is given")
+    parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the generated stream")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--alpha", type=float, default=None, help="Cache-Craft alpha (CFO scale)")
+    parser.add_argument("--recompute-ratio", type=float, default=None, help="fixed global recompute ratio instead of CFO")
+    parser.add_argument("--no-early-termination", action="store_true", help="disable focused-chunk early termination")
+    parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--planning-chunks", type=int, default=10_000, help="cached chunks in the planning micro-benchmark")
+    parser.add_argument("--skip-simulation", action="store_true", help="skip the policy trace simulation")
+    parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from cachedrag.bench.workload import build_workload
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.kvcache.config import CacheConfig
+    from cachedrag.model.loader import load_model
+    from cachedrag.model.runner import ModelRunner
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; choose from {ALL_MODES}")
+    if "full" not in modes:
+        modes.insert(0, "full")  # the fidelity reference
+    runner = ModelRunner(*load_model(args.model))
+    work = build_workload(runner.tokenizer, args.corpus, args.questions, top_k=args.top_k,
+                          chunk_tokens=args.chunk_tokens, n_requests=args.requests, zipf_s=args.zipf, seed=args.seed)
+    n = len(work.questions)
+    warmup = max(0, min(n - 1, args.warmup if args.warmup is not None else n // 10))
+    cache_kwargs = {"seed": args.seed}
+    if args.alpha is not None:
+        cache_kwargs["alpha"] = args.alpha
+    if args.recompute_ratio is not None:
+        cache_kwargs["recompute_ratio"] = args.recompute_ratio
+    config = EngineConfig(cache=CacheConfig(**cache_kwargs), early_termination=not args.no_early_termination)
+    engines = {m: CachedEngine(runner, config=config.model_copy(update={"mode": m})) for m in modes}
+
+    records: dict[str, list] = {m: [] for m in modes}
+    for i in tqdm(range(n), desc="bench ttft", unit="req", file=sys.stderr):
+        for m in modes:
+            with torch.inference_mode():
+                r = engines[m].generate(work.retrieved[i], work.questions[i], args.system_prompt,
+                                        max_new_tokens=args.max_new_tokens, mode=m)
+            if i >= warmup:
+                records[m].append(r)
+
+    results = {"config": {
+        "model": args.model or "SmolLM2-135M-Instruct", "corpus": work.corpus_name, "questions": work.question_source,
+        "n_chunks": len(work.chunks), "top_k": args.top_k, "chunk_tokens": args.chunk_tokens, "modes": modes,
+        "warmup": warmup, "max_new_tokens": args.max_new_tokens, "cache": config.cache.to_dict(),
+        "early_termination": config.early_termination, "torch_threads": torch.get_num_threads(),
+        "device": str(runner.device),
+    }, "n_requests": n - warmup, "modes": {}}
+    full = records["full"]
+    for m in modes:
+        rs = records[m]
+        ttft = [r.ttft_s for r in rs]
+        chunks_total = sum(r.chunks_hit + r.chunks_missed for r in rs)
+        results["modes"][m] = {
+            "ttft_median_s": summary(ttft)["median"], "ttft_mean_s": summary(ttft)["mean"],
+            "ttft_p95_s": summary(ttft)["p95"],
+            "computed_token_fraction": statistics.fmean(r.computed_fraction for r in rs),
+            "chunk_hit_rate": (sum(r.chunks_hit for r in rs) / chunks_total) if chunks_total else 0.0,
+            "rouge_l_vs_full": statistics.fmean(rouge_l(r.text, f.text) for r, f in zip(rs, full)),
+            "first_token_match_vs_full": statistics.fmean(
+                float(r.token_ids[:1] == f.token_ids[:1]) for r, f in zip(rs, full)),
+            "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rs),
+        }
+    base_full = results["modes"]["full"]["ttft_median_s"]
+    base_prefix = results["modes"].get("prefix", {}).get("ttft_median_s")
+    for m, row in results["modes"].items():
+        row["speedup_vs_full"] = base_full / row["ttft_median_s"]
+        row["speedup_vs_prefix"] = (base_prefix / row["ttft_median_s"]) if base_prefix else None
+
+    from cachedrag.kvcache.planner import benchmark_planning
+
+    results["planning"] = benchmark_planning(n_chunks=args.planning_chunks, n_requests=1_000, top_k=args.top_k,
+                                             chunk_tokens=args.chunk_tokens)
+    if not args.skip_simulation:
+        results["policy_simulation"] = _simulate()
+    _print_table(results)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(results, fh, indent=2, default=str)
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def _simulate() -> dict:
+    from cachedrag.kvcache.simulator import compare_policies, make_workload
+
+    t = time.perf_counter()
+    table = compare_policies(make_workload(n_requests=3_000, n_docs=2_000, top_k=5, seed=0))
+    out = table.to_dict() if hasattr(table, "to_dict") else {"table": str(table)}
+    out["seconds"] = round(time.perf_counter() - t, 2)
+    return out
+
+
+def _print_table(results: dict) -> None:
+    cols = ["ttft_median_s", "ttft_p95_s", "computed_token_fraction", "chunk_hit_rate", "rouge_l_vs_full",
+            "first_token_match_vs_full", "speedup_vs_full", "speedup_vs_prefix"]
+    head = ["mode", "ttft_med", "ttft_p95", "computed", "hit_rate", "rougeL", "tok1_match", "x_full", "x_prefix"]
+    print(f"\nTTFT over {results['n_requests']} requests ({results['config']['questions']})")
+    print("  ".join(f"{h:>10}" for h in head))
+    for m, row in results["modes"].items():
+        vals = [f"{row[c]:.3f}" if isinstance(row[c], float) else "-" for c in cols]
+        print("  ".join([f"{m:>10}"] + [f"{v:>10}" for v in vals]))
+    p = results["planning"]
+    print(f"planning: {p['plan_us_mean']} us mean, {p['plan_us_p99']} us p99 per request with {p['n_chunks']} cached chunks")

@@ -1,0 +1,409 @@
+"""The chunk-cache engine: plan -> load -> partial prefill -> decode -> store.
+
+Owns: ``CachedEngine`` (the one generation API with chunk reuse), ``EngineResult`` (text plus
+per-request stats) and the tensor side of a request: loading planned KV into the working
+buffer (raw K re-rotated to its new positions), computing only fresh + recompute + question
+tokens layer by layer, focused-chunk early termination, measuring the inter/intra attention
+metadata of fresh chunks, and handing their raw K + V to the cache manager.
+
+Does not own: decisions (``cachedrag.kvcache.planner`` via ``ChunkCacheManager``), storage
+tiers (``cachedrag.store``), prompt layout (``cachedrag.prompt``), or sampling
+(``cachedrag.model.generation``). The request path keeps all state in locals, so concurrent
+``generate`` calls from several threads are safe (shared state is behind the manager's locks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cachedrag.config import EngineConfig
+from cachedrag.errors import ConfigError
+from cachedrag.fingerprint import namespace_for
+from cachedrag.kvcache.focus import FocusTracker
+from cachedrag.kvcache.keys import path_key
+from cachedrag.kvcache.manager import ChunkCacheManager, NewEntry
+from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest
+from cachedrag.kvcache.planner import Segment as PlanSegment
+from cachedrag.kvcache.variants import AttentionMetadata
+from cachedrag.model.generation import SamplingParams, eos_token_ids
+from cachedrag.model.runner import KVBuffer, ModelRunner
+from cachedrag.model.textgen import check_context, stream_tokens
+from cachedrag.prompt import PromptBuilder, Segment
+
+
+@dataclass
+class EngineResult:
+    """Answer and per-request stats of one ``generate`` call."""
+
+    text: str
+    token_ids: list[int]
+    mode: str
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    computed_tokens: int  # tokens computed at layer 0: fresh + recomputed + question
+    computed_fraction: float  # token-layers computed / (layers x prompt tokens), early termination included
+    fresh_tokens: int
+    recomputed_tokens: int
+    question_tokens: int
+    prefix_hit_tokens: int
+    chunks_hit: int
+    chunks_missed: int
+    chunk_cfo: list[float | None]
+    focus_layer: int | None
+    load_s: float
+    prefill_s: float
+    finish_reason: str
+    notes: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)  # log p of each generated token
+
+    def stats(self) -> dict:
+        """Everything but the text, JSON-ready."""
+        out = dict(self.__dict__)
+        out.pop("text")
+        out.pop("token_ids")
+        out.pop("token_logprobs")
+        return out
+
+
+@dataclass
+class _Prefill:
+    kv: KVBuffer
+    logits: torch.Tensor  # [V]
+    info: dict
+
+
+class GenerationStream:
+    """Iterator of text deltas; ``.result`` holds the ``EngineResult`` once exhausted."""
+
+    def __init__(self, deltas: Iterator[str], holder: "_Holder"):
+        self._deltas = deltas
+        self._holder = holder
+
+    def __iter__(self) -> Iterator[str]:
+        return self._deltas
+
+    @property
+    def result(self) -> EngineResult | None:
+        return self._holder.result
+
+
+class _Holder:
+    result: EngineResult | None = None
+    last_result = None  # set by textgen.stream_tokens
+
+
+def entry_payload(namespace: str, path: Sequence[str], role: str, exact: bool, k: torch.Tensor, v: torch.Tensor,
+                  meta: AttentionMetadata | None) -> tuple[dict, dict]:
+    """Tensors and string metadata of a stored segment, self-describing so that another process
+    (shared Redis) or a restarted one (disk) can rebuild the tree path and the variant from the
+    entry alone (``ChunkCacheManager.rebuild``): ``path`` = segment keys up to this one,
+    ``exact`` = computed on an exact prefix (may join the knowledge tree), ``variant`` = the
+    attention metadata (``token_inter`` as a float32 tensor)."""
+    tensors = {"k": k, "v": v}  # [L, H_kv, T, D] each
+    info = {"namespace": namespace, "segment_key": path[-1], "path": json.dumps(list(path)), "role": role,
+            "exact": "1" if exact else "0", "n_tokens": str(k.shape[2])}
+    if meta is not None:
+        tensors["token_inter"] = torch.tensor(list(meta.token_inter), dtype=torch.float32)  # [T]
+        info["variant"] = json.dumps({"prefix_keys": list(meta.prefix_keys), "inter": dict(meta.inter),
+                                      "intra": meta.intra})
+    return tensors, info
+
+
+class CachedEngine:
+    """Generate with chunk KV reuse.
+
+    >>> engine = CachedEngine()                                   # embedded default model
+    >>> r = engine.generate(chunks=[doc1, doc2], question="...")  # doctest: +SKIP
+    >>> r.text, r.ttft_s, r.chunks_hit                             # doctest: +SKIP
+
+    ``mode`` (per engine or per call) chooses the reuse strategy: ``full`` (no reuse),
+    ``prefix`` (exact-prefix tree only), ``naive`` (reuse every cached chunk, no recompute),
+    ``random`` (cachedrag's recompute counts, random tokens), ``cachedrag`` (the design).
+    """
+
+    def __init__(self, runner: ModelRunner | None = None, *, model: str | None = None,
+                 config: EngineConfig | None = None, store=None, manager: ChunkCacheManager | None = None):
+        if runner is None:
+            from cachedrag.model.loader import load_model
+
+            runner = ModelRunner(*load_model(model))
+        self.runner = runner
+        self.config = config or EngineConfig()
+        # chunk keys carry the tenant salt (isolation); stored entries carry the model namespace
+        # (validity: a cache of one model never serves another), shared by all tenants of a store
+        self.namespace = namespace_for(runner.model, runner.tokenizer, self.config.tenant_salt)
+        self.model_namespace = dataclasses.replace(self.namespace, tenant_salt=None)
+        self.prompts = PromptBuilder(runner.tokenizer, self.namespace)
+        if manager is None:
+            if store is None:
+                from cachedrag.store.cpu import CPUTier
+
+                store = CPUTier(self.config.cache_bytes, namespace=self.model_namespace.digest)
+            manager = ChunkCacheManager(store, self.config.cache, capacity_bytes=self.config.cache_bytes)
+        self.manager = manager
+        self.eos_ids = eos_token_ids(runner.model, runner.tokenizer)
+        n = runner.n_layers
+        k = min(self.config.metadata_layers, n)
+        self.metadata_layers = sorted({round(1 + j * (n - 2) / max(1, k - 1)) if n > 2 else j for j in range(k)})
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, chunks: Sequence[str] = (), question: str = "", system_prompt: str | None = None, *,
+                 max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                 stop: Sequence[str] | str | None = None, seed: int | None = None, mode: str | None = None,
+                 stream: bool = False):
+        """Answer ``question`` over retrieved ``chunks`` (chat template of the tokenizer).
+
+        Returns an ``EngineResult``, or with ``stream=True`` a ``GenerationStream`` of text
+        deltas whose ``.result`` is set when it is exhausted.
+        """
+        start = time.perf_counter()
+        segments = self.prompts.chat(list(chunks), question, system_prompt)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                stop=stop or (), seed=seed)
+        return self.generate_segments(segments, params, mode=mode, stream=stream, start=start)
+
+    def generate_segments(self, segments: Sequence[Segment], params: SamplingParams, *, mode: str | None = None,
+                          stream: bool = False, start: float | None = None):
+        """Generate after an arbitrary segment layout (see ``PromptBuilder.text_segments``)."""
+        start = time.perf_counter() if start is None else start
+        mode = self._mode(mode)
+        holder = _Holder()
+        deltas = self._run(list(segments), params, mode, start, holder)
+        if stream:
+            return GenerationStream(deltas, holder)
+        for _ in deltas:
+            pass
+        return holder.result
+
+    def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
+        """Prefill only; returns the last-position logits ``[V]`` (for equivalence tests and FLARE)."""
+        pre = self._prefill(list(segments), self._mode(mode), 0, all_logits=all_logits)
+        return pre.logits
+
+    def stats(self) -> dict:
+        return self.manager.stats()
+
+    # ------------------------------------------------------------------ request path
+    def _mode(self, mode: str | None) -> Mode:
+        name = mode or self.config.mode
+        if name not in MODES:
+            raise ConfigError(f"unknown mode {name!r}; choose one of {', '.join(MODES)}")
+        return Mode(name)
+
+    def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder):
+        pre = self._prefill(segments, mode, params.max_new_tokens)
+        prompt_tokens = pre.info["prompt_tokens"]
+        yield from stream_tokens(self.runner, pre.kv, pre.logits, prompt_tokens, params, self.eos_ids, start, holder)
+        g = holder.last_result
+        info = pre.info
+        holder.result = EngineResult(
+            text=g.text, token_ids=g.token_ids, mode=mode.value, ttft_s=g.ttft_s, total_s=g.total_s,
+            prompt_tokens=prompt_tokens, finish_reason=g.finish_reason, token_logprobs=g.token_logprobs, **{k: v for k, v in info.items() if k != "prompt_tokens"},
+        )
+
+    @torch.inference_mode()
+    def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False) -> _Prefill:
+        runner = self.runner
+        first_chunk = next((i for i, s in enumerate(segments) if s.kind == "chunk"), None)
+        last_chunk = max((i for i, s in enumerate(segments) if s.kind == "chunk"), default=None)
+        if first_chunk is None:  # no chunks: everything but the last segment is a cacheable prefix
+            first_chunk = last_chunk = len(segments) - 1
+            n_question_from = len(segments) - 1
+            system, middle = segments[:-1], []
+        else:
+            n_question_from = last_chunk + 1
+            system, middle = segments[:first_chunk], segments[first_chunk:last_chunk + 1]
+        question = segments[n_question_from:]
+        if not question:
+            raise ConfigError("a request must end with a text segment (the question)")
+        context = system + middle
+        request = PlanRequest(
+            system=tuple(PlanSegment(s.key, len(s)) for s in system),
+            chunks=tuple(PlanSegment(s.key, len(s)) for s in middle),
+            question_tokens=sum(len(s) for s in question),
+        )
+        total = sum(len(s) for s in segments)
+        check_context(runner, total, max_new_tokens)
+        plan = self.manager.plan(request, mode)
+        used = False
+        try:
+            pre, new_entries = self._execute(plan, segments, context, mode, max_new_tokens, all_logits)
+            used = True
+        finally:
+            self.manager.release(plan, used=used)
+        if new_entries:
+            self.manager.admit(plan, [s.key for s in context], new_entries)
+        return pre
+
+    def _execute(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool):
+        runner = self.runner
+        device = runner.device
+        total = plan.total_tokens
+        ids = torch.tensor([t for s in segments for t in s.ids], device=device)  # [T]
+        kv = runner.new_kv(total + max_new_tokens)
+        notes = list(plan.notes)
+
+        # 1. load: planned tree / variant KV into the buffer, raw K rotated to the new positions
+        t_load = time.perf_counter()
+        actions: list[Action] = []
+        for sp in plan.segments:
+            action = sp.action
+            if action in (Action.TREE, Action.REUSE):
+                entry = self.manager.load(sp.handle)
+                if entry is None or entry.n_tokens != sp.n_tokens or entry.n_layers != runner.n_layers:
+                    notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
+                    action = Action.FRESH
+                else:
+                    self._write_entry(kv, entry, sp.start, sp.end)
+            actions.append(action)
+        load_s = time.perf_counter() - t_load
+
+        # 2. what to compute: fresh segments, recompute tokens of reused chunks, the question
+        fresh_pos: list[int] = []
+        recompute_pos: dict[int, list[int]] = {}  # segment index -> absolute positions
+        for i, (sp, action) in enumerate(zip(plan.segments, actions)):
+            if action is Action.FRESH:
+                fresh_pos.extend(range(sp.start, sp.end))
+            elif action is Action.REUSE and sp.recompute:
+                recompute_pos[i] = sp.recompute_positions()
+        question_pos = list(range(plan.question_start, total))
+        compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos))
+        positions = torch.tensor(compute, device=device)  # [Tc]
+        fresh_t = torch.tensor(fresh_pos, device=device, dtype=torch.long)  # [Tf]
+        bounds = [0]
+        for s in segments:
+            bounds.append(bounds[-1] + len(s))
+        n_system = len(plan.system)
+        chunk_seg = [i for i, sp in enumerate(plan.segments) if sp.role == "chunk"]
+
+        capture = mode in (Mode.NAIVE, Mode.RANDOM, Mode.CACHEDRAG)  # variants: only modes that reuse them
+        store_new = mode is not Mode.FULL
+        raw_k = None
+        if store_new and fresh_pos:
+            raw_k = torch.empty(runner.n_layers, runner.n_kv_heads, len(fresh_pos), runner.head_dim,
+                                dtype=runner.dtype, device=device)  # [L, H_kv, Tf, D]
+        fresh_mass = None
+        fresh_chunk_rows = capture and any(
+            actions[i] is Action.FRESH for i in chunk_seg)
+        tracker = None
+        if (mode in (Mode.CACHEDRAG, Mode.RANDOM) and self.config.early_termination and recompute_pos
+                and len(chunk_seg) > 1):
+            tracker = FocusTracker.from_config(len(chunk_seg), self.config.cache)
+
+        # 3. partial prefill, layer by layer
+        t_prefill = time.perf_counter()
+        hidden = runner.embed(ids[positions])  # [Tc, Dm]
+        token_layers = 0
+        focus_layer = None
+        for layer in range(runner.n_layers):
+            raw: dict = {}
+            hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw)
+            token_layers += positions.shape[0]
+            if raw_k is not None or fresh_chunk_rows:
+                fresh_idx = torch.searchsorted(positions, fresh_t)  # [Tf] rows of fresh tokens in the compute set
+            if raw_k is not None:
+                raw_k[layer] = raw["k"][:, fresh_idx]  # [H_kv, Tf, D]
+            if fresh_chunk_rows and layer in self.metadata_layers:
+                m = runner.segment_attention_mass(layer, raw["q"][:, fresh_idx], fresh_t, kv, total, bounds)  # [Tf, S]
+                fresh_mass = m if fresh_mass is None else fresh_mass + m
+            if tracker is not None and tracker.decision is None:
+                q_rows = torch.arange(positions.shape[0] - len(question_pos), positions.shape[0], device=device)
+                qm = runner.segment_attention_mass(layer, raw["q"][:, q_rows], positions[q_rows], kv, total, bounds)
+                per_chunk = qm.sum(0)[chunk_seg].tolist()  # question -> each chunk
+                decision = tracker.update(per_chunk)
+                if decision is not None and layer + 1 < runner.n_layers:
+                    focus_layer = layer
+                    drop = {p for c, i in enumerate(chunk_seg) if not decision.is_focused(c)
+                            for p in recompute_pos.get(i, ())}
+                    if drop:
+                        keep = torch.tensor([p not in drop for p in positions.tolist()], device=device)
+                        positions, hidden = positions[keep], hidden[keep]
+        if all_logits:
+            logits = runner.logits(hidden)  # [Tc, V]
+        else:
+            logits = runner.logits(hidden[-1:])[0]  # [V]
+        kv.length = total
+        prefill_s = time.perf_counter() - t_prefill
+
+        # 4. what to store: raw K + V of fresh segments, metadata for fresh chunks
+        new_entries = []
+        if raw_k is not None:
+            new_entries = self._new_entries(plan, actions, context, fresh_pos, raw_k, kv, fresh_mass, bounds,
+                                            n_system, chunk_seg, capture)
+        n_recomputed = sum(len(v) for v in recompute_pos.values())
+        chunk_actions = [actions[i] for i in chunk_seg]
+        info = {
+            "prompt_tokens": total,
+            "computed_tokens": len(compute),
+            "computed_fraction": token_layers / (runner.n_layers * total),
+            "fresh_tokens": len(fresh_pos),
+            "recomputed_tokens": n_recomputed,
+            "question_tokens": len(question_pos),
+            "prefix_hit_tokens": sum(sp.n_tokens for sp, a in zip(plan.segments, actions) if a is Action.TREE),
+            "chunks_hit": sum(a is not Action.FRESH for a in chunk_actions),
+            "chunks_missed": sum(a is Action.FRESH for a in chunk_actions),
+            "chunk_cfo": [plan.segments[i].cfo if actions[i] is Action.REUSE else None for i in chunk_seg],
+            "focus_layer": focus_layer,
+            "load_s": load_s,
+            "prefill_s": prefill_s,
+            "notes": notes,
+        }
+        return _Prefill(kv, logits, info), new_entries
+
+    def _write_entry(self, kv: KVBuffer, entry, start: int, end: int) -> None:
+        runner = self.runner
+        k = entry.tensors["k"].to(runner.device, non_blocking=True)  # [L, H_kv, T, D] raw
+        v = entry.tensors["v"].to(runner.device, non_blocking=True)  # [L, H_kv, T, D]
+        positions = torch.arange(start, end, device=runner.device)  # [T]
+        cos, sin = runner.rotary.cos_sin(positions, k.dtype, runner.device)  # [T, D]
+        half = k.shape[-1] // 2
+        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)  # rotate_half, [L, H_kv, T, D]
+        kv.k[:, :, start:end] = k * cos + rotated * sin
+        kv.v[:, :, start:end] = v
+
+    def _new_entries(self, plan, actions, context, fresh_pos, raw_k, kv, fresh_mass, bounds, n_system, chunk_seg,
+                     capture) -> list[NewEntry]:
+        from cachedrag.store.entry import KVEntry
+
+        keys = [s.key for s in context]
+        offset = 0
+        out = []
+        row_of = {}
+        for i, (sp, action) in enumerate(zip(plan.segments, actions)):
+            if action is not Action.FRESH:
+                continue
+            row_of[i] = offset
+            offset += sp.n_tokens
+        exact = plan.exact_prefix_segments
+        for i, r0 in row_of.items():
+            sp = plan.segments[i]
+            k = raw_k[:, :, r0:r0 + sp.n_tokens].contiguous()  # [L, H_kv, T, D]
+            v = kv.v[:, :, sp.start:sp.end].contiguous()  # [L, H_kv, T, D]
+            handle = path_key(keys[: i + 1])
+            meta = None
+            if capture and sp.role == "chunk" and fresh_mass is not None:
+                meta = self._metadata(i, sp, fresh_mass[r0:r0 + sp.n_tokens], keys, n_system, chunk_seg)
+            entry = KVEntry(*entry_payload(self.model_namespace.digest, keys[: i + 1], sp.role, i < exact, k, v, meta))
+            out.append(NewEntry(segment=i, handle=handle, entry=entry, nbytes=entry.nbytes, meta=meta))
+        return out
+
+    def _metadata(self, i: int, sp, mass: torch.Tensor, keys, n_system: int, chunk_seg) -> AttentionMetadata:
+        """Inter/intra attention of fresh chunk ``i`` from its tokens' segment masses ``[T, S]``."""
+        prior = [j for j in chunk_seg if j < i]
+        prior_mass = mass[:, prior] if prior else torch.zeros(mass.shape[0], 1)  # [T, P]
+        intra_t = mass[:, i]  # [T]
+        inter_t = prior_mass.sum(-1)  # [T]
+        token_inter = (inter_t / (inter_t + intra_t).clamp_min(1e-12)).tolist()
+        inter = {keys[j]: float(prior_mass[:, c].mean()) for c, j in enumerate(prior)} if prior else {}
+        return AttentionMetadata(
+            prefix_keys=tuple(keys[j] for j in prior), inter=inter, intra=float(intra_t.mean()),
+            token_inter=token_inter,
+        )

@@ -1,0 +1,96 @@
+"""Prompt layout: a request as ordered segments of token ids.
+
+Owns: ``Segment`` (a run of token ids that is either fixed text or a cacheable retrieved
+chunk, with its identity key), splitting a chat template around the user content, and the
+chat layout the engine uses: ``[system prefix text] [chunk 1] ... [chunk n] [question text]``.
+Each segment is tokenised on its own, so a chunk has the same token ids (and the same key)
+wherever it appears. Does not own: what to reuse (``cachedrag.kvcache``) or tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from cachedrag.errors import EmptyInputError
+from cachedrag.kvcache.keys import Namespace, chunk_key
+
+_SENTINEL = "\x1fCACHEDRAG_USER_CONTENT\x1f"
+CHUNK_SEPARATOR = "\n\n"
+QUESTION_PREFIX = "Question: "
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One run of prompt tokens. ``kind="chunk"`` segments may be served from chunk caches."""
+
+    kind: Literal["text", "chunk"]
+    ids: tuple[int, ...]
+    key: str
+    text: str = ""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class PromptBuilder:
+    """Tokenises segments for one tokenizer + namespace, caching chunk tokenisations."""
+
+    def __init__(self, tokenizer, namespace: Namespace, cache_size: int = 50_000):
+        self.tokenizer = tokenizer
+        self.namespace = namespace
+        self._cache: OrderedDict[tuple[str, str], Segment] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._template: dict[str | None, tuple[str, str]] = {}
+
+    def segment(self, kind: Literal["text", "chunk"], text: str) -> Segment:
+        """Tokenise ``text`` alone (no special tokens added) into a keyed segment."""
+        with self._lock:
+            hit = self._cache.get((kind, text))
+            if hit is not None:
+                self._cache.move_to_end((kind, text))
+                return hit
+        ids = tuple(int(x) for x in self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise EmptyInputError(f"a {kind} segment tokenises to no tokens: {text[:40]!r}")
+        seg = Segment(kind=kind, ids=ids, key=chunk_key(ids, self.namespace), text=text)
+        with self._lock:
+            self._cache[(kind, text)] = seg
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return seg
+
+    def template_split(self, system_prompt: str | None) -> tuple[str, str]:
+        """Chat-template text before and after the user message (with the generation prompt)."""
+        if system_prompt not in self._template:
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+            messages.append({"role": "user", "content": _SENTINEL})
+            if getattr(self.tokenizer, "chat_template", None):
+                rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            else:
+                sys_text = f"system: {system_prompt}\n" if system_prompt else ""
+                rendered = f"{sys_text}user: {_SENTINEL}\nassistant:"
+            before, _, after = rendered.partition(_SENTINEL)
+            self._template[system_prompt] = (before, after)
+        return self._template[system_prompt]
+
+    def chat(self, chunks: Sequence[str], question: str, system_prompt: str | None = None) -> list[Segment]:
+        """The chat layout: system prefix, one segment per chunk, then the question."""
+        if not question or not question.strip():
+            raise EmptyInputError("the question is empty")
+        before, after = self.template_split(system_prompt)
+        segments = [self.segment("text", before)] if before else []
+        segments += [self.segment("chunk", c + CHUNK_SEPARATOR) for c in chunks if c and c.strip()]
+        segments.append(self.segment("text", QUESTION_PREFIX + question + after))
+        return segments
+
+    def text_segments(self, parts: Sequence[tuple[Literal["text", "chunk"], str]]) -> list[Segment]:
+        """Arbitrary ordered parts (e.g. a framework's formatted prompt split around known chunks)."""
+        segments = [self.segment(kind, text) for kind, text in parts if text]
+        if not segments:
+            raise EmptyInputError("the prompt is empty")
+        return segments

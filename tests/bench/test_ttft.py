@@ -1,0 +1,28 @@
+"""``cachedrag bench ttft`` end to end on a tiny model and corpus."""
+
+from __future__ import annotations
+
+import json
+
+from cachedrag.cli import main
+
+
+def test_bench_ttft_reports_every_mode(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    corpus, questions = tiny_corpus
+    out = tmp_path / "ttft.json"
+    rc = main(["bench", "ttft", "--corpus", corpus, "--questions", questions, "--model", tiny_model_dir,
+               "--top-k", "2", "--chunk-tokens", "48", "--max-new-tokens", "3", "--warmup", "1",
+               "--planning-chunks", "200", "--skip-simulation", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["n_requests"] == 5
+    assert set(data["modes"]) == {"full", "prefix", "naive", "random", "cachedrag"}
+    full, prefix = data["modes"]["full"], data["modes"]["prefix"]
+    assert full["rouge_l_vs_full"] == 1.0 and full["first_token_match_vs_full"] == 1.0
+    assert full["chunk_hit_rate"] == 0.0 and full["computed_token_fraction"] == 1.0
+    assert prefix["chunk_hit_rate"] > 0  # repeated questions hit their exact prefix
+    assert prefix["rouge_l_vs_full"] == 1.0  # exact reuse does not change answers
+    for row in data["modes"].values():
+        assert row["ttft_median_s"] > 0 and row["speedup_vs_full"] > 0
+    assert data["planning"]["n_chunks"] == 200
+    assert "TTFT over 5 requests" in capsys.readouterr().out

@@ -1,0 +1,161 @@
+"""The chunk-cache engine: equivalence with full prefill, mode semantics, bad input, safety."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cachedrag.config import EngineConfig
+from cachedrag.engine import CachedEngine
+from cachedrag.errors import ConfigError, ContextWindowError, EmptyInputError
+from cachedrag.kvcache.config import CacheConfig
+from cachedrag.testing import tiny_runner
+
+CHUNKS = [
+    "The heapq module provides an implementation of the heap queue algorithm. " * 2,
+    "bisect.insort inserts an item into a sorted list keeping it sorted. " * 2,
+    "functools.lru_cache memoizes a function with a bounded cache. " * 2,
+    "textwrap.fill wraps a paragraph so every line is at most width characters. " * 2,
+]
+SYSTEM = "Answer from the excerpts."
+
+
+@pytest.fixture
+def runner():
+    return tiny_runner("qwen2", seed=3)
+
+
+def _engine(runner, **kw):
+    cache = kw.pop("cache", {})
+    return CachedEngine(runner, config=EngineConfig(cache=CacheConfig(**cache), **kw))
+
+
+def _logits(engine, chunks, question, mode=None):
+    segs = engine.prompts.chat(chunks, question, SYSTEM)
+    return engine.prefill_logits(segs, mode=mode)
+
+
+def test_full_recompute_of_reused_chunks_equals_full_prefill(runner):
+    engine = _engine(runner, early_termination=False, cache={"recompute_ratio": 1.0})
+    engine.generate(CHUNKS[:3], "warm up", SYSTEM, max_new_tokens=1)
+    reordered = [CHUNKS[2], CHUNKS[0], CHUNKS[1]]  # every chunk cached, none in exact-prefix order
+    r = engine.generate(reordered, "which module memoizes?", SYSTEM, max_new_tokens=1)
+    assert r.chunks_hit == 3 and r.prefix_hit_tokens < r.prompt_tokens - r.question_tokens
+    got = _logits(engine, reordered, "which module memoizes?")
+    expected = _logits(engine, reordered, "which module memoizes?", mode="full")
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_exact_prefix_reuse_gives_full_logits(runner):
+    engine = _engine(runner, mode="prefix")
+    engine.generate(CHUNKS[:3], "first question", SYSTEM, max_new_tokens=1)
+    r = engine.generate(CHUNKS[:3], "second question", SYSTEM, max_new_tokens=1)
+    assert r.chunks_hit == 3 and r.computed_tokens == r.question_tokens
+    torch.testing.assert_close(_logits(engine, CHUNKS[:3], "second question"),
+                               _logits(engine, CHUNKS[:3], "second question", mode="full"), atol=1e-5, rtol=0)
+
+
+def test_modes_read_what_they_should(runner):
+    engines = {m: _engine(runner, mode=m, early_termination=False) for m in ("full", "prefix", "naive", "random", "cachedrag")}
+    for e in engines.values():
+        e.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    order = [CHUNKS[1], CHUNKS[2], CHUNKS[3]]  # two cached chunks in a new context, one new chunk
+    r = {m: e.generate(order, "what inserts?", SYSTEM, max_new_tokens=2) for m, e in engines.items()}
+    assert r["full"].chunks_hit == 0 and r["full"].computed_fraction == 1.0
+    assert r["prefix"].chunks_hit == 0  # order differs right after the system prompt
+    assert r["prefix"].prefix_hit_tokens > 0  # ...but the system prompt itself comes from the tree
+    assert r["naive"].chunks_hit == 2 and r["naive"].recomputed_tokens == 0
+    assert r["cachedrag"].chunks_hit == 2 and r["cachedrag"].recomputed_tokens > 0
+    assert r["random"].recomputed_tokens == r["cachedrag"].recomputed_tokens
+    assert all(c is not None for c in r["cachedrag"].chunk_cfo[:2]) and r["cachedrag"].chunk_cfo[2] is None
+    assert r["cachedrag"].computed_fraction < r["prefix"].computed_fraction
+
+
+def test_fresh_chunks_record_variant_metadata(runner):
+    engine = _engine(runner)
+    engine.generate(CHUNKS[:3], "q", SYSTEM, max_new_tokens=1)
+    keys = [s.key for s in engine.prompts.chat(CHUNKS[:3], "q", SYSTEM)[1:4]]
+    variants = engine.manager.index.variants(keys[2])
+    assert len(variants) == 1
+    meta = variants[0].meta
+    assert meta.prefix_keys == tuple(keys[:2])
+    assert meta.n_tokens == len(engine.prompts.chat(CHUNKS[:3], "q", SYSTEM)[3])
+    assert all(0.0 <= x <= 1.0 for x in meta.token_inter) and meta.intra > 0
+    assert set(meta.inter) == set(keys[:2])
+
+
+def test_damaged_cache_entry_is_a_miss_not_a_wrong_answer(runner):
+    engine = _engine(runner, mode="prefix")
+    engine.generate(CHUNKS[:2], "q", SYSTEM, max_new_tokens=1)
+    for key in list(engine.manager.store.keys()):  # entries vanish behind the planner's back
+        engine.manager.store.remove(key)
+    r = engine.generate(CHUNKS[:2], "q2", SYSTEM, max_new_tokens=3)
+    assert r.chunks_hit == 0 and any("missing or damaged" in n for n in r.notes)
+    full = engine.generate(CHUNKS[:2], "q2", SYSTEM, max_new_tokens=3, mode="full")
+    assert r.token_ids == full.token_ids
+
+
+def test_tenants_do_not_share_caches(runner):
+    a = _engine(runner, mode="prefix", tenant_salt="a")
+    b = CachedEngine(runner, config=EngineConfig(mode="prefix", tenant_salt="b"), manager=a.manager)
+    a.generate(CHUNKS[:2], "q", SYSTEM, max_new_tokens=1)
+    assert b.generate(CHUNKS[:2], "q", SYSTEM, max_new_tokens=1).prefix_hit_tokens == 0
+    assert a.generate(CHUNKS[:2], "q", SYSTEM, max_new_tokens=1).chunks_hit == 2
+
+
+def test_early_termination_computes_less(runner):
+    """Two-layer model, decision allowed after layer 0, focus = chunks holding 30% of the
+    question's attention: the other chunks' recompute tokens are skipped in layer 1."""
+    chunks = [c[:90] for c in CHUNKS]
+    on = _engine(runner, cache={"recompute_ratio": 0.5, "focus_min_layers": 1, "focus_window": 1,
+                                "focus_mass_threshold": 0.3})
+    off = _engine(runner, early_termination=False, cache={"recompute_ratio": 0.5})
+    for e in (on, off):
+        e.generate(chunks, "warm", SYSTEM, max_new_tokens=1)
+    shuffled = [chunks[3], chunks[1], chunks[0], chunks[2]]
+    r_on = on.generate(shuffled, "q", SYSTEM, max_new_tokens=1)
+    r_off = off.generate(shuffled, "q", SYSTEM, max_new_tokens=1)
+    assert r_off.focus_layer is None and r_on.focus_layer == 0
+    assert r_on.computed_tokens == r_off.computed_tokens  # same plan at layer 0
+    assert r_on.computed_fraction < r_off.computed_fraction
+
+
+def test_stream_equals_generate(runner):
+    engine = _engine(runner)
+    stream = engine.generate(CHUNKS[:2], "q", SYSTEM, max_new_tokens=8, stream=True)
+    text = "".join(stream)
+    assert stream.result is not None and text == stream.result.text
+    again = engine.generate(CHUNKS[:2], "q", SYSTEM, max_new_tokens=8, mode="prefix")
+    assert again.text == text
+
+
+def test_concurrent_requests_equal_sequential_in_exact_mode(runner):
+    engine = _engine(runner, mode="prefix")
+    requests = [(CHUNKS[i % 4: i % 4 + 2], f"question {i % 3}") for i in range(12)]
+    expected = [engine.generate(c, q, SYSTEM, max_new_tokens=4, mode="full").token_ids for c, q in requests]
+    got: dict[int, list[int]] = {}
+
+    def work(i):
+        c, q = requests[i]
+        got[i] = engine.generate(c, q, SYSTEM, max_new_tokens=4).token_ids
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(requests))] == expected
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"question": "  "}, EmptyInputError),
+    ({"question": "q", "mode": "turbo"}, ConfigError),
+    ({"question": "q", "chunks": ["x " * 600]}, ContextWindowError),
+])
+def test_bad_input_is_refused_clearly(runner, kwargs, error):
+    engine = _engine(runner)
+    kwargs.setdefault("chunks", CHUNKS[:1])
+    with pytest.raises(error):
+        engine.generate(max_new_tokens=2, **kwargs)
