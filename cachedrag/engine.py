@@ -359,15 +359,9 @@ class CachedEngine:
         return _Prefill(kv, logits, info), new_entries
 
     def _write_entry(self, kv: KVBuffer, entry, start: int, end: int) -> None:
-        runner = self.runner
-        k = entry.tensors["k"].to(runner.device, non_blocking=True)  # [L, H_kv, T, D] raw
-        v = entry.tensors["v"].to(runner.device, non_blocking=True)  # [L, H_kv, T, D]
-        positions = torch.arange(start, end, device=runner.device)  # [T]
-        cos, sin = runner.rotary.cos_sin(positions, k.dtype, runner.device)  # [T, D]
-        half = k.shape[-1] // 2
-        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)  # rotate_half, [L, H_kv, T, D]
-        kv.k[:, :, start:end] = k * cos + rotated * sin
-        kv.v[:, :, start:end] = v
+        k = entry.tensors["k"].to(self.runner.device, non_blocking=True)  # [L, H_kv, T, D] raw
+        v = entry.tensors["v"].to(self.runner.device, non_blocking=True)  # [L, H_kv, T, D]
+        self.runner.write_rotated(kv, k, v, start)
 
     def _new_entries(self, plan, actions, context, fresh_pos, raw_k, kv, fresh_mass, bounds, n_system, chunk_seg,
                      capture) -> list[NewEntry]:

@@ -43,7 +43,12 @@ class KVBuffer:
 class ModelRunner:
     """Layer-wise forward over a supported HF causal LM (Llama, Mistral, Qwen2, Qwen3)."""
 
-    def __init__(self, model, tokenizer=None):
+    def __init__(self, model, tokenizer=None, kernel_backend: str = "auto"):
+        """``kernel_backend``: ``"auto"`` uses the Triton kernels (``cachedrag.kernels``) on CUDA
+        and torch elsewhere; ``"torch"`` / ``"triton"`` force one (``"triton"`` on CPU needs
+        ``TRITON_INTERPRET=1``; used by the equivalence tests)."""
+        if kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
         config = model.config
         self.architecture = check_architecture(
             getattr(config, "architectures", None) or [type(model).__name__], type(model).__name__,
@@ -69,6 +74,17 @@ class ModelRunner:
         param = next(model.parameters())
         self.dtype = param.dtype
         self.device = param.device
+        self.kernel_backend = self._pick_backend(kernel_backend)
+
+    def _pick_backend(self, requested: str) -> str:
+        if requested != "auto":
+            return requested
+        if self.device.type == "cuda":
+            from cachedrag.kernels import triton_available
+
+            if triton_available():
+                return "triton"
+        return "torch"
 
     # ------------------------------------------------------------------ setup helpers
     def _sliding_window(self, i: int) -> int | None:
@@ -122,6 +138,12 @@ class ModelRunner:
 
     def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int) -> torch.Tensor:
         """Rotated queries ``[H_q, T_q, D]`` attend to buffer rows ``[0, kv_len)``; returns ``[T_q, H_q*D]``."""
+        if self.kernel_backend == "triton" and self.windows[i] is None:
+            from cachedrag.kernels import selective_attention
+
+            out = selective_attention(q, kv.k[i], kv.v[i], positions, kv_len=kv_len, scale=self.scaling,
+                                      backend="triton", validate=False).out  # [H_q, T_q, D]
+            return out.transpose(0, 1).reshape(q.shape[1], -1)  # [T_q, H_q*D]
         k = kv.k[i, :, :kv_len]  # [H_kv, T_k, D]
         v = kv.v[i, :, :kv_len]  # [H_kv, T_k, D]
         mask = self.attention_mask(i, positions, kv_len)  # [T_q, T_k]
@@ -136,6 +158,21 @@ class ModelRunner:
         layer = self.layers[i]
         h = residual + layer.self_attn.o_proj(attn_out)  # [T, Dm]
         return h + layer.mlp(layer.post_attention_layernorm(h))  # [T, Dm]
+
+    def write_rotated(self, kv: KVBuffer, raw_k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Write a cached segment (raw K ``[L, H_kv, T, D]``, V) into buffer rows ``start..start+T``,
+        K rotated to those positions (fused Triton re-rotation on the kernel backend)."""
+        t = raw_k.shape[2]
+        positions = torch.arange(start, start + t, device=self.device)  # [T]
+        kv.v[:, :, start:start + t] = v
+        if self.kernel_backend == "triton":
+            from cachedrag.kernels import rerotate
+
+            flat_out = kv.k.view(-1, kv.capacity, self.head_dim)  # [L*H_kv, C, D]
+            rerotate(raw_k.reshape(-1, t, self.head_dim), positions, self.rotary.inv_freq.to(self.device),
+                     out=flat_out, out_rows=positions, backend="triton", validate=False)
+            return
+        kv.k[:, :, start:start + t] = self.rotary.apply(raw_k, positions)  # [L, H_kv, T, D]
 
     def forward_layer(
         self, i: int, hidden: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int,
@@ -211,6 +248,12 @@ class ModelRunner:
         blocks of query rows so no full ``T x T`` matrix is ever held (reference path; the
         Triton selective-attention kernel yields the same sums as a by-product on CUDA).
         """
+        if self.kernel_backend == "triton" and self.windows[i] is None:
+            from cachedrag.kernels import selective_attention
+
+            mass = selective_attention(q, kv.k[i, :, :kv_len], kv.v[i, :, :kv_len], positions, scale=self.scaling,
+                                       segment_bounds=bounds, backend="triton", validate=False).segment_mass
+            return mass / self.n_heads  # [T_q, S], summed over heads by the kernel -> mean
         k = kv.k[i, :, :kv_len]  # [H_kv, T_k, D]
         group = self.n_heads // self.n_kv_heads
         b = torch.tensor(bounds, device=self.device)
