@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachedrag.corpus import STDLIB_QUESTIONS, load_corpus, load_questions, stdlib_corpus
+from cachedrag.corpus import STDLIB_TOPICS, load_corpus, load_questions, stdlib_corpus
 
 
 @dataclass
@@ -25,13 +25,19 @@ class Workload:
     question_source: str
 
 
-def zipf_stream(pool: list[str], n: int, s: float = 1.1, seed: int = 0) -> list[str]:
-    """``n`` requests drawn from ``pool`` with Zipf(s) popularity over a shuffled rank order."""
+def zipf_stream(pool, n: int, s: float = 1.1, seed: int = 0) -> list[str]:
+    """``n`` requests with Zipf(s) popularity over a shuffled rank order of ``pool``.
+
+    ``pool`` items are questions, or topics (tuples of phrasings of one question): a topic is
+    drawn by popularity, then one of its phrasings uniformly, as users word the same need
+    differently.
+    """
     rng = random.Random(seed)
     ranked = list(pool)
     rng.shuffle(ranked)
     weights = [1.0 / (r + 1) ** s for r in range(len(ranked))]
-    return rng.choices(ranked, weights=weights, k=n)
+    picks = rng.choices(ranked, weights=weights, k=n)
+    return [rng.choice(p) if isinstance(p, tuple) else p for p in picks]
 
 
 def build_workload(tokenizer, corpus: str | None = None, questions: str | None = None, *, top_k: int = 5,
@@ -47,8 +53,9 @@ def build_workload(tokenizer, corpus: str | None = None, questions: str | None =
         stream = load_questions(questions)
         source = str(questions)
     else:
-        stream = zipf_stream(list(STDLIB_QUESTIONS), n_requests, zipf_s, seed)
-        source = f"zipf(s={zipf_s}) stream of {n_requests} over {len(STDLIB_QUESTIONS)} stdlib questions"
+        stream = zipf_stream(list(STDLIB_TOPICS), n_requests, zipf_s, seed)
+        source = (f"zipf(s={zipf_s}) stream of {n_requests} over {len(STDLIB_TOPICS)} stdlib topics "
+                  f"x {len(STDLIB_TOPICS[0])} phrasings")
     embedder = Embedder()
     chunk_vecs = embedder.encode(texts)  # [N, d]
     unique = sorted(set(stream))
