@@ -27,6 +27,10 @@ class EngineConfig(BaseModel):
     metadata_layers: int = Field(3, ge=1, description="layers sampled (evenly) to measure inter/intra attention of fresh chunks")
     early_termination: bool = Field(True, description="stop recomputing unfocused chunks after the focus layer (Cache-Craft Alg. 1)")
     tenant_salt: str | None = Field(None, description="isolates this engine's caches from other tenants")
+    layerwise_loading: bool = Field(
+        True, description="with a store that supports it (TieredStore), load cached KV layer by layer during prefill")
+    break_even_factor: float = Field(
+        1.0, gt=0, description="wait for a cached segment's first layer at most this x its estimated recompute time")
 
     @field_validator("cache", mode="before")
     @classmethod

@@ -80,6 +80,14 @@ class _Prefill:
     info: dict
 
 
+class _LoadFailed(Exception):
+    """A committed layer-wise load failed mid-prefill; the segment is recomputed instead."""
+
+    def __init__(self, segment: int, error: BaseException | None):
+        super().__init__(f"segment {segment} failed to load: {error}")
+        self.segment = segment
+
+
 class GenerationStream:
     """Iterator of text deltas; ``.result`` holds the ``EngineResult`` once exhausted."""
 
@@ -150,6 +158,10 @@ class CachedEngine:
             manager = ChunkCacheManager(store, self.config.cache, capacity_bytes=self.config.cache_bytes)
         self.manager = manager
         self.eos_ids = eos_token_ids(runner.model, runner.tokenizer)
+        # measured costs (EMAs) for preload depth and the recompute-vs-wait break-even point
+        self._t_token_layer: float | None = None
+        self._t_prefill_layer: float | None = None
+        self._t_load_layer: float | None = None
         n = runner.n_layers
         k = min(self.config.metadata_layers, n)
         self.metadata_layers = sorted({round(1 + j * (n - 2) / max(1, k - 1)) if n > 2 else j for j in range(k)})
@@ -235,7 +247,14 @@ class CachedEngine:
         plan = self.manager.plan(request, mode)
         used = False
         try:
-            pre, new_entries = self._execute(plan, segments, context, mode, max_new_tokens, all_logits)
+            force_fresh: frozenset[int] = frozenset()
+            while True:  # a cached entry that fails mid-load (corrupt, lost) is recomputed: restart once per failure
+                try:
+                    pre, new_entries = self._execute(plan, segments, context, mode, max_new_tokens, all_logits,
+                                                     force_fresh)
+                    break
+                except _LoadFailed as failed:
+                    force_fresh = force_fresh | {failed.segment}
             used = True
         finally:
             self.manager.release(plan, used=used)
@@ -243,7 +262,8 @@ class CachedEngine:
             self.manager.admit(plan, [s.key for s in context], new_entries)
         return pre
 
-    def _execute(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool):
+    def _execute(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
+                 force_fresh: frozenset[int] = frozenset()):
         runner = self.runner
         device = runner.device
         total = plan.total_tokens
@@ -251,18 +271,30 @@ class CachedEngine:
         kv = runner.new_kv(total + max_new_tokens)
         notes = list(plan.notes)
 
-        # 1. load: planned tree / variant KV into the buffer, raw K rotated to the new positions
+        # 1. load: planned tree / variant KV into the buffer, raw K rotated to the new positions.
+        #    Layer-wise stores hand out loaders that keep reading ahead while layers compute.
         t_load = time.perf_counter()
         actions: list[Action] = []
-        for sp in plan.segments:
+        loaders: dict[int, object] = {}
+        for idx, sp in enumerate(plan.segments):
             action = sp.action
-            if action in (Action.TREE, Action.REUSE):
-                entry = self.manager.load(sp.handle)
-                if entry is None or entry.n_tokens != sp.n_tokens or entry.n_layers != runner.n_layers:
-                    notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
-                    action = Action.FRESH
+            if action in (Action.TREE, Action.REUSE) and idx in force_fresh:
+                notes.append(f"segment {sp.role}[{sp.index}]: cached entry failed while loading; computed fresh")
+                action = Action.FRESH
+            elif action in (Action.TREE, Action.REUSE):
+                if self._layerwise:
+                    loader = self._open_loader(sp, notes)
+                    if loader is None:
+                        action = Action.FRESH
+                    else:
+                        loaders[idx] = loader
                 else:
-                    self._write_entry(kv, entry, sp.start, sp.end)
+                    entry = self.manager.load(sp.handle)
+                    if entry is None or entry.n_tokens != sp.n_tokens or entry.n_layers != runner.n_layers:
+                        notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
+                        action = Action.FRESH
+                    else:
+                        self._write_entry(kv, entry, sp.start, sp.end)
             actions.append(action)
         load_s = time.perf_counter() - t_load
 
@@ -304,6 +336,15 @@ class CachedEngine:
         token_layers = 0
         focus_layer = None
         for layer in range(runner.n_layers):
+            for idx, loader in loaders.items():
+                t_wait = time.perf_counter()
+                got = loader.layer(layer)  # committed: blocks until loaded (or failed)
+                load_s += time.perf_counter() - t_wait
+                if got is None:
+                    for other in loaders.values():
+                        other.close()
+                    raise _LoadFailed(idx, loader.error)
+                runner.write_rotated_layer(kv, layer, got[0], got[1], plan.segments[idx].start)
             raw: dict = {}
             hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw)
             token_layers += positions.shape[0]
@@ -326,12 +367,16 @@ class CachedEngine:
                     if drop:
                         keep = torch.tensor([p not in drop for p in positions.tolist()], device=device)
                         positions, hidden = positions[keep], hidden[keep]
+        for loader in loaders.values():
+            self._observe_load(loader)
+            loader.close()
         if all_logits:
             logits = runner.logits(hidden)  # [Tc, V]
         else:
             logits = runner.logits(hidden[-1:])[0]  # [V]
         kv.length = total
         prefill_s = time.perf_counter() - t_prefill
+        self._observe_prefill(prefill_s, token_layers)
 
         # 4. what to store: raw K + V of fresh segments, metadata for fresh chunks
         new_entries = []
@@ -357,6 +402,52 @@ class CachedEngine:
             "notes": notes,
         }
         return _Prefill(kv, logits, info), new_entries
+
+    @property
+    def _layerwise(self) -> bool:
+        return self.config.layerwise_loading and hasattr(self.manager.store, "open_layers")
+
+    def _open_loader(self, sp, notes: list[str]):
+        """A layer loader for a planned segment, or None (miss, damaged, or not ready before the
+        break-even time of recomputing it: then computing is faster than waiting)."""
+        from cachedrag.store.preload import preload_depth
+
+        runner = self.runner
+        depth = None
+        if self._t_prefill_layer is not None and self._t_load_layer is not None:
+            depth = preload_depth(runner.n_layers, self._t_prefill_layer, self._t_load_layer)
+        loader = self.manager.store.open_layers(sp.handle, runner.device, depth)
+        if loader is None:
+            notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing; computed fresh")
+            return None
+        if loader.n_layers != runner.n_layers or loader.meta.get("n_tokens") not in (None, str(sp.n_tokens)):
+            loader.close()
+            notes.append(f"segment {sp.role}[{sp.index}]: cached entry has another shape; computed fresh")
+            return None
+        if loader.layer(0, timeout=self._break_even_s(sp.n_tokens)) is None:
+            error = loader.error
+            loader.close()
+            why = f"damaged ({error})" if error is not None else "not ready before its break-even time"
+            notes.append(f"segment {sp.role}[{sp.index}]: cached entry {why}; computed fresh")
+            return None
+        return loader
+
+    def _break_even_s(self, n_tokens: int) -> float:
+        """Estimated time to recompute ``n_tokens`` through every layer (measured throughput)."""
+        per = self._t_token_layer if self._t_token_layer is not None else 1e-3
+        return self.config.break_even_factor * per * n_tokens * self.runner.n_layers
+
+    def _observe_prefill(self, seconds: float, token_layers: int) -> None:
+        if token_layers <= 0:
+            return
+        per, layer = seconds / token_layers, seconds / self.runner.n_layers
+        self._t_token_layer = per if self._t_token_layer is None else 0.8 * self._t_token_layer + 0.2 * per
+        self._t_prefill_layer = layer if self._t_prefill_layer is None else 0.8 * self._t_prefill_layer + 0.2 * layer
+
+    def _observe_load(self, loader) -> None:
+        t = loader.mean_layer_seconds
+        if t is not None:
+            self._t_load_layer = t if self._t_load_layer is None else 0.8 * self._t_load_layer + 0.2 * t
 
     def _write_entry(self, kv: KVBuffer, entry, start: int, end: int) -> None:
         k = entry.tensors["k"].to(self.runner.device, non_blocking=True)  # [L, H_kv, T, D] raw

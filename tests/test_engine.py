@@ -159,3 +159,39 @@ def test_bad_input_is_refused_clearly(runner, kwargs, error):
     kwargs.setdefault("chunks", CHUNKS[:1])
     with pytest.raises(error):
         engine.generate(max_new_tokens=2, **kwargs)
+
+
+def _disk_engine(runner, tmp_path, mode="prefix"):
+    from cachedrag.store.config import StoreConfig
+    from cachedrag.store.tiered import TieredStore
+
+    probe = CachedEngine(runner)
+    store = TieredStore.from_config(StoreConfig(namespace=probe.model_namespace.digest, disk_dir=str(tmp_path),
+                                                disk_bytes=64 << 20))
+    return CachedEngine(runner, config=EngineConfig(mode=mode), store=store)
+
+
+def test_layerwise_reuse_from_disk_equals_full(runner, tmp_path):
+    engine = _disk_engine(runner, tmp_path)
+    engine.generate(CHUNKS[:2], "first", SYSTEM, max_new_tokens=1)
+    r = engine.generate(CHUNKS[:2], "second", SYSTEM, max_new_tokens=4)
+    assert r.chunks_hit == 2 and not r.notes
+    full = engine.generate(CHUNKS[:2], "second", SYSTEM, max_new_tokens=4, mode="full")
+    assert r.token_ids == full.token_ids
+    torch.testing.assert_close(_logits(engine, CHUNKS[:2], "second"),
+                               _logits(engine, CHUNKS[:2], "second", mode="full"), atol=1e-5, rtol=0)
+
+
+def test_bit_flipped_disk_entry_is_recomputed_not_served(runner, tmp_path):
+    engine = _disk_engine(runner, tmp_path)
+    engine.generate(CHUNKS[:2], "first", SYSTEM, max_new_tokens=1)
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size > 4096)
+    assert files
+    for path in files:  # flip a byte near the end of every entry (inside the last layers' data)
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    r = engine.generate(CHUNKS[:2], "second", SYSTEM, max_new_tokens=4)
+    full = engine.generate(CHUNKS[:2], "second", SYSTEM, max_new_tokens=4, mode="full")
+    assert r.token_ids == full.token_ids
+    assert r.chunks_hit == 0 and any("computed fresh" in n for n in r.notes)

@@ -174,6 +174,19 @@ class ModelRunner:
             return
         kv.k[:, :, start:start + t] = self.rotary.apply(raw_k, positions)  # [L, H_kv, T, D]
 
+    def write_rotated_layer(self, kv: KVBuffer, layer: int, raw_k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """One layer of a cached segment (raw K ``[H_kv, T, D]``, V) into rows ``start..start+T``."""
+        t = raw_k.shape[1]
+        positions = torch.arange(start, start + t, device=self.device)  # [T]
+        kv.v[layer, :, start:start + t] = v
+        if self.kernel_backend == "triton":
+            from cachedrag.kernels import rerotate
+
+            rerotate(raw_k, positions, self.rotary.inv_freq.to(self.device), out=kv.k[layer], out_rows=positions,
+                     backend="triton", validate=False)
+            return
+        kv.k[layer, :, start:start + t] = self.rotary.apply(raw_k, positions)  # [H_kv, T, D]
+
     def forward_layer(
         self, i: int, hidden: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int,
         raw_out: dict | None = None,
