@@ -335,41 +335,42 @@ class CachedEngine:
         hidden = runner.embed(ids[positions])  # [Tc, Dm]
         token_layers = 0
         focus_layer = None
-        for layer in range(runner.n_layers):
-            for idx, loader in loaders.items():
-                t_wait = time.perf_counter()
-                got = loader.layer(layer)  # committed: blocks until loaded (or failed)
-                load_s += time.perf_counter() - t_wait
-                if got is None:
-                    for other in loaders.values():
-                        other.close()
-                    raise _LoadFailed(idx, loader.error)
-                runner.write_rotated_layer(kv, layer, got[0], got[1], plan.segments[idx].start)
-            raw: dict = {}
-            hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw)
-            token_layers += positions.shape[0]
-            if raw_k is not None or fresh_chunk_rows:
-                fresh_idx = torch.searchsorted(positions, fresh_t)  # [Tf] rows of fresh tokens in the compute set
-            if raw_k is not None:
-                raw_k[layer] = raw["k"][:, fresh_idx]  # [H_kv, Tf, D]
-            if fresh_chunk_rows and layer in self.metadata_layers:
-                m = runner.segment_attention_mass(layer, raw["q"][:, fresh_idx], fresh_t, kv, total, bounds)  # [Tf, S]
-                fresh_mass = m if fresh_mass is None else fresh_mass + m
-            if tracker is not None and tracker.decision is None:
-                q_rows = torch.arange(positions.shape[0] - len(question_pos), positions.shape[0], device=device)
-                qm = runner.segment_attention_mass(layer, raw["q"][:, q_rows], positions[q_rows], kv, total, bounds)
-                per_chunk = qm.sum(0)[chunk_seg].tolist()  # question -> each chunk
-                decision = tracker.update(per_chunk)
-                if decision is not None and layer + 1 < runner.n_layers:
-                    focus_layer = layer
-                    drop = {p for c, i in enumerate(chunk_seg) if not decision.is_focused(c)
-                            for p in recompute_pos.get(i, ())}
-                    if drop:
-                        keep = torch.tensor([p not in drop for p in positions.tolist()], device=device)
-                        positions, hidden = positions[keep], hidden[keep]
-        for loader in loaders.values():
-            self._observe_load(loader)
-            loader.close()
+        try:
+            for layer in range(runner.n_layers):
+                for idx, loader in loaders.items():
+                    t_wait = time.perf_counter()
+                    got = loader.layer(layer)  # committed: blocks until loaded (or failed)
+                    load_s += time.perf_counter() - t_wait
+                    if got is None:
+                        raise _LoadFailed(idx, loader.error)
+                    runner.write_rotated_layer(kv, layer, got[0], got[1], plan.segments[idx].start)
+                raw: dict = {}
+                hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw)
+                token_layers += positions.shape[0]
+                if raw_k is not None or fresh_chunk_rows:
+                    fresh_idx = torch.searchsorted(positions, fresh_t)  # [Tf] rows of fresh tokens in the compute set
+                if raw_k is not None:
+                    raw_k[layer] = raw["k"][:, fresh_idx]  # [H_kv, Tf, D]
+                if fresh_chunk_rows and layer in self.metadata_layers:
+                    m = runner.segment_attention_mass(layer, raw["q"][:, fresh_idx], fresh_t, kv, total, bounds)  # [Tf, S]
+                    fresh_mass = m if fresh_mass is None else fresh_mass + m
+                if tracker is not None and tracker.decision is None:
+                    q_rows = torch.arange(positions.shape[0] - len(question_pos), positions.shape[0], device=device)
+                    qm = runner.segment_attention_mass(layer, raw["q"][:, q_rows], positions[q_rows], kv, total, bounds)
+                    per_chunk = qm.sum(0)[chunk_seg].tolist()  # question -> each chunk
+                    decision = tracker.update(per_chunk)
+                    if decision is not None and layer + 1 < runner.n_layers:
+                        focus_layer = layer
+                        drop = {p for c, i in enumerate(chunk_seg) if not decision.is_focused(c)
+                                for p in recompute_pos.get(i, ())}
+                        if drop:
+                            keep = torch.tensor([p not in drop for p in positions.tolist()], device=device)
+                            positions, hidden = positions[keep], hidden[keep]
+            for loader in loaders.values():
+                self._observe_load(loader)
+        finally:
+            for loader in loaders.values():
+                loader.close()
         if all_logits:
             logits = runner.logits(hidden)  # [Tc, V]
         else:
