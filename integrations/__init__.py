@@ -1,1 +1,43 @@
-"""(filled in by its issue)"""
+"""Framework integrations: LlamaIndex and LangChain classes over one shared chunk cache.
+
+Owns the adapters users meet (one file per framework) and the helpers they share:
+
+    llama_index  CachedRAGLLM, CachedRAGRetriever, CachedRAGNodePostprocessor
+    langchain    ChatCachedRAG, CachedRAGRetriever
+    engines      process-wide engine registry: one CachedEngine (one cache) per model
+    chunks       process-wide chunk registry: bounded LRU of chunk texts, found verbatim in prompts
+    template     chat messages -> one prompt string (the tokenizer's chat template)
+    splitter     prompt string -> text/chunk parts around the registered chunks
+    generator    chunk-aware generation (blocking, streaming, timeout) and token usage
+    search       index-directory search with lookahead prefetch, registering what it returns
+    worker       blocking work on worker threads for the async methods
+
+Does not own: the engine, caches or retrieval (``cachedrag``'s core). Names below import
+lazily, so ``import cachedrag.integrations`` needs neither framework installed; the two
+retrievers share a class name, so import them from their framework module.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "CachedRAGLLM": "llama_index",
+    "CachedRAGNodePostprocessor": "llama_index",
+    "ChatCachedRAG": "langchain",
+    "ChunkRegistry": "chunks",
+    "ChunkRegistryConfig": "chunks",
+    "chunk_registry": "chunks",
+    "register_chunks": "chunks",
+    "shared_engine": "engines",
+    "register_engine": "engines",
+    "split_prompt": "splitter",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'cachedrag.integrations' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"cachedrag.integrations.{_EXPORTS[name]}"), name)

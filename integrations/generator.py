@@ -1,0 +1,180 @@
+"""Chunk-aware generation shared by the LlamaIndex and LangChain classes.
+
+Owns: ``ChunkAwareGenerator``: a formatted prompt (rendered chat messages or a completion
+prompt) -> registered chunks found in it -> engine segments -> ``engine.generate_segments``,
+blocking or streaming, with an optional wall-clock timeout; and ``Answer``, the text plus the
+engine's per-request stats and token usage in the shape both frameworks report. TTFT in the
+stats counts from the start of prompt preparation (template, split, tokenisation included).
+
+Does not own: framework types (``llama_index``/``langchain`` modules), template rendering
+(``template``), splitting (``splitter``), the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
+from cachedrag.integrations.splitter import SplitPrompt, split_prompt
+from cachedrag.integrations.template import (
+    Message,
+    RenderedPrompt,
+    has_chat_template,
+    render_completion,
+    render_messages,
+)
+from cachedrag.model.generation import SamplingParams
+
+
+@dataclass
+class Answer:
+    """Generated text with what it cost and what the cache served."""
+
+    text: str
+    result: object  # cachedrag.engine.EngineResult
+    split: SplitPrompt
+    notes: list[str] = field(default_factory=list)
+    layout: list[tuple[str, int]] = field(default_factory=list)  # (kind, n_tokens) of each engine segment
+
+    @property
+    def finish_reason(self) -> str:
+        return self.result.finish_reason
+
+    @property
+    def input_tokens(self) -> int:
+        return int(self.result.prompt_tokens)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.result.token_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the cache (not computed for this request)."""
+        return int(self.result.prompt_tokens - self.result.computed_tokens)
+
+    def chunk_outcomes(self) -> list[str]:
+        """``"tree"``, ``"reuse"`` or ``"fresh"`` for each registered chunk, in prompt order.
+
+        The engine's ``chunks_hit``/``chunks_missed`` count every segment from the first chunk
+        to the last (template text between chunks included); this narrows them to the
+        registered chunks. Tree hits are the leading segments covering ``prefix_hit_tokens``
+        (the knowledge tree serves exact prefixes); after them a middle segment was reused iff
+        it has a CFO (``chunk_cfo``).
+        """
+        r = self.result
+        first = next((i for i, (kind, _) in enumerate(self.layout) if kind == "chunk"), None)
+        if first is None:
+            return []
+        last = max(i for i, (kind, _) in enumerate(self.layout) if kind == "chunk")
+        covered, tree = 0, 0
+        for _, n in self.layout[:last + 1]:
+            if covered + n > r.prefix_hit_tokens:
+                break
+            covered += n
+            tree += 1
+        out = []
+        for j, i in enumerate(range(first, last + 1)):
+            if self.layout[i][0] != "chunk":
+                continue
+            cfo = r.chunk_cfo[j] if j < len(r.chunk_cfo) else None
+            out.append("tree" if i < tree else ("reuse" if cfo is not None else "fresh"))
+        return out
+
+    def stats(self) -> dict:
+        """Engine stats (``EngineResult.stats``) plus the split: ``registered_chunks``, ``chunk_chars``,
+        ``registered_chunks_cached`` (from the tree or reused variants) and ``registered_chunks_computed``."""
+        out = self.result.stats()
+        outcomes = self.chunk_outcomes()
+        out["registered_chunks"] = self.split.n_chunks
+        out["registered_chunks_cached"] = sum(o != "fresh" for o in outcomes)
+        out["registered_chunks_computed"] = sum(o == "fresh" for o in outcomes)
+        out["chunk_chars"] = self.split.chunk_chars
+        out["notes"] = list(out.get("notes", [])) + self.notes
+        return out
+
+
+class AnswerStream:
+    """Iterator of text deltas; ``answer`` is set once it is exhausted."""
+
+    def __init__(self, generation, split: SplitPrompt, notes: list[str], deadline: float | None, timeout: float | None,
+                 layout: list[tuple[str, int]]):
+        self._generation = generation
+        self._layout = layout
+        self._deltas = iter(generation)
+        self._split = split
+        self._notes = notes
+        self._deadline = deadline
+        self._timeout = timeout
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for delta in self._deltas:
+            if self._deadline is not None and time.perf_counter() > self._deadline:
+                self.close()
+                raise TimeoutError(f"generation exceeded its timeout of {self._timeout} s")
+            yield delta
+        result = self._generation.result
+        self.answer = Answer(result.text, result, self._split, self._notes, self._layout)
+
+    def close(self) -> None:
+        close = getattr(self._deltas, "close", None)
+        if close is not None:
+            close()
+
+
+class ChunkAwareGenerator:
+    """Generate from framework prompts with chunk reuse.
+
+    >>> gen = ChunkAwareGenerator(shared_engine())                             # doctest: +SKIP
+    >>> gen.generate(gen.render_messages([Message("user", prompt)]), SamplingParams())  # doctest: +SKIP
+    """
+
+    def __init__(self, engine, registry: ChunkRegistry | None = None):
+        self.engine = engine
+        self.registry = chunk_registry() if registry is None else registry
+
+    @property
+    def tokenizer(self):
+        return self.engine.runner.tokenizer
+
+    @property
+    def is_chat_model(self) -> bool:
+        return has_chat_template(self.tokenizer)
+
+    # ------------------------------------------------------------------ prompts
+    def render_messages(self, messages: Sequence[Message]) -> RenderedPrompt:
+        return render_messages(self.tokenizer, messages)
+
+    def render_completion(self, prompt: str, system_prompt: str | None = None,
+                          formatted: bool = False) -> RenderedPrompt:
+        """``formatted=True``: ``prompt`` already carries the model's template and is used as is."""
+        if formatted:
+            return RenderedPrompt(prompt)
+        return render_completion(self.tokenizer, prompt, system_prompt)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt: RenderedPrompt, params: SamplingParams, *, mode: str | None = None,
+                 timeout: float | None = None) -> Answer:
+        stream = self.stream(prompt, params, mode=mode, timeout=timeout)
+        for _ in stream:
+            pass
+        return stream.answer
+
+    def stream(self, prompt: RenderedPrompt, params: SamplingParams, *, mode: str | None = None,
+               timeout: float | None = None) -> AnswerStream:
+        start = time.perf_counter()
+        split = split_prompt(prompt, self.registry)
+        segments = self.engine.prompts.text_segments(split.parts)
+        generation = self.engine.generate_segments(segments, params, mode=mode, stream=True, start=start)
+        deadline = start + timeout if timeout else None
+        layout = [(seg.kind, len(seg)) for seg in segments]
+        return AnswerStream(generation, split, list(prompt.notes), deadline, timeout, layout)
+
+
+def sampling_params(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                    stop: Sequence[str] | str | None = None, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                          stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop, seed=seed)

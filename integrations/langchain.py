@@ -1,0 +1,265 @@
+"""LangChain integration: a chat model and a retriever that share chunk caches.
+
+Owns the LangChain adapters (thin: the work is in ``generator``, ``search``, ``chunks``):
+
+- ``ChatCachedRAG`` (``BaseChatModel``): ``_generate``/``_stream`` and real async
+  ``_agenerate``/``_astream`` (work on a worker thread; streams through an
+  ``asyncio.Queue``); the standard parameters as fields (``model``, ``temperature``,
+  ``max_tokens``, ``stop``, ``timeout``, ``max_retries``); ``usage_metadata`` (cached prompt
+  tokens as ``input_token_details.cache_read``) and ``response_metadata`` with ``model_name``
+  and the engine's cache stats. Messages are rendered with the tokenizer's chat template into
+  one string; registered chunk texts found in it (in any message) are served from the chunk
+  caches, the rest is computed.
+- ``CachedRAGRetriever`` (``BaseRetriever``) over an index directory with ``k``, returning
+  ``Document``s (id = chunk id; metadata: chunk id, doc id, score, rank, offsets) and
+  registering their texts.
+
+Does not own: generation, search or the registries (the shared helper modules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForLLMRun,
+    CallbackManagerForRetrieverRun,
+)
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models.base import LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import ChatMessage as LCChatMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.retrievers import BaseRetriever
+from pydantic import Field, PrivateAttr
+
+from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
+from cachedrag.integrations.engines import engine_name, shared_engine
+from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, sampling_params
+from cachedrag.integrations.search import shared_searcher
+from cachedrag.integrations.template import Message
+from cachedrag.integrations.worker import run_in_worker, stream_in_worker
+from cachedrag.model.loader import DEFAULT_MODEL
+
+__all__ = ["ChatCachedRAG", "CachedRAGRetriever"]
+
+
+class ChatCachedRAG(BaseChatModel):
+    """A LangChain chat model that reuses the KV caches of retrieved chunks.
+
+    >>> from langchain_core.output_parsers import StrOutputParser
+    >>> from langchain_core.prompts import ChatPromptTemplate
+    >>> from langchain_core.runnables import RunnablePassthrough
+    >>> from cachedrag.integrations.langchain import CachedRAGRetriever, ChatCachedRAG
+    >>> retriever = CachedRAGRetriever(index_dir="my-index", k=4)                    # doctest: +SKIP
+    >>> prompt = ChatPromptTemplate.from_template("Context:\\n{context}\\n\\nQuestion: {question}")
+    >>> format_docs = lambda docs: "\\n\\n".join(d.page_content for d in docs)
+    >>> chain = ({"context": retriever | format_docs, "question": RunnablePassthrough()}  # doctest: +SKIP
+    ...          | prompt | ChatCachedRAG(max_tokens=64) | StrOutputParser())
+    >>> chain.invoke("How do I pretty-print JSON?")                                      # doctest: +SKIP
+
+    ``model=`` names an HF id or local path (one engine per model per process, shared with
+    ``CachedRAGLLM``), or a name given to ``register_engine``; ``engine=`` passes an existing
+    ``CachedEngine`` to share its cache. A ``model`` keyword at call time selects another
+    shared engine for that call.
+    """
+
+    model: str = Field(default=DEFAULT_MODEL, description="HF model id, local path, the embedded default's name, "
+                       "or a name registered with register_engine")
+    temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature; 0 = greedy")
+    max_tokens: int | None = Field(default=256, ge=1, description="upper bound on generated tokens (None = 256)")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    stop: list[str] | None = Field(default=None, description="stop strings; the answer ends before them")
+    seed: int | None = Field(default=None, description="sampling seed (None = nondeterministic when sampling)")
+    timeout: float | None = Field(default=None, gt=0, description="seconds a generation may take (checked between "
+                                  "tokens; TimeoutError when exceeded)")
+    max_retries: int = Field(default=2, ge=0, description="accepted for LangChain's standard parameters; local "
+                             "generation has no transient failures to retry, so no retries are made")
+    streaming: bool = Field(default=False, description="invoke() streams internally (callbacks get tokens)")
+    reuse_mode: str | None = Field(default=None, description="chunk reuse mode: full, prefix, naive, random or "
+                                   "cachedrag (None = the engine's)")
+    share_engine: bool = Field(default=True, description="use the process-wide engine of `model` "
+                               "(False: load a private one)")
+
+    _engine: Any = PrivateAttr(default=None)
+    _generator: ChunkAwareGenerator = PrivateAttr(default=None)
+    _registry: ChunkRegistry = PrivateAttr(default=None)
+
+    def __init__(self, *, engine=None, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
+        if engine is not None and "model" not in kwargs:
+            kwargs["model"] = engine_name(engine)
+        super().__init__(**kwargs)
+        if engine is None:
+            engine = _load_engine(self.model, self.share_engine)
+        self._engine = engine
+        self._registry = _default_registry() if chunk_registry is None else chunk_registry
+        self._generator = ChunkAwareGenerator(engine, self._registry)
+
+    @property
+    def engine(self):
+        """The ``CachedEngine`` (its ``stats()`` show the cache as a whole)."""
+        return self._engine
+
+    @property
+    def _llm_type(self) -> str:
+        return "cachedrag"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens,
+                "top_p": self.top_p, "reuse_mode": self.reuse_mode}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "cachedrag"
+        params["ls_model_name"] = kwargs.get("model") or self.model
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop)
+        return params
+
+    # ------------------------------------------------------------------ sync
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        model, generator = self._generator_for(kwargs)
+        answer = generator.generate(generator.render_messages(_messages(messages)), self._params(stop, kwargs),
+                                    mode=kwargs.get("mode", self.reuse_mode), timeout=self.timeout)
+        message = AIMessage(content=answer.text, usage_metadata=_usage(answer),
+                            response_metadata=_response_metadata(model, answer))
+        generation = ChatGeneration(message=message, generation_info={"finish_reason": answer.finish_reason})
+        return ChatResult(generations=[generation], llm_output={"model_name": model})
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        model, generator = self._generator_for(kwargs)
+        stream = generator.stream(generator.render_messages(_messages(messages)), self._params(stop, kwargs),
+                                  mode=kwargs.get("mode", self.reuse_mode), timeout=self.timeout)
+        try:
+            for delta in stream:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
+        finally:
+            stream.close()
+        answer = stream.answer
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(content="", usage_metadata=_usage(answer), chunk_position="last",
+                                   response_metadata=_response_metadata(model, answer)),
+            generation_info={"finish_reason": answer.finish_reason},
+        )
+
+    # ------------------------------------------------------------------ async (worker thread)
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        return await run_in_worker(self._generate, messages, stop, None, **kwargs)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in stream_in_worker(lambda: self._stream(messages, stop, None, **kwargs)):
+            if run_manager is not None and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    # ------------------------------------------------------------------ helpers
+    def _generator_for(self, kwargs: dict) -> tuple[str, ChunkAwareGenerator]:
+        """The call's model name and generator (a ``model`` keyword selects another shared engine)."""
+        model = kwargs.get("model")
+        if not model or model == self.model:
+            return self.model, self._generator
+        return model, ChunkAwareGenerator(shared_engine(model), self._registry)
+
+    def _params(self, stop: list[str] | None, kwargs: dict):
+        max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))
+        return sampling_params(
+            max_new_tokens=max_tokens or 256, temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p), stop=list(self.stop or []) + list(stop or []),
+            seed=kwargs.get("seed", self.seed),
+        )
+
+
+class CachedRAGRetriever(BaseRetriever):
+    """Retrieve chunks from a cachedrag index directory as ``Document``s; their texts become cacheable chunks.
+
+    >>> retriever = CachedRAGRetriever(index_dir="my-index", k=4)            # doctest: +SKIP
+    >>> [d.id for d in retriever.invoke("How do I pretty-print JSON?")]        # doctest: +SKIP
+    ['stdlib/json#0', ...]
+
+    ``invoke(query, k=...)`` overrides ``k`` per call; ``prefetch(original_query)`` starts the
+    lookahead prefetch before a query transformation (HyDE, multi-query...) runs.
+    """
+
+    index_dir: str = Field(description="index directory written by `cachedrag index build`")
+    k: int = Field(default=4, ge=1, description="documents returned per query")
+    nprobe: int | None = Field(default=None, ge=1, description="IVF clusters probed (None = 16, capped at nlist)")
+
+    _searcher: Any = PrivateAttr(default=None)
+
+    def __init__(self, *, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._searcher = shared_searcher(self.index_dir, chunk_registry)
+
+    def prefetch(self, original_query: str) -> bool:
+        """Start moving the IVF clusters nearest ``original_query`` to the fast tier; returns at once."""
+        return self._searcher.prefetch(original_query)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
+                                **kwargs: Any) -> list[Document]:
+        k = int(kwargs.get("k", self.k))
+        hits = self._searcher.search(query, k=k, nprobe=self.nprobe)
+        return [Document(id=h.chunk_id, page_content=h.text, metadata=h.metadata()) for h in hits]
+
+    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+                                       **kwargs: Any) -> list[Document]:
+        return await run_in_worker(self._get_relevant_documents, query, run_manager=None, **kwargs)
+
+
+# ---------------------------------------------------------------------- helpers
+def _default_registry() -> ChunkRegistry:
+    return chunk_registry()
+
+
+def _load_engine(model: str, share: bool):
+    if share:
+        return shared_engine(model)
+    from cachedrag.engine import CachedEngine
+
+    return CachedEngine(model=None if model == DEFAULT_MODEL else model)
+
+
+def _messages(messages: list[BaseMessage]) -> list[Message]:
+    return [Message(m.role if isinstance(m, LCChatMessage) else m.type, _text(m)) for m in messages]
+
+
+def _text(message: BaseMessage) -> str:
+    content = message.content
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text", ""))
+        elif isinstance(block, dict) and block.get("type") in ("tool_use", "tool_call", "reasoning", "thinking"):
+            continue  # not text for the model to read back
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"ChatCachedRAG handles text only; the message has a {kind!r} block")
+    return "".join(parts)
+
+
+def _usage(answer: Answer) -> UsageMetadata:
+    return UsageMetadata(input_tokens=answer.input_tokens, output_tokens=answer.output_tokens,
+                         total_tokens=answer.input_tokens + answer.output_tokens,
+                         input_token_details={"cache_read": answer.cached_tokens})
+
+
+def _response_metadata(model: str, answer: Answer) -> dict:
+    return {"model_name": model, "finish_reason": answer.finish_reason,
+            "cache": answer.stats()}

@@ -1,0 +1,367 @@
+"""LlamaIndex integration: an LLM, a retriever and a node postprocessor that share chunk caches.
+
+Owns the LlamaIndex adapters (thin: the work is in ``generator``, ``search``, ``chunks``):
+
+- ``CachedRAGLLM`` (``CustomLLM``): complete / chat, streaming and real async variants (work
+  runs on a worker thread; streams come through an ``asyncio.Queue``); the tokenizer's chat
+  template; stop strings; ``metadata`` from the model. Registered chunk texts found in a
+  prompt are served from the engine's chunk caches whatever template surrounds them.
+- ``CachedRAGRetriever`` (``BaseRetriever``) over an index directory (``cachedrag index
+  build``): embeds ``query_bundle.embedding_strs`` (HyDE's hypothetical document included),
+  returns ``NodeWithScore`` with chunk ids, registers the chunk texts, and starts lookahead
+  prefetch on the original query when a pipeline tells it (``prefetch``; with
+  ``auto_prefetch``, on LlamaIndex's ``QueryStartEvent``, which query engines fire before
+  any query transform runs).
+- ``CachedRAGNodePostprocessor``: registers the texts of nodes from any other retriever or
+  vector store (nodes pass through unchanged), so an app keeps its own index and still gets
+  chunk reuse.
+
+Does not own: generation, search or the registries (the shared helper modules).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.query import QueryStartEvent
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import (
+    MetadataMode,
+    NodeRelationship,
+    NodeWithScore,
+    QueryBundle,
+    RelatedNodeInfo,
+    TextNode,
+)
+from pydantic import Field, PrivateAttr
+
+from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
+from cachedrag.integrations.engines import engine_name, shared_engine
+from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, sampling_params
+from cachedrag.integrations.search import SearchHit, shared_searcher
+from cachedrag.integrations.template import Message, RenderedPrompt
+from cachedrag.integrations.worker import run_in_worker, stream_in_worker
+from cachedrag.model.loader import DEFAULT_MODEL
+
+__all__ = ["CachedRAGLLM", "CachedRAGRetriever", "CachedRAGNodePostprocessor"]
+
+
+class CachedRAGLLM(CustomLLM):
+    """A LlamaIndex LLM that reuses the KV caches of retrieved chunks.
+
+    >>> from cachedrag.integrations.llama_index import CachedRAGLLM, CachedRAGRetriever
+    >>> from llama_index.core.query_engine import RetrieverQueryEngine
+    >>> llm = CachedRAGLLM(max_new_tokens=64)             # embedded SmolLM2-135M-Instruct  # doctest: +SKIP
+    >>> retriever = CachedRAGRetriever(index_dir="my-index", similarity_top_k=4)  # doctest: +SKIP
+    >>> engine = RetrieverQueryEngine.from_args(retriever, llm=llm)               # doctest: +SKIP
+    >>> print(engine.query("How do I pretty-print JSON?"))                          # doctest: +SKIP
+
+    ``model=`` names an HF id or local path (one engine per model per process, shared with
+    ``ChatCachedRAG``); ``engine=`` passes an existing ``CachedEngine`` to share its cache.
+    Each response's ``raw`` holds the engine's stats (TTFT, chunks hit/missed, tokens
+    computed...); ``last_stats`` the latest call's.
+    """
+
+    model: str = Field(default=DEFAULT_MODEL, description="HF model id, local path, or the embedded default's name")
+    max_new_tokens: int = Field(default=256, ge=1, description="upper bound on generated tokens (metadata.num_output)")
+    temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    stop: list[str] = Field(default_factory=list, description="stop strings; the answer ends before them")
+    seed: int | None = Field(default=None, description="sampling seed (None = nondeterministic when sampling)")
+    reuse_mode: str | None = Field(
+        default=None, description="chunk reuse mode: full, prefix, naive, random or cachedrag (None = the engine's)")
+    context_window: int | None = Field(default=None, ge=1,
+                                       description="context window reported in metadata (None = the model's)")
+    timeout: float | None = Field(default=None, gt=0,
+                                  description="seconds a generation may take (checked between tokens)")
+    share_engine: bool = Field(default=True,
+                               description="use the process-wide engine of `model` (False: load a private one)")
+
+    _engine: Any = PrivateAttr(default=None)
+    _generator: ChunkAwareGenerator = PrivateAttr(default=None)
+    _last_stats: dict | None = PrivateAttr(default=None)
+
+    def __init__(self, *, engine=None, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
+        if engine is not None and "model" not in kwargs:
+            kwargs["model"] = engine_name(engine)
+        super().__init__(**kwargs)
+        if engine is None:
+            engine = _load_engine(self.model, self.share_engine)
+        self._engine = engine
+        self._generator = ChunkAwareGenerator(engine, chunk_registry)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CachedRAGLLM"
+
+    @property
+    def engine(self):
+        """The ``CachedEngine`` (its ``stats()`` show the cache as a whole)."""
+        return self._engine
+
+    @property
+    def last_stats(self) -> dict | None:
+        """Stats of the latest finished call on this object (use each response's ``raw`` under concurrency)."""
+        return self._last_stats
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.context_window or self._engine.runner.max_context,
+            num_output=self.max_new_tokens,
+            model_name=self.model,
+            is_chat_model=self._generator.is_chat_model,
+            is_function_calling_model=False,
+        )
+
+    # ------------------------------------------------------------------ completion
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """``formatted=False`` wraps ``prompt`` as the user turn of the chat template (after
+        ``system_prompt``); ``formatted=True`` uses it as is."""
+        return self._complete(prompt, formatted, **kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream_complete(prompt, formatted, **kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await run_in_worker(self._complete, prompt, formatted, **kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return stream_in_worker(lambda: self._stream_complete(prompt, formatted, **kwargs))
+
+    # ------------------------------------------------------------------ chat
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, **kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._stream_chat(messages, **kwargs)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await run_in_worker(self._chat, messages, **kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return stream_in_worker(lambda: self._stream_chat(messages, **kwargs))
+
+    # ------------------------------------------------------------------ helpers (blocking; any thread)
+    def _complete(self, prompt: str, formatted: bool, **kwargs: Any) -> CompletionResponse:
+        answer = self._answer(self._completion_prompt(prompt, formatted), kwargs)
+        return CompletionResponse(text=answer.text, raw=answer.stats(), additional_kwargs=_usage(answer))
+
+    def _stream_complete(self, prompt: str, formatted: bool, **kwargs: Any) -> CompletionResponseGen:
+        rendered = self._completion_prompt(prompt, formatted)
+        for text, delta, answer in self._deltas(rendered, kwargs):
+            if answer is None:
+                yield CompletionResponse(text=text, delta=delta)
+            else:
+                yield CompletionResponse(text=text, delta=delta, raw=answer.stats(), additional_kwargs=_usage(answer))
+
+    def _chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        answer = self._answer(self._generator.render_messages(_messages(messages)), kwargs)
+        message = ChatMessage(role=MessageRole.ASSISTANT, content=answer.text)
+        return ChatResponse(message=message, raw=answer.stats(), additional_kwargs=_usage(answer))
+
+    def _stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        rendered = self._generator.render_messages(_messages(messages))
+        for text, delta, answer in self._deltas(rendered, kwargs):
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+            if answer is None:
+                yield ChatResponse(message=message, delta=delta)
+            else:
+                yield ChatResponse(message=message, delta=delta, raw=answer.stats(), additional_kwargs=_usage(answer))
+
+    def _completion_prompt(self, prompt: str, formatted: bool) -> RenderedPrompt:
+        if not self._generator.is_chat_model:
+            formatted = True  # no template to apply: the prompt is the model's input
+        return self._generator.render_completion(prompt, self.system_prompt, formatted=formatted)
+
+    def _answer(self, rendered: RenderedPrompt, kwargs: dict) -> Answer:
+        answer = self._generator.generate(rendered, self._params(kwargs), mode=kwargs.get("mode", self.reuse_mode),
+                                          timeout=self.timeout)
+        self._last_stats = answer.stats()
+        return answer
+
+    def _deltas(self, rendered: RenderedPrompt, kwargs: dict):
+        """``(text so far, delta, None)`` per delta as it comes, then ``(text, "", Answer)``: a final
+        empty-delta response carries the stats (nothing is held back from the stream)."""
+        stream = self._generator.stream(rendered, self._params(kwargs), mode=kwargs.get("mode", self.reuse_mode),
+                                        timeout=self.timeout)
+        text = ""
+        try:
+            for delta in stream:
+                text += delta
+                yield text, delta, None
+        finally:
+            stream.close()
+        self._last_stats = stream.answer.stats()
+        yield text, "", stream.answer
+
+    def _params(self, kwargs: dict):
+        stop = list(self.stop) + list(kwargs.get("stop") or [])
+        return sampling_params(
+            max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+            temperature=kwargs.get("temperature", self.temperature), top_p=kwargs.get("top_p", self.top_p),
+            stop=stop, seed=kwargs.get("seed", self.seed),
+        )
+
+
+class CachedRAGRetriever(BaseRetriever):
+    """Retrieve chunks from a cachedrag index directory; their texts become cacheable chunks.
+
+    >>> retriever = CachedRAGRetriever(index_dir="my-index", similarity_top_k=4)   # doctest: +SKIP
+    >>> [n.node.node_id for n in retriever.retrieve("How do I pretty-print JSON?")]  # doctest: +SKIP
+    ['stdlib/json#0', ...]
+
+    Several ``embedding_strs`` (HyDE with ``include_original=True``) are searched as the
+    renormalised mean of their normalised embeddings. ``query_bundle.embedding`` is ignored:
+    it comes from ``Settings.embed_model``, not necessarily the index's embedder.
+    """
+
+    def __init__(self, index_dir: str, similarity_top_k: int = 4, nprobe: int | None = None,
+                 auto_prefetch: bool = True, chunk_registry: ChunkRegistry | None = None,
+                 callback_manager: CallbackManager | None = None, verbose: bool = False):
+        if similarity_top_k < 1:
+            raise ValueError("similarity_top_k must be at least 1")
+        super().__init__(callback_manager=callback_manager, verbose=verbose)
+        self.index_dir = str(index_dir)
+        self.similarity_top_k = similarity_top_k
+        self.nprobe = nprobe
+        self._searcher = shared_searcher(index_dir, chunk_registry)
+        self._handler = None
+        if auto_prefetch:
+            self._handler = _PrefetchOnQueryStart()
+            self._handler._retriever = weakref.ref(self)
+            _add_handler(self._handler)
+            weakref.finalize(self, _remove_handler, self._handler)
+
+    def prefetch(self, original_query: str) -> bool:
+        """Start moving the IVF clusters nearest ``original_query`` to the fast tier; returns at once."""
+        return self._searcher.prefetch(original_query)
+
+    def close(self) -> None:
+        """Stop listening for query starts (the shared index stays loaded)."""
+        if self._handler is not None:
+            _remove_handler(self._handler)
+            self._handler = None
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        hits = self._searcher.search(query_bundle.embedding_strs, k=self.similarity_top_k, nprobe=self.nprobe)
+        return [NodeWithScore(node=_node(h), score=h.score) for h in hits]
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return await run_in_worker(self._retrieve, query_bundle)
+
+
+class CachedRAGNodePostprocessor(BaseNodePostprocessor):
+    """Register the texts of nodes from any retriever or vector store; nodes pass unchanged.
+
+    >>> engine = RetrieverQueryEngine.from_args(my_vector_retriever, llm=CachedRAGLLM(),        # doctest: +SKIP
+    ...                                         node_postprocessors=[CachedRAGNodePostprocessor()])
+    """
+
+    _registry: ChunkRegistry = PrivateAttr(default=None)
+
+    def __init__(self, *, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._registry = _default_registry() if chunk_registry is None else chunk_registry
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CachedRAGNodePostprocessor"
+
+    def _postprocess_nodes(self, nodes: list[NodeWithScore],
+                           query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+        self._registry.register(n.node.get_content(metadata_mode=MetadataMode.NONE) for n in nodes
+                                if isinstance(n.node, TextNode))
+        return nodes
+
+
+# ---------------------------------------------------------------------- helpers
+def _default_registry() -> ChunkRegistry:
+    return chunk_registry()
+
+
+def _load_engine(model: str, share: bool):
+    if share:
+        return shared_engine(model)
+    from cachedrag.engine import CachedEngine
+
+    return CachedEngine(model=None if model == DEFAULT_MODEL else model)
+
+
+def _messages(messages: Sequence[ChatMessage]) -> list[Message]:
+    out = []
+    for m in messages:
+        if any(not isinstance(b, TextBlock) for b in m.blocks):
+            kinds = sorted({type(b).__name__ for b in m.blocks if not isinstance(b, TextBlock)})
+            raise ValueError(f"CachedRAGLLM handles text only; the message has {', '.join(kinds)}")
+        out.append(Message(m.role.value, m.content or ""))
+    return out
+
+
+def _usage(answer: Answer) -> dict:
+    return {"prompt_tokens": answer.input_tokens, "completion_tokens": answer.output_tokens,
+            "total_tokens": answer.input_tokens + answer.output_tokens, "cached_tokens": answer.cached_tokens}
+
+
+def _node(hit: SearchHit) -> TextNode:
+    metadata = hit.metadata()
+    node = TextNode(id_=hit.chunk_id, text=hit.text, metadata=metadata,
+                    excluded_llm_metadata_keys=list(metadata), excluded_embed_metadata_keys=list(metadata))
+    node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=hit.doc_id)
+    return node
+
+
+class _PrefetchOnQueryStart(BaseEventHandler):
+    """Starts a retriever's lookahead prefetch when any query engine starts a query."""
+
+    _retriever: Any = PrivateAttr(default=None)  # weakref to the CachedRAGRetriever
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CachedRAGPrefetchOnQueryStart"
+
+    def handle(self, event, **kwargs: Any) -> None:
+        if not isinstance(event, QueryStartEvent):
+            return
+        retriever = self._retriever() if self._retriever is not None else None
+        if retriever is None:
+            return
+        query = event.query.query_str if isinstance(event.query, QueryBundle) else str(event.query)
+        retriever.prefetch(query)
+
+
+def _add_handler(handler: BaseEventHandler) -> None:
+    get_dispatcher().add_event_handler(handler)
+
+
+def _remove_handler(handler: BaseEventHandler) -> None:
+    root = get_dispatcher()
+    root.event_handlers = [h for h in root.event_handlers if h is not handler]
