@@ -18,7 +18,7 @@ from typing import Literal
 from cachedrag.errors import EmptyInputError
 from cachedrag.kvcache.keys import Namespace, chunk_key
 
-_SENTINEL = "\x1fCACHEDRAG_USER_CONTENT\x1f"
+_SENTINEL = "CACHEDRAGUSERCONTENTd41d8cd9"  # no whitespace: templates may strip()/trim content
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_PREFIX = "Question: "
 

@@ -194,7 +194,8 @@ class DiskClusterStore(ClusterStore):
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_vfd", -1) >= 0:
+        # at interpreter exit module globals (os) may already be gone: then the OS closes the fd
+        if getattr(self, "_vfd", -1) >= 0 and os is not None and getattr(os, "close", None) is not None:
             self.close()
 
 
