@@ -1,28 +1,65 @@
 """The chunk-cache manager: one knowledge tree, one variant index, one store of entries.
 
 Owns: planning requests (through ``Planner``), admitting what a request computed (exact
-prefix paths into the tree, fresh chunks as variants), and the lifetime of stored entries:
-an entry (one segment's raw K + V) may be referenced by a tree node and by a variant at once,
-so entries are reference-counted by handle and removed from the store when the last reference
-goes. Pure Python: entries are opaque objects handed to ``store.put``; never imports torch.
+prefix paths into the tree, fresh chunks as variants), and the lifetime of stored entries.
+An entry (one segment's raw K + V, stored under its handle ``path_key(path)``) may be
+referenced by the tree node at its path and by a variant at once; it is removed from the
+store when neither references it (``refcount``). The manager keeps those references true to
+the store: entries the store dropped for lack of room (``drops_since``) are forgotten with their
+tree subtree; a tree entry a request could not load (lost to another process or a TTL, found
+damaged) is stored again when that request recomputes it (same path, same handle: ``admit``),
+a variant that could not be loaded is forgotten; entries written by an earlier run or by
+another process are adopted from their headers (``refresh`` / ``rebuild``). It hands
+the store the policy's view of each entry: a priority (PGDSF value of a tree node, Cache-Craft
+f_r of a variant, on one scale) and the tree parent, when the store takes them (``TieredStore``).
+Pure Python: entries and tensors are opaque objects; never imports torch.
 
-Does not own: tensors (the engine makes entries), tier placement (the store), or the
-thresholds (``CacheConfig``).
+Does not own: tensors (the engine makes entries), tier placement and byte budgets of tiers
+(the store), parsing entry metadata (``catalog``), or the thresholds (``CacheConfig``).
+
+Persistence. With a store that has a persistent tier (disk, Redis) the constructor calls
+``rebuild()``: every entry the store lists (local tiers, plus this namespace's keys in shared
+tiers) is described from its header alone (``store.info``; a chunk variant also reads its small
+``token_inter`` tensor through ``store.extras``, never its K/V). Exact entries become tree nodes
+when their whole ancestor chain is present; variants re-enter the index (N x M caps apply).
+Entries nothing can reach (an ancestor is gone, a duplicate variant) stay in the store
+unreferenced (the store evicts them first: they have no priority) and are not re-read by
+``refresh``. A restarted process's first request therefore hits what the last one stored;
+``refresh()`` picks up entries other processes wrote since (shared Redis).
+
+Budgets. ``capacity_bytes`` caps the bytes the manager references (tensor bytes, as the
+engine reports them): above it the tree evicts leaves by its policy and the index evicts
+lowest-f_r variants, and their entries are removed from the store. ``None`` = no cap: the
+store's own tier budgets govern, and what the store drops is forgotten here. With a
+``TieredStore`` pass ``None`` (the tiers' budgets are the real limits; a cap below them only
+deletes entries the slower tiers could have kept).
+
+Priority scale (higher = keep in a faster tier): a tree node's PGDSF value
+``H = L + F x C / S`` (clock L, hits F, prefill cost C of the segment at its position, bytes S);
+a variant's ``L + f_r x C / S`` with C the cost of its tokens at position 0; an entry that is
+both takes the larger. Updated in the store on admission and on every hit.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from cachedrag.kvcache.catalog import CatalogError, StoredSegment, tree_order, variant_metadata
 from cachedrag.kvcache.config import CacheConfig
-from cachedrag.kvcache.index import VariantIndex
-from cachedrag.kvcache.planner import Mode, Plan, Planner, PlanRequest
+from cachedrag.kvcache.index import Variant, VariantIndex
+from cachedrag.kvcache.keys import path_key
+from cachedrag.kvcache.planner import Action, Mode, Plan, Planner, PlanRequest
+from cachedrag.kvcache.policy import PGDSF
 from cachedrag.kvcache.profile import PrefillProfile
-from cachedrag.kvcache.tree import KnowledgeTree
+from cachedrag.kvcache.tree import KnowledgeTree, TreeNode
 from cachedrag.kvcache.variants import AttentionMetadata
+
+_VALUE = PGDSF()
 
 
 @dataclass(frozen=True)
@@ -36,114 +73,455 @@ class NewEntry:
     meta: AttentionMetadata | None  # None for system segments (never variants)
 
 
+@dataclass
+class RefreshReport:
+    """What one ``refresh`` / ``rebuild`` found in the store."""
+
+    listed: int = 0  # keys the store listed
+    read: int = 0  # headers read (keys not referenced yet)
+    tree_nodes: int = 0  # adopted as knowledge-tree nodes
+    variants: int = 0  # adopted as chunk variants
+    unreferenced: int = 0  # readable engine entries nothing can reach (missing ancestor, duplicate)
+    unreadable: int = 0  # listed but gone, damaged or foreign when read (the store counted them)
+    not_engine: int = 0  # entries without (consistent) engine metadata: left alone
+    pruned: int = 0  # referenced handles the store no longer holds, forgotten
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Features:
+    """What the store offers beyond the narrow tier interface (duck-typed once)."""
+
+    placement: bool  # put(..., priority=, parent=) and set_priority(key, p, parent=)
+    info: bool  # info(key) / extras(key): header-only reads
+    shared_keys: bool  # keys(shared=True)
+    drops: bool  # drops_since(cursor)
+    persistent: bool  # some tier survives a restart (disk, Redis)
+    shared: bool  # some tier is shared with other processes (Redis)
+
+    @classmethod
+    def of(cls, store: Any) -> _Features:
+        tiers = list(getattr(store, "tiers", None) or [store])
+
+        def takes(name: str, *params: str) -> bool:
+            fn = getattr(store, name, None)
+            if fn is None:
+                return False
+            try:
+                sig = inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                return False
+            return all(p in sig for p in params)
+
+        return cls(
+            placement=takes("put", "priority", "parent") and takes("set_priority", "parent"),
+            info=callable(getattr(store, "info", None)) and callable(getattr(store, "extras", None)),
+            shared_keys=takes("keys", "shared"),
+            drops=callable(getattr(store, "drops_since", None)),
+            persistent=any(getattr(t, "persistent", False) for t in tiers),
+            shared=any(getattr(t, "shared", False) for t in tiers),
+        )
+
+
 class ChunkCacheManager:
-    """Tree + variants + refcounted store handles, safe for concurrent requests."""
+    """Tree + variants + refcounted store handles, safe for concurrent requests.
+
+    ``rebuild``: adopt what the store already holds at construction; None (default) = when
+    the store has a persistent tier. See the module docstring for ``capacity_bytes``.
+    """
 
     def __init__(self, store, config: CacheConfig | None = None, capacity_bytes: int | None = None,
-                 profile: PrefillProfile | None = None):
+                 profile: PrefillProfile | None = None, *, rebuild: bool | None = None):
         self.config = config or CacheConfig()
         self.store = store
         self.capacity_bytes = capacity_bytes
-        self.tree = KnowledgeTree(self.config.policy, profile=profile)
+        self.tree = KnowledgeTree(self.config.policy, profile=profile, cfo_floor=self.config.cfo_floor)
         self.index = VariantIndex.from_config(self.config)
         self.planner = Planner(self.tree, self.index, self.config)
-        self._refs: dict[str, int] = {}
-        self._sizes: dict[str, int] = {}
+        self.features = _Features.of(store)
+        self._sizes: dict[str, int] = {}  # referenced handles -> entry bytes
+        self._bytes = 0
+        self._nodes: dict[str, TreeNode] = {}  # handle -> its (attached) tree node
+        self._variants: dict[str, Variant] = {}  # handle -> its (attached) variant
+        self._ignored: set[str] = set()  # read by refresh, nothing could reference them
+        self._drop_cursor = 0
         self._lock = threading.RLock()
+        self.counters = {"stored": 0, "restored": 0, "lost": 0, "invalidated": 0, "store_drops": 0, "adopted": 0,
+                         "refreshes": 0}
+        self.last_refresh: RefreshReport | None = None
+        if rebuild or (rebuild is None and self.features.persistent):
+            self.rebuild()
 
     # ---------------------------------------------------------------- planning
     def plan(self, request: PlanRequest, mode: str | Mode) -> Plan:
+        if self.features.drops:
+            with self._lock:
+                self._sync_drops()
         return self.planner.plan(request, mode)
 
     def release(self, plan: Plan, used: bool = True) -> None:
+        """Record the plan's hits (tree touches, f_r) and push the new priorities to the store."""
         self.planner.release(plan, used=used)
+        if not (used and self.features.placement):
+            return
+        hit = [s.handle for s in plan.segments if s.action in (Action.TREE, Action.REUSE) and s.handle is not None]
+        with self._lock:
+            for h in hit:
+                if h in self._sizes:
+                    self.store.set_priority(h, self._priority(h))
+
+    def prefetch(self, plan: Plan):
+        """Start moving the plan's cached entries toward the fastest tier (a store with
+        ``prefetch``); returns the store's handle, or None."""
+        fn = getattr(self.store, "prefetch", None)
+        handles = [s.handle for s in plan.segments if s.action in (Action.TREE, Action.REUSE) and s.handle is not None]
+        return fn(handles) if fn is not None and handles else None
 
     def load(self, handle: str):
-        """The stored entry of ``handle`` or None (evicted, corrupt, foreign: always a miss)."""
-        return self.store.get(handle)
+        """The stored entry of ``handle`` or None (evicted, corrupt, foreign: always a miss).
+        On a miss the request computes the segment fresh; see ``admit`` for how the
+        references heal."""
+        entry = self.store.get(handle)
+        if entry is None:
+            with self._lock:
+                self._lost(handle)
+        return entry
+
+    def open_layers(self, handle: str, device: Any, depth: int | None = None):
+        """A layer-wise loader of ``handle`` from a store with ``open_layers`` (``TieredStore``),
+        or None on a miss (handled like a ``load`` miss)."""
+        loader = self.store.open_layers(handle, device, depth)
+        if loader is None:
+            with self._lock:
+                self._lost(handle)
+        return loader
+
+    def invalidate(self, handle: str) -> bool:
+        """Forget ``handle`` and, if it is a tree node, its subtree (that KV was computed behind
+        it): for an entry that proved unusable in a way the store could not see (e.g. a wrong
+        shape). Returns whether it was referenced."""
+        with self._lock:
+            return self._invalidate(handle)
 
     # ---------------------------------------------------------------- admission
-    def admit(self, plan: Plan, keys: Sequence[str], new: Sequence[NewEntry], priority: float = 0.0) -> dict[str, int]:
+    def admit(self, plan: Plan, keys: Sequence[str], new: Sequence[NewEntry],
+              priority: float | None = None) -> dict[str, int]:
         """Store what ``plan``'s request computed and reference it from the tree and the index.
 
         ``keys`` are the plan's segment keys in order. Exact leading segments
-        (``plan.exact_prefix_segments``) become a tree path; fresh chunks become variants.
-        Returns counts for stats.
+        (``plan.exact_prefix_segments``) become a tree path (stored with their tree parent);
+        fresh chunks with metadata become variants. ``priority`` overrides the policy's initial
+        store priority. Returns counts for stats.
         """
         by_segment = {n.segment: n for n in new}
+        exact = plan.exact_prefix_segments
         stored = 0
         with self._lock:
+            self._sync_drops()
             for n in new:
-                if n.handle in self._refs:  # the same segment in the same context is already stored
+                sp = plan.segments[n.segment]
+                if (sp.action is not Action.FRESH and sp.handle is not None and sp.handle != n.handle
+                        and sp.handle in self._sizes and not self.store.contains(sp.handle)):
+                    self._lost(sp.handle)  # a planned variant could not be loaded: it is gone
+                in_tree = n.segment < exact
+                parent = path_key(keys[:n.segment]) if in_tree and n.segment > 0 else None
+                p = priority if priority is not None else self._initial_priority(
+                    sp.start if in_tree else 0, sp.n_tokens, n.nbytes)
+                if n.handle in self._sizes:  # the same segment in the same context is referenced:
+                    if self.store.contains(n.handle):  # stored (another request admitted it first)
+                        continue
+                    # lost since it was planned (its load missed): store it again; the tree node
+                    # and its subtree stay valid, the KV is the same
+                    if self._put(n.handle, n.entry, p, parent):
+                        self.counters["restored"] += 1
+                        stored += 1
+                    else:
+                        self._invalidate(n.handle)
                     continue
-                if self.store.put(n.handle, n.entry):
-                    self._refs[n.handle] = 0
-                    self._sizes[n.handle] = n.nbytes
+                if self._put(n.handle, n.entry, p, parent):
+                    self._track(n.handle, n.nbytes)
                     stored += 1
-            exact = plan.exact_prefix_segments
             path_len = 0
             for i in range(exact):  # the tree path stops at the first segment with no stored entry
                 seg = plan.segments[i]
                 handle = seg.handle if seg.handle is not None else (by_segment[i].handle if i in by_segment else None)
-                if handle is None or handle not in self._refs:
+                if handle is None or handle not in self._sizes:
                     break
                 path_len += 1
             if path_len:
                 handles = [plan.segments[i].handle or by_segment[i].handle for i in range(path_len)]
-                for h in handles:
-                    self._refs[h] += 1
                 result = self.tree.insert(
                     list(keys[:path_len]), handles, [plan.segments[i].n_tokens for i in range(path_len)],
-                    [self._sizes.get(h, 0) for h in handles],
+                    [self._sizes[h] for h in handles],
                 )
-                self._drop(result.unused_handles)
+                for node in result.nodes:
+                    self._nodes[node.handle] = node
             for n in new:
-                if n.meta is None or n.handle not in self._refs:
+                if n.meta is None or n.handle not in self._sizes or n.handle in self._variants:
                     continue
-                self._refs[n.handle] += 1
                 added = self.index.add(keys[n.segment], n.handle, n.meta)
-                self._drop(added.evicted)
-            for n in new:  # stored but referenced by nothing (e.g. not admitted anywhere)
-                if self._refs.get(n.handle) == 0:
-                    self._drop([n.handle], decref=False)
+                if added.admitted:
+                    self._variants[n.handle] = added.variant
+                self._unref(added.evicted)
+            self._unref([n.handle for n in new])  # stored but referenced by nothing
             self._enforce_capacity()
+            self._sync_drops()  # the puts may have made the store drop others
+            self.counters["stored"] += stored
         return {"stored": stored}
 
-    def _drop(self, handles, decref: bool = True) -> None:
-        for h in handles:
-            if h not in self._refs:
+    # ---------------------------------------------------------------- store contents
+    def rebuild(self) -> RefreshReport:
+        """Adopt every engine entry the store holds (see the module docstring); also forgets
+        referenced handles the store no longer has. Called by the constructor on persistent
+        stores."""
+        with self._lock:
+            self._ignored.clear()
+        return self.refresh(prune=True)
+
+    def refresh(self, *, prune: bool = False) -> RefreshReport:
+        """Adopt entries written since the last scan (by other processes sharing a Redis tier,
+        or by this one before a restart). ``prune`` also checks that every referenced handle
+        is still in the store (one ``contains`` each) and forgets the missing ones."""
+        t0 = time.perf_counter()
+        report = RefreshReport()
+        if not self.features.info:
+            report.seconds = time.perf_counter() - t0
+            self.last_refresh = report
+            return report
+        keys = self.store.keys(shared=True) if self.features.shared_keys else self.store.keys()
+        report.listed = len(keys)
+        with self._lock:
+            self._sync_drops()
+            todo = [k for k in keys if k not in self._sizes and k not in self._ignored]
+        segments, token_inter = self._describe(todo, report)  # store reads, outside the lock
+        with self._lock:
+            self._adopt(segments, token_inter, report)
+            if prune:
+                report.pruned = self._prune()
+            self._enforce_capacity()
+            self.counters["refreshes"] += 1
+            self.counters["adopted"] += report.tree_nodes + report.variants
+        report.seconds = time.perf_counter() - t0
+        self.last_refresh = report
+        return report
+
+    def _describe(self, keys: Sequence[str], report: RefreshReport) -> tuple[list[StoredSegment], dict[str, list[float]]]:
+        segments: list[StoredSegment] = []
+        token_inter: dict[str, list[float]] = {}
+        for key in keys:
+            info = self.store.info(key)
+            report.read += 1
+            if info is None:
+                report.unreadable += 1
                 continue
-            if decref:
-                self._refs[h] -= 1
-            if self._refs[h] <= 0:
-                del self._refs[h]
-                self._sizes.pop(h, None)
+            try:
+                seg = StoredSegment.parse(key, info.meta, info.nbytes, info.n_tokens)
+            except CatalogError:
+                report.not_engine += 1
+                with self._lock:
+                    self._ignored.add(key)
+                continue
+            if seg.variant is not None and seg.role == "chunk":
+                extras = self.store.extras(key)
+                values = None if extras is None else extras.get("token_inter")
+                if values is not None:
+                    token_inter[key] = [float(x) for x in values.tolist()]  # [T] floats
+            segments.append(seg)
+        return segments, token_inter
+
+    def _adopt(self, segments: list[StoredSegment], token_inter: dict[str, list[float]], report: RefreshReport) -> None:
+        """Under the lock: tree paths first (parents before children), then variants."""
+        fresh = [s for s in segments if s.handle not in self._sizes]
+        insertable, _orphans = tree_order(fresh, lambda path: self.tree.find(list(path)) is not None)
+        adopted: dict[str, str | None] = {}  # handle -> tree parent handle
+        for seg in insertable:
+            parents = self.tree.match_prefix(seg.path[:-1])
+            if len(parents) != len(seg.path) - 1 or self.tree.find(list(seg.path)) is not None:
+                continue  # an ancestor went meanwhile, or a request inserted this path first
+            result = self.tree.insert(
+                list(seg.path), [n.handle for n in parents] + [seg.handle],
+                [n.n_tokens for n in parents] + [seg.n_tokens], [n.nbytes for n in parents] + [seg.nbytes],
+            )
+            self._track(seg.handle, seg.nbytes)
+            self._nodes[seg.handle] = result.nodes[-1]
+            adopted[seg.handle] = seg.parent_handle
+            report.tree_nodes += 1
+        for seg in fresh:
+            values = token_inter.get(seg.handle)
+            if values is None or seg.handle in self._variants:
+                continue
+            try:
+                meta = variant_metadata(seg, values)
+            except CatalogError:
+                continue
+            added = self.index.add(seg.segment_key, seg.handle, meta)
+            if added.admitted:
+                self._track(seg.handle, seg.nbytes)
+                self._variants[seg.handle] = added.variant
+                adopted.setdefault(seg.handle, None)
+                report.variants += 1
+            self._unref(added.evicted)
+        for seg in fresh:
+            if seg.handle not in self._sizes:
+                report.unreferenced += 1
+                self._ignored.add(seg.handle)
+        if self.features.placement:
+            for h, parent in adopted.items():
+                if h in self._sizes:
+                    self.store.set_priority(h, self._priority(h), parent=parent)
+
+    # ---------------------------------------------------------------- references (lock held)
+    def _track(self, handle: str, nbytes: int) -> None:
+        if handle not in self._sizes:
+            self._sizes[handle] = nbytes
+            self._bytes += nbytes
+
+    def _put(self, handle: str, entry: Any, priority: float, parent: str | None) -> bool:
+        if self.features.placement:
+            return bool(self.store.put(handle, entry, priority=priority, parent=parent))
+        return bool(self.store.put(handle, entry))
+
+    def _unref(self, handles) -> None:
+        """Drop detached tree nodes / variants from the maps; remove entries nothing references."""
+        for h in handles:
+            node = self._nodes.get(h)
+            if node is not None and not node.attached:
+                del self._nodes[h]
+            variant = self._variants.get(h)
+            if variant is not None and not variant.attached:
+                del self._variants[h]
+            if h in self._sizes and h not in self._nodes and h not in self._variants:
+                self._bytes -= self._sizes.pop(h)
                 self.store.remove(h)
+
+    def _invalidate(self, handle: str) -> bool:
+        if handle not in self._sizes:
+            return False
+        freed = [handle]
+        node = self._nodes.get(handle)
+        if node is not None and node.attached:
+            freed += self.tree.remove(node)
+        variant = self._variants.get(handle)
+        if variant is not None and variant.attached:
+            self.index.remove(variant)
+        self.counters["invalidated"] += 1
+        self._unref(freed)
+        return True
+
+    def _lost(self, handle: str) -> None:
+        """A referenced entry could not be read. Its variant goes at once (no request stores a
+        variant again under its old handle); its tree node stays: the request computes that
+        segment fresh, under the same path and handle, and ``admit`` stores it back."""
+        variant = self._variants.get(handle)
+        if variant is not None and variant.attached:
+            self.index.remove(variant)
+            self.counters["lost"] += 1
+            self._unref([handle])
+
+    def _sync_drops(self) -> None:
+        """Forget the entries the store deleted for lack of room since the last call."""
+        if not self.features.drops:
+            return
+        keys, self._drop_cursor, complete = self.store.drops_since(self._drop_cursor)
+        for key in keys:
+            if key in self._sizes and not self.store.contains(key):
+                self.counters["store_drops"] += 1
+                self._invalidate(key)
+        if not complete:
+            self._prune()
+
+    def _prune(self) -> int:
+        gone = [h for h in list(self._sizes) if not self.store.contains(h)]
+        for h in gone:
+            self._invalidate(h)
+        return len(gone)
 
     def _enforce_capacity(self) -> None:
         if self.capacity_bytes is None:
             return
-        over = self.used_bytes - self.capacity_bytes
+        over = self._bytes - self.capacity_bytes
         if over > 0:
-            self._drop(self.tree.evict_until(over))
-        while self.used_bytes > self.capacity_bytes and len(self.index) > 0:
+            self._unref(self.tree.evict_until(over))
+        while self._bytes > self.capacity_bytes and len(self.index) > 0:
             evicted = self.index.evict(1)
             if not evicted:
                 break
-            self._drop(evicted)
+            self._unref(evicted)
 
-    # ---------------------------------------------------------------- stats
+    # ---------------------------------------------------------------- priorities
+    def _cost(self, prefix_tokens: int, n_tokens: int) -> float:
+        profile = self.tree.profile
+        return profile.marginal_cost(prefix_tokens, n_tokens) if profile is not None else float(n_tokens)
+
+    def _initial_priority(self, prefix_tokens: int, n_tokens: int, nbytes: int) -> float:
+        """Priority of a new entry (one access / f_r = 1), on the scale of ``_priority``."""
+        return self.tree.clock + self._cost(prefix_tokens, n_tokens) / max(nbytes, 1)
+
+    def _priority(self, handle: str) -> float:
+        best = 0.0
+        node = self._nodes.get(handle)
+        if node is not None and node.stats is not None:
+            best = _VALUE.priority(node.stats)
+        variant = self._variants.get(handle)
+        if variant is not None:
+            nbytes = max(self._sizes.get(handle, 1), 1)
+            best = max(best, self.tree.clock + variant.reuse_score * self._cost(0, variant.n_tokens) / nbytes)
+        return best
+
+    def priority(self, handle: str) -> float | None:
+        """The store priority the policy gives ``handle`` now (None if not referenced)."""
+        with self._lock:
+            return self._priority(handle) if handle in self._sizes else None
+
+    # ---------------------------------------------------------------- stats and checks
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return sum(self._sizes.values())
+            return self._bytes
+
+    def refcount(self, handle: str) -> int:
+        """How many references (tree node, variant) ``handle`` has: 0, 1 or 2."""
+        with self._lock:
+            return int(handle in self._nodes) + int(handle in self._variants)
+
+    def handles(self) -> list[str]:
+        """Referenced handles (each one stored)."""
+        with self._lock:
+            return list(self._sizes)
+
+    def check(self) -> list[str]:
+        """Reference-consistency violations (empty when all hold): the maps equal the tree's
+        and the index's contents, every referenced handle is counted once, bytes add up."""
+        problems: list[str] = []
+        with self._lock:
+            tree = {n.handle for n in self.tree.nodes()}
+            variants = {v.handle for v in self.index.all_variants()}
+            if tree != set(self._nodes):
+                problems.append(f"tree handles differ from the node map by {len(tree ^ set(self._nodes))}")
+            if variants != set(self._variants):
+                problems.append(f"variant handles differ from the variant map by {len(variants ^ set(self._variants))}")
+            referenced = tree | variants
+            if referenced != set(self._sizes):
+                problems.append(f"{len(referenced ^ set(self._sizes))} handles referenced xor tracked")
+            if self._bytes != sum(self._sizes.values()):
+                problems.append(f"bytes {self._bytes} != sum of sizes {sum(self._sizes.values())}")
+            if self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
+                problems.append(f"bytes {self._bytes} > capacity {self.capacity_bytes}")
+        return problems
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {
-                "entries": len(self._refs),
-                "bytes": sum(self._sizes.values()),
-                "tree_nodes": len(self.tree.nodes()),
+            out = {
+                "entries": len(self._sizes),
+                "bytes": self._bytes,
+                "tree_nodes": len(self.tree),
                 "variants": len(self.index),
                 "chunks": self.index.n_chunks,
+                **self.counters,
             }
+        if self.last_refresh is not None:
+            out["last_refresh"] = self.last_refresh.as_dict()
+        return out

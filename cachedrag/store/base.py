@@ -1,9 +1,10 @@
 """The narrow tier interface every cache tier implements, and per-tier statistics.
 
 Owns: ``Tier`` (contains / get / put / remove, batched defaults, budget and usage, the
-two-step ``prepare`` -> ``commit`` write used by ``TieredStore``), ``TierStats`` and key
-validation. Does not own: any storage medium (``cpu``, ``gpu``, ``disk``, ``redis_tier``) or
-placement across tiers (``policy``, ``tiered``).
+two-step ``prepare`` -> ``commit`` write used by ``TieredStore``, header-only ``info`` /
+``meta`` and ``extras`` reads for scans), ``TierStats``, ``EntryInfo`` and key validation.
+Does not own: any storage medium (``cpu``, ``gpu``, ``disk``, ``redis_tier``) or placement
+across tiers (``policy``, ``tiered``).
 
 A tier never holds more than ``budget_bytes`` (its own notion of bytes: tensor bytes in
 memory, allocated bytes on disk, measured memory in Redis). When a write does not fit, a
@@ -21,6 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from cachedrag.store.codec import check_namespace
 from cachedrag.store.entry import KVEntry
@@ -58,6 +61,20 @@ class TierStats:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What a tier can say about an entry without reading its K/V (a scan after a restart)."""
+
+    meta: dict[str, str]
+    nbytes: int  # tensor bytes, as ``KVEntry.nbytes``
+    n_layers: int
+    n_tokens: int
+
+    @classmethod
+    def of(cls, entry: KVEntry) -> EntryInfo:
+        return cls(dict(entry.meta), entry.nbytes, entry.n_layers, entry.n_tokens)
 
 
 @dataclass
@@ -124,6 +141,34 @@ class Tier(ABC):
     @abstractmethod
     def remove(self, key: str) -> bool:
         """Drop ``key``; ``True`` if it was there."""
+
+    # ---- header-only reads (scans) -------------------------------------------------------
+    def info(self, key: str) -> EntryInfo | None:
+        """``key``'s meta, tensor bytes and shape without reading K/V (serialized tiers read
+        the header only). ``None`` on a miss; a bad header is counted, removed and a miss.
+        Not counted as a hit or miss and does not change recency: scans use it."""
+        check_key(key)
+        return self._info(key)
+
+    def meta(self, key: str) -> dict[str, str] | None:
+        """``entry.meta`` of ``key`` from the header alone (``None`` on a miss)."""
+        info = self.info(key)
+        return None if info is None else info.meta
+
+    def extras(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The non-layered tensors of ``key`` (e.g. ``token_inter`` ``[T]``), verified, without
+        reading K/V. ``None`` on a miss. Read-only, like every entry a tier hands out."""
+        check_key(key)
+        return self._extras(key)
+
+    def _info(self, key: str) -> EntryInfo | None:
+        """Default: read the whole entry (tiers with a header override this)."""
+        entry = self._get(key)
+        return None if entry is None else EntryInfo.of(entry)
+
+    def _extras(self, key: str) -> dict[str, torch.Tensor] | None:
+        entry = self._get(key)
+        return None if entry is None else {n: entry.tensors[n] for n in entry.extra_names()}
 
     @abstractmethod
     def keys(self) -> list[str]:

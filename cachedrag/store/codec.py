@@ -164,6 +164,15 @@ class EntryHeader:
         return len(self.layer_sums)
 
     @property
+    def n_tokens(self) -> int:
+        return int(self.specs["k"].shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes of the entry (``KVEntry.nbytes``), from the header alone."""
+        return sum(s.end - s.begin for s in self.specs.values())
+
+    @property
     def extras(self) -> tuple[str, ...]:
         return tuple(sorted(n for n in self.specs if n not in self.layered))
 

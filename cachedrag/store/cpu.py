@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 
 from cachedrag.errors import ConfigError
-from cachedrag.store.base import Prepared, Tier, check_key
+from cachedrag.store.base import EntryInfo, Prepared, Tier, check_key
 from cachedrag.store.codec import check_namespace
 from cachedrag.store.entry import KVEntry
 from cachedrag.store.source import LayerSource, TensorSource
@@ -59,6 +59,14 @@ class MemoryTier(Tier):
         """The stored entry without touching recency or stats (for moves between tiers)."""
         with self._lock:
             return self._entries.get(key)
+
+    def _info(self, key: str) -> EntryInfo | None:
+        entry = self.peek(key)
+        return None if entry is None else EntryInfo.of(entry)
+
+    def _extras(self, key: str) -> dict[str, torch.Tensor] | None:
+        entry = self.peek(key)
+        return None if entry is None else {n: entry.tensors[n] for n in entry.extra_names()}
 
     def _get(self, key: str) -> KVEntry | None:
         with self._lock:

@@ -40,9 +40,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from cachedrag.errors import CorruptCacheError
-from cachedrag.store.base import Prepared, Tier, check_key
-from cachedrag.store.codec import ForeignEntryError, check_namespace, decode, encode, read_header
+from cachedrag.store.base import EntryInfo, Prepared, Tier, check_key
+from cachedrag.store.codec import ForeignEntryError, check_namespace, decode, decode_extras, encode, read_header
 from cachedrag.store.entry import KVEntry
 from cachedrag.store.source import BlobSource, LayerSource
 
@@ -177,6 +179,44 @@ class DiskTier(Tier):
             if key in self._index:
                 self._index.move_to_end(key)
         return entry
+
+    def _info(self, key: str) -> EntryInfo | None:
+        got = self._read_header(key, extras=False)
+        return None if got is None else got[0]
+
+    def _extras(self, key: str) -> dict[str, torch.Tensor] | None:
+        got = self._read_header(key, extras=True)
+        return None if got is None else got[1]
+
+    def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
+        """Header (and with ``extras`` the non-layered tensors) of ``key``'s file; K/V are not read."""
+        if not self.contains(key):
+            return None
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as exc:
+            warnings.warn(f"{self.name}: header read of {key} failed ({exc}); served as a miss", RuntimeWarning, stacklevel=3)
+            return None
+        try:
+            st = os.fstat(fd)
+
+            def read_at(offset: int, length: int) -> bytes:
+                return os.pread(fd, length, offset)
+
+            header = read_header(read_at, st.st_size, key, self.namespace)
+            tensors = decode_extras(header, read_at) if extras else {}
+        except CorruptCacheError as exc:
+            self._discard_bad(key, st.st_ino, exc)
+            return None
+        except OSError as exc:
+            warnings.warn(f"{self.name}: header read of {key} failed ({exc}); served as a miss", RuntimeWarning, stacklevel=3)
+            return None
+        finally:
+            os.close(fd)
+        return EntryInfo(dict(header.meta), header.nbytes, header.n_layers, header.n_tokens), tensors
 
     def open_source(self, key: str) -> LayerSource | None:
         if not self.contains(key):

@@ -32,10 +32,11 @@ import time
 import warnings
 
 import redis
+import torch
 
 from cachedrag.errors import CorruptCacheError
-from cachedrag.store.base import Prepared, Tier, check_key
-from cachedrag.store.codec import ForeignEntryError, check_namespace, decode, encode, read_header
+from cachedrag.store.base import EntryInfo, Prepared, Tier, check_key
+from cachedrag.store.codec import ForeignEntryError, check_namespace, decode, decode_extras, encode, read_header
 from cachedrag.store.entry import KVEntry
 from cachedrag.store.source import BlobSource, LayerSource
 
@@ -182,6 +183,36 @@ class RedisTier(Tier):
         except CorruptCacheError as exc:
             self._discard_bad(key, exc)
             return None
+
+    def _info(self, key: str) -> EntryInfo | None:
+        got = self._read_header(key, extras=False)
+        return None if got is None else got[0]
+
+    def _extras(self, key: str) -> dict[str, torch.Tensor] | None:
+        got = self._read_header(key, extras=True)
+        return None if got is None else got[1]
+
+    def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
+        """Header (and with ``extras`` the non-layered tensors) of ``key``'s value through
+        ``GETRANGE``; K/V are not transferred. Does not touch the LRU time."""
+        vkey = self.vkey(key)
+
+        def read_at(offset: int, length: int) -> bytes:
+            return b"" if length == 0 else self._client.getrange(vkey, offset, offset + length - 1)
+
+        try:
+            size = self._client.strlen(vkey)
+            if not size:
+                return None
+            header = read_header(read_at, int(size), key, self.namespace)
+            tensors = decode_extras(header, read_at) if extras else {}
+        except CorruptCacheError as exc:
+            self._discard_bad(key, exc)
+            return None
+        except redis.RedisError as exc:
+            warnings.warn(f"{self.name}: header read of {key} failed ({exc}); a miss", RuntimeWarning, stacklevel=3)
+            return None
+        return EntryInfo(dict(header.meta), header.nbytes, header.n_layers, header.n_tokens), tensors
 
     def open_source(self, key: str) -> LayerSource | None:
         vkey = self.vkey(key)

@@ -22,6 +22,9 @@ Placement, in short (details in ``docs/store.md``):
 - Shared tiers (Redis) are probed on a miss and evict by their own LRU (other processes
   write there too); the tree rule is kept for the local tiers.
 
+Drops are logged (``drops_since``) so that a policy layer holding references to entries
+(``ChunkCacheManager``) learns which ones the store deleted for lack of room.
+
 Locking: one store lock serializes placement (cheap bookkeeping plus the tier writes it
 decides); tier reads of a ``get`` run outside it, so hits in different tiers proceed in
 parallel. Tiers have their own locks; lock order is always store -> tier.
@@ -32,13 +35,14 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from cachedrag.errors import ConfigError
-from cachedrag.store.base import Tier, check_key
+from cachedrag.store.base import EntryInfo, Tier, check_key
 from cachedrag.store.codec import check_namespace, encode
 from cachedrag.store.config import StoreConfig
 from cachedrag.store.cpu import CPUTier, MemoryTier
@@ -79,6 +83,7 @@ class TieredStore:
         write_through: bool = False,
         prefetch_workers: int = 1,
         sort_key: SortKey = priority_then_recency,
+        drop_log_size: int = 65536,
     ) -> None:
         if not tiers:
             raise ConfigError("a TieredStore needs at least one tier")
@@ -98,6 +103,8 @@ class TieredStore:
         self._lock = threading.RLock()
         self._prefetcher = Prefetcher(self._fetch_up, prefetch_workers)
         self._loaders: weakref.WeakSet[LayerLoader] = weakref.WeakSet()
+        self._drop_log: deque[str] = deque(maxlen=drop_log_size)  # keys deleted for lack of room
+        self._drop_seq = 0  # drops logged since start (the log keeps the last ``maxlen``)
         for i, tier in enumerate(self.tiers):  # adopt what local tiers already hold (disk after a restart)
             if not tier.shared:
                 for key in tier.keys():
@@ -135,11 +142,18 @@ class TieredStore:
         raise KeyError(f"no tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
 
     def contains(self, key: str) -> bool:
+        """Whether a tier holds ``key``: the index's tiers are asked (a copy a tier removed on
+        its own, e.g. found corrupt by a layer loader, is dropped from the index), then shared
+        tiers are probed."""
         check_key(key)
         with self._lock:
-            if self._policy.cached(key) is not None:
+            node = self._policy.cached(key)
+            copies = sorted(node.copies) if node is not None else []
+        for i in copies:
+            if self.tiers[i].contains(key):
                 return True
-        return any(t.contains(key) for t in self.tiers if t.shared)
+            self._lost(key, i)
+        return any(t.contains(key) for i, t in enumerate(self.tiers) if t.shared and i not in copies)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.contains(k) for k in keys]
@@ -157,10 +171,49 @@ class TieredStore:
             node = self._policy.node(key)
             return None if node is None else node.priority
 
-    def keys(self) -> list[str]:
-        """Keys cached in the local tiers (shared tiers are not enumerated)."""
+    def keys(self, *, shared: bool = False) -> list[str]:
+        """Keys cached in the local tiers; with ``shared``, also every key of this namespace in
+        the shared tiers (a scan of the Redis accounting set: O(all values under the prefix))."""
         with self._lock:
-            return [k for k, n in self._policy.nodes.items() if n.copies]
+            out = [k for k, n in self._policy.nodes.items() if n.copies]
+        if shared:
+            seen = set(out)
+            for tier in self.tiers:
+                if tier.shared:
+                    for k in tier.keys():
+                        if k not in seen:
+                            seen.add(k)
+                            out.append(k)
+        return out
+
+    # ---- header-only reads ---------------------------------------------------------------
+    def info(self, key: str) -> EntryInfo | None:
+        """``key``'s meta, tensor bytes and shape from the fastest tier holding it, reading no
+        K/V (disk: the safetensors header; Redis: ``GETRANGE`` of it). No promotion, no stats."""
+        return self._header_read(key, lambda tier: tier.info(key))
+
+    def meta(self, key: str) -> dict[str, str] | None:
+        """``entry.meta`` of ``key`` from its header (``None`` when no tier holds it)."""
+        info = self.info(key)
+        return None if info is None else info.meta
+
+    def extras(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The non-layered tensors of ``key`` (e.g. ``token_inter`` ``[T]``) without its K/V."""
+        return self._header_read(key, lambda tier: tier.extras(key))
+
+    def _header_read(self, key: str, read):
+        check_key(key)
+        with self._lock:
+            node = self._policy.cached(key)
+            order = sorted(node.copies) if node is not None else []
+        order += [i for i, t in enumerate(self.tiers) if t.shared and i not in order]
+        for i in order:
+            got = read(self.tiers[i])
+            if got is not None:
+                return got
+            if not self.tiers[i].shared:
+                self._lost(key, i)
+        return None
 
     # ---- get -----------------------------------------------------------------------------
     def get(self, key: str, *, promote: bool = True) -> KVEntry | None:
@@ -303,13 +356,23 @@ class TieredStore:
     def put_many(self, items: Iterable[tuple[str, KVEntry]], *, priority: float = 0.0) -> list[bool]:
         return [self.put(k, e, priority=priority) for k, e in items]
 
-    def set_priority(self, key: str, priority: float) -> bool:
-        """Update ``key``'s priority (used at its next placement decision); ``False`` if unknown."""
+    def set_priority(self, key: str, priority: float, *, parent: str | None = None) -> bool:
+        """Update ``key``'s priority (used at its next placement decision) and, with ``parent``,
+        record its knowledge-tree parent (the parent is lifted to the child's tier, as in
+        ``put``). ``False`` if the key is not cached in a local tier."""
+        if parent is not None:
+            check_key(parent)
         with self._lock:
-            node = self._policy.node(key)
+            node = self._policy.cached(key)
             if node is None:
                 return False
             node.priority = float(priority)
+            if parent is not None and parent != node.parent and parent != key:
+                try:
+                    self._policy.link(key, parent)
+                except ValueError:
+                    return True  # would make a cycle: keep the old link
+                self._repair_parent(key)
             return True
 
     # ---- remove --------------------------------------------------------------------------
@@ -410,12 +473,29 @@ class TieredStore:
             self._drop(key)
 
     def _drop(self, key: str) -> None:
-        """Delete ``key`` and its cached descendants from every tier."""
+        """Delete ``key`` and its cached descendants from every tier (logged for ``drops_since``)."""
         for k in [*self._policy.descendants(key), key]:
             self._remove_copies(k)
             self._policy.forget(k)
             self._policy.unlink(k)
             self.stats.drops += 1
+            self._drop_log.append(k)
+            self._drop_seq += 1
+
+    def drops_since(self, cursor: int) -> tuple[list[str], int, bool]:
+        """Keys the store deleted for lack of room since ``cursor`` (0 at start).
+
+        Returns ``(keys, new_cursor, complete)``; ``complete`` is False when more drops
+        happened than the log keeps (the caller should then check what it references with
+        ``contains``). Explicit ``remove`` calls are not logged.
+        """
+        with self._lock:
+            behind = self._drop_seq - cursor
+            if behind <= 0:
+                return [], self._drop_seq, True
+            log = list(self._drop_log)
+            complete = behind <= len(log)
+            return log[len(log) - min(behind, len(log)):], self._drop_seq, complete
 
     def _lift(self, key: str, entry: KVEntry, found_at: int, target: int, protect: set[str], blobs: dict[str, bytes]) -> int | None:
         """Copy ``key`` (read from ``found_at``) into the fastest tier in ``[target, found_at)`` taking it."""
