@@ -151,11 +151,13 @@ class CachedEngine:
         self.model_namespace = dataclasses.replace(self.namespace, tenant_salt=None)
         self.prompts = PromptBuilder(runner.tokenizer, self.namespace)
         if manager is None:
+            # the default in-memory store is capped by cache_bytes; a user's store governs its own budgets
+            capacity = self.config.cache_bytes if store is None else None
             if store is None:
                 from cachedrag.store.cpu import CPUTier
 
                 store = CPUTier(self.config.cache_bytes, namespace=self.model_namespace.digest)
-            manager = ChunkCacheManager(store, self.config.cache, capacity_bytes=self.config.cache_bytes)
+            manager = ChunkCacheManager(store, self.config.cache, capacity_bytes=capacity)
         self.manager = manager
         self.eos_ids = eos_token_ids(runner.model, runner.tokenizer)
         # measured costs (EMAs) for preload depth and the recompute-vs-wait break-even point
@@ -260,6 +262,8 @@ class CachedEngine:
             self.manager.release(plan, used=used)
         if new_entries:
             self.manager.admit(plan, [s.key for s in context], new_entries)
+        if self._layerwise:
+            self.manager.prefetch(plan)  # promote what this request reused (background; layer loads do not promote)
         return pre
 
     def _execute(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
@@ -290,7 +294,10 @@ class CachedEngine:
                         loaders[idx] = loader
                 else:
                     entry = self.manager.load(sp.handle)
-                    if entry is None or entry.n_tokens != sp.n_tokens or entry.n_layers != runner.n_layers:
+                    if entry is not None and (entry.n_tokens != sp.n_tokens or entry.n_layers != runner.n_layers):
+                        self.manager.invalidate(sp.handle)
+                        entry = None
+                    if entry is None:
                         notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
                         action = Action.FRESH
                     else:
@@ -417,12 +424,13 @@ class CachedEngine:
         depth = None
         if self._t_prefill_layer is not None and self._t_load_layer is not None:
             depth = preload_depth(runner.n_layers, self._t_prefill_layer, self._t_load_layer)
-        loader = self.manager.store.open_layers(sp.handle, runner.device, depth)
+        loader = self.manager.open_layers(sp.handle, runner.device, depth)
         if loader is None:
             notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing; computed fresh")
             return None
         if loader.n_layers != runner.n_layers or loader.meta.get("n_tokens") not in (None, str(sp.n_tokens)):
             loader.close()
+            self.manager.invalidate(sp.handle)
             notes.append(f"segment {sp.role}[{sp.index}]: cached entry has another shape; computed fresh")
             return None
         if loader.layer(0, timeout=self._break_even_s(sp.n_tokens)) is None:
