@@ -342,6 +342,7 @@ class CachedEngine:
         hidden = runner.embed(ids[positions])  # [Tc, Dm]
         token_layers = 0
         focus_layer = None
+        rope = runner.rotary.cos_sin(positions, runner.dtype, device)  # [Tc, D] each, shared by all layers
         try:
             for layer in range(runner.n_layers):
                 for idx, loader in loaders.items():
@@ -352,7 +353,7 @@ class CachedEngine:
                         raise _LoadFailed(idx, loader.error)
                     runner.write_rotated_layer(kv, layer, got[0], got[1], plan.segments[idx].start)
                 raw: dict = {}
-                hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw)
+                hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope)
                 token_layers += positions.shape[0]
                 if raw_k is not None or fresh_chunk_rows:
                     fresh_idx = torch.searchsorted(positions, fresh_t)  # [Tf] rows of fresh tokens in the compute set
@@ -373,6 +374,7 @@ class CachedEngine:
                         if drop:
                             keep = torch.tensor([p not in drop for p in positions.tolist()], device=device)
                             positions, hidden = positions[keep], hidden[keep]
+                            rope = (rope[0][keep], rope[1][keep])
             for loader in loaders.values():
                 self._observe_load(loader)
         finally:

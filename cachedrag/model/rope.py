@@ -64,10 +64,12 @@ class Rotary:
         sin = (emb.sin() * self.attention_scaling).to(dtype)  # [T, D]
         return cos, sin
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate raw ``x`` ``[H, T, D]`` to ``positions`` ``[T]``."""
+    def apply(self, x: torch.Tensor, positions: torch.Tensor,
+              table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Rotate raw ``x`` ``[H, T, D]`` to ``positions`` ``[T]``; ``table`` = precomputed
+        ``cos_sin(positions)`` (the same for every layer of a pass, so compute it once)."""
         assert x.shape[-2] == positions.shape[0], f"x has {x.shape[-2]} rows, positions {positions.shape[0]}"
-        cos, sin = self.cos_sin(positions, x.dtype, x.device)  # [T, D]
+        cos, sin = table if table is not None else self.cos_sin(positions, x.dtype, x.device)  # [T, D]
         return x * cos + rotate_half(x) * sin  # [H, T, D]
 
     def rerotate(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:

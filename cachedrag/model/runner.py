@@ -189,19 +189,22 @@ class ModelRunner:
 
     def forward_layer(
         self, i: int, hidden: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int,
-        raw_out: dict | None = None,
+        raw_out: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Compute layer ``i`` for the tokens at ``positions`` (sorted, absolute) only.
 
         Their fresh K (rotated) and V overwrite buffer rows ``positions``; every other row of
         ``[0, kv_len)`` must already hold valid K/V (cached, re-rotated, or computed earlier).
         With ``raw_out``, stores ``raw_out["k"]`` (pre-RoPE) and ``raw_out["v"]`` ``[H_kv, T, D]``
-        and ``raw_out["q"]`` (rotated) ``[H_q, T, D]``.
+        and ``raw_out["q"]`` (rotated) ``[H_q, T, D]``. ``rope``: ``rotary.cos_sin(positions)``
+        computed once for all layers of a pass (computed here when omitted).
         """
         assert hidden.shape[0] == positions.shape[0], "one hidden row per position"
         q, k_raw, v = self.qkv(i, hidden)  # [H_q, T, D], [H_kv, T, D], [H_kv, T, D]
-        q = self.rotary.apply(q, positions)  # [H_q, T, D]
-        k = self.rotary.apply(k_raw, positions)  # [H_kv, T, D]
+        if rope is None:
+            rope = self.rotary.cos_sin(positions, q.dtype, self.device)  # [T, D] each
+        q = self.rotary.apply(q, positions, rope)  # [H_q, T, D]
+        k = self.rotary.apply(k_raw, positions, rope)  # [H_kv, T, D]
         rows = positions.to(self.device)
         kv.k[i].index_copy_(1, rows, k)  # rows of [H_kv, C, D]
         kv.v[i].index_copy_(1, rows, v)
@@ -233,8 +236,9 @@ class ModelRunner:
             self.last_kv = kv
         kv_len = kv_len if kv_len is not None else int(positions.max()) + 1
         hidden = self.embed(input_ids)  # [T, Dm]
+        rope = self.rotary.cos_sin(positions, self.dtype, self.device)  # [T, D] each, shared by all layers
         for i in range(self.n_layers):
-            hidden = self.forward_layer(i, hidden, positions, kv, kv_len)
+            hidden = self.forward_layer(i, hidden, positions, kv, kv_len, rope=rope)
         kv.length = max(kv.length, kv_len)
         return self.logits(hidden if all_logits else hidden[-1:])[0 if not all_logits else slice(None)]
 
@@ -246,8 +250,9 @@ class ModelRunner:
         ids = torch.tensor([token_id], device=self.device)
         pos = torch.tensor([position], device=self.device)
         hidden = self.embed(ids)  # [1, Dm]
+        rope = self.rotary.cos_sin(pos, self.dtype, self.device)  # [1, D] each
         for i in range(self.n_layers):
-            hidden = self.forward_layer(i, hidden, pos, kv, position + 1)
+            hidden = self.forward_layer(i, hidden, pos, kv, position + 1, rope=rope)
         kv.length = max(kv.length, position + 1)
         return self.logits(hidden)[0]  # [V]
 
