@@ -35,7 +35,7 @@ from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
 from cachedrag.model.runner import KVBuffer, ModelRunner
 from cachedrag.model.textgen import check_context, stream_tokens
-from cachedrag.prompt import PromptBuilder, Segment
+from cachedrag.prompt import CHUNK_SEPARATOR, PromptBuilder, Segment
 
 
 @dataclass
@@ -204,6 +204,23 @@ class CachedEngine:
 
     def stats(self) -> dict:
         return self.manager.stats()
+
+    def preload_chunks(self, texts: Sequence[str]):
+        """Chunk-KV lookahead: start moving the cached KV of these candidate chunks (every variant,
+        and tree nodes ending in them) toward the fastest tier, in the background.
+
+        Wire it to retrieval's lookahead hook so chunk caches move while the LLM still rewrites
+        the query: ``LookaheadRetriever(..., on_candidates=lambda ids: engine.preload_chunks(
+        [index.chunks[i].text for i in ids]))``. Returns the store's prefetch handle, or None when
+        the store cannot prefetch or nothing is cached.
+        """
+        prefetch = getattr(self.manager.store, "prefetch", None)
+        if prefetch is None:
+            return None
+        keys = {self.prompts.segment("chunk", t + CHUNK_SEPARATOR).key for t in texts if t and t.strip()}
+        handles = [v.handle for k in keys for v in self.manager.index.variants(k)]
+        handles += [n.handle for n in self.manager.tree.nodes() if n.key in keys and n.handle is not None]
+        return prefetch(list(dict.fromkeys(handles))) if handles else None
 
     # ------------------------------------------------------------------ request path
     def _mode(self, mode: str | None) -> Mode:

@@ -195,3 +195,25 @@ def test_bit_flipped_disk_entry_is_recomputed_not_served(runner, tmp_path):
     full = engine.generate(CHUNKS[:2], "second", SYSTEM, max_new_tokens=4, mode="full")
     assert r.token_ids == full.token_ids
     assert r.chunks_hit == 0 and any("computed fresh" in n for n in r.notes)
+
+
+def test_preload_chunks_promotes_candidate_caches_to_the_fastest_tier(runner, tmp_path):
+    """Chunk-KV lookahead: candidates' entries move from disk to the CPU tier before the request."""
+    from cachedrag.store.config import StoreConfig
+    from cachedrag.store.tiered import TieredStore
+
+    probe = CachedEngine(runner)
+    cfg = StoreConfig(namespace=probe.model_namespace.digest, cpu_bytes=64 << 20, disk_dir=str(tmp_path),
+                      disk_bytes=64 << 20, write_through=True)
+    writer = CachedEngine(runner, config=EngineConfig(), store=TieredStore.from_config(cfg))
+    writer.generate(CHUNKS[:3], "q", SYSTEM, max_new_tokens=1)
+    reader_store = TieredStore.from_config(cfg.model_copy(update={}))  # a restarted process: all on disk
+    reader = CachedEngine(runner, config=EngineConfig(), store=reader_store)
+    handles = [v.handle for s in reader.prompts.chat(CHUNKS[1:3], "q", SYSTEM)[1:3]
+               for v in reader.manager.index.variants(s.key)]
+    assert handles and all(reader_store.where(h) == "disk" for h in handles)
+    done = reader.preload_chunks(CHUNKS[1:3])
+    assert done is not None
+    done.wait(30)
+    assert all(reader_store.where(h) == "cpu" for h in handles)
+    assert reader.preload_chunks(["never seen"]) is None
