@@ -210,8 +210,9 @@ class CachedEngine:
         and tree nodes ending in them) toward the fastest tier, in the background.
 
         Wire it to retrieval's lookahead hook so chunk caches move while the LLM still rewrites
-        the query: ``LookaheadRetriever(..., on_candidates=lambda ids: engine.preload_chunks(
-        [index.chunks[i].text for i in ids]))``. Returns the store's prefetch handle, or None when
+        the query: with ``text_of = {c.id: c.text for c in index.chunks}``,
+        ``LookaheadRetriever.from_index(index, on_candidates=lambda ids: engine.preload_chunks(
+        [text_of[i] for i in ids]))``. Returns the store's prefetch handle, or None when
         the store cannot prefetch or nothing is cached.
         """
         prefetch = getattr(self.manager.store, "prefetch", None)
