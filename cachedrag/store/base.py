@@ -226,3 +226,20 @@ class Tier(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, used={self.used_bytes}, budget={self.budget_bytes})"
+
+
+class HeaderTier(Tier):
+    """A tier whose blobs can be read header-first (disk files, Redis values): entry info and
+    the small non-layered tensors come from ``_read_header`` without reading K/V."""
+
+    @abstractmethod
+    def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
+        """Header of ``key`` (and with ``extras`` its non-layered tensors), or None on a miss."""
+
+    def _info(self, key: str) -> EntryInfo | None:
+        got = self._read_header(key, extras=False)
+        return None if got is None else got[0]
+
+    def _extras(self, key: str) -> dict[str, torch.Tensor] | None:
+        got = self._read_header(key, extras=True)
+        return None if got is None else got[1]

@@ -43,7 +43,7 @@ from typing import Literal
 import torch
 
 from cachedrag.errors import CorruptCacheError
-from cachedrag.store.base import EntryInfo, Prepared, Tier, check_key
+from cachedrag.store.base import EntryInfo, HeaderTier, Prepared, check_key
 from cachedrag.store.codec import ForeignEntryError, check_namespace, decode, decode_extras, encode, read_header
 from cachedrag.store.entry import KVEntry
 from cachedrag.store.source import BlobSource, LayerSource
@@ -54,7 +54,7 @@ Validate = Literal["lazy", "header", "full"]
 logger = logging.getLogger(__name__)
 
 
-class DiskTier(Tier):
+class DiskTier(HeaderTier):
     """Entries as safetensors files under ``directory``, within ``budget_bytes`` on disk."""
 
     persistent = True
@@ -179,14 +179,6 @@ class DiskTier(Tier):
             if key in self._index:
                 self._index.move_to_end(key)
         return entry
-
-    def _info(self, key: str) -> EntryInfo | None:
-        got = self._read_header(key, extras=False)
-        return None if got is None else got[0]
-
-    def _extras(self, key: str) -> dict[str, torch.Tensor] | None:
-        got = self._read_header(key, extras=True)
-        return None if got is None else got[1]
 
     def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
         """Header (and with ``extras`` the non-layered tensors) of ``key``'s file; K/V are not read."""

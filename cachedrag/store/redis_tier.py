@@ -35,7 +35,7 @@ import redis
 import torch
 
 from cachedrag.errors import CorruptCacheError
-from cachedrag.store.base import EntryInfo, Prepared, Tier, check_key
+from cachedrag.store.base import EntryInfo, HeaderTier, Prepared, check_key
 from cachedrag.store.codec import ForeignEntryError, check_namespace, decode, decode_extras, encode, read_header
 from cachedrag.store.entry import KVEntry
 from cachedrag.store.source import BlobSource, LayerSource
@@ -108,7 +108,7 @@ return existed
 """
 
 
-class RedisTier(Tier):
+class RedisTier(HeaderTier):
     """Entries as safetensors values in Redis, shared by every process using the server."""
 
     shared = True
@@ -183,14 +183,6 @@ class RedisTier(Tier):
         except CorruptCacheError as exc:
             self._discard_bad(key, exc)
             return None
-
-    def _info(self, key: str) -> EntryInfo | None:
-        got = self._read_header(key, extras=False)
-        return None if got is None else got[0]
-
-    def _extras(self, key: str) -> dict[str, torch.Tensor] | None:
-        got = self._read_header(key, extras=True)
-        return None if got is None else got[1]
 
     def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
         """Header (and with ``extras`` the non-layered tensors) of ``key``'s value through
