@@ -57,6 +57,7 @@ class EngineResult:
     chunks_hit: int
     chunks_missed: int
     chunk_cfo: list[float | None]
+    chunk_recompute: list[list[int]]  # per chunk: recomputed token indices within the chunk
     focus_layer: int | None
     load_s: float
     prefill_s: float
@@ -332,7 +333,19 @@ class CachedEngine:
             elif action is Action.REUSE and sp.recompute:
                 recompute_pos[i] = sp.recompute_positions()
         question_pos = list(range(plan.question_start, total))
-        compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos))
+        # token_choice "deviation": the plan fixed how many tokens of these segments to recompute;
+        # which ones is measured at check_layer, so layers below it run over all their tokens
+        deferred = {i: sp.deferred for i, (sp, a) in enumerate(zip(plan.segments, actions))
+                    if a is Action.REUSE and sp.deferred}
+        check_layer = self.config.cache.check_layer
+        if deferred and check_layer >= runner.n_layers:  # too shallow to probe: leading tokens
+            notes.append(f"check_layer {check_layer} >= {runner.n_layers} layers; recomputing leading tokens")
+            for i, n in deferred.items():
+                recompute_pos[i] = list(range(plan.segments[i].start, plan.segments[i].start + n))
+            deferred = {}
+        probe_pos = [p for i in deferred for p in range(plan.segments[i].start, plan.segments[i].end)]
+        compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos)
+                         | set(probe_pos))
         positions = torch.tensor(compute, device=device)  # [Tc]
         fresh_t = torch.tensor(fresh_pos, device=device, dtype=torch.long)  # [Tf]
         bounds = [0]
@@ -351,7 +364,7 @@ class CachedEngine:
         fresh_chunk_rows = capture and any(
             actions[i] is Action.FRESH for i in chunk_seg)
         tracker = None
-        if (mode in (Mode.CACHEDRAG, Mode.RANDOM) and self.config.early_termination and recompute_pos
+        if (mode in (Mode.CACHEDRAG, Mode.RANDOM) and self.config.early_termination and (recompute_pos or deferred)
                 and len(chunk_seg) > 1):
             tracker = FocusTracker.from_config(len(chunk_seg), self.config.cache)
 
@@ -370,6 +383,12 @@ class CachedEngine:
                     if got is None:
                         raise _LoadFailed(idx, loader.error)
                     runner.write_rotated_layer(kv, layer, got[0], got[1], plan.segments[idx].start)
+                if deferred and layer == check_layer:
+                    unfocused = set() if tracker is None or tracker.decision is None else {
+                        i for c, i in enumerate(chunk_seg) if not tracker.decision.is_focused(c)}
+                    keep = self._choose_deviating(layer, hidden, positions, rope, kv, plan, deferred, probe_pos,
+                                                  recompute_pos, unfocused)
+                    positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
                 raw: dict = {}
                 hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope)
                 token_layers += positions.shape[0]
@@ -424,12 +443,39 @@ class CachedEngine:
             "chunks_hit": sum(a is not Action.FRESH for a in chunk_actions),
             "chunks_missed": sum(a is Action.FRESH for a in chunk_actions),
             "chunk_cfo": [plan.segments[i].cfo if actions[i] is Action.REUSE else None for i in chunk_seg],
+            "chunk_recompute": [[p - plan.segments[i].start for p in recompute_pos.get(i, ())] for i in chunk_seg],
             "focus_layer": focus_layer,
             "load_s": load_s,
             "prefill_s": prefill_s,
             "notes": notes,
         }
         return _Prefill(kv, logits, info), new_entries
+
+    def _choose_deviating(self, layer: int, hidden, positions, rope, kv: KVBuffer, plan, deferred: dict[int, int],
+                          probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int]):
+        """CacheBlend's token choice at ``layer`` (= check_layer): for each deferred segment, the
+        ``deferred[i]`` tokens whose fresh K/V deviate most from the loaded cache go into
+        ``recompute_pos``; the other probed tokens leave the compute set. Returns the keep
+        mask ``[Tc]`` over ``positions``. Segments already ruled out by focused-chunk early
+        termination keep none of their probe tokens."""
+        device = self.runner.device
+        probe_t = torch.tensor(probe_pos, device=device, dtype=torch.long)  # [Tp], sorted
+        rows = torch.searchsorted(positions, probe_t)  # [Tp] rows of probed tokens in the compute set
+        dev = self.runner.kv_deviation(layer, hidden[rows], probe_t, kv, (rope[0][rows], rope[1][rows]))  # [Tp]
+        chosen: set[int] = set()
+        offset = 0
+        for i, count in deferred.items():
+            sp = plan.segments[i]
+            seg_dev = dev[offset:offset + sp.n_tokens]  # [T_i]
+            offset += sp.n_tokens
+            if i in unfocused:
+                recompute_pos[i] = []
+                continue
+            top = torch.topk(seg_dev, min(count, sp.n_tokens)).indices.tolist()
+            recompute_pos[i] = sorted(sp.start + j for j in top)
+            chosen.update(recompute_pos[i])
+        drop = set(probe_pos) - chosen
+        return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
 
     @property
     def _layerwise(self) -> bool:

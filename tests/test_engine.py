@@ -122,6 +122,31 @@ def test_early_termination_computes_less(runner):
     assert r_on.computed_fraction < r_off.computed_fraction
 
 
+def _planted(runner, token: int, **cache):
+    """Warm, then plant an outlier in the cached V of chunk 1 at layer 1 (the check layer)."""
+    engine = _engine(runner, early_termination=False, cache={"recompute_ratio": 0.01, **cache})
+    engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    (variant,) = engine.manager.index.variants(engine.prompts.chat(CHUNKS[:3], "q", SYSTEM)[2].key)
+    with torch.inference_mode():
+        engine.manager.store.peek(variant.handle).tensors["v"][1, :, token] += 100.0
+    return engine.generate([CHUNKS[2], CHUNKS[1], CHUNKS[0]], "q", SYSTEM, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("token", [7, 40])
+def test_deviation_choice_recomputes_the_planted_outlier(runner, token):
+    r = _planted(runner, token)
+    assert r.chunks_hit == 3 and 0 < len(r.chunk_recompute[1]) <= 2  # ceil(0.01 x len)
+    assert token in r.chunk_recompute[1]
+    assert r.recomputed_tokens == sum(len(c) for c in r.chunk_recompute)
+    assert r.computed_tokens > r.recomputed_tokens + r.question_tokens  # layer 0 probed every reused token
+
+
+def test_inter_and_leading_choices_ignore_kv_deviation(runner):
+    assert 40 not in _planted(runner, 40, token_choice="leading").chunk_recompute[1]
+    r = _planted(runner, 40, check_layer=2)  # the tiny model has 2 layers: nothing to probe
+    assert r.chunk_recompute[1] == list(range(len(r.chunk_recompute[1]))) and any("check_layer" in n for n in r.notes)
+
+
 def test_stream_equals_generate(runner):
     engine = _engine(runner)
     stream = engine.generate(CHUNKS[:2], "q", SYSTEM, max_new_tokens=8, stream=True)

@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-ratio", type=float, default=None, help="fixed global recompute ratio instead of CFO")
     parser.add_argument("--ratios", default="", help="also run cachedrag at these fixed recompute ratios, e.g. 0.15,0.3,0.5 "
                         "(rows 'cachedrag@R': the fidelity vs computed-fraction frontier)")
+    parser.add_argument("--token-choice", default=None, choices=("deviation", "inter", "leading"),
+                        help="which tokens of a reused chunk cachedrag recomputes (default: the CacheConfig default)")
+    parser.add_argument("--choices", default="", help="also run cachedrag with these other token choices, e.g. "
+                        "inter,leading (rows 'cachedrag:CHOICE', same recompute counts)")
     parser.add_argument("--no-early-termination", action="store_true", help="disable focused-chunk early termination")
     parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
     parser.add_argument("--seed", type=int, default=0)
@@ -77,11 +81,18 @@ def run(args: argparse.Namespace) -> int:
         cache_kwargs["alpha"] = args.alpha
     if args.recompute_ratio is not None:
         cache_kwargs["recompute_ratio"] = args.recompute_ratio
+    if args.token_choice is not None:
+        cache_kwargs["token_choice"] = args.token_choice
     config = EngineConfig(cache=CacheConfig(**cache_kwargs), early_termination=not args.no_early_termination)
     engines = {m: CachedEngine(runner, config=config.model_copy(update={"mode": m})) for m in modes}
     for ratio in [float(x) for x in args.ratios.split(",") if x.strip()]:
         name = f"cachedrag@{ratio:g}"
         cache = CacheConfig(**{**cache_kwargs, "recompute_ratio": ratio})
+        engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
+        modes.append(name)
+    for choice in [x.strip() for x in args.choices.split(",") if x.strip()]:
+        name = f"cachedrag:{choice}"
+        cache = CacheConfig(**{**cache_kwargs, "token_choice": choice})
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 

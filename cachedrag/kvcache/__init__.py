@@ -56,6 +56,7 @@ from cachedrag.kvcache.variants import (
     prefix_overlap,
     recompute_count,
     score,
+    select_leading_tokens,
     select_random_tokens,
     select_tokens,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "prefix_overlap",
     "recompute_count",
     "score",
+    "select_leading_tokens",
     "select_random_tokens",
     "select_tokens",
 ]

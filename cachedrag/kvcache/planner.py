@@ -18,10 +18,15 @@ question. Planning, per mode:
   random     as cachedrag, but the recompute tokens are drawn at random (seeded by
              ``config.seed``, the chunk key and its position): same count, other tokens.
   cachedrag  tree prefix, then for each remaining chunk the variant with the lowest CFO
-             (ties: higher f_r, then more recent); recompute ceil(CFO x len) tokens, the top by
-             ``token_inter``; a chunk whose best CFO >= ``config.reuse_cfo_limit`` is fresh. With
-             ``config.recompute_ratio`` set, every reused chunk recomputes
+             (ties: higher f_r, then more recent); recompute ceil(CFO x len) tokens chosen by
+             ``config.token_choice``; a chunk whose best CFO >= ``config.reuse_cfo_limit`` is
+             fresh. With ``config.recompute_ratio`` set, every reused chunk recomputes
              ceil(ratio x len) tokens instead (fixed global ratio; same token choice).
+
+Token choice: ``inter`` (top ``token_inter``) and ``leading`` (first tokens) are decided here
+and listed in ``SegmentPlan.recompute``. ``deviation`` needs tensors (CacheBlend: the K/V
+deviation of every reused token at ``config.check_layer``), so the plan only fixes how many
+(``SegmentPlan.deferred``) and the engine picks which while it runs.
 
 The planner reads the tree and the index without changing their policy state; ``plan`` pins
 what it hands out (so nothing it references is evicted while the engine loads it) and
@@ -47,6 +52,7 @@ from cachedrag.kvcache.variants import (
     ReuseScore,
     recompute_count,
     score,
+    select_leading_tokens,
     select_random_tokens,
     select_tokens,
 )
@@ -107,7 +113,8 @@ class SegmentPlan:
     start: absolute position of its first token in the new prompt (``new_positions`` of a
         reused variant are ``start + i``).
     action: TREE (``node``, ``handle`` = node.handle), REUSE (``variant``, ``handle`` =
-        variant.handle, ``recompute`` = sorted token indices within the segment), FRESH.
+        variant.handle, ``recompute`` = sorted token indices within the segment, ``deferred`` =
+        how many more the engine picks at run time by K/V deviation), FRESH.
     score: the CFO terms of the chosen (or best rejected) variant, when there was one.
     reason: why this action (for logs and reports).
     """
@@ -123,6 +130,7 @@ class SegmentPlan:
     variant: Variant | None = None
     score: ReuseScore | None = None
     recompute: tuple[int, ...] = ()
+    deferred: int = 0
     reason: str = ""
 
     @property
@@ -139,7 +147,7 @@ class SegmentPlan:
         if self.action is Action.FRESH:
             return self.n_tokens
         if self.action is Action.REUSE:
-            return len(self.recompute)
+            return len(self.recompute) + self.deferred
         return 0
 
     def recompute_positions(self) -> list[int]:
@@ -382,11 +390,16 @@ class Planner:
                     reason=f"best CFO {sc.cfo:.3f} >= reuse_cfo_limit {cfg.reuse_cfo_limit}",
                 )
             count = recompute_count(sc.cfo, seg.n_tokens)
+        deferred = 0
         if mode is Mode.RANDOM:
             rng = random.Random(f"{cfg.seed}:{seg.key}:{start}")
             tokens = select_random_tokens(seg.n_tokens, count, rng)
-        else:
+        elif cfg.token_choice == "inter":
             tokens = select_tokens(variant.meta, count)
+        elif cfg.token_choice == "leading" or count >= seg.n_tokens:
+            tokens = select_leading_tokens(seg.n_tokens, count)
+        else:  # deviation: the engine picks ``count`` tokens while it runs
+            tokens, deferred = (), count
         if pin:
             if not self.index.pin(variant):
                 notes.append(f"chunk {idx}: variant {variant.variant_id} evicted while planning; computed fresh")
@@ -394,7 +407,7 @@ class Planner:
             pinned.append(variant)
         return SegmentPlan(
             "chunk", idx, seg.key, seg.n_tokens, start, Action.REUSE, variant.handle,
-            variant=variant, score=sc, recompute=tokens, reason=f"variant {variant.variant_id}",
+            variant=variant, score=sc, recompute=tokens, deferred=deferred, reason=f"variant {variant.variant_id}",
         )
 
 

@@ -42,7 +42,9 @@ Recompute count = ceil(CFO x n_tokens). Token choice = the ``count`` tokens with
 ``token_inter`` (the fraction of the token's own attention that went to prior chunks: the
 most contextualised tokens), ties broken by position (earlier first), returned sorted. For a
 cold variant every ``token_inter`` is 0, so the choice is the chunk's first tokens, which the
-prototype found best (KL 0.025 vs 0.064 for random at 15%).
+prototype found best (KL 0.025 vs 0.064 for random at 15%). This is ``token_choice="inter"``;
+the planner also offers ``"leading"`` (first tokens) and ``"deviation"`` (CacheBlend: chosen
+by the engine at run time from measured K/V deviation, see ``CacheConfig.token_choice``).
 """
 
 from __future__ import annotations
@@ -229,6 +231,11 @@ def select_tokens(meta: AttentionMetadata, count: int) -> tuple[int, ...]:
     if count >= meta.n_tokens:
         return tuple(range(meta.n_tokens))
     return tuple(sorted(meta.token_order[:count]))
+
+
+def select_leading_tokens(n_tokens: int, count: int) -> tuple[int, ...]:
+    """The chunk's first ``count`` tokens (``token_choice="leading"``)."""
+    return tuple(range(max(0, min(count, n_tokens))))
 
 
 def select_random_tokens(n_tokens: int, count: int, rng: random.Random) -> tuple[int, ...]:

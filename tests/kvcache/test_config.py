@@ -37,6 +37,8 @@ def test_defaults_are_valid():
         ("policy", "belady"),
         ("seed", -1),
         ("penalize_novel_prefix", 1),
+        ("token_choice", "attention"),
+        ("check_layer", 0),
     ],
 )
 def test_bad_values_name_the_field(field, value):
@@ -44,7 +46,8 @@ def test_bad_values_name_the_field(field, value):
         CacheConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("recompute_ratio", 0.0), ("recompute_ratio", 1.0), ("alpha", 0.0), ("focus_mass_threshold", 1.0)])
+@pytest.mark.parametrize("field, value", [("recompute_ratio", 0.0), ("recompute_ratio", 1.0), ("alpha", 0.0), ("focus_mass_threshold", 1.0),
+                                         ("token_choice", "leading"), ("check_layer", 3)])
 def test_boundary_values_accepted(field, value):
     assert getattr(CacheConfig(**{field: value}), field) == value
 

@@ -26,6 +26,7 @@ C_TOKEN_INTER[7] = 4.0
 
 
 def setup(**cfg):
+    cfg.setdefault("token_choice", "inter")  # Cache-Craft's planner-side choice; others tested below
     config = CacheConfig(**cfg)
     tree = KnowledgeTree.from_config(config)
     tree.insert(["S", "A"], ["tS", "tA"], [8, 10], [80, 100])
@@ -96,6 +97,23 @@ def test_random_mode_same_count_other_tokens_seeded():
     assert planner.plan(REQ, "random").segments[3].recompute == c.recompute  # deterministic
     other, _ = setup(seed=8)
     assert other.plan(REQ, "random").segments[3].recompute != c.recompute
+
+
+def test_token_choice_leading_and_deferred_deviation():
+    planner, _ = setup(token_choice="leading")
+    c = planner.plan(REQ).segments[3]
+    assert c.recompute == tuple(range(10)) and c.deferred == 0  # CFO .5 x 20: the first 10 tokens
+    planner, _ = setup(token_choice="deviation")
+    plan = planner.plan(REQ)
+    b, c = plan.segments[2], plan.segments[3]
+    assert b.recompute == () and b.deferred == 0  # CFO 0: nothing to choose
+    assert c.recompute == () and c.deferred == 10  # the engine picks 10 by K/V deviation
+    assert c.compute_tokens == 10 and plan.compute_tokens == 10 + 5
+    # random mode keeps its planner-drawn tokens whatever the choice; a full ratio lists every token
+    assert len(planner.plan(REQ, "random").segments[3].recompute) == 10
+    planner, _ = setup(token_choice="deviation", recompute_ratio=1.0)
+    c = planner.plan(REQ).segments[3]
+    assert c.recompute == tuple(range(20)) and c.deferred == 0
 
 
 def test_fixed_ratio_mode():
