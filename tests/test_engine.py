@@ -186,14 +186,28 @@ def test_bad_input_is_refused_clearly(runner, kwargs, error):
         engine.generate(max_new_tokens=2, **kwargs)
 
 
-def _disk_engine(runner, tmp_path, mode="prefix"):
+def _disk_engine(runner, tmp_path, mode="prefix", **cache):
     from cachedrag.store.config import StoreConfig
     from cachedrag.store.tiered import TieredStore
 
     probe = CachedEngine(runner)
     store = TieredStore.from_config(StoreConfig(namespace=probe.model_namespace.digest, disk_dir=str(tmp_path),
                                                 disk_bytes=64 << 20))
-    return CachedEngine(runner, config=EngineConfig(mode=mode), store=store)
+    return CachedEngine(runner, config=EngineConfig(mode=mode, early_termination=False, cache=CacheConfig(**cache)),
+                        store=store)
+
+
+def test_deviation_choice_is_the_same_with_layerwise_loading(runner, tmp_path):
+    """Layer-wise loads write the check layer before the choice is made: same tokens, same logits."""
+    disk = _disk_engine(runner, tmp_path, mode="cachedrag", recompute_ratio=0.2)
+    memory = _engine(runner, early_termination=False, cache={"recompute_ratio": 0.2})
+    reordered = [CHUNKS[2], CHUNKS[0], CHUNKS[1]]
+    for e in (disk, memory):
+        e.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    r_disk, r_mem = (e.generate(reordered, "q", SYSTEM, max_new_tokens=1) for e in (disk, memory))
+    assert r_disk.chunks_hit == r_mem.chunks_hit == 3 and not r_disk.notes
+    assert r_disk.chunk_recompute == r_mem.chunk_recompute and r_disk.recomputed_tokens > 0
+    torch.testing.assert_close(_logits(disk, reordered, "q"), _logits(memory, reordered, "q"), atol=1e-5, rtol=0)
 
 
 def test_layerwise_reuse_from_disk_equals_full(runner, tmp_path):
