@@ -461,7 +461,8 @@ class CachedEngine:
         device = self.runner.device
         probe_t = torch.tensor(probe_pos, device=device, dtype=torch.long)  # [Tp], sorted
         rows = torch.searchsorted(positions, probe_t)  # [Tp] rows of probed tokens in the compute set
-        dev = self.runner.kv_deviation(layer, hidden[rows], probe_t, kv, (rope[0][rows], rope[1][rows]))  # [Tp]
+        dev = self.runner.kv_deviation(layer, hidden[rows], probe_t, kv, (rope[0][rows], rope[1][rows]),
+                                       on=self.config.cache.deviation_on)  # [Tp]
         chosen: set[int] = set()
         offset = 0
         for i, count in deferred.items():

@@ -9,8 +9,8 @@ first-token agreement and ROUGE-L of a 32-token greedy answer, both against full
     python examples/token_choice_probe.py --questions 8
 
 Choices: naive (none), random, leading (first tokens), inter (Cache-Craft: most attention to
-prior chunks when cached), deviation (CacheBlend: largest K/V deviation at layer 1 after
-computing layer 0 for every token; costs 1/L extra), oracle (largest true V deviation over all
+prior chunks when cached), deviation / deviation_k / deviation_kv (CacheBlend: largest V, K or
+K+V deviation at layer 1 after computing layer 0 for every token; costs 1/L extra), oracle (largest true V deviation over all
 layers, needs full prefill: an upper bound). Results are in docs/engine.md.
 """
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--ratios", default="0.15,0.3")
+    ap.add_argument("--choices", default="naive,random,leading,inter,deviation,deviation_k,deviation_kv,oracle")
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     torch.set_grad_enabled(False)
@@ -128,21 +129,22 @@ def main() -> None:
                 elif name == "oracle":
                     dev = (kv.v[:, :, a:b] - ref_v[:, :, a:b]).float().norm(dim=-1).mean((0, 1))  # [T]
                     out += [a + int(j) for j in dev.topk(n).indices]
-                elif name == "deviation":
+                elif name.startswith("deviation"):
                     out += [a + int(j) for j in deviation[a - chunk_ranges[0][1]:b - chunk_ranges[0][1]].topk(n).indices]
             return out
 
-        for name in ("naive", "random", "leading", "inter", "deviation", "oracle"):
+        for name in args.choices.split(","):
             for ratio in ([0.0] if name == "naive" else ratios):
                 kv = loaded()
-                if name == "deviation":  # layer 0 for every token, then K/V deviation at layer 1
+                if name.startswith("deviation"):  # layer 0 for every token, then V (K, K+V) deviation at layer 1
                     pos = torch.arange(len(ids))
                     probe = runner.new_kv(len(ids))
                     probe.k.copy_(kv.k[:, :, : len(ids)])
                     probe.v.copy_(kv.v[:, :, : len(ids)])
                     h = runner.forward_layer(0, runner.embed(torch.tensor(ids)), pos, probe, len(ids))
                     lo, hi = chunk_ranges[0][1], chunk_ranges[-1][2]
-                    deviation = runner.kv_deviation(1, h[lo:hi], pos[lo:hi], kv)  # [T_chunks]
+                    on = {"deviation": "v", "deviation_k": "k", "deviation_kv": "kv"}[name]
+                    deviation = runner.kv_deviation(1, h[lo:hi], pos[lo:hi], kv, on=on)  # [T_chunks]
                 compute = sorted(set(range(bounds[1])) | set(choose(name, ratio, kv)) | set(range(bounds[-2], len(ids))))
                 pos = torch.tensor(compute)
                 hidden = runner.embed(torch.tensor(ids)[pos])
@@ -156,7 +158,8 @@ def main() -> None:
                 rows.setdefault(f"{name}@{ratio:g}", []).append(
                     (kl, float(answer[:1] == ref_answer[:1]), rouge_l(tok.decode(answer), tok.decode(ref_answer))))
         print(f"done: {q}", flush=True)
-    print(f"\n{'choice@ratio':>16} {'KL':>8} {'tok1':>6} {'rougeL':>7}   ({len(rows['naive@0'])} questions)")
+    n_questions = len(next(iter(rows.values())))
+    print(f"\n{'choice@ratio':>16} {'KL':>8} {'tok1':>6} {'rougeL':>7}   ({n_questions} questions)")
     for name, vals in rows.items():
         n = len(vals)
         print(f"{name:>16} {sum(v[0] for v in vals) / n:8.4f} {sum(v[1] for v in vals) / n:6.2f} "

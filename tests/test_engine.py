@@ -132,9 +132,9 @@ def _planted(runner, token: int, **cache):
     return engine.generate([CHUNKS[2], CHUNKS[1], CHUNKS[0]], "q", SYSTEM, max_new_tokens=1)
 
 
-@pytest.mark.parametrize("token", [7, 40])
-def test_deviation_choice_recomputes_the_planted_outlier(runner, token):
-    r = _planted(runner, token)
+@pytest.mark.parametrize("token, on", [(7, "v"), (40, "v"), (40, "kv")])
+def test_deviation_choice_recomputes_the_planted_outlier(runner, token, on):
+    r = _planted(runner, token, deviation_on=on)
     assert r.chunks_hit == 3 and 0 < len(r.chunk_recompute[1]) <= 2  # ceil(0.01 x len)
     assert token in r.chunk_recompute[1]
     assert r.recomputed_tokens == sum(len(c) for c in r.chunk_recompute)
@@ -143,6 +143,7 @@ def test_deviation_choice_recomputes_the_planted_outlier(runner, token):
 
 def test_inter_and_leading_choices_ignore_kv_deviation(runner):
     assert 40 not in _planted(runner, 40, token_choice="leading").chunk_recompute[1]
+    assert 40 not in _planted(runner, 40, deviation_on="k").chunk_recompute[1]  # the plant is in V only
     r = _planted(runner, 40, check_layer=2)  # the tiny model has 2 layers: nothing to probe
     assert r.chunk_recompute[1] == list(range(len(r.chunk_recompute[1]))) and any("check_layer" in n for n in r.notes)
 

@@ -214,23 +214,29 @@ class ModelRunner:
         return self.finish_layer(i, hidden, attn)
 
     def kv_deviation(self, i: int, hidden: torch.Tensor, positions: torch.Tensor, kv: KVBuffer,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None, on: str = "v") -> torch.Tensor:
         """How far layer ``i``'s K/V computed from ``hidden`` (the layer's input for the tokens at
         ``positions``) are from what buffer rows ``positions`` hold: ``[T]`` float32, the squared
-        L2 distance of K (rotated) plus that of V, summed over dims, averaged over KV heads.
+        L2 distance summed over dims, averaged over KV heads, of V (``on="v"``), rotated K
+        (``"k"``) or both added (``"kv"``).
 
         CacheBlend's token selection: with the cached K/V of a reused chunk in the buffer and
         ``hidden`` computed fresh through layers ``< i``, the tokens with the largest deviation
         are those whose cache misses most of the new context. Reads the buffer, writes nothing.
         """
+        if on not in ("v", "k", "kv"):
+            raise ValueError(f"kv_deviation: on must be 'v', 'k' or 'kv', got {on!r}")
         _, k_raw, v = self.qkv(i, hidden)  # [H_kv, T, D] each
-        if rope is None:
-            rope = self.rotary.cos_sin(positions, k_raw.dtype, self.device)  # [T, D] each
-        k = self.rotary.apply(k_raw, positions, rope)  # [H_kv, T, D]
         rows = positions.to(self.device)
-        dk = (k - kv.k[i].index_select(1, rows)).float().pow(2).sum(-1)  # [H_kv, T]
-        dv = (v - kv.v[i].index_select(1, rows)).float().pow(2).sum(-1)  # [H_kv, T]
-        return (dk + dv).mean(0)  # [T]
+        dev = torch.zeros(v.shape[:2], dtype=torch.float32, device=self.device)  # [H_kv, T]
+        if "k" in on:
+            if rope is None:
+                rope = self.rotary.cos_sin(positions, k_raw.dtype, self.device)  # [T, D] each
+            k = self.rotary.apply(k_raw, positions, rope)  # [H_kv, T, D]
+            dev += (k - kv.k[i].index_select(1, rows)).float().pow(2).sum(-1)  # [H_kv, T]
+        if "v" in on:
+            dev += (v - kv.v[i].index_select(1, rows)).float().pow(2).sum(-1)  # [H_kv, T]
+        return dev.mean(0)  # [T]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: ``[T, Dm] -> [T, V]`` (float32)."""

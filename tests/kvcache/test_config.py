@@ -39,6 +39,7 @@ def test_defaults_are_valid():
         ("penalize_novel_prefix", 1),
         ("token_choice", "attention"),
         ("check_layer", 0),
+        ("deviation_on", "q"),
     ],
 )
 def test_bad_values_name_the_field(field, value):

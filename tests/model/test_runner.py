@@ -127,3 +127,21 @@ def test_prompt_longer_than_context_window_is_refused():
     gen = TextGenerator(runner)
     with pytest.raises(ContextWindowError, match="context window of 512"):
         gen.generate(list(range(200)) * 3, SamplingParams(max_new_tokens=8))
+
+
+def test_kv_deviation_is_zero_on_exact_rows_and_finds_a_changed_row():
+    runner = tiny_runner("llama", seed=1)
+    ids = torch.randint(0, runner.model.config.vocab_size, (24,))
+    pos = torch.arange(24)
+    kv = runner.new_kv(24)
+    with torch.inference_mode():
+        hidden = runner.forward_layer(0, runner.embed(ids), pos, kv, 24)  # layer 1's input, exact
+        runner.prefill(ids, kv=kv)  # every row of every layer exact
+        for on in ("v", "k", "kv"):
+            assert runner.kv_deviation(1, hidden, pos, kv, on=on).abs().max() < 1e-8
+        kv.v[1, :, 9] += 1.0
+        kv.k[1, :, 4] += 1.0
+        assert int(runner.kv_deviation(1, hidden, pos, kv, on="v").argmax()) == 9
+        assert int(runner.kv_deviation(1, hidden, pos, kv, on="k").argmax()) == 4
+        with pytest.raises(ValueError, match="on must be"):
+            runner.kv_deviation(1, hidden, pos, kv, on="q")
