@@ -3,7 +3,8 @@
 Owns: ``CachedEngine`` (the one generation API with chunk reuse), ``EngineResult`` (text plus
 per-request stats) and the tensor side of a request: loading planned KV into the working
 buffer (raw K re-rotated to its new positions), computing only fresh + recompute + question
-tokens layer by layer, focused-chunk early termination, measuring the inter/intra attention
+tokens layer by layer, choosing the recompute tokens by measured K/V deviation when the plan
+defers that choice (CacheBlend), focused-chunk early termination, measuring the inter/intra attention
 metadata of fresh chunks, and handing their raw K + V to the cache manager.
 
 Does not own: decisions (``cachedrag.kvcache.planner`` via ``ChunkCacheManager``), storage
