@@ -75,6 +75,16 @@ def shared_engine(model: str | None = None) -> "CachedEngine":
     return _REGISTRY.get(model)
 
 
+def load_engine(model: str, share: bool) -> "CachedEngine":
+    """The engine an integration class uses: the process-wide one of ``model`` when ``share``,
+    else a private engine of its own."""
+    if share:
+        return shared_engine(model)
+    from cachedrag.engine import CachedEngine
+
+    return CachedEngine(model=None if model == DEFAULT_MODEL else model)
+
+
 def register_engine(name: str, engine: "CachedEngine") -> None:
     """Share ``engine`` under ``name``: classes constructed with ``model=name`` use it."""
     _REGISTRY.register(name, engine)

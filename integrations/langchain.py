@@ -38,8 +38,9 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field, PrivateAttr
 
-from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
-from cachedrag.integrations.engines import engine_name, shared_engine
+from cachedrag.integrations.chunks import ChunkRegistry
+from cachedrag.integrations.chunks import chunk_registry as _default_registry
+from cachedrag.integrations.engines import engine_name, load_engine, shared_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, sampling_params
 from cachedrag.integrations.search import shared_searcher
 from cachedrag.integrations.template import Message
@@ -95,7 +96,7 @@ class ChatCachedRAG(BaseChatModel):
             kwargs["model"] = engine_name(engine)
         super().__init__(**kwargs)
         if engine is None:
-            engine = _load_engine(self.model, self.share_engine)
+            engine = load_engine(self.model, self.share_engine)
         self._engine = engine
         self._registry = _default_registry() if chunk_registry is None else chunk_registry
         self._generator = ChunkAwareGenerator(engine, self._registry)
@@ -220,18 +221,6 @@ class CachedRAGRetriever(BaseRetriever):
 
 
 # ---------------------------------------------------------------------- helpers
-def _default_registry() -> ChunkRegistry:
-    return chunk_registry()
-
-
-def _load_engine(model: str, share: bool):
-    if share:
-        return shared_engine(model)
-    from cachedrag.engine import CachedEngine
-
-    return CachedEngine(model=None if model == DEFAULT_MODEL else model)
-
-
 def _messages(messages: list[BaseMessage]) -> list[Message]:
     return [Message(m.role if isinstance(m, LCChatMessage) else m.type, _text(m)) for m in messages]
 

@@ -55,8 +55,9 @@ from llama_index.core.schema import (
 )
 from pydantic import Field, PrivateAttr
 
-from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
-from cachedrag.integrations.engines import engine_name, shared_engine
+from cachedrag.integrations.chunks import ChunkRegistry
+from cachedrag.integrations.chunks import chunk_registry as _default_registry
+from cachedrag.integrations.engines import engine_name, load_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, sampling_params
 from cachedrag.integrations.search import SearchHit, shared_searcher
 from cachedrag.integrations.template import Message, RenderedPrompt
@@ -106,7 +107,7 @@ class CachedRAGLLM(CustomLLM):
             kwargs["model"] = engine_name(engine)
         super().__init__(**kwargs)
         if engine is None:
-            engine = _load_engine(self.model, self.share_engine)
+            engine = load_engine(self.model, self.share_engine)
         self._engine = engine
         self._generator = ChunkAwareGenerator(engine, chunk_registry)
 
@@ -304,18 +305,6 @@ class CachedRAGNodePostprocessor(BaseNodePostprocessor):
 
 
 # ---------------------------------------------------------------------- helpers
-def _default_registry() -> ChunkRegistry:
-    return chunk_registry()
-
-
-def _load_engine(model: str, share: bool):
-    if share:
-        return shared_engine(model)
-    from cachedrag.engine import CachedEngine
-
-    return CachedEngine(model=None if model == DEFAULT_MODEL else model)
-
-
 def _messages(messages: Sequence[ChatMessage]) -> list[Message]:
     out = []
     for m in messages:
