@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l, summary
 
 DEFAULT_TOP_K = 5
@@ -81,9 +81,7 @@ def run(args: argparse.Namespace) -> int:
     })
     _print(results)
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(results, fh, indent=2, default=str)
-        print(f"wrote {args.json_out}")
+        write_json(results, args.json_out)
     return 0
 
 

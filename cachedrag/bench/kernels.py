@@ -22,13 +22,13 @@ output says so, and Triton entries are reported as skipped. GPU figures need a G
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
+from cachedrag.bench import write_json
 from cachedrag.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,9 +60,7 @@ def run(args: argparse.Namespace) -> int:
     results = measure(args)
     print(format_table(results))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
-        print(f"wrote {args.json}")
+        write_json(results, args.json)
     return 0
 
 

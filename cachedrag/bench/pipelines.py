@@ -26,7 +26,6 @@ Does not own: the pipelines (``cachedrag.pipelines``), retrieval or the engine.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -34,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l, summary
 
 CONFIGS: dict[str, str] = {
@@ -92,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
     results["command"] = _command()
     print_table(results)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2, default=str))
-        print(f"wrote {args.json_out}")
+        write_json(results, args.json_out)
     return 0
 
 

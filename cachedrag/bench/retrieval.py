@@ -17,13 +17,13 @@ real rewrites can be passed as a file, one per line, aligned with the questions.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from cachedrag.bench import write_json
 from cachedrag.retrieval.config import IndexConfig, LookaheadConfig, SearchConfig
 
 _INDEX = IndexConfig()
@@ -66,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
     results = run_bench(args)
     _print_summary(results)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json_out}")
+        write_json(results, args.json_out)
     return 0
 
 

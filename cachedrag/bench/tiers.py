@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachedrag.bench import write_json
 from cachedrag.bench.metrics import summary
 from cachedrag.bench.ttft import DEFAULT_SYSTEM_PROMPT
 
@@ -216,9 +217,7 @@ def _run(args: argparse.Namespace) -> int:
     }
     _print_table(results)
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(results, fh, indent=2, default=str)
-        print(f"wrote {args.json_out}")
+        write_json(results, args.json_out)
     return 0
 
 

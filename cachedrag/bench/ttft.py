@@ -13,11 +13,11 @@ replacement-policy trace simulation. Prints a table; ``--json OUT`` writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
+from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l, summary
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -146,9 +146,7 @@ def run(args: argparse.Namespace) -> int:
         results["policy_simulation"] = _simulate()
     _print_table(results)
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(results, fh, indent=2, default=str)
-        print(f"wrote {args.json_out}")
+        write_json(results, args.json_out)
     return 0
 
 
