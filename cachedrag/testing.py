@@ -2,13 +2,16 @@
 
 Owns: ``tiny_model(arch)`` (random Llama / Llama-3-scaled / Mistral / Qwen2 / Qwen3 configs a
 few hundred KB in size), ``byte_tokenizer()`` (a real ``PreTrainedTokenizerFast`` over the 256
-bytes plus chat special tokens, with a ChatML template), and ``tiny_runner``. Used by the test
+bytes plus chat special tokens, with a ChatML template), ``tiny_runner``, and ``TINY_DOCS`` (six
+short stdlib summaries: the retrieval and pipeline tests' corpus). Used by the test
 suite and by examples that must run in seconds; never by production code paths.
 """
 
 from __future__ import annotations
 
 import torch
+
+from cachedrag.corpus import Document
 
 TINY_ARCHITECTURES: tuple[str, ...] = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
@@ -82,3 +85,20 @@ def tiny_runner(arch: str = "llama", seed: int = 0):
     model = tiny_model(arch, seed=seed, vocab_size=len(tok))
     model.generation_config.eos_token_id = tok.eos_token_id
     return ModelRunner(model, tok)
+
+
+TINY_DOCS = [
+    Document("heapq", "The heapq module provides an implementation of the heap queue algorithm, also known as the "
+             "priority queue algorithm. heappush pushes a value onto the heap, maintaining the heap invariant. "
+             "heappop pops and returns the smallest item from the heap."),
+    Document("json", "The json module encodes and decodes JSON documents. json.dumps serializes an object to a JSON "
+             "formatted string; pass indent to pretty-print it. json.loads parses a string."),
+    Document("bisect", "The bisect module finds insertion points in sorted lists. bisect_left returns the leftmost "
+             "position where a value can be inserted while keeping the list sorted."),
+    Document("textwrap", "The textwrap module wraps and fills paragraphs of text. textwrap.wrap splits a long "
+             "paragraph into lines of at most width characters; fill joins them with newlines."),
+    Document("hashlib", "The hashlib module implements secure hash and message digest algorithms such as SHA-256. "
+             "Call hashlib.sha256(data).hexdigest() to get the hexadecimal digest of some bytes."),
+    Document("uuid", "The uuid module generates universally unique identifiers. uuid.uuid4 makes a random UUID; "
+             "uuid.uuid1 uses the host id and the current time."),
+]

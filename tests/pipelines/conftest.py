@@ -6,25 +6,10 @@ import math
 
 import pytest
 
-from cachedrag.corpus import Document
 from cachedrag.pipelines.generators import Generation, GenerationRequest
 from cachedrag.pipelines.retrievers import SearchResult
+from cachedrag.testing import TINY_DOCS
 
-TINY_DOCS = [
-    Document("heapq", "The heapq module provides an implementation of the heap queue algorithm, also known as the "
-             "priority queue algorithm. heappush pushes a value onto the heap, maintaining the heap invariant. "
-             "heappop pops and returns the smallest item from the heap."),
-    Document("json", "The json module encodes and decodes JSON documents. json.dumps serializes an object to a JSON "
-             "formatted string; pass indent to pretty-print it. json.loads parses a string."),
-    Document("bisect", "The bisect module finds insertion points in sorted lists. bisect_left returns the leftmost "
-             "position where a value can be inserted while keeping the list sorted."),
-    Document("textwrap", "The textwrap module wraps and fills paragraphs of text. textwrap.wrap splits a long "
-             "paragraph into lines of at most width characters; fill joins them with newlines."),
-    Document("hashlib", "The hashlib module implements secure hash and message digest algorithms such as SHA-256. "
-             "Call hashlib.sha256(data).hexdigest() to get the hexadecimal digest of some bytes."),
-    Document("uuid", "The uuid module generates universally unique identifiers. uuid.uuid4 makes a random UUID; "
-             "uuid.uuid1 uses the host id and the current time."),
-]
 
 QUESTION = "How do I pretty-print JSON?"
 

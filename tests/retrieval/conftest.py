@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachedrag.corpus import Document
 from cachedrag.retrieval.cluster_store import DiskClusterStore
 from cachedrag.retrieval.config import IndexConfig
 from cachedrag.retrieval.ivf import IVFIndex
+from cachedrag.testing import TINY_DOCS
 
 
 class FakeTokenizer:
@@ -35,22 +35,6 @@ class FakeTokenizer:
     def decode(self, ids):
         return "".join(self._pieces[i] for i in ids)
 
-
-TINY_DOCS = [
-    Document("heapq", "The heapq module provides an implementation of the heap queue algorithm, also known as the "
-             "priority queue algorithm. heappush pushes a value onto the heap, maintaining the heap invariant. "
-             "heappop pops and returns the smallest item from the heap."),
-    Document("json", "The json module encodes and decodes JSON documents. json.dumps serializes an object to a JSON "
-             "formatted string; pass indent to pretty-print it. json.loads parses a string."),
-    Document("bisect", "The bisect module finds insertion points in sorted lists. bisect_left returns the leftmost "
-             "position where a value can be inserted while keeping the list sorted."),
-    Document("textwrap", "The textwrap module wraps and fills paragraphs of text. textwrap.wrap splits a long "
-             "paragraph into lines of at most width characters; fill joins them with newlines."),
-    Document("hashlib", "The hashlib module implements secure hash and message digest algorithms such as SHA-256. "
-             "Call hashlib.sha256(data).hexdigest() to get the hexadecimal digest of some bytes."),
-    Document("uuid", "The uuid module generates universally unique identifiers. uuid.uuid4 makes a random UUID; "
-             "uuid.uuid1 uses the host id and the current time."),
-]
 
 TINY_QUESTIONS = [
     "How do I pretty-print JSON?",
