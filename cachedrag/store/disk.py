@@ -180,17 +180,25 @@ class DiskTier(HeaderTier):
                 self._index.move_to_end(key)
         return entry
 
-    def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
-        """Header (and with ``extras`` the non-layered tensors) of ``key``'s file; K/V are not read."""
+    def _open_fd(self, key: str) -> int | None:
+        """A read-only descriptor of ``key``'s file, or None when the index or the disk lacks it
+        (a file gone behind our back is forgotten). Other OS errors propagate."""
         if not self.contains(key):
             return None
         try:
-            fd = os.open(self.path(key), os.O_RDONLY)
+            return os.open(self.path(key), os.O_RDONLY)
         except FileNotFoundError:
             self._forget(key)
             return None
+
+    def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
+        """Header (and with ``extras`` the non-layered tensors) of ``key``'s file; K/V are not read."""
+        try:
+            fd = self._open_fd(key)
         except OSError as exc:
             warnings.warn(f"{self.name}: header read of {key} failed ({exc}); served as a miss", RuntimeWarning, stacklevel=3)
+            return None
+        if fd is None:
             return None
         try:
             st = os.fstat(fd)
@@ -211,12 +219,8 @@ class DiskTier(HeaderTier):
         return EntryInfo(dict(header.meta), header.nbytes, header.n_layers, header.n_tokens), tensors
 
     def open_source(self, key: str) -> LayerSource | None:
-        if not self.contains(key):
-            return None
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(key)
+        fd = self._open_fd(key)
+        if fd is None:
             return None
         st = os.fstat(fd)
 
