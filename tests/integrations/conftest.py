@@ -6,6 +6,8 @@ the framework classes can be built from plain parameters, as the standard suites
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from cachedrag.corpus import Document
@@ -85,3 +87,25 @@ def e2e_index_dir(embedder, tmp_path_factory):
     docs = stdlib_corpus(E2E_MODULES, max_chars_per_doc=3000)
     build_index(docs, load_default_tokenizer(), embedder, config, out=out, progress=False)
     return out
+
+
+class LoopTicker:
+    """Counts how often a sleeper of ``period`` seconds gets the event loop (``ticks``): work
+    that blocks the loop stops the count. ``async with LoopTicker() as t: ...``."""
+
+    def __init__(self, period: float = 0.005):
+        self.period = period
+        self.ticks = 0
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            self.ticks += 1
+
+    async def __aenter__(self) -> LoopTicker:
+        self._task = asyncio.create_task(self._run())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -14,7 +12,7 @@ from langchain_core.runnables import RunnablePassthrough
 from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.langchain import CachedRAGRetriever, ChatCachedRAG, _messages
 
-from .conftest import TINY
+from .conftest import TINY, LoopTicker
 
 
 @pytest.fixture
@@ -111,24 +109,14 @@ def test_timeout(tiny_engine):
 
 async def test_async_does_not_block_the_event_loop(tiny_engine):
     chat = ChatCachedRAG(model=TINY, max_tokens=120)
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.005)
-            ticks += 1
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    before = ticks
-    await chat.ainvoke("write a long answer " * 4)
-    during_invoke = ticks - before
-    before = ticks
-    async for _ in chat.astream("write another long answer " * 4):
-        pass
-    task.cancel()
-    assert during_invoke >= 3 and ticks - before >= 3
+    async with LoopTicker() as loop:
+        before = loop.ticks
+        await chat.ainvoke("write a long answer " * 4)
+        during_invoke = loop.ticks - before
+        before = loop.ticks
+        async for _ in chat.astream("write another long answer " * 4):
+            pass
+    assert during_invoke >= 3 and loop.ticks - before >= 3
 
 
 def test_retriever_documents_and_registration(tiny_index_dir):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from llama_index.core import QueryBundle
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, TextBlock
@@ -13,7 +11,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
 from cachedrag.integrations.llama_index import CachedRAGLLM, CachedRAGNodePostprocessor, CachedRAGRetriever
 
-from .conftest import TINY
+from .conftest import TINY, LoopTicker
 
 A = "The heapq module provides an implementation of the heap queue algorithm."
 
@@ -91,24 +89,14 @@ async def test_async_variants_match_sync(llm):
 
 async def test_async_generation_does_not_block_the_event_loop(tiny_engine):
     llm = CachedRAGLLM(model=TINY, max_new_tokens=120)
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.005)
-            ticks += 1
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    before = ticks
-    response = await llm.acomplete("write a long answer " * 4)
-    during_complete = ticks - before
-    before = ticks
-    async for _ in await llm.astream_complete("write another long answer " * 4):
-        pass
-    during_stream = ticks - before
-    task.cancel()
+    async with LoopTicker() as loop:
+        before = loop.ticks
+        response = await llm.acomplete("write a long answer " * 4)
+        during_complete = loop.ticks - before
+        before = loop.ticks
+        async for _ in await llm.astream_complete("write another long answer " * 4):
+            pass
+        during_stream = loop.ticks - before
     assert response.raw["total_s"] > 0.05
     assert during_complete >= 3 and during_stream >= 3
 

@@ -10,6 +10,8 @@ import pytest
 
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
 
+from .conftest import LoopTicker
+
 
 async def test_run_in_worker_runs_off_the_loop():
     loop_thread = threading.get_ident()
@@ -63,15 +65,6 @@ async def test_early_close_stops_and_closes_the_iterator():
 
 
 async def test_loop_is_not_blocked_while_the_worker_works():
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
-
-    task = asyncio.create_task(ticker())
-    await run_in_worker(time.sleep, 0.3)
-    task.cancel()
-    assert ticks >= 5
+    async with LoopTicker(period=0.01) as loop:
+        await run_in_worker(time.sleep, 0.3)
+    assert loop.ticks >= 5
