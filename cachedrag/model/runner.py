@@ -112,19 +112,21 @@ class ModelRunner:
         assert input_ids.dim() == 1, f"input_ids must be [T], got {tuple(input_ids.shape)}"
         return self.model.model.embed_tokens(input_ids.to(self.device))  # [T, Dm]
 
-    def qkv(self, i: int, hidden: torch.Tensor):
-        """Raw projections of layer ``i``: q ``[H_q, T, D]``, k ``[H_kv, T, D]`` (pre-RoPE), v ``[H_kv, T, D]``."""
+    def qkv(self, i: int, hidden: torch.Tensor, with_q: bool = True):
+        """Raw projections of layer ``i``: q ``[H_q, T, D]`` (None unless ``with_q``), k ``[H_kv, T, D]``
+        (pre-RoPE), v ``[H_kv, T, D]``."""
         layer = self.layers[i]
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)  # [T, Dm]
         t = x.shape[0]
-        q = attn.q_proj(x).view(t, -1, self.head_dim)  # [T, H_q, D]
         k = attn.k_proj(x).view(t, -1, self.head_dim)  # [T, H_kv, D]
         v = attn.v_proj(x).view(t, -1, self.head_dim)  # [T, H_kv, D]
+        q = attn.q_proj(x).view(t, -1, self.head_dim) if with_q else None  # [T, H_q, D]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q/k per head before RoPE
-            q = attn.q_norm(q)
             k = attn.k_norm(k)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D] each
+            q = attn.q_norm(q) if q is not None else None
+        q = q.transpose(0, 1) if q is not None else None
+        return q, k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D] each
 
     def attention_mask(self, i: int, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Bool ``[T_q, kv_len]``: key j visible to query at ``positions[r]`` iff j <= pos (and within the window)."""
@@ -226,7 +228,7 @@ class ModelRunner:
         """
         if on not in ("v", "k", "kv"):
             raise ValueError(f"kv_deviation: on must be 'v', 'k' or 'kv', got {on!r}")
-        _, k_raw, v = self.qkv(i, hidden)  # [H_kv, T, D] each
+        _, k_raw, v = self.qkv(i, hidden, with_q=False)  # [H_kv, T, D] each
         rows = positions.to(self.device)
         dev = torch.zeros(v.shape[:2], dtype=torch.float32, device=self.device)  # [H_kv, T]
         if "k" in on:
