@@ -36,6 +36,21 @@ class Segment:
         return len(self.ids)
 
 
+def template_split(tokenizer, system_prompt: str | None) -> tuple[str, str]:
+    """The tokenizer's chat template rendered around an empty user message: the text before and
+    after it (generation prompt included). Without a chat template: ``system: ...`` /
+    ``user: ...`` / ``assistant:`` lines."""
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": _SENTINEL})
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        sys_text = f"system: {system_prompt}\n" if system_prompt else ""
+        rendered = f"{sys_text}user: {_SENTINEL}\nassistant:"
+    before, _, after = rendered.partition(_SENTINEL)
+    return before, after
+
+
 class PromptBuilder:
     """Tokenises segments for one tokenizer + namespace, caching chunk tokenisations."""
 
@@ -65,17 +80,9 @@ class PromptBuilder:
         return seg
 
     def template_split(self, system_prompt: str | None) -> tuple[str, str]:
-        """Chat-template text before and after the user message (with the generation prompt)."""
+        """Chat-template text before and after the user message (with the generation prompt), cached."""
         if system_prompt not in self._template:
-            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-            messages.append({"role": "user", "content": _SENTINEL})
-            if getattr(self.tokenizer, "chat_template", None):
-                rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            else:
-                sys_text = f"system: {system_prompt}\n" if system_prompt else ""
-                rendered = f"{sys_text}user: {_SENTINEL}\nassistant:"
-            before, _, after = rendered.partition(_SENTINEL)
-            self._template[system_prompt] = (before, after)
+            self._template[system_prompt] = template_split(self.tokenizer, system_prompt)
         return self._template[system_prompt]
 
     def chat(self, chunks: Sequence[str], question: str, system_prompt: str | None = None) -> list[Segment]:

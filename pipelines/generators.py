@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from cachedrag.errors import ConfigError
-from cachedrag.prompt import CHUNK_SEPARATOR  # chunk segments must match other engine users' (same cache keys)
+from cachedrag.prompt import CHUNK_SEPARATOR, template_split  # chunk segments must match other engine users' (same cache keys)
 
 
 @dataclass(frozen=True)
@@ -187,16 +187,8 @@ class TransformersGenerator:
                           ttft_s=(timer.at - start) if timer.at is not None else None, cache={"mode": "transformers"})
 
     def _template_split(self, system: str | None) -> tuple[str, str]:
-        """Chat-template text before and after the user message (as ``PromptBuilder.template_split``)."""
         if system not in self._split:
-            sentinel = "\x1fCACHEDRAG_USER\x1f"
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": sentinel}]
-            if getattr(self.tokenizer, "chat_template", None):
-                rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            else:
-                rendered = (f"system: {system}\n" if system else "") + f"user: {sentinel}\nassistant:"
-            before, _, after = rendered.partition(sentinel)
-            self._split[system] = (before, after)
+            self._split[system] = template_split(self.tokenizer, system)
         return self._split[system]
 
 
