@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from cachedrag.errors import ConfigError
+from cachedrag.model.generation import stop_index
 from cachedrag.prompt import CHUNK_SEPARATOR, template_split  # chunk segments must match other engine users' (same cache keys)
 
 
@@ -178,7 +179,7 @@ class TransformersGenerator:
                 break
         logprobs = [float(torch.log_softmax(out.logits[i][0].float(), dim=-1)[t]) for i, t in enumerate(new)]
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        cut = _stop_index(text, request.stop)
+        cut = stop_index(text, request.stop)
         if cut is not None:
             text = text[:cut]
         finish = "stop" if (eos_hit or cut is not None) else "length"
@@ -190,11 +191,6 @@ class TransformersGenerator:
         if system not in self._split:
             self._split[system] = template_split(self.tokenizer, system)
         return self._split[system]
-
-
-def _stop_index(text: str, stop: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(hits) if hits else None
 
 
 def _first_token_timer():
@@ -221,7 +217,7 @@ def _stop_on_text(tokenizer, stop: Sequence[str], prompt_len: int):
     class StopOnText(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):  # input_ids [B, T]
             text = tokenizer.decode(input_ids[0, prompt_len:].tolist(), skip_special_tokens=True)
-            done = _stop_index(text, stop) is not None
+            done = stop_index(text, stop) is not None
             return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
     return StopOnText()

@@ -8,7 +8,7 @@ Does not own: the forward pass (``runner.py``) or prompt assembly (the engine).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -104,9 +104,7 @@ class TextStream:
         return self.emitted
 
     def _stop_index(self, text: str) -> int | None:
-        hits = [text.find(s) for s in self.stop]
-        hits = [h for h in hits if h >= 0]
-        return min(hits) if hits else None
+        return stop_index(text, self.stop)
 
     def _partial_stop_suffix(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
@@ -117,6 +115,12 @@ class TextStream:
                     best = max(best, n)
                     break
         return best
+
+
+def stop_index(text: str, stop: Sequence[str]) -> int | None:
+    """Where the earliest of the ``stop`` strings starts in ``text``, or None."""
+    hits = [h for h in (text.find(s) for s in stop) if h >= 0]
+    return min(hits) if hits else None
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
