@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-tokenization", choices=("chat_template", "segments"), default="chat_template",
                         help="token ids of the baseline's prompts: the chat template over the whole text (plain use), "
                              "or the engine's per-segment tokenisation (isolates reuse effects)")
+    parser.add_argument("--engine-linear", choices=("skinny", "reference"), default="skinny",
+                        help="the engines' few-row matmul layout (c, d): skinny (default, faster CPU decode) or "
+                             "reference (F.linear, as the transformers baseline; ablation)")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -148,6 +151,10 @@ class _Setup:
         self.index = index
         self.nprobe = args.nprobe or default_nprobe(index)
         baseline = TransformersGenerator(runner, tokenization=args.baseline_tokenization)
+        if args.engine_linear == "reference":  # ablation: the engines' decode through F.linear, as transformers'
+            from cachedrag.model.runner import ModelRunner
+
+            runner = ModelRunner(runner.model, runner.tokenizer, skinny_linear=False)
         self.engines = {c: CachedEngine(runner, config=EngineConfig(mode="cachedrag", cache_bytes=int(args.cache_gb * 2**30)))
                         for c in configs if c in ("c", "d")}
         self.generators = {c: (EngineGenerator(self.engines[c]) if c in self.engines else baseline) for c in configs}
@@ -292,7 +299,7 @@ def _config(args, configs, warmup, n, index, setup: _Setup) -> dict:
         "max_new_tokens": args.max_new_tokens, "decompose_tokens": args.decompose_tokens, "top_k": args.top_k,
         "nprobe": setup.nprobe, "nlist": index.ivf.nlist, "n_chunks": index.manifest.n_chunks,
         "chunk_tokens": index.manifest.chunk.chunk_tokens, "cache_gb": args.cache_gb,
-        "baseline_tokenization": args.baseline_tokenization, "bandwidth_bytes_per_s": setup.bandwidth,
+        "baseline_tokenization": args.baseline_tokenization, "engine_linear": args.engine_linear, "bandwidth_bytes_per_s": setup.bandwidth,
         "index_bytes": int(sum(index.ivf.cluster_nbytes())),
     }
 

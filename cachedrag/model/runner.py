@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cachedrag.errors import ContextWindowError, UnsupportedModelError
+from cachedrag.model.linear import gated_mlp, linear, reference_linear
 from cachedrag.model.loader import check_architecture
 from cachedrag.model.rope import Rotary
 
@@ -43,10 +44,12 @@ class KVBuffer:
 class ModelRunner:
     """Layer-wise forward over a supported HF causal LM (Llama, Mistral, Qwen2, Qwen3)."""
 
-    def __init__(self, model, tokenizer=None, kernel_backend: str = "auto"):
+    def __init__(self, model, tokenizer=None, kernel_backend: str = "auto", skinny_linear: bool = True):
         """``kernel_backend``: ``"auto"`` uses the Triton kernels (``cachedrag.kernels``) on CUDA
         and torch elsewhere; ``"torch"`` / ``"triton"`` force one (``"triton"`` on CPU needs
-        ``TRITON_INTERPRET=1``; used by the equivalence tests)."""
+        ``TRITON_INTERPRET=1``; used by the equivalence tests). ``skinny_linear``: few-row
+        projections (decode) on the CPU take the ``W @ x^T`` layout (``model/linear.py``);
+        False keeps ``F.linear`` everywhere (the reference path)."""
         if kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
         config = model.config
@@ -75,6 +78,7 @@ class ModelRunner:
         self.dtype = param.dtype
         self.device = param.device
         self.kernel_backend = self._pick_backend(kernel_backend)
+        self.project = linear if skinny_linear else reference_linear
 
     def _pick_backend(self, requested: str) -> str:
         if requested != "auto":
@@ -119,9 +123,9 @@ class ModelRunner:
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)  # [T, Dm]
         t = x.shape[0]
-        k = attn.k_proj(x).view(t, -1, self.head_dim)  # [T, H_kv, D]
-        v = attn.v_proj(x).view(t, -1, self.head_dim)  # [T, H_kv, D]
-        q = attn.q_proj(x).view(t, -1, self.head_dim) if with_q else None  # [T, H_q, D]
+        k = self.project(attn.k_proj, x).view(t, -1, self.head_dim)  # [T, H_kv, D]
+        v = self.project(attn.v_proj, x).view(t, -1, self.head_dim)  # [T, H_kv, D]
+        q = self.project(attn.q_proj, x).view(t, -1, self.head_dim) if with_q else None  # [T, H_q, D]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q/k per head before RoPE
             k = attn.k_norm(k)
             q = attn.q_norm(q) if q is not None else None
@@ -158,8 +162,8 @@ class ModelRunner:
     def finish_layer(self, i: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP of layer ``i``: ``[T, Dm]``."""
         layer = self.layers[i]
-        h = residual + layer.self_attn.o_proj(attn_out)  # [T, Dm]
-        return h + layer.mlp(layer.post_attention_layernorm(h))  # [T, Dm]
+        h = residual + self.project(layer.self_attn.o_proj, attn_out)  # [T, Dm]
+        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), self.project)  # [T, Dm]
 
     def write_rotated(self, kv: KVBuffer, raw_k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Write a cached segment (raw K ``[L, H_kv, T, D]``, V) into buffer rows ``start..start+T``,
@@ -242,7 +246,7 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: ``[T, Dm] -> [T, V]`` (float32)."""
-        return self.model.lm_head(self.model.model.norm(hidden)).float()
+        return self.project(self.model.lm_head, self.model.model.norm(hidden)).float()
 
     # ------------------------------------------------------------------ whole passes
     @torch.inference_mode()

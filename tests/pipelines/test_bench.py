@@ -45,3 +45,18 @@ def test_bench_subset_and_cli_registration(tiny_runner, tiny_index):
 
     parsed = build_parser().parse_args(["bench", "pipelines", "--requests", "4", "--pipelines", "flare"])
     assert parsed.requests == 4 and parsed._run is bench.run
+
+
+def test_engine_linear_ablation_runs_the_engines_on_the_reference_layout(tiny_runner, tiny_index):
+    from cachedrag.model.linear import reference_linear
+
+    args = _args("--pipelines", "hyde", "--configs", "c", "--warmup", "0", "--max-new-tokens", "2", "--quiet",
+                 "--engine-linear", "reference")
+    setup = bench._Setup(tiny_runner, tiny_index, ["a", "c"], args)
+    try:
+        engine_runner = setup.engines["c"].runner
+        assert engine_runner.project is reference_linear and engine_runner.model is tiny_runner.model
+    finally:
+        setup.close()
+    results = bench.measure(tiny_runner, tiny_index, [QUESTION], args)
+    assert results["config"]["engine_linear"] == "reference" and results["pipelines"]["hyde"]["c"]["llm_s"] > 0
