@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cachedrag.kvcache.config import CacheConfig
+from cachedrag.model.lookup import LookupConfig
 
 ModeName = Literal["full", "prefix", "naive", "random", "cachedrag"]
 
@@ -31,6 +32,9 @@ class EngineConfig(BaseModel):
         True, description="with a store that supports it (TieredStore), load cached KV layer by layer during prefill")
     break_even_factor: float = Field(
         1.0, gt=0, description="wait for a cached segment's first layer at most this x its estimated recompute time")
+    lookup: LookupConfig = Field(
+        default_factory=LookupConfig,
+        description="prompt-lookup speculative greedy decoding (drafts copied from the prompt); max_draft=0 turns it off")
 
     @field_validator("cache", mode="before")
     @classmethod

@@ -34,6 +34,7 @@ from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest
 from cachedrag.kvcache.planner import Segment as PlanSegment
 from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
+from cachedrag.model.lookup import PromptLookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
 from cachedrag.model.textgen import check_context, stream_tokens
 from cachedrag.prompt import CHUNK_SEPARATOR, PromptBuilder, Segment
@@ -65,6 +66,9 @@ class EngineResult:
     finish_reason: str
     notes: list[str] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)  # log p of each generated token
+    draft_passes: int = 0  # speculative decoding: verification passes that carried a prompt-lookup draft
+    draft_tokens: int = 0  # draft tokens verified
+    draft_accepted: int = 0  # draft tokens accepted (each saved one decode step)
 
     def stats(self) -> dict:
         """Everything but the text, JSON-ready."""
@@ -235,12 +239,19 @@ class CachedEngine:
     def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder):
         pre = self._prefill(segments, mode, params.max_new_tokens)
         prompt_tokens = pre.info["prompt_tokens"]
-        yield from stream_tokens(self.runner, pre.kv, pre.logits, prompt_tokens, params, self.eos_ids, start, holder)
+        lookup = None
+        if self.config.lookup.max_draft > 0 and params.temperature == 0.0:
+            lookup = PromptLookup(self.config.lookup, [t for s in segments for t in s.ids])
+        yield from stream_tokens(self.runner, pre.kv, pre.logits, prompt_tokens, params, self.eos_ids, start, holder,
+                                 lookup)
         g = holder.last_result
         info = pre.info
         holder.result = EngineResult(
             text=g.text, token_ids=g.token_ids, mode=mode.value, ttft_s=g.ttft_s, total_s=g.total_s,
-            prompt_tokens=prompt_tokens, finish_reason=g.finish_reason, token_logprobs=g.token_logprobs, **{k: v for k, v in info.items() if k != "prompt_tokens"},
+            prompt_tokens=prompt_tokens, finish_reason=g.finish_reason, token_logprobs=g.token_logprobs,
+            draft_passes=lookup.passes if lookup else 0, draft_tokens=lookup.proposed if lookup else 0,
+            draft_accepted=lookup.accepted if lookup else 0,
+            **{k: v for k, v in info.items() if k != "prompt_tokens"},
         )
 
     @torch.inference_mode()

@@ -103,7 +103,8 @@ class EngineGenerator:
         r = self.engine.generate_segments(segments, params, mode=self.mode, start=start)
         cache = {"mode": r.mode, "chunks_hit": r.chunks_hit, "chunks_missed": r.chunks_missed,
                  "prefix_hit_tokens": r.prefix_hit_tokens, "recomputed_tokens": r.recomputed_tokens,
-                 "computed_fraction": r.computed_fraction, "prefill_s": r.prefill_s, "load_s": r.load_s}
+                 "computed_fraction": r.computed_fraction, "prefill_s": r.prefill_s, "load_s": r.load_s,
+                 "draft_tokens": r.draft_tokens, "draft_accepted": r.draft_accepted}
         return Generation(text=r.text, token_ids=list(r.token_ids), token_logprobs=list(r.token_logprobs),
                           finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
                           computed_tokens=r.computed_tokens, seconds=time.perf_counter() - start, ttft_s=r.ttft_s,

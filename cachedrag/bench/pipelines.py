@@ -245,6 +245,11 @@ def _pipeline_summary(records: dict[str, list], warmup: int, setup: _Setup) -> d
                                      sum(p["chunks_hit"] + p["chunks_missed"] for p in parts)),
             "rouge_l_vs_a": statistics.fmean(rouge_l(r.answer, b.answer) for r, b in zip(runs, base)),
         }
+        caches = [s.cache for r in runs for s in r.steps if s.cache and "draft_tokens" in s.cache]
+        if caches:  # the engine's speculative decoding: draft tokens verified, accepted, and all generated
+            row["draft_tokens"] = sum(x["draft_tokens"] for x in caches)
+            row["draft_accepted"] = sum(x["draft_accepted"] for x in caches)
+            row["generated_tokens"] = sum(s.generated_tokens for r in runs for s in r.steps if s.cache)
         rates = [p["cluster_hit_rate"] for p in parts if p.get("cluster_hit_rate") is not None]
         row["cluster_hit_rate"] = statistics.fmean(rates) if rates and c in ("b", "d") else None
         prefetch = [r.prefetch for r in runs if r.prefetch and r.prefetch.get("elapsed_ms") is not None]

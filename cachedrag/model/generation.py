@@ -138,13 +138,20 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
                 eos_ids: set[int], stream: TextStream | None = None,
-                logprobs: list[float] | None = None) -> Iterator[int]:
+                logprobs: list[float] | None = None, lookup=None) -> Iterator[int]:
     """Yield generated token ids until EOS, a stop string, or ``max_new_tokens``.
 
     ``first_logits`` are the prefill's last-position logits; the token chosen from them sits
     at ``start_position``. EOS tokens are not yielded. With ``logprobs``, the model's log
     probability of each yielded token (under the unscaled distribution) is appended to it.
+
+    ``lookup`` (a ``PromptLookup`` over the prompt's token ids) turns on speculative greedy
+    decoding when ``temperature == 0``: see :func:`speculative_decode_loop`.
     """
+    if lookup is not None and params.temperature == 0.0 and lookup.config.max_draft > 0:
+        yield from speculative_decode_loop(runner, kv, first_logits, start_position, params, eos_ids, lookup,
+                                           stream, logprobs)
+        return
     generator = make_generator(params, runner.device)
     logits = first_logits
     position = start_position
@@ -161,3 +168,58 @@ def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, par
             return
         logits = runner.decode_step(token, position, kv)
         position += 1
+
+
+def speculative_decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
+                            eos_ids: set[int], lookup, stream: TextStream | None = None,
+                            logprobs: list[float] | None = None) -> Iterator[int]:
+    """Greedy decoding that verifies prompt-lookup drafts (the same tokens as greedy ``decode_loop``
+    up to float rounding of multi-row passes).
+
+    After each chosen token, ``lookup`` proposes what follows it (``model/lookup.py``); one
+    forward pass computes the token and the draft at their positions, and every draft token
+    that equals the argmax of the logits before it is accepted. The first mismatch is replaced
+    by that argmax, so each pass yields at least one token, like a plain decode step. Rows of
+    rejected draft tokens stay in the buffer past the accepted length: the next pass overwrites
+    them, and no query attends past its own position.
+    """
+    logits = first_logits  # [V] predicts the token at `position`
+    position = start_position
+    generated = 0
+    while True:
+        token = int(torch.argmax(logits))
+        if token in eos_ids:
+            return
+        if logprobs is not None:
+            logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+        yield token
+        generated += 1
+        if (stream is not None and stream.stopped) or generated == params.max_new_tokens:
+            return
+        lookup.extend((token,))
+        draft = lookup.draft(params.max_new_tokens - generated - 1)
+        if not draft:
+            logits = runner.decode_step(token, position, kv)  # [V]
+            position += 1
+            continue
+        feed = torch.tensor([token, *draft])  # [1 + m]
+        rows = runner.prefill(feed, positions=torch.arange(position, position + feed.shape[0]), kv=kv,
+                              all_logits=True)  # [1 + m, V]
+        position += 1
+        accepted = 0
+        preds = rows.argmax(-1).tolist()  # [1 + m] greedy choice after each fed token
+        agreed = next((j for j, d in enumerate(draft) if preds[j] != d), len(draft))
+        lookup.record(len(draft), agreed)
+        for d in draft[:agreed]:
+            if d in eos_ids:
+                break
+            if logprobs is not None:
+                logprobs.append(float(torch.log_softmax(rows[accepted].float(), dim=-1)[d]))
+            yield d
+            generated += 1
+            accepted += 1
+            position += 1
+            lookup.extend((d,))
+            if (stream is not None and stream.stopped) or generated == params.max_new_tokens:
+                return
+        logits = rows[accepted]  # [V] predicts the token at `position`

@@ -16,6 +16,7 @@ import torch
 
 from cachedrag.errors import ContextWindowError, EmptyInputError
 from cachedrag.model.generation import SamplingParams, TextStream, decode_loop, eos_token_ids
+from cachedrag.model.lookup import LookupConfig, PromptLookup
 from cachedrag.model.runner import ModelRunner
 
 
@@ -64,10 +65,13 @@ def check_context(runner: ModelRunner, prompt_tokens: int, max_new_tokens: int) 
 class TextGenerator:
     """Generate text with full prefill: ``TextGenerator(runner).generate(ids, params)``."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, lookup: LookupConfig | None = None):
+        """``lookup``: prompt-lookup speculative greedy decoding (``model/lookup.py``); None decodes
+        one token per forward pass."""
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.eos_ids = eos_token_ids(runner.model, runner.tokenizer)
+        self.lookup = lookup
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         """Yield text deltas as tokens come; the last item's ``.result`` is set on the generator object."""
@@ -84,21 +88,23 @@ class TextGenerator:
         start = time.perf_counter()
         kv = self.runner.new_kv(len(prompt_ids) + params.max_new_tokens)
         logits = self.runner.prefill(torch.tensor(prompt_ids), kv=kv)  # [V]
-        yield from stream_tokens(self.runner, kv, logits, len(prompt_ids), params, self.eos_ids, start, self)
+        lookup = PromptLookup(self.lookup, prompt_ids) if self.lookup is not None else None
+        yield from stream_tokens(self.runner, kv, logits, len(prompt_ids), params, self.eos_ids, start, self, lookup)
 
 
 def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams, eos_ids: set[int],
-                  start: float, owner) -> Iterator[str]:
+                  start: float, owner, lookup: PromptLookup | None = None) -> Iterator[str]:
     """Shared decode tail: yields text deltas and sets ``owner.last_result`` at the end.
 
-    TTFT is taken when the first token is chosen (prefill done + one argmax/sample).
+    TTFT is taken when the first token is chosen (prefill done + one argmax/sample). ``lookup``
+    (over the prompt ids) turns on speculative greedy decoding.
     """
     text_stream = TextStream(runner.tokenizer, params.stop)
     ttft = None
     tokens: list[int] = []
     logprobs: list[float] = []
     with torch.inference_mode():
-        for token in decode_loop(runner, kv, logits, prompt_tokens, params, eos_ids, text_stream, logprobs):
+        for token in decode_loop(runner, kv, logits, prompt_tokens, params, eos_ids, text_stream, logprobs, lookup):
             if ttft is None:
                 ttft = time.perf_counter() - start
             tokens.append(token)

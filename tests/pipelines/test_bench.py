@@ -30,6 +30,8 @@ def test_bench_measures_every_pipeline_and_configuration(tiny_runner, tiny_index
             assert 0 < p[c]["search_ms"] <= p[c]["retrieval_s"] * 1e3
         assert p["b"]["rouge_l_vs_a"] == 1.0  # same generator, same search results
         assert p["a"]["chunk_hit_rate"] is None and p["c"]["chunk_hit_rate"] is not None
+        assert "draft_tokens" not in p["a"] and 0 <= p["c"]["draft_accepted"] <= p["c"]["draft_tokens"]
+        assert p["c"]["generated_tokens"] > 0
         assert p["b"]["prefetch_ms"] > 0 and p["a"].get("prefetch_ms") is None
         assert p["n_requests"] == 2
     assert results["pipelines"]["iter_retgen"]["d"]["chunk_hit_rate"] > 0

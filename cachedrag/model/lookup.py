@@ -1,0 +1,79 @@
+"""Prompt-lookup drafts for speculative greedy decoding.
+
+Owns: proposing the tokens that will probably come next by finding the latest n-gram of the
+text so far in the context (prompt and generated tokens) and copying what followed it
+(prompt lookup decoding; LLMA, "Inference with Reference", Yang et al. 2023). RAG answers copy
+names, signatures and phrases from the retrieved chunks, so such drafts are often right. Pure
+Python over token ids: no model, no tensors. The decode loop (``generation.py``) verifies a
+draft with one forward pass over all its tokens and keeps the longest prefix the model itself
+would have generated greedily, so the output is the model's own greedy output.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class LookupConfig(BaseModel):
+    """How drafts are proposed. ``max_draft = 0`` turns speculation off."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_draft: int = Field(3, ge=0, le=32, description="most tokens proposed per verification pass")
+    max_ngram: int = Field(3, ge=1, le=8, description="longest suffix n-gram looked up (tried first)")
+    min_ngram: int = Field(2, ge=1, le=8, description="shortest suffix n-gram that may propose a draft")
+
+    @model_validator(mode="after")
+    def _ngram_order(self):
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+        return self
+
+
+class PromptLookup:
+    """Drafts from a growing token context: ``extend`` with tokens, then ``draft(n)``.
+
+    Keeps, for every n-gram length in ``[min_ngram, max_ngram]``, the position just after the
+    latest occurrence of each n-gram, so a lookup is O(max_ngram) and extending is
+    O(max_ngram) per token.
+    """
+
+    def __init__(self, config: LookupConfig, context: list[int] | tuple[int, ...] = ()):
+        self.config = config
+        self.passes = 0  # verification passes run with a draft
+        self.proposed = 0  # draft tokens verified
+        self.accepted = 0  # draft tokens the model agreed with
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> index after its latest occurrence
+        self._pending: dict[tuple[int, ...], int] = {}  # the context's trailing n-grams (nothing follows yet)
+        self.extend(context)
+
+    def extend(self, tokens) -> None:
+        for token in tokens:
+            self.tokens.append(int(token))
+            end = len(self.tokens)
+            # n-grams that ended just before this token now have a follower: make them findable
+            self._after.update(self._pending)
+            self._pending = {}
+            for n in range(self.config.min_ngram, self.config.max_ngram + 1):
+                if end >= n:
+                    self._pending[tuple(self.tokens[end - n:end])] = end
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Count one verification pass (the decode loop calls this)."""
+        self.passes += 1
+        self.proposed += proposed
+        self.accepted += accepted
+
+    def draft(self, limit: int | None = None) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the longest matching suffix
+        n-gram, at most ``min(limit, max_draft)``; empty when nothing matches."""
+        limit = self.config.max_draft if limit is None else min(limit, self.config.max_draft)
+        if limit <= 0:
+            return []
+        end = len(self.tokens)
+        for n in range(min(self.config.max_ngram, end), self.config.min_ngram - 1, -1):
+            start = self._after.get(tuple(self.tokens[end - n:end]))
+            if start is not None:
+                return self.tokens[start:start + limit]
+        return []
