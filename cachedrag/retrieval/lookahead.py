@@ -18,13 +18,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cachedrag.errors import ConfigError
+from cachedrag.executor import TransientThreadExecutor
 from cachedrag.retrieval.cluster_store import ClusterStore, MemoryClusterStore, make_tiers
 from cachedrag.retrieval.config import LookaheadConfig, SearchConfig
 from cachedrag.retrieval.ivf import ClusterBlock, Quantizer, Stage, empty_result, merge_topk, search_blocks, staged_search
@@ -140,8 +141,9 @@ class LookaheadRetriever:
         self.chunk_ids = list(chunk_ids) if chunk_ids is not None else None
         self.on_candidates = on_candidates
         self._embed_fn = embed
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachedrag-prefetch")
-        self._slow_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachedrag-slow-search")
+        # threads that exit when idle: a live thread that ran torch ops halves CPU decode speed (executor.py)
+        self._prefetch_pool = TransientThreadExecutor(1, thread_name_prefix="cachedrag-prefetch")
+        self._slow_pool = TransientThreadExecutor(1, thread_name_prefix="cachedrag-slow-search")
         self._current: PrefetchHandle | None = None
 
     @classmethod

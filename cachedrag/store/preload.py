@@ -19,11 +19,12 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from cachedrag.executor import TransientThreadExecutor
 from cachedrag.store.entry import KVEntry
 from cachedrag.store.source import LayerSource, TensorSource
 
@@ -237,7 +238,7 @@ class Prefetcher:
     def __init__(self, fetch: Callable[[str], bool], workers: int = 1) -> None:
         self._fetch = fetch
         self._workers = workers
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: TransientThreadExecutor | None = None
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
 
@@ -246,7 +247,8 @@ class Prefetcher:
         new: list[tuple[str, Future]] = []
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="cachedrag-prefetch")
+                # workers exit when idle: a live thread that ran torch ops slows CPU decoding (executor.py)
+                self._pool = TransientThreadExecutor(self._workers, thread_name_prefix="cachedrag-prefetch")
             for key in keys:
                 fut = self._inflight.get(key)
                 if fut is None:
