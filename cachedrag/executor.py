@@ -3,7 +3,9 @@
 Owns: ``TransientThreadExecutor``, the executor every cachedrag background job that may run
 torch ops uses (lookahead prefetch, slow-tier search, store promotions). It behaves like
 ``concurrent.futures.ThreadPoolExecutor(max_workers)``, except that a worker thread exits as
-soon as no work is queued.
+soon as no work is queued. And ``release_openmp_threads()``, which frees the calling thread's
+idle OpenMP team (``omp_pause_resource_all``) for threads that must live on: the event-loop
+thread and the worker threads of the async integrations.
 
 Why: torch's CPU build parallelises ops with OpenMP (libgomp), and every thread that runs a
 parallel op gets an OpenMP team that lives as long as the thread. With more OpenMP threads
@@ -17,9 +19,14 @@ would keep the main thread's decoding at half speed for the retriever's whole li
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import threading
 from collections import deque
 from concurrent.futures import Executor, Future
+
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the thread pool, keep other state
 
 
 class TransientThreadExecutor(Executor):
@@ -83,3 +90,36 @@ class TransientThreadExecutor(Executor):
         """Worker threads alive now (0 when idle)."""
         with self._lock:
             return len(self._threads)
+
+
+@functools.cache
+def _omp_pause():
+    """``omp_pause_resource_all`` of the OpenMP runtime torch uses, or None."""
+    try:
+        import torch
+
+        candidates = [os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"), None]
+    except ImportError:  # pragma: no cover - torch is a dependency
+        candidates = [None]
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path) if path is None or os.path.exists(path) else None
+            fn = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
+        except OSError:
+            fn = None
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            return fn
+    return None
+
+
+def release_openmp_threads() -> bool:
+    """Free the calling thread's idle OpenMP team (its next parallel op starts a new one).
+
+    Call it on a long-lived thread before other threads take over the compute (the event loop
+    before handing generation to a worker), and on a long-lived worker after its job, so that
+    no idle team makes libgomp oversubscribe the cores. True if a team was released (or none
+    existed); False where the OpenMP runtime offers no pause (then nothing happens).
+    """
+    pause = _omp_pause()
+    return pause is not None and pause(_OMP_PAUSE_SOFT) == 0

@@ -63,3 +63,18 @@ def test_shutdown_cancels_queued_work_and_refuses_new_work():
         pool.submit(lambda: None)
     with pytest.raises(ValueError):
         TransientThreadExecutor(0)
+
+
+def test_release_openmp_threads_frees_the_calling_threads_team_and_torch_still_computes():
+    import torch
+
+    from cachedrag.executor import _omp_pause, release_openmp_threads
+
+    if _omp_pause() is None:
+        assert release_openmp_threads() is False  # no pause in this OpenMP runtime: a no-op
+        return
+    x = torch.randn(256, 256)
+    expected = x @ x
+    assert release_openmp_threads() is True
+    assert release_openmp_threads() is True  # nothing left to free is fine too
+    torch.testing.assert_close(x @ x, expected)  # the next parallel op starts a new team

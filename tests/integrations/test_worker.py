@@ -68,3 +68,16 @@ async def test_loop_is_not_blocked_while_the_worker_works():
     async with LoopTicker(period=0.01) as loop:
         await run_in_worker(time.sleep, 0.3)
     assert loop.ticks >= 5
+
+
+async def test_idle_openmp_teams_are_released_on_the_loop_and_on_the_worker(monkeypatch):
+    import cachedrag.integrations.worker as worker
+
+    calls: list[int] = []
+    monkeypatch.setattr(worker, "release_openmp_threads", lambda: calls.append(threading.get_ident()) or True)
+    loop_thread = threading.get_ident()
+    worker_thread = await run_in_worker(threading.get_ident)
+    assert calls == [loop_thread, worker_thread]  # the loop's team before the job, the worker's after it
+    calls.clear()
+    assert [x async for x in stream_in_worker(lambda: iter([1, 2]))] == [1, 2]
+    assert calls == [loop_thread]  # the stream's own thread exits (its team goes with it)
