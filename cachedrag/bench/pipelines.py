@@ -76,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-linear", choices=("skinny", "reference"), default="skinny",
                         help="the engines' few-row matmul layout (c, d): skinny (default, faster CPU decode) or "
                              "reference (F.linear, as the transformers baseline; ablation)")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="the engines' prompt-lookup draft length (c, d; default: LookupConfig's; 0 = no speculation)")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -143,6 +145,7 @@ class _Setup:
     def __init__(self, runner, index, configs: list[str], args):
         from cachedrag.config import EngineConfig
         from cachedrag.engine import CachedEngine
+        from cachedrag.model.lookup import LookupConfig
         from cachedrag.pipelines.generators import EngineGenerator, TransformersGenerator
         from cachedrag.pipelines.retrievers import FaissDiskSearch, LookaheadSearch, default_nprobe
         from cachedrag.retrieval.config import LookaheadConfig
@@ -155,8 +158,9 @@ class _Setup:
             from cachedrag.model.runner import ModelRunner
 
             runner = ModelRunner(runner.model, runner.tokenizer, skinny_linear=False)
-        self.engines = {c: CachedEngine(runner, config=EngineConfig(mode="cachedrag", cache_bytes=int(args.cache_gb * 2**30)))
-                        for c in configs if c in ("c", "d")}
+        lookup = LookupConfig() if args.draft_tokens is None else LookupConfig(max_draft=args.draft_tokens)
+        engine_config = EngineConfig(mode="cachedrag", cache_bytes=int(args.cache_gb * 2**30), lookup=lookup)
+        self.engines = {c: CachedEngine(runner, config=engine_config) for c in configs if c in ("c", "d")}
         self.generators = {c: (EngineGenerator(self.engines[c]) if c in self.engines else baseline) for c in configs}
         faiss_search = FaissDiskSearch(index, nprobe=self.nprobe)
         self.retrievers = {}
@@ -304,7 +308,9 @@ def _config(args, configs, warmup, n, index, setup: _Setup) -> dict:
         "max_new_tokens": args.max_new_tokens, "decompose_tokens": args.decompose_tokens, "top_k": args.top_k,
         "nprobe": setup.nprobe, "nlist": index.ivf.nlist, "n_chunks": index.manifest.n_chunks,
         "chunk_tokens": index.manifest.chunk.chunk_tokens, "cache_gb": args.cache_gb,
-        "baseline_tokenization": args.baseline_tokenization, "engine_linear": args.engine_linear, "bandwidth_bytes_per_s": setup.bandwidth,
+        "baseline_tokenization": args.baseline_tokenization, "engine_linear": args.engine_linear,
+        "draft_tokens": setup.engines[next(iter(setup.engines))].config.lookup.max_draft if setup.engines else None,
+        "bandwidth_bytes_per_s": setup.bandwidth,
         "index_bytes": int(sum(index.ivf.cluster_nbytes())),
     }
 

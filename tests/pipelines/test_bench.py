@@ -53,7 +53,7 @@ def test_engine_linear_ablation_runs_the_engines_on_the_reference_layout(tiny_ru
     from cachedrag.model.linear import reference_linear
 
     args = _args("--pipelines", "hyde", "--configs", "c", "--warmup", "0", "--max-new-tokens", "2", "--quiet",
-                 "--engine-linear", "reference")
+                 "--engine-linear", "reference", "--draft-tokens", "0")
     setup = bench._Setup(tiny_runner, tiny_index, ["a", "c"], args)
     try:
         engine_runner = setup.engines["c"].runner
@@ -62,3 +62,4 @@ def test_engine_linear_ablation_runs_the_engines_on_the_reference_layout(tiny_ru
         setup.close()
     results = bench.measure(tiny_runner, tiny_index, [QUESTION], args)
     assert results["config"]["engine_linear"] == "reference" and results["pipelines"]["hyde"]["c"]["llm_s"] > 0
+    assert results["config"]["draft_tokens"] == 0 and results["pipelines"]["hyde"]["c"]["draft_tokens"] == 0
