@@ -76,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-linear", choices=("skinny", "reference"), default="skinny",
                         help="the engines' few-row matmul layout (c, d): skinny (default, faster CPU decode) or "
                              "reference (F.linear, as the transformers baseline; ablation)")
+    parser.add_argument("--recompute-ratio", type=float, default=None,
+                        help="the engines' fixed recompute ratio of reused chunks (default: Cache-Craft's per-chunk CFO counts)")
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="the engines' prompt-lookup draft length (c, d; default: LookupConfig's; 0 = no speculation)")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
@@ -145,6 +147,7 @@ class _Setup:
     def __init__(self, runner, index, configs: list[str], args):
         from cachedrag.config import EngineConfig
         from cachedrag.engine import CachedEngine
+        from cachedrag.kvcache.config import CacheConfig
         from cachedrag.model.lookup import LookupConfig
         from cachedrag.pipelines.generators import EngineGenerator, TransformersGenerator
         from cachedrag.pipelines.retrievers import FaissDiskSearch, LookaheadSearch, default_nprobe
@@ -159,7 +162,8 @@ class _Setup:
 
             runner = ModelRunner(runner.model, runner.tokenizer, skinny_linear=False)
         lookup = LookupConfig() if args.draft_tokens is None else LookupConfig(max_draft=args.draft_tokens)
-        engine_config = EngineConfig(mode="cachedrag", cache_bytes=int(args.cache_gb * 2**30), lookup=lookup)
+        cache = CacheConfig() if args.recompute_ratio is None else CacheConfig(recompute_ratio=args.recompute_ratio)
+        engine_config = EngineConfig(mode="cachedrag", cache_bytes=int(args.cache_gb * 2**30), lookup=lookup, cache=cache)
         self.engines = {c: CachedEngine(runner, config=engine_config) for c in configs if c in ("c", "d")}
         self.generators = {c: (EngineGenerator(self.engines[c]) if c in self.engines else baseline) for c in configs}
         faiss_search = FaissDiskSearch(index, nprobe=self.nprobe)
@@ -308,7 +312,7 @@ def _config(args, configs, warmup, n, index, setup: _Setup) -> dict:
         "max_new_tokens": args.max_new_tokens, "decompose_tokens": args.decompose_tokens, "top_k": args.top_k,
         "nprobe": setup.nprobe, "nlist": index.ivf.nlist, "n_chunks": index.manifest.n_chunks,
         "chunk_tokens": index.manifest.chunk.chunk_tokens, "cache_gb": args.cache_gb,
-        "baseline_tokenization": args.baseline_tokenization, "engine_linear": args.engine_linear,
+        "baseline_tokenization": args.baseline_tokenization, "engine_linear": args.engine_linear, "recompute_ratio": args.recompute_ratio,
         "draft_tokens": setup.engines[next(iter(setup.engines))].config.lookup.max_draft if setup.engines else None,
         "bandwidth_bytes_per_s": setup.bandwidth,
         "index_bytes": int(sum(index.ivf.cluster_nbytes())),

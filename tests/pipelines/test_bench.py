@@ -53,11 +53,12 @@ def test_engine_linear_ablation_runs_the_engines_on_the_reference_layout(tiny_ru
     from cachedrag.model.linear import reference_linear
 
     args = _args("--pipelines", "hyde", "--configs", "c", "--warmup", "0", "--max-new-tokens", "2", "--quiet",
-                 "--engine-linear", "reference", "--draft-tokens", "0")
+                 "--engine-linear", "reference", "--draft-tokens", "0", "--recompute-ratio", "0.3")
     setup = bench._Setup(tiny_runner, tiny_index, ["a", "c"], args)
     try:
         engine_runner = setup.engines["c"].runner
         assert engine_runner.project is reference_linear and engine_runner.model is tiny_runner.model
+        assert setup.engines["c"].config.cache.recompute_ratio == 0.3
     finally:
         setup.close()
     results = bench.measure(tiny_runner, tiny_index, [QUESTION], args)
