@@ -40,11 +40,17 @@ def make_entry(
 
 
 def disk_bytes_on_disk(directory: Path) -> tuple[int, int]:
-    """(sum of st_blocks * 512, number of files) of every file under ``directory``."""
+    """(sum of st_blocks * 512, number of files) of every file under ``directory``.
+
+    A file listed and then renamed or removed before its ``stat`` (a writer's temp file being
+    committed, an evicted entry) is skipped: it is no longer on the disk."""
     total = files = 0
     for root, _dirs, names in os.walk(directory):
         for name in names:
-            st = os.stat(os.path.join(root, name))
+            try:
+                st = os.stat(os.path.join(root, name))
+            except FileNotFoundError:
+                continue
             total += st.st_blocks * 512
             files += 1
     return total, files

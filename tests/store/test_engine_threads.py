@@ -49,10 +49,17 @@ class BudgetSampler:
     def __init__(self, store: TieredStore, disk_dir):
         self.store, self.disk_dir = store, disk_dir
         self.samples, self.overruns = 0, []
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        try:
+            self._sample()
+        except BaseException as exc:  # re-raised by __exit__: a dead sampler must fail the test
+            self.error = exc
+
+    def _sample(self) -> None:
         while not self._stop.is_set():
             for tier in self.store.tiers:
                 if tier.used_bytes > tier.budget_bytes:
@@ -70,6 +77,8 @@ class BudgetSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def build(runner, tmp_path, mode: str, cache: CacheConfig | None = None) -> tuple[CachedEngine, TieredStore]:
