@@ -34,7 +34,7 @@ from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest
 from cachedrag.kvcache.planner import Segment as PlanSegment
 from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
-from cachedrag.model.lookup import PromptLookup
+from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
 from cachedrag.model.textgen import check_context, stream_tokens
 from cachedrag.prompt import CHUNK_SEPARATOR, PromptBuilder, Segment
@@ -239,9 +239,7 @@ class CachedEngine:
     def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder):
         pre = self._prefill(segments, mode, params.max_new_tokens)
         prompt_tokens = pre.info["prompt_tokens"]
-        lookup = None
-        if self.config.lookup.max_draft > 0 and params.temperature == 0.0:
-            lookup = PromptLookup(self.config.lookup, [t for s in segments for t in s.ids])
+        lookup = prompt_lookup(self.config.lookup, [t for s in segments for t in s.ids], params.temperature == 0.0)
         yield from stream_tokens(self.runner, pre.kv, pre.logits, prompt_tokens, params, self.eos_ids, start, holder,
                                  lookup)
         g = holder.last_result

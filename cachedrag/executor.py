@@ -95,18 +95,14 @@ class TransientThreadExecutor(Executor):
 @functools.cache
 def _omp_pause():
     """``omp_pause_resource_all`` of the OpenMP runtime torch uses, or None."""
-    try:
-        import torch
+    import torch
 
-        candidates = [os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"), None]
-    except ImportError:  # pragma: no cover - torch is a dependency
-        candidates = [None]
-    for path in candidates:
+    torch_gomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    for path in ([torch_gomp] if os.path.exists(torch_gomp) else []) + [None]:  # None: symbols already loaded
         try:
-            lib = ctypes.CDLL(path) if path is None or os.path.exists(path) else None
-            fn = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
+            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
         except OSError:
-            fn = None
+            continue
         if fn is not None:
             fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
             return fn

@@ -148,7 +148,7 @@ def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, par
     ``lookup`` (a ``PromptLookup`` over the prompt's token ids) turns on speculative greedy
     decoding when ``temperature == 0``: see :func:`speculative_decode_loop`.
     """
-    if lookup is not None and params.temperature == 0.0 and lookup.config.max_draft > 0:
+    if lookup is not None and params.temperature == 0.0:
         yield from speculative_decode_loop(runner, kv, first_logits, start_position, params, eos_ids, lookup,
                                            stream, logprobs)
         return
@@ -183,43 +183,30 @@ def speculative_decode_loop(runner, kv, first_logits: torch.Tensor, start_positi
     rejected draft tokens stay in the buffer past the accepted length: the next pass overwrites
     them, and no query attends past its own position.
     """
-    logits = first_logits  # [V] predicts the token at `position`
-    position = start_position
+    choices = [(int(torch.argmax(first_logits)), first_logits)]  # (token, the logits row that chose it)
     generated = 0
     while True:
-        token = int(torch.argmax(logits))
-        if token in eos_ids:
-            return
-        if logprobs is not None:
-            logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
-        yield token
-        generated += 1
-        if (stream is not None and stream.stopped) or generated == params.max_new_tokens:
-            return
-        lookup.extend((token,))
+        for token, row in choices:
+            if token in eos_ids:
+                return
+            if logprobs is not None:
+                logprobs.append(float(torch.log_softmax(row.float(), dim=-1)[token]))
+            yield token
+            generated += 1
+            if (stream is not None and stream.stopped) or generated == params.max_new_tokens:
+                return
+            lookup.extend((token,))
+        position = start_position + generated - 1  # where the last yielded token sits
         draft = lookup.draft(params.max_new_tokens - generated - 1)
         if not draft:
             logits = runner.decode_step(token, position, kv)  # [V]
-            position += 1
+            choices = [(int(torch.argmax(logits)), logits)]
             continue
         feed = torch.tensor([token, *draft])  # [1 + m]
         rows = runner.prefill(feed, positions=torch.arange(position, position + feed.shape[0]), kv=kv,
                               all_logits=True)  # [1 + m, V]
-        position += 1
-        accepted = 0
         preds = rows.argmax(-1).tolist()  # [1 + m] greedy choice after each fed token
         agreed = next((j for j, d in enumerate(draft) if preds[j] != d), len(draft))
         lookup.record(len(draft), agreed)
-        for d in draft[:agreed]:
-            if d in eos_ids:
-                break
-            if logprobs is not None:
-                logprobs.append(float(torch.log_softmax(rows[accepted].float(), dim=-1)[d]))
-            yield d
-            generated += 1
-            accepted += 1
-            position += 1
-            lookup.extend((d,))
-            if (stream is not None and stream.stopped) or generated == params.max_new_tokens:
-                return
-        logits = rows[accepted]  # [V] predicts the token at `position`
+        # the agreed draft tokens (preds[j] == draft[j]) and then the model's own next token
+        choices = [(preds[j], rows[j]) for j in range(agreed + 1)]

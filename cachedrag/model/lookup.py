@@ -77,3 +77,11 @@ class PromptLookup:
             if start is not None:
                 return self.tokens[start:start + limit]
         return []
+
+
+def prompt_lookup(config: LookupConfig | None, prompt_ids, greedy: bool) -> PromptLookup | None:
+    """A ``PromptLookup`` over ``prompt_ids`` when speculation applies (a config with
+    ``max_draft > 0`` and greedy decoding), else None; building one indexes the whole prompt."""
+    if config is None or config.max_draft == 0 or not greedy:
+        return None
+    return PromptLookup(config, prompt_ids)

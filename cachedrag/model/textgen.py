@@ -16,7 +16,7 @@ import torch
 
 from cachedrag.errors import ContextWindowError, EmptyInputError
 from cachedrag.model.generation import SamplingParams, TextStream, decode_loop, eos_token_ids
-from cachedrag.model.lookup import LookupConfig, PromptLookup
+from cachedrag.model.lookup import LookupConfig, PromptLookup, prompt_lookup
 from cachedrag.model.runner import ModelRunner
 
 
@@ -88,7 +88,7 @@ class TextGenerator:
         start = time.perf_counter()
         kv = self.runner.new_kv(len(prompt_ids) + params.max_new_tokens)
         logits = self.runner.prefill(torch.tensor(prompt_ids), kv=kv)  # [V]
-        lookup = PromptLookup(self.lookup, prompt_ids) if self.lookup is not None else None
+        lookup = prompt_lookup(self.lookup, prompt_ids, params.temperature == 0.0)
         yield from stream_tokens(self.runner, kv, logits, len(prompt_ids), params, self.eos_ids, start, self, lookup)
 
 
