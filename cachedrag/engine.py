@@ -50,16 +50,17 @@ class EngineResult:
     ttft_s: float
     total_s: float
     prompt_tokens: int
-    computed_tokens: int  # tokens computed at layer 0: fresh + recomputed + question
+    computed_tokens: int  # tokens computed at full depth (every layer): fresh + recomputed + question
     computed_fraction: float  # token-layers computed / (layers x prompt tokens), early termination included
     fresh_tokens: int
-    recomputed_tokens: int
+    recomputed_tokens: int  # tokens of reused chunks recomputed at full depth
     question_tokens: int
     prefix_hit_tokens: int
     chunks_hit: int
     chunks_missed: int
     chunk_cfo: list[float | None]
-    chunk_recompute: list[list[int]]  # per chunk: recomputed token indices within the chunk
+    chunk_recompute: list[list[int]]  # per chunk: token indices within the chunk chosen for recompute (those of
+    #                                   chunks dropped at the focus layer stop there and count as checked)
     focus_layer: int | None
     load_s: float
     prefill_s: float
@@ -69,6 +70,9 @@ class EngineResult:
     draft_passes: int = 0  # speculative decoding: verification passes that carried a prompt-lookup draft
     draft_tokens: int = 0  # draft tokens verified
     draft_accepted: int = 0  # draft tokens accepted (each saved one decode step)
+    cached_tokens: int = 0  # prompt tokens served from cache = not recomputed at full depth (prompt - computed)
+    checked_tokens: int = 0  # cached tokens computed at the lower layers only (deviation check probes, and
+    #                          recompute tokens of chunks dropped at the focus layer); they stay counted as cached
 
     def stats(self) -> dict:
         """Everything but the text, JSON-ready."""
@@ -440,11 +444,16 @@ class CachedEngine:
         if raw_k is not None:
             new_entries = self._new_entries(plan, actions, context, fresh_pos, raw_k, kv, fresh_mass, bounds,
                                             n_system, chunk_seg, capture)
-        n_recomputed = sum(len(v) for v in recompute_pos.values())
+        # truthful reuse: only tokens that reached the last layer were computed; the rest of the
+        # prompt was served from cache (some of it probed at the lower layers: "checked")
+        full_depth = set(positions.tolist())
+        n_recomputed = len(full_depth - set(fresh_pos) - set(question_pos))
         chunk_actions = [actions[i] for i in chunk_seg]
         info = {
             "prompt_tokens": total,
-            "computed_tokens": len(compute),
+            "computed_tokens": len(full_depth),
+            "cached_tokens": total - len(full_depth),
+            "checked_tokens": len(compute) - len(full_depth),
             "computed_fraction": token_layers / (runner.n_layers * total),
             "fresh_tokens": len(fresh_pos),
             "recomputed_tokens": n_recomputed,
