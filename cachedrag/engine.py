@@ -327,10 +327,12 @@ class CachedEngine:
                         loaders[idx] = loader
                 else:
                     entry = self.manager.load(sp.handle)
-                    if entry is not None and (entry.n_tokens != sp.n_tokens or entry.n_layers != runner.n_layers):
+                    wrong = None if entry is None else self._wrong_shape(entry.k.shape, entry.k.dtype, sp.n_tokens)
+                    if wrong is not None:
                         self.manager.invalidate(sp.handle)
-                        entry = None
-                    if entry is None:
+                        notes.append(f"segment {sp.role}[{sp.index}]: cached entry has {wrong}; computed fresh")
+                        action = Action.FRESH
+                    elif entry is None:
                         notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
                         action = Action.FRESH
                     else:
@@ -514,10 +516,13 @@ class CachedEngine:
         if loader is None:
             notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing; computed fresh")
             return None
-        if loader.n_layers != runner.n_layers or loader.meta.get("n_tokens") not in (None, str(sp.n_tokens)):
+        wrong = self._wrong_shape(loader.kv_shape, loader.kv_dtype, sp.n_tokens)
+        if wrong is None and loader.meta.get("n_tokens") not in (None, str(sp.n_tokens)):
+            wrong = f"n_tokens {loader.meta.get('n_tokens')!r} in its meta, not {sp.n_tokens}"
+        if wrong is not None:
             loader.close()
             self.manager.invalidate(sp.handle)
-            notes.append(f"segment {sp.role}[{sp.index}]: cached entry has another shape; computed fresh")
+            notes.append(f"segment {sp.role}[{sp.index}]: cached entry has {wrong}; computed fresh")
             return None
         if loader.layer(0, timeout=self._break_even_s(sp.n_tokens)) is None:
             error = loader.error
@@ -526,6 +531,17 @@ class CachedEngine:
             notes.append(f"segment {sp.role}[{sp.index}]: cached entry {why}; computed fresh")
             return None
         return loader
+
+    def _wrong_shape(self, shape, dtype, n_tokens: int) -> str | None:
+        """Why a stored K/V of ``shape`` ``[L, H_kv, T, D]`` and ``dtype`` cannot fill a segment of
+        ``n_tokens`` tokens in this model (a valid checksum proves integrity, not fit), or None."""
+        r = self.runner
+        want = (r.n_layers, r.n_kv_heads, n_tokens, r.head_dim)
+        if tuple(shape) != want:
+            return f"shape {list(shape)}, not [L, H_kv, T, D] = {list(want)}"
+        if dtype != r.dtype:
+            return f"dtype {dtype}, not {r.dtype}"
+        return None
 
     def _break_even_s(self, n_tokens: int) -> float:
         """Estimated time to recompute ``n_tokens`` through every layer (measured throughput)."""
