@@ -53,16 +53,17 @@ class EngineResult:
     ttft_s: float
     total_s: float
     prompt_tokens: int
-    computed_tokens: int  # tokens computed at layer 0: fresh + recomputed + question
+    computed_tokens: int  # tokens computed at full depth (every layer): fresh + recomputed + question
     computed_fraction: float  # token-layers computed / (layers x prompt tokens), early termination included
     fresh_tokens: int
-    recomputed_tokens: int
+    recomputed_tokens: int  # tokens of reused chunks recomputed at full depth
     question_tokens: int
     prefix_hit_tokens: int
     chunks_hit: int
     chunks_missed: int
     chunk_cfo: list[float | None]
-    chunk_recompute: list[list[int]]  # per chunk: recomputed token indices within the chunk
+    chunk_recompute: list[list[int]]  # per chunk: token indices within the chunk chosen for recompute (those of
+    #                                   chunks dropped at the focus layer stop there and count as checked)
     focus_layer: int | None
     load_s: float
     prefill_s: float
@@ -72,6 +73,9 @@ class EngineResult:
     draft_passes: int = 0  # speculative decoding: verification passes that carried a prompt-lookup draft
     draft_tokens: int = 0  # draft tokens verified
     draft_accepted: int = 0  # draft tokens accepted (each saved one decode step)
+    cached_tokens: int = 0  # prompt tokens served from cache = not recomputed at full depth (prompt - computed)
+    checked_tokens: int = 0  # cached tokens computed at the lower layers only (deviation check probes, and
+    #                          recompute tokens of chunks dropped at the focus layer); they stay counted as cached
     token_choice: str | None = None  # how recompute tokens were chosen (None: nothing reused)
     approximations: list[str] = field(default_factory=list)  # what made this answer differ from full prefill
     chunk_order: list[int] | None = None  # order-aware reuse: retrieved indices in the order served (None: as given)
@@ -363,10 +367,12 @@ class CachedEngine:
                         loaders[idx] = loader
                 else:
                     entry = self.manager.load(sp.handle)
-                    if entry is not None and (entry.n_tokens != sp.n_tokens or entry.n_layers != runner.n_layers):
+                    wrong = None if entry is None else self._wrong_shape(entry.k.shape, entry.k.dtype, sp.n_tokens)
+                    if wrong is not None:
                         self.manager.invalidate(sp.handle)
-                        entry = None
-                    if entry is None:
+                        notes.append(f"segment {sp.role}[{sp.index}]: cached entry has {wrong}; computed fresh")
+                        action = Action.FRESH
+                    elif entry is None:
                         notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
                         action = Action.FRESH
                     else:
@@ -529,7 +535,10 @@ class CachedEngine:
         if raw_k is not None:
             new_entries = self._new_entries(plan, actions, context, fresh_pos, raw_k, kv, fresh_mass, bounds,
                                             n_system, chunk_seg, capture)
-        n_recomputed = sum(len(v) for v in recompute_pos.values())
+        # truthful reuse: only tokens that reached the last layer were computed; the rest of the
+        # prompt was served from cache (some of it probed at the lower layers: "checked")
+        full_depth = set(positions.tolist())
+        n_recomputed = len(full_depth - set(fresh_pos) - set(question_pos))
         chunk_actions = [actions[i] for i in chunk_seg]
         reused = [i for i, a in enumerate(actions) if a is Action.REUSE]
         used_choice = (None if not reused else "none" if mode is Mode.NAIVE
@@ -543,7 +552,9 @@ class CachedEngine:
                 approximations.append("early_termination")
         info = {
             "prompt_tokens": total,
-            "computed_tokens": len(compute),
+            "computed_tokens": len(full_depth),
+            "cached_tokens": total - len(full_depth),
+            "checked_tokens": len(compute) - len(full_depth),
             "computed_fraction": token_layers / (runner.n_layers * total),
             "fresh_tokens": len(fresh_pos),
             "recomputed_tokens": n_recomputed,
@@ -670,10 +681,13 @@ class CachedEngine:
         if loader is None:
             notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing; computed fresh")
             return None
-        if loader.n_layers != runner.n_layers or loader.meta.get("n_tokens") not in (None, str(sp.n_tokens)):
+        wrong = self._wrong_shape(loader.kv_shape, loader.kv_dtype, sp.n_tokens)
+        if wrong is None and loader.meta.get("n_tokens") not in (None, str(sp.n_tokens)):
+            wrong = f"n_tokens {loader.meta.get('n_tokens')!r} in its meta, not {sp.n_tokens}"
+        if wrong is not None:
             loader.close()
             self.manager.invalidate(sp.handle)
-            notes.append(f"segment {sp.role}[{sp.index}]: cached entry has another shape; computed fresh")
+            notes.append(f"segment {sp.role}[{sp.index}]: cached entry has {wrong}; computed fresh")
             return None
         if loader.layer(0, timeout=self._break_even_s(sp.n_tokens)) is None:
             error = loader.error
@@ -682,6 +696,17 @@ class CachedEngine:
             notes.append(f"segment {sp.role}[{sp.index}]: cached entry {why}; computed fresh")
             return None
         return loader
+
+    def _wrong_shape(self, shape, dtype, n_tokens: int) -> str | None:
+        """Why a stored K/V of ``shape`` ``[L, H_kv, T, D]`` and ``dtype`` cannot fill a segment of
+        ``n_tokens`` tokens in this model (a valid checksum proves integrity, not fit), or None."""
+        r = self.runner
+        want = (r.n_layers, r.n_kv_heads, n_tokens, r.head_dim)
+        if tuple(shape) != want:
+            return f"shape {list(shape)}, not [L, H_kv, T, D] = {list(want)}"
+        if dtype != r.dtype:
+            return f"dtype {dtype}, not {r.dtype}"
+        return None
 
     def _break_even_s(self, n_tokens: int) -> float:
         """Estimated time to recompute ``n_tokens`` through every layer (measured throughput)."""
