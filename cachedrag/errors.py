@@ -57,3 +57,7 @@ def describe_validation_error(exc) -> str:
         got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
         parts.append(f"{field}: {msg}{got}")
     return "; ".join(parts)
+
+
+class DirectoryInUseError(CachedRAGError):
+    """Another process (or another tier object) already owns this cache directory."""
