@@ -197,10 +197,11 @@ class LookaheadRetriever:
         for cid in plan.to_evict:
             self.fast.remove(cid)
         copied = []
+        read = getattr(self.slow, "read", self.slow.get)  # a memory-mapped tier's get() returns views
         for cid in plan.to_copy:
             if cancel.is_set():
                 break
-            self.fast.put(cid, self.slow.get([cid])[cid])
+            self.fast.put(cid, read([cid])[cid])
             copied.append(cid)
         cancelled = cancel.is_set()
         candidates: tuple[str, ...] = ()
