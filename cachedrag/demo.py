@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}] Q: {question}")
         print(f"    A: {r.text.strip()}")
         line = (f"    cachedrag TTFT {r.ttft_s * 1000:.0f} ms ({r.chunks_hit}/{r.chunks_hit + r.chunks_missed} chunks "
-                f"from cache, {r.computed_fraction:.0%} of prefill computed)")
+                f"from cache, {r.cached_tokens}/{r.prompt_tokens} prompt tokens not recomputed, "
+                f"{r.computed_fraction:.0%} of prefill computed)")
         if base is not None:
             line += f" | full prefill TTFT {base.ttft_s * 1000:.0f} ms"
         print(line + "\n")
