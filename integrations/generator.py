@@ -37,10 +37,14 @@ class Answer:
     split: SplitPrompt
     notes: list[str] = field(default_factory=list)
     layout: list[tuple[str, int]] = field(default_factory=list)  # (kind, n_tokens) of each engine segment
+    tokenizer: object = None  # to show generated tokens (logprobs)
 
     @property
     def finish_reason(self) -> str:
         return self.result.finish_reason
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
     @property
     def input_tokens(self) -> int:
@@ -115,6 +119,7 @@ class AnswerStream:
         self._deadline = deadline
         self._timeout = timeout
         self.answer: Answer | None = None
+        self.tokenizer = None
 
     def __iter__(self) -> Iterator[str]:
         for delta in self._deltas:
@@ -123,7 +128,7 @@ class AnswerStream:
                 raise TimeoutError(f"generation exceeded its timeout of {self._timeout} s")
             yield delta
         result = self._generation.result
-        self.answer = Answer(result.text, result, self._split, self._notes, self._layout)
+        self.answer = Answer(result.text, result, self._split, self._notes, self._layout, self.tokenizer)
 
     def close(self) -> None:
         close = getattr(self._deltas, "close", None)
@@ -177,10 +182,31 @@ class ChunkAwareGenerator:
         generation = self.engine.generate_segments(segments, params, mode=mode, stream=True, start=start)
         deadline = start + timeout if timeout else None
         layout = [(seg.kind, len(seg)) for seg in segments]
-        return AnswerStream(generation, split, list(prompt.notes), deadline, timeout, layout)
+        stream = AnswerStream(generation, split, list(prompt.notes), deadline, timeout, layout)
+        stream.tokenizer = self.tokenizer
+        return stream
 
 
 def sampling_params(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                    stop: Sequence[str] | str | None = None, seed: int | None = None) -> SamplingParams:
+                    stop: Sequence[str] | str | None = None, seed: int | None = None, top_k: int = 0,
+                    repetition_penalty: float = 1.0, constraint=None) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                          stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop, seed=seed)
+                          stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop, seed=seed, top_k=top_k,
+                          repetition_penalty=repetition_penalty, constraint=constraint)
+
+
+def json_constraint(response_format: dict, engine):
+    """A ``JsonConstraint`` for an OpenAI-style ``response_format`` (``{"type": "json_schema",
+    "schema": {...}}`` or ``{"type": "json_mode"|"json_object"}``) on ``engine``'s tokenizer."""
+    from cachedrag.errors import ConfigError
+    from cachedrag.model.constraint import JsonConstraint
+    from cachedrag.model.generation import eos_token_ids
+
+    kind = response_format.get("type")
+    if kind not in ("json_schema", "json_mode", "json_object"):
+        raise ConfigError(f"response_format type {kind!r} is not supported; use json_schema or json_object")
+    schema = response_format.get("schema") if kind == "json_schema" else None
+    if isinstance(schema, dict) and "schema" in schema and "name" in schema:  # OpenAI's {"name", "schema"} wrapper
+        schema = schema["schema"]
+    runner = engine.runner
+    return JsonConstraint(schema, runner.tokenizer, eos_token_ids(runner.model, runner.tokenizer))

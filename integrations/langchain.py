@@ -41,7 +41,7 @@ from pydantic import Field, PrivateAttr
 from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.chunks import chunk_registry as _default_registry
 from cachedrag.integrations.engines import engine_name, load_engine, shared_engine
-from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, sampling_params
+from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
 from cachedrag.integrations.search import shared_searcher
 from cachedrag.integrations.template import Message
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
@@ -75,6 +75,9 @@ class ChatCachedRAG(BaseChatModel):
     temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature; 0 = greedy")
     max_tokens: int | None = Field(default=256, ge=1, description="upper bound on generated tokens (None = 256)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int = Field(default=0, ge=0, description="sample among the k most likely tokens; 0 = no limit")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, description="> 1 discourages repeating generated "
+                                      "tokens (stops small models from looping until the token cap)")
     stop: list[str] | None = Field(default=None, description="stop strings; the answer ends before them")
     seed: int | None = Field(default=None, description="sampling seed (None = nondeterministic when sampling)")
     timeout: float | None = Field(default=None, gt=0, description="seconds a generation may take (checked between "
@@ -92,6 +95,11 @@ class ChatCachedRAG(BaseChatModel):
     _registry: ChunkRegistry = PrivateAttr(default=None)
 
     def __init__(self, *, engine=None, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
+        # unknown arguments raise (they were silently dropped: n=2, model_kwargs=...)
+        unknown = sorted(set(kwargs) - set(type(self).model_fields) - {"callbacks", "tags", "metadata"})
+        if unknown:
+            raise TypeError(f"ChatCachedRAG got unknown argument(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(type(self).model_fields))}")
         if engine is not None and "model" not in kwargs:
             kwargs["model"] = engine_name(engine)
         super().__init__(**kwargs)
@@ -109,6 +117,63 @@ class ChatCachedRAG(BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "cachedrag"
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["cachedrag", "integrations", "langchain"]
+
+    def get_num_tokens(self, text: str) -> int:
+        """Tokens of ``text`` under the model's own tokenizer (never LangChain's GPT-2 fallback)."""
+        return len(self._engine.runner.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_token_ids(self, text: str) -> list[int]:
+        return list(self._engine.runner.tokenizer.encode(text, add_special_tokens=False))
+
+    def bind_tools(self, tools, **kwargs: Any):
+        raise NotImplementedError(
+            "ChatCachedRAG does not support tool calling yet; for JSON output use "
+            "with_structured_output(Schema) (grammar-constrained, always valid for the schema)")
+
+    def with_structured_output(self, schema=None, *, method: str = "json_schema", include_raw: bool = False,
+                               **kwargs: Any):
+        """Output parsed into ``schema`` (a pydantic class, a TypedDict or a JSON schema dict).
+
+        Decoding is constrained by the schema's grammar over the model's vocabulary, so the JSON
+        is valid whatever the model size. ``method="json_mode"`` constrains to any JSON object
+        (``schema`` then only picks the parser). ``function_calling`` is not supported.
+        """
+        from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+        from langchain_core.runnables import RunnableLambda, RunnableMap, RunnablePassthrough
+        from langchain_core.utils.function_calling import convert_to_json_schema
+        from langchain_core.utils.pydantic import is_basemodel_subclass
+
+        if kwargs:
+            raise TypeError(f"with_structured_output got unknown argument(s) {', '.join(sorted(kwargs))}")
+        if method not in ("json_schema", "json_mode"):
+            raise NotImplementedError(f"method={method!r} is not supported (no tool calling); "
+                                      f"use 'json_schema' or 'json_mode'")
+        if method == "json_schema" and schema is None:
+            raise ValueError("with_structured_output(method='json_schema') needs a schema")
+        json_schema = None if method == "json_mode" else convert_to_json_schema(schema)
+        llm = self.bind(response_format={"type": method, "schema": json_schema})
+        pydantic_cls = schema if isinstance(schema, type) and is_basemodel_subclass(schema) else None
+        parser = PydanticOutputParser(pydantic_object=pydantic_cls) if pydantic_cls else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+
+        def parse(raw):
+            try:
+                return {"parsed": parser.invoke(raw), "parsing_error": None}
+            except Exception as exc:  # noqa: BLE001 - LangChain's include_raw contract reports it
+                return {"parsed": None, "parsing_error": exc}
+
+        return RunnableMap(raw=llm) | RunnablePassthrough.assign(**{
+            "parsed": RunnableLambda(lambda x: parse(x["raw"])["parsed"]),
+            "parsing_error": RunnableLambda(lambda x: parse(x["raw"])["parsing_error"])})
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -177,10 +242,15 @@ class ChatCachedRAG(BaseChatModel):
 
     def _params(self, stop: list[str] | None, kwargs: dict):
         max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))
+        constraint = None
+        response_format = kwargs.get("response_format")
+        if response_format:
+            constraint = json_constraint(response_format, self._generator_for(kwargs)[1].engine)
         return sampling_params(
             max_new_tokens=max_tokens or 256, temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p), stop=list(self.stop or []) + list(stop or []),
-            seed=kwargs.get("seed", self.seed),
+            seed=kwargs.get("seed", self.seed), top_k=kwargs.get("top_k", self.top_k),
+            repetition_penalty=kwargs.get("repetition_penalty", self.repetition_penalty), constraint=constraint,
         )
 
 
@@ -250,5 +320,8 @@ def _usage(answer: Answer) -> UsageMetadata:
 
 
 def _response_metadata(model: str, answer: Answer) -> dict:
+    tokenizer_decode = answer.decode_token
     return {"model_name": model, "finish_reason": answer.finish_reason,
+            "logprobs": {"content": [{"token": tokenizer_decode(t), "logprob": lp}
+                                     for t, lp in zip(answer.result.token_ids, answer.result.token_logprobs)]},
             "cache": answer.stats()}

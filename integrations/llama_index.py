@@ -58,7 +58,7 @@ from pydantic import Field, PrivateAttr
 from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.chunks import chunk_registry as _default_registry
 from cachedrag.integrations.engines import engine_name, load_engine
-from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, sampling_params
+from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
 from cachedrag.integrations.search import SearchHit, shared_searcher
 from cachedrag.integrations.template import Message, RenderedPrompt
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
@@ -87,6 +87,9 @@ class CachedRAGLLM(CustomLLM):
     max_new_tokens: int = Field(default=256, ge=1, description="upper bound on generated tokens (metadata.num_output)")
     temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature; 0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int = Field(default=0, ge=0, description="sample among the k most likely tokens; 0 = no limit")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, description="> 1 discourages repeating generated "
+                                      "tokens (stops small models from looping until the token cap)")
     stop: list[str] = Field(default_factory=list, description="stop strings; the answer ends before them")
     seed: int | None = Field(default=None, description="sampling seed (None = nondeterministic when sampling)")
     reuse_mode: str | None = Field(
@@ -103,6 +106,11 @@ class CachedRAGLLM(CustomLLM):
     _last_stats: dict | None = PrivateAttr(default=None)
 
     def __init__(self, *, engine=None, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
+        # unknown arguments raise (they were silently dropped: model_path=..., generate_kwargs=...)
+        unknown = sorted(set(kwargs) - set(type(self).model_fields))
+        if unknown:
+            raise TypeError(f"CachedRAGLLM got unknown argument(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(type(self).model_fields))}")
         if engine is not None and "model" not in kwargs:
             kwargs["model"] = engine_name(engine)
         super().__init__(**kwargs)
@@ -110,6 +118,23 @@ class CachedRAGLLM(CustomLLM):
             engine = load_engine(self.model, self.share_engine)
         self._engine = engine
         self._generator = ChunkAwareGenerator(engine, chunk_registry)
+
+    def structured_predict(self, output_cls, prompt, llm_kwargs: dict[str, Any] | None = None,
+                           **prompt_args: Any):
+        """An ``output_cls`` instance from grammar-constrained JSON decoding (valid for its schema
+        whatever the model size), instead of LlamaIndex's prompt-and-parse fallback."""
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        kwargs = dict(llm_kwargs or {})
+        kwargs["response_format"] = {"type": "json_schema", "schema": output_cls.model_json_schema()}
+        answer = self._answer(self._generator.render_messages(_messages(messages)), kwargs)
+        if answer.finish_reason == "length":
+            raise ValueError(f"structured output was cut at max_new_tokens={self.max_new_tokens} before the "
+                             f"JSON was complete; raise max_new_tokens")
+        return output_cls.model_validate_json(answer.text)
+
+    async def astructured_predict(self, output_cls, prompt, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any):
+        return await run_in_worker(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
 
     @classmethod
     def class_name(cls) -> str:
@@ -229,7 +254,10 @@ class CachedRAGLLM(CustomLLM):
         return sampling_params(
             max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
             temperature=kwargs.get("temperature", self.temperature), top_p=kwargs.get("top_p", self.top_p),
-            stop=stop, seed=kwargs.get("seed", self.seed),
+            stop=stop, seed=kwargs.get("seed", self.seed), top_k=kwargs.get("top_k", self.top_k),
+            repetition_penalty=kwargs.get("repetition_penalty", self.repetition_penalty),
+            constraint=json_constraint(kwargs["response_format"], self._engine) if kwargs.get("response_format")
+            else None,
         )
 
 

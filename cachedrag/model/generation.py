@@ -1,7 +1,9 @@
 """Token sampling, stop strings and incremental detokenisation for decoding.
 
 Owns: ``SamplingParams`` (validated), choosing the next token from logits (greedy, or
-temperature + top-p with a seeded generator), and ``TextStream``, which turns generated token
+temperature + top-k + top-p with a seeded generator; a repetition penalty over the tokens
+generated so far; an optional ``constraint`` that masks the logits, e.g. grammar-constrained
+JSON from ``cachedrag.model.constraint``), and ``TextStream``, which turns generated token
 ids into text deltas that never expose a partial stop string or a half-decoded character.
 Does not own: the forward pass (``runner.py``) or prompt assembly (the engine).
 """
@@ -12,17 +14,25 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class SamplingParams(BaseModel):
     """How to decode: greedy when ``temperature == 0``."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     max_new_tokens: int = Field(64, ge=1, description="upper bound on generated tokens")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy; >0 samples")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens; 0 = no limit")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="> 1 discourages tokens already generated "
+                                      "(CTRL/Hugging Face rule: positive logits divided, negative multiplied); "
+                                      "the prompt is not penalised, so answers may still quote it")
+    constraint: Any = Field(None, exclude=True, description="a per-request logits constraint with "
+                            "mask(logits) -> logits, advance(token) and done (see cachedrag.model.constraint)")
     stop: tuple[str, ...] = Field((), description="stop strings; generation ends before them")
     seed: int | None = Field(None, description="seed for sampling; None = nondeterministic")
 
@@ -47,11 +57,34 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
+def uses_history(params: SamplingParams) -> bool:
+    """Whether choosing a token depends on more than the logits (penalty, constraint): such
+    requests decode one token per step (no speculative drafts)."""
+    return params.repetition_penalty != 1.0 or params.constraint is not None
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int]) -> torch.Tensor:
+    """Repetition penalty over ``generated`` and the constraint's mask, applied to ``logits`` ``[V]``
+    (returns a new tensor when anything applies)."""
+    if params.repetition_penalty != 1.0 and generated:
+        logits = logits.float().clone()  # [V]
+        seen = torch.tensor(sorted(set(generated)), device=logits.device)  # [S]
+        picked = logits[seen]  # [S]
+        logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if params.constraint is not None:
+        logits = params.constraint.mask(logits)  # [V], disallowed tokens at -inf
+    return logits
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from ``logits`` ``[V]``."""
+    """Pick the next token from ``logits`` ``[V]`` (already through ``process_logits``)."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [V]
+    logits = logits.float() / params.temperature  # [V]
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # [V]
+    probs = torch.softmax(logits, dim=-1)  # [V]
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)  # [V]
         keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # [V] always keeps the top token
@@ -148,21 +181,28 @@ def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, par
     ``lookup`` (a ``PromptLookup`` over the prompt's token ids) turns on speculative greedy
     decoding when ``temperature == 0``: see :func:`speculative_decode_loop`.
     """
-    if lookup is not None and params.temperature == 0.0:
+    if lookup is not None and params.temperature == 0.0 and not uses_history(params):
         yield from speculative_decode_loop(runner, kv, first_logits, start_position, params, eos_ids, lookup,
                                            stream, logprobs)
         return
     generator = make_generator(params, runner.device)
     logits = first_logits
     position = start_position
+    generated: list[int] = []
+    constraint = params.constraint
     for step in range(params.max_new_tokens):
-        token = next_token(logits, params, generator)
+        token = next_token(process_logits(logits, params, generated), params, generator)
         if token in eos_ids:
             return
-        if logprobs is not None:
+        if logprobs is not None:  # the model's own distribution (before penalty / constraint / temperature)
             logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+        generated.append(token)
+        if constraint is not None:
+            constraint.advance(token)
         yield token
         if stream is not None and stream.stopped:
+            return
+        if constraint is not None and constraint.done:  # the grammar is complete: nothing may follow
             return
         if step + 1 == params.max_new_tokens:
             return
