@@ -122,7 +122,7 @@ def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch
     monkeypatch.chdir(page.cwd)
     monkeypatch.setenv("CACHEDRAG_HOME", str(page.cwd / ".cachedrag"))
     page.failed = f"line {block.line}"
-    code = compile(block.code, f"{block.page}:{block.line}", "exec")
+    code = compile(block.code, f"{block.page}:{block.line}", "exec", dont_inherit=True)  # no __future__ of ours
     with tiny_default_model(docs_env[0]), contextlib.redirect_stdout(io.StringIO()):
         exec(code, page.namespace)  # noqa: S102 - executing our own documentation is the point
     page.failed = None

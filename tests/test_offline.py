@@ -66,9 +66,10 @@ SCRIPT = textwrap.dedent('''
         from cachedrag.integrations.langchain import CachedRAGRetriever, ChatCachedRAG
         from cachedrag.integrations.llama_index import CachedRAGLLM
         chat = ChatCachedRAG(max_tokens=8)
-        counts = [chat.get_num_tokens("hello"), chat.get_num_tokens_from_messages([("human", "hello")])]
+        from langchain_core.messages import HumanMessage
+        counts = [chat.get_num_tokens("hello"), chat.get_num_tokens_from_messages([HumanMessage("hello")])]
         chat.invoke("hi")
-        chat.with_structured_output(Verdict).invoke("ok?")
+        ChatCachedRAG(max_tokens=64).with_structured_output(Verdict).invoke("ok?")
         CachedRAGRetriever(index_dir=str(tmp / "idx"), k=2).invoke("heap")
         CachedRAGLLM(max_new_tokens=8).complete("hi")
 

@@ -52,13 +52,27 @@ def ll_tokenizer(tokenizer, eos_ids: Iterable[int]):
         return per_tok[key]
 
 
+def closed_objects(schema):
+    """``schema`` with ``additionalProperties: false`` on every object that lists its properties
+    and says nothing about others (OpenAI's strict structured outputs do the same): a pydantic
+    model's JSON then holds exactly its fields, instead of any extra keys a model may invent."""
+    if isinstance(schema, list):
+        return [closed_objects(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 class JsonConstraint:
     """Allow only tokens that continue a JSON document valid for ``schema`` (any JSON object when
     ``schema`` is None: LangChain's ``json_mode``). One instance serves one generation."""
 
     def __init__(self, schema: dict[str, Any] | None, tokenizer, eos_ids: Iterable[int]):
         llg = _llguidance()
-        self.schema = schema if schema is not None else {"type": "object"}
+        self.schema = closed_objects(schema) if schema is not None else {"type": "object"}
         self.eos_ids = sorted(set(int(i) for i in eos_ids))
         self._tok = ll_tokenizer(tokenizer, self.eos_ids)
         try:
