@@ -36,7 +36,7 @@ from langchain_core.messages import ChatMessage as LCChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, SecretStr
 
 from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.chunks import chunk_registry as _default_registry
@@ -84,6 +84,8 @@ class ChatCachedRAG(BaseChatModel):
                                   "tokens; TimeoutError when exceeded)")
     max_retries: int = Field(default=2, ge=0, description="accepted for LangChain's standard parameters; local "
                              "generation has no transient failures to retry, so no retries are made")
+    api_key: SecretStr | None = Field(default=None, description="accepted for LangChain's standard parameters; "
+                                      "a local model needs no key")
     streaming: bool = Field(default=False, description="invoke() streams internally (callbacks get tokens)")
     reuse_mode: str | None = Field(default=None, description="chunk reuse mode: full, prefix, naive, random or "
                                    "cachedrag (None = the engine's)")
@@ -117,10 +119,6 @@ class ChatCachedRAG(BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "cachedrag"
-
-    @classmethod
-    def is_lc_serializable(cls) -> bool:
-        return True
 
     @classmethod
     def get_lc_namespace(cls) -> list[str]:

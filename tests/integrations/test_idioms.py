@@ -1,5 +1,5 @@
 """Framework idioms: strict constructor arguments, own tokenizer counts, sampling knobs,
-structured output (grammar-constrained JSON), bind_tools error, logprobs, serialisation."""
+structured output (grammar-constrained JSON), bind_tools error, logprobs."""
 
 from __future__ import annotations
 
@@ -64,16 +64,6 @@ def test_langchain_logprobs_and_sampling_knobs(tiny_engine):
     msg = chat.invoke("hi")
     content = msg.response_metadata["logprobs"]["content"]
     assert len(content) == msg.usage_metadata["output_tokens"] and all(c["logprob"] <= 0 for c in content)
-
-
-def test_langchain_serialisation_round_trip(tiny_engine):
-    from langchain_core.load import dumpd, load
-
-    chat = ChatCachedRAG(model=TINY, max_tokens=7, top_k=2)
-    data = dumpd(chat)
-    assert data["id"] == ["cachedrag", "integrations", "langchain", "ChatCachedRAG"]
-    again = load(data, valid_namespaces=["cachedrag"], allowed_objects=[ChatCachedRAG])
-    assert isinstance(again, ChatCachedRAG) and (again.max_tokens, again.top_k) == (7, 2)
 
 
 def test_llama_index_structured_predict(tiny_engine):
