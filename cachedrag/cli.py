@@ -4,6 +4,7 @@ Owns: argument parsing and dispatch to subcommands. Each subcommand lives in its
 exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them:
 
     cachedrag demo                 answer questions over the stdlib docs corpus
+    cachedrag serve                OpenAI-compatible server (continuous batching, chunk reuse)
     cachedrag bench <suite>        benchmark suites (ttft, retrieval, kernels, tiers, pipelines)
     cachedrag index build|search   build or query an IVF index directory
 """
@@ -17,6 +18,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("cachedrag.demo", "answer questions over the Python stdlib docs with the default model"),
+    "serve": ("cachedrag.server.cli", "OpenAI-compatible server with continuous batching over the chunk cache"),
 }
 
 BENCH_SUITES: dict[str, tuple[str, str]] = {

@@ -37,3 +37,7 @@ class CorruptCacheError(CachedRAGError):
 
 class ConfigError(CachedRAGError):
     """A configuration value is out of range or inconsistent."""
+
+
+class DirectoryInUseError(CachedRAGError):
+    """Another process (or another tier object) already owns this cache directory."""

@@ -273,6 +273,7 @@ def test_preload_chunks_promotes_candidate_caches_to_the_fastest_tier(runner, tm
                       disk_bytes=64 << 20, write_through=True)
     writer = CachedEngine(runner, config=EngineConfig(), store=TieredStore.from_config(cfg))
     writer.generate(CHUNKS[:3], "q", SYSTEM, max_new_tokens=1)
+    writer.manager.store.close()  # the writing process ends (one owner per disk directory)
     reader_store = TieredStore.from_config(cfg.model_copy(update={}))  # a restarted process: all on disk
     reader = CachedEngine(runner, config=EngineConfig(), store=reader_store)
     handles = [v.handle for s in reader.prompts.chat(CHUNKS[1:3], "q", SYSTEM)[1:3]

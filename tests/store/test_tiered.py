@@ -65,7 +65,8 @@ def test_priority_decides_the_tier(tmp_path):
 
 
 def test_delete_only_when_no_tier_takes_it(tmp_path):
-    disk_one = store_of(tmp_path, cpu_entries=1).tier("disk").prepare(key_of(0), make_entry(0)).nbytes
+    with store_of(tmp_path, cpu_entries=1) as probe:
+        disk_one = probe.tier("disk").prepare(key_of(0), make_entry(0)).nbytes
     store = store_of(tmp_path, cpu_entries=1, disk_bytes=2 * disk_one)
     for i in range(4):
         store.put(key_of(i), make_entry(i), priority=i)
@@ -251,6 +252,7 @@ def test_flush_persists_volatile_entries(tmp_path):
     for i in range(3):
         store.put(key_of(i), make_entry(i))
     assert store.flush() == 3 and store.flush() == 0
+    store.close()
     again = store_of(tmp_path, cpu_entries=4)
     assert again.get(key_of(2)).equal(make_entry(2))
 
