@@ -98,6 +98,15 @@ class _Prefill:
     info: dict
 
 
+@dataclass
+class Prefilled:
+    """What ``CachedEngine.prefill`` hands a scheduler: the request's KV, first logits and stats."""
+
+    kv: KVBuffer  # rows 0..prompt_tokens-1 valid; capacity prompt + max_new_tokens
+    logits: torch.Tensor  # [V] float32, logits of the last prompt position
+    info: dict  # prompt_tokens, computed_tokens, chunks_hit, ... (EngineResult's prefill fields)
+
+
 class _LoadFailed(Exception):
     """A committed layer-wise load failed mid-prefill; the segment is recomputed instead."""
 
@@ -221,6 +230,25 @@ class CachedEngine:
         for _ in deltas:
             pass
         return holder.result
+
+    def score(self, segments: Sequence[Segment], answer: Sequence[int], mode: str | None = None) -> torch.Tensor:
+        """Teacher-forced logits ``[A, V]`` of ``answer`` after the prompt, without decoding:
+        row j predicts ``answer[j]`` from the prompt and ``answer[:j]`` (the prompt prefilled by
+        ``mode``, with this engine's reuse; fidelity measurements compare these with ``full``)."""
+        if not answer:
+            raise ConfigError("score needs at least one answer token")
+        pre = self._prefill(list(segments), self._mode(mode), len(answer))
+        return self._teacher_forced(pre, pre.info["prompt_tokens"], list(answer))
+
+    def prefill(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None) -> "Prefilled":
+        """Plan, load and prefill only, without decoding (the serving scheduler's seam).
+
+        Returns the working KV buffer (capacity = prompt + ``max_new_tokens``, rows of the
+        prompt valid), the last-position logits ``[V]`` and the request's stats (the
+        ``EngineResult`` fields of the prefill); the caller decodes (``cachedrag.server.batch``).
+        """
+        pre = self._prefill(list(segments), self._mode(mode), max_new_tokens)
+        return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info)
 
     def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
         """Prefill only; returns the last-position logits ``[V]`` (for equivalence tests and FLARE)."""

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cachedrag.errors import ConfigError
+from cachedrag.errors import ConfigError, describe_validation_error
 
 Metric = Literal["ip", "l2"]
 
@@ -131,4 +131,4 @@ def make_config(model_cls: type[BaseModel], **values) -> BaseModel:
     try:
         return model_cls(**{key: value for key, value in values.items() if value is not None})
     except ValidationError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ConfigError(describe_validation_error(exc)) from exc

@@ -131,7 +131,9 @@ class TieredStore:
             from cachedrag.store.redis_tier import RedisTier
 
             tiers.append(RedisTier(config.redis_url, config.redis_bytes, namespace=ns,
-                                   ttl_s=config.redis_ttl_s, prefix=config.redis_prefix))
+                                   ttl_s=config.redis_ttl_s, prefix=config.redis_prefix,
+                                   timeout_s=config.redis_timeout_s, breaker_failures=config.redis_breaker_failures,
+                                   breaker_reset_s=config.redis_breaker_reset_s))
         return cls(tiers, namespace=ns, write_through=config.write_through, prefetch_workers=config.prefetch_workers)
 
     # ---- queries -------------------------------------------------------------------------
