@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 BENCH_SUITES: dict[str, tuple[str, str]] = {
     "ttft": ("cachedrag.bench.ttft", "time to first token per reuse mode (full, prefix, naive, random, cachedrag)"),
+    "fidelity": ("cachedrag.bench.fidelity", "answers vs full prefill per token choice and recompute ratio (frontier)"),
     "retrieval": ("cachedrag.bench.retrieval", "IVF recall, cluster overlap and lookahead search latency"),
     "kernels": ("cachedrag.bench.kernels", "Triton kernels vs torch references (GPU; CPU runs references)"),
     "tiers": ("cachedrag.bench.tiers", "chunk-cache load time per tier vs recompute, restart reuse"),
