@@ -33,6 +33,7 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "kernels": ("cachedrag.bench.kernels", "Triton kernels vs torch references (GPU; CPU runs references)"),
     "tiers": ("cachedrag.bench.tiers", "chunk-cache load time per tier vs recompute, restart reuse"),
     "pipelines": ("cachedrag.bench.pipelines", "HyDE, SubQuestion, Iter-RetGen, FLARE end to end"),
+    "cluster": ("cachedrag.bench.cluster", "replicas on Ray Serve: round-robin vs chunk-affinity routing, shared Redis tier"),
     "integrations": ("cachedrag.bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
 }
 
