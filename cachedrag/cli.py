@@ -27,6 +27,7 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "kernels": ("cachedrag.bench.kernels", "Triton kernels vs torch references (GPU; CPU runs references)"),
     "tiers": ("cachedrag.bench.tiers", "chunk-cache load time per tier vs recompute, restart reuse"),
     "pipelines": ("cachedrag.bench.pipelines", "HyDE, SubQuestion, Iter-RetGen, FLARE end to end"),
+    "serve": ("cachedrag.bench.serve", "OpenAI server under load: batching, cache-aware order, chunk modes (a..e)"),
     "integrations": ("cachedrag.bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
 }
 
