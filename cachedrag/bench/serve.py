@@ -220,14 +220,13 @@ def run(args: argparse.Namespace) -> int:
     n_total = args.warmup + args.requests * len(levels)
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
     if args.tiny:
-        from cachedrag.testing import TINY_DOCS, byte_tokenizer
+        from cachedrag.testing import TINY_DOCS
 
         rng = random.Random(args.seed)
         docs = [d.text for d in TINY_DOCS]
         questions = [f"What does item {rng.randrange(6)} do?" for _ in range(n_total)]
         work = Workload(docs, questions, [rng.sample(docs, 1) for _ in questions], "tiny docs", "random")  # 512-token context
         model_name = "tiny-random"
-        del byte_tokenizer
     else:
         from cachedrag.model.loader import load_tokenizer
 
