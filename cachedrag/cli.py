@@ -31,6 +31,7 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "retrieval": ("cachedrag.bench.retrieval", "IVF recall, cluster overlap and lookahead search latency"),
     "kernels": ("cachedrag.bench.kernels", "Triton kernels vs torch references (GPU; CPU runs references)"),
     "tiers": ("cachedrag.bench.tiers", "chunk-cache load time per tier vs recompute, restart reuse"),
+    "faults": ("cachedrag.bench.faults", "fault-injection campaign: crafted/odd files, kills, hanging Redis"),
     "pipelines": ("cachedrag.bench.pipelines", "HyDE, SubQuestion, Iter-RetGen, FLARE end to end"),
     "integrations": ("cachedrag.bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
 }
