@@ -231,6 +231,15 @@ class CachedEngine:
             pass
         return holder.result
 
+    def score(self, segments: Sequence[Segment], answer: Sequence[int], mode: str | None = None) -> torch.Tensor:
+        """Teacher-forced logits ``[A, V]`` of ``answer`` after the prompt, without decoding:
+        row j predicts ``answer[j]`` from the prompt and ``answer[:j]`` (the prompt prefilled by
+        ``mode``, with this engine's reuse; fidelity measurements compare these with ``full``)."""
+        if not answer:
+            raise ConfigError("score needs at least one answer token")
+        pre = self._prefill(list(segments), self._mode(mode), len(answer))
+        return self._teacher_forced(pre, pre.info["prompt_tokens"], list(answer))
+
     def prefill(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None) -> "Prefilled":
         """Plan, load and prefill only, without decoding (the serving scheduler's seam).
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cachedrag.errors import ConfigError
+from cachedrag.errors import ConfigError, describe_validation_error
 
 Metric = Literal["ip", "l2"]
 
@@ -110,6 +110,10 @@ class PipeliningConfig(_Frozen):
     max_stages: int = Field(4, ge=1, description="search stages of an idle engine (1: no speculation)")
     busy_requests: int = Field(2, ge=1, description="other requests in flight at which speculation stops")
     prompt_chunks: int = Field(4, ge=1, description="top chunks that go into the prompt")
+    min_search_s: float = Field(
+        0.1, ge=0.0, description="speculate only when recent searches took at least this long (0: always)"
+    )
+    search_ema: float = Field(0.3, gt=0.0, le=1.0, description="weight of the newest search in the expected search time")
 
 
 class RetrievalConfig(_Frozen):
@@ -127,4 +131,4 @@ def make_config(model_cls: type[BaseModel], **values) -> BaseModel:
     try:
         return model_cls(**{key: value for key, value in values.items() if value is not None})
     except ValidationError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ConfigError(describe_validation_error(exc)) from exc

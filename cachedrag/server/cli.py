@@ -43,9 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-gb", type=float, default=4.0, help="Redis tier budget (GB) with --redis-url")
     parser.add_argument("--graceful-s", type=float, default=5.0, help="seconds in-flight requests get on shutdown")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from cachedrag.cluster.cli import add_arguments as add_cluster_arguments  # --replicas N --backend ray
+
+    add_cluster_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "backend", "local") == "ray" or getattr(args, "replicas", 1) != 1:
+        from cachedrag.cluster.cli import run as run_cluster  # replicas on Ray Serve (docs/scale-out.md)
+
+        return run_cluster(args)
     import uvicorn
 
     class _Server(uvicorn.Server):
