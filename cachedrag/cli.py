@@ -1,9 +1,14 @@
 """The ``cachedrag`` command line.
 
-Owns: argument parsing and dispatch to subcommands. Each subcommand lives in its own module
-exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them:
+Owns: argument parsing and dispatch to subcommands, ``--version``, and the error contract:
+a user mistake (a ``CachedRAGError``, a missing or unreadable file) ends with one line on
+stderr and exit code 2, never a traceback. Each subcommand lives in its own module exposing
+``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them, and imports
+only the module of the command being run (``cachedrag --help`` imports none), so the
+command line answers at once:
 
     cachedrag demo                 answer questions over the stdlib docs corpus
+    cachedrag serve                OpenAI-compatible server (continuous batching, chunk reuse)
     cachedrag bench <suite>        benchmark suites (ttft, retrieval, kernels, tiers, pipelines)
     cachedrag index build|search   build or query an IVF index directory
 """
@@ -12,19 +17,25 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("cachedrag.demo", "answer questions over the Python stdlib docs with the default model"),
+    "serve": ("cachedrag.server.cli", "OpenAI-compatible server with continuous batching over the chunk cache"),
 }
 
 BENCH_SUITES: dict[str, tuple[str, str]] = {
     "ttft": ("cachedrag.bench.ttft", "time to first token per reuse mode (full, prefix, naive, random, cachedrag)"),
+    "fidelity": ("cachedrag.bench.fidelity", "answers vs full prefill per token choice and recompute ratio (frontier)"),
     "retrieval": ("cachedrag.bench.retrieval", "IVF recall, cluster overlap and lookahead search latency"),
     "kernels": ("cachedrag.bench.kernels", "Triton kernels vs torch references (GPU; CPU runs references)"),
     "tiers": ("cachedrag.bench.tiers", "chunk-cache load time per tier vs recompute, restart reuse"),
+    "faults": ("cachedrag.bench.faults", "fault-injection campaign: crafted/odd files, kills, hanging Redis"),
     "pipelines": ("cachedrag.bench.pipelines", "HyDE, SubQuestion, Iter-RetGen, FLARE end to end"),
+    "cluster": ("cachedrag.bench.cluster", "replicas on Ray Serve: round-robin vs chunk-affinity routing, shared Redis tier"),
+    "serve": ("cachedrag.bench.serve", "OpenAI server under load: batching, cache-aware order, chunk modes (a..e)"),
     "integrations": ("cachedrag.bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
 }
 
@@ -43,50 +54,88 @@ def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _selected(argv: list[str]) -> list[str]:
+    """The leading positional words of ``argv`` (command, then suite/action): what to import."""
+    words = []
+    for token in argv:
+        if token == "--":
+            break
+        if token.startswith("-"):
+            continue
+        words.append(token)
+        if len(words) == 2:
+            break
+    return words
+
+
+def _add(sub, name: str, module: str, help_text: str, selected: bool, adder: str = "add_arguments",
+         runner: str = "run") -> None:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    if selected:  # only the command being run pays for its imports
+        mod = importlib.import_module(module)
+        getattr(mod, adder)(p)
+        p.set_defaults(_run=getattr(mod, runner))
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser. With ``argv`` (what ``main`` passes), only the subcommand it names gets its
+    module imported (``--help`` stays fast); with ``argv=None`` every subcommand is registered
+    with its arguments (for callers that parse several command lines with one parser)."""
+    from cachedrag import __version__
+
+    words = _selected(list(argv or []))
+    command = words[0] if words else None
+    second = words[1] if len(words) > 1 else None
+    every = argv is None
     parser = argparse.ArgumentParser(
         prog="cachedrag",
         description="cachedrag: reuse chunk KV caches to make RAG fast.",
     )
+    parser.add_argument("--version", action="version", version=f"cachedrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in _available(COMMANDS).items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        _add(sub, name, module, help_text, every or command == name)
 
     suites = _available(BENCH_SUITES)
     if suites:
         bench = sub.add_parser("bench", help="run a benchmark suite", description="Benchmark suites.")
         bench_sub = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
         for name, (module, help_text) in suites.items():
-            p = bench_sub.add_parser(name, help=help_text, description=help_text)
-            mod = importlib.import_module(module)
-            mod.add_arguments(p)
-            p.set_defaults(_run=mod.run)
+            _add(bench_sub, name, module, help_text, every or (command == "bench" and second == name))
 
     index_cmds = _available(INDEX_COMMANDS)
     if index_cmds:
         index = sub.add_parser("index", help="build or search an IVF index", description="IVF index tools.")
         index_sub = index.add_subparsers(dest="index_command", required=True, metavar="ACTION")
         for name, (module, help_text) in index_cmds.items():
-            p = index_sub.add_parser(name, help=help_text, description=help_text)
-            mod = importlib.import_module(module)
-            getattr(mod, f"add_{name}_arguments")(p)
-            p.set_defaults(_run=getattr(mod, f"run_{name}"))
+            _add(index_sub, name, module, help_text, every or (command == "index" and second == name),
+                 adder=f"add_{name}_arguments", runner=f"run_{name}")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     from cachedrag.errors import CachedRAGError
 
     try:
         return int(args._run(args) or 0)
     except CachedRAGError as exc:
-        print(f"cachedrag: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(exc)
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave: a real failure, keep the traceback
+            raise
+        return _fail(f"{exc.filename}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        print("cachedrag: interrupted", file=sys.stderr)
+        return 130
+
+
+def _fail(problem) -> int:
+    text = " ".join(str(problem).split())  # one line
+    print(f"cachedrag: error: {text}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

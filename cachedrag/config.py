@@ -7,14 +7,29 @@ tier budgets of a custom store (``cachedrag.store``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cachedrag.kvcache.config import CacheConfig
 from cachedrag.model.lookup import LookupConfig
 
 ModeName = Literal["full", "prefix", "naive", "random", "cachedrag"]
+FidelityName = Literal["exact", "balanced", "fast"]
+
+#: What each fidelity level sets (calibrated on the measured frontier, docs/fidelity.md):
+#: the reuse mode, the policy fields of ``cache`` it owns, and order-aware exact reuse.
+FIDELITY_PRESETS: dict[str, dict] = {
+    # no approximation: exact-prefix reuse only, in the retrieved order (answers = full prefill)
+    "exact": {"mode": "prefix", "cache": {}, "order_aware": False},
+    # non-prefix reuse with question-driven recompute at a fixed ratio; cached orders served exactly
+    "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question", "recompute_ratio": 0.3},
+                 "order_aware": True},
+    # the cheapest recompute that keeps the first token on the measured frontier
+    "fast": {"mode": "cachedrag", "cache": {"token_choice": "question", "recompute_ratio": 0.1},
+             "order_aware": True},
+}
 
 
 class EngineConfig(BaseModel):
@@ -22,6 +37,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
+    fidelity: FidelityName | None = Field(
+        None, description="'exact' | 'balanced' | 'fast': sets mode, the recompute policy and order_aware from "
+                          "FIDELITY_PRESETS (calibrated in docs/fidelity.md); None = the fields as given")
     mode: ModeName = Field("cachedrag", description="default reuse mode of generate()")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="policy thresholds (alpha, N x M, focus...)")
     cache_bytes: int = Field(2 << 30, ge=0, description="byte budget of the default in-memory chunk-cache store")
@@ -32,9 +50,30 @@ class EngineConfig(BaseModel):
         True, description="with a store that supports it (TieredStore), load cached KV layer by layer during prefill")
     break_even_factor: float = Field(
         1.0, gt=0, description="wait for a cached segment's first layer at most this x its estimated recompute time")
+    order_aware: bool = Field(
+        False, description="when a cached knowledge-tree path holds the retrieved chunks (as a set), serve them in "
+                           "that order: an exact prefix hit with no approximation (the order changes; stats say so)")
     lookup: LookupConfig = Field(
         default_factory=LookupConfig,
         description="prompt-lookup speculative greedy decoding (drafts copied from the prompt); max_draft=0 turns it off")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_fidelity(cls, data):
+        """A fidelity level overrides mode, order_aware and the cache fields its preset names."""
+        if not isinstance(data, dict) or data.get("fidelity") is None:
+            return data
+        name = data["fidelity"]
+        if name not in FIDELITY_PRESETS:
+            return data  # the Literal check reports it
+        preset = FIDELITY_PRESETS[name]
+        cache = data.get("cache")
+        if cache is None:
+            cache = CacheConfig()
+        elif isinstance(cache, dict):
+            cache = CacheConfig.from_dict(cache)
+        cache = dataclasses.replace(cache, **preset["cache"]) if isinstance(cache, CacheConfig) else cache
+        return {**data, "mode": preset["mode"], "order_aware": preset["order_aware"], "cache": cache}
 
     @field_validator("cache", mode="before")
     @classmethod

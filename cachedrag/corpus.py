@@ -1,8 +1,9 @@
 """Document corpora: loading user corpora and building the embedded stdlib-docs corpus.
 
 Owns: the ``Document`` record, reading a corpus from a directory of UTF-8 ``.txt``/``.md``
-files or a JSONL file of ``{"id", "text"}``, reading a question stream, and the demo corpus
-made of the Python standard library's own pydoc text. Does not own: chunking (see
+files or a JSONL file of ``{"id", "text"}``, reading a question stream, the demo corpus
+made of the Python standard library's own pydoc text, and a second real-manual corpus made of
+the GNU info manuals the system ships (``info_corpus``; offline, no data files to ship). Does not own: chunking (see
 ``cachedrag.retrieval.chunker``) or embedding.
 """
 
@@ -17,7 +18,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachedrag.errors import EmptyInputError
+from cachedrag.errors import EmptyInputError, InputError, InputNotFoundError
 
 # A few dozen well-documented, side-effect-free stdlib modules for the demo corpus.
 STDLIB_MODULES: tuple[str, ...] = (
@@ -39,36 +40,56 @@ class Document:
     text: str
 
 
-def load_corpus(path: str | Path) -> list[Document]:
-    """Read a corpus: a directory of .txt/.md files (one document each) or a JSONL file.
+TEXT_SUFFIXES = (".txt", ".md")
 
-    Raises ``EmptyInputError`` when the path holds no non-empty document, and
-    ``FileNotFoundError`` when it does not exist.
+
+def load_corpus(path: str | Path) -> list[Document]:
+    """Read a corpus: a directory of .txt/.md files (one document each), a single .txt/.md
+    file (one document), or a JSONL file of ``{"id", "text"}`` objects.
+
+    Raises ``InputNotFoundError`` when the path does not exist, ``InputError`` for a file that
+    is not UTF-8 or a JSONL line that is not such an object, and ``EmptyInputError`` when the
+    path holds no non-empty document.
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"corpus path does not exist: {path}")
+        raise InputNotFoundError(f"corpus path does not exist: {path}")
     docs: list[Document] = []
     if path.is_dir():
-        for file in sorted(p for p in path.rglob("*") if p.suffix.lower() in (".txt", ".md") and p.is_file()):
-            text = file.read_text(encoding="utf-8")
+        for file in sorted(p for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file()):
+            text = _read_text(file)
             if text.strip():
                 docs.append(Document(id=str(file.relative_to(path)), text=text))
+    elif path.suffix.lower() in TEXT_SUFFIXES:
+        text = _read_text(path)
+        if text.strip():
+            docs.append(Document(id=path.name, text=text))
     else:
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    doc = Document(id=str(record["id"]), text=str(record["text"]))
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object with 'id' and 'text' ({exc})") from exc
-                if doc.text.strip():
-                    docs.append(doc)
+        for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                doc = Document(id=str(record["id"]), text=str(record["text"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise InputError(
+                    f"{path}:{lineno}: expected a JSONL line with 'id' and 'text' ({exc}); "
+                    f"plain-text corpora are .txt/.md files or a directory of them"
+                ) from exc
+            if doc.text.strip():
+                docs.append(doc)
     if not docs:
         raise EmptyInputError(f"corpus at {path} contains no non-empty documents (.txt/.md files or JSONL lines)")
     return docs
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8") from exc
+    except OSError as exc:
+        raise InputError(f"cannot read {file}: {exc.strerror or exc}") from exc
 
 
 def load_questions(path: str | Path) -> list[str]:
@@ -107,6 +128,43 @@ def stdlib_corpus(modules: tuple[str, ...] = STDLIB_MODULES, max_chars_per_doc: 
         docs.append(Document(id=f"stdlib/{name}", text=text[:max_chars_per_doc]))
     if not docs:
         raise EmptyInputError("no stdlib module could be rendered for the demo corpus")
+    return docs
+
+
+INFO_MANUALS: tuple[str, ...] = ("grep", "sed", "gzip", "time", "bc", "ed", "diffutils")
+INFO_DIR = "/usr/share/info"
+
+
+def info_corpus(manuals: tuple[str, ...] = INFO_MANUALS, root: str | Path = INFO_DIR,
+                max_chars_per_doc: int = 6_000) -> list[Document]:
+    """GNU info manuals (plain text, gzip-compressed, in ``root``) as one document per node.
+
+    Info files separate nodes with a 0x1F byte; each node starts with a ``File: ... Node: ...``
+    header line, dropped here. Nodes shorter than 200 characters (menus) are skipped; each node
+    is cut to ``max_chars_per_doc``. Raises ``EmptyInputError`` naming ``root`` when none of the
+    manuals is installed.
+    """
+    import gzip
+
+    root = Path(root)
+    docs: list[Document] = []
+    for name in manuals:
+        parts = sorted(root.glob(f"{name}.info*.gz")) + sorted(root.glob(f"{name}.info"))
+        for part in parts:
+            with gzip.open(part, "rt", encoding="utf-8", errors="replace") if part.suffix == ".gz" else \
+                    part.open(encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+            for node in text.split("\x1f")[1:]:
+                lines = node.strip("\n").splitlines()
+                header = lines[0] if lines else ""
+                if "Node:" not in header or header.startswith("Tag Table"):
+                    continue
+                node_name = header.split("Node:", 1)[1].split(",", 1)[0].strip()
+                body = "\n".join(lines[1:]).strip()
+                if len(body) >= 200:
+                    docs.append(Document(id=f"info/{name}/{node_name}", text=body[:max_chars_per_doc]))
+    if not docs:
+        raise EmptyInputError(f"no GNU info manual ({', '.join(manuals)}) found under {root}")
     return docs
 
 

@@ -3,8 +3,10 @@
 Owns: ``CachedEngine`` (the one generation API with chunk reuse), ``EngineResult`` (text plus
 per-request stats) and the tensor side of a request: loading planned KV into the working
 buffer (raw K re-rotated to its new positions), computing only fresh + recompute + question
-tokens layer by layer, choosing the recompute tokens by measured K/V deviation when the plan
-defers that choice (CacheBlend), focused-chunk early termination, measuring the inter/intra attention
+tokens layer by layer, choosing the recompute tokens when the plan defers that choice (by measured
+K/V deviation, CacheBlend; by the question's attention to the re-rotated cache, ProphetKV-like; or
+both fused), budget by need, order-aware exact reuse (serving a cached tree path's order),
+teacher-forced scoring of a given answer, focused-chunk early termination, measuring the inter/intra attention
 metadata of fresh chunks, and handing their raw K + V to the cache manager.
 
 Does not own: decisions (``cachedrag.kvcache.planner`` via ``ChunkCacheManager``), storage
@@ -27,10 +29,11 @@ import torch
 from cachedrag.config import EngineConfig
 from cachedrag.errors import ConfigError
 from cachedrag.fingerprint import namespace_for
+from cachedrag.kvcache.config import QUESTION_CHOICES
 from cachedrag.kvcache.focus import FocusTracker
 from cachedrag.kvcache.keys import path_key
 from cachedrag.kvcache.manager import ChunkCacheManager, NewEntry
-from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest
+from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest, allocate_by_need
 from cachedrag.kvcache.planner import Segment as PlanSegment
 from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
@@ -50,16 +53,17 @@ class EngineResult:
     ttft_s: float
     total_s: float
     prompt_tokens: int
-    computed_tokens: int  # tokens computed at layer 0: fresh + recomputed + question
+    computed_tokens: int  # tokens computed at full depth (every layer): fresh + recomputed + question
     computed_fraction: float  # token-layers computed / (layers x prompt tokens), early termination included
     fresh_tokens: int
-    recomputed_tokens: int
+    recomputed_tokens: int  # tokens of reused chunks recomputed at full depth
     question_tokens: int
     prefix_hit_tokens: int
     chunks_hit: int
     chunks_missed: int
     chunk_cfo: list[float | None]
-    chunk_recompute: list[list[int]]  # per chunk: recomputed token indices within the chunk
+    chunk_recompute: list[list[int]]  # per chunk: token indices within the chunk chosen for recompute (those of
+    #                                   chunks dropped at the focus layer stop there and count as checked)
     focus_layer: int | None
     load_s: float
     prefill_s: float
@@ -69,13 +73,21 @@ class EngineResult:
     draft_passes: int = 0  # speculative decoding: verification passes that carried a prompt-lookup draft
     draft_tokens: int = 0  # draft tokens verified
     draft_accepted: int = 0  # draft tokens accepted (each saved one decode step)
+    cached_tokens: int = 0  # prompt tokens served from cache = not recomputed at full depth (prompt - computed)
+    checked_tokens: int = 0  # cached tokens computed at the lower layers only (deviation check probes, and
+    #                          recompute tokens of chunks dropped at the focus layer); they stay counted as cached
+    token_choice: str | None = None  # how recompute tokens were chosen (None: nothing reused)
+    approximations: list[str] = field(default_factory=list)  # what made this answer differ from full prefill
+    chunk_order: list[int] | None = None  # order-aware reuse: retrieved indices in the order served (None: as given)
+    teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
-        """Everything but the text, JSON-ready."""
+        """Everything but the text (and tensors), JSON-ready."""
         out = dict(self.__dict__)
         out.pop("text")
         out.pop("token_ids")
         out.pop("token_logprobs")
+        out.pop("teacher_logits")
         return out
 
 
@@ -84,6 +96,15 @@ class _Prefill:
     kv: KVBuffer
     logits: torch.Tensor  # [V]
     info: dict
+
+
+@dataclass
+class Prefilled:
+    """What ``CachedEngine.prefill`` hands a scheduler: the request's KV, first logits and stats."""
+
+    kv: KVBuffer  # rows 0..prompt_tokens-1 valid; capacity prompt + max_new_tokens
+    logits: torch.Tensor  # [V] float32, logits of the last prompt position
+    info: dict  # prompt_tokens, computed_tokens, chunks_hit, ... (EngineResult's prefill fields)
 
 
 class _LoadFailed(Exception):
@@ -190,17 +211,43 @@ class CachedEngine:
         return self.generate_segments(segments, params, mode=mode, stream=stream, start=start)
 
     def generate_segments(self, segments: Sequence[Segment], params: SamplingParams, *, mode: str | None = None,
-                          stream: bool = False, start: float | None = None):
-        """Generate after an arbitrary segment layout (see ``PromptBuilder.text_segments``)."""
+                          stream: bool = False, start: float | None = None, teacher: Sequence[int] | None = None):
+        """Generate after an arbitrary segment layout (see ``PromptBuilder.text_segments``).
+
+        ``teacher``: token ids of a reference answer (at most ``max_new_tokens``); after
+        generating, the same prefilled KV scores it teacher-forced and ``result.teacher_logits``
+        holds the logits ``[A, V]`` predicting each of its tokens (fidelity measurements).
+        """
         start = time.perf_counter() if start is None else start
         mode = self._mode(mode)
+        if teacher is not None and (stream or not 0 < len(teacher) <= params.max_new_tokens):
+            raise ConfigError("teacher needs stream=False and 1..max_new_tokens token ids")
         holder = _Holder()
-        deltas = self._run(list(segments), params, mode, start, holder)
+        deltas = self._run(list(segments), params, mode, start, holder, teacher)
         if stream:
             return GenerationStream(deltas, holder)
         for _ in deltas:
             pass
         return holder.result
+
+    def score(self, segments: Sequence[Segment], answer: Sequence[int], mode: str | None = None) -> torch.Tensor:
+        """Teacher-forced logits ``[A, V]`` of ``answer`` after the prompt, without decoding:
+        row j predicts ``answer[j]`` from the prompt and ``answer[:j]`` (the prompt prefilled by
+        ``mode``, with this engine's reuse; fidelity measurements compare these with ``full``)."""
+        if not answer:
+            raise ConfigError("score needs at least one answer token")
+        pre = self._prefill(list(segments), self._mode(mode), len(answer))
+        return self._teacher_forced(pre, pre.info["prompt_tokens"], list(answer))
+
+    def prefill(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None) -> "Prefilled":
+        """Plan, load and prefill only, without decoding (the serving scheduler's seam).
+
+        Returns the working KV buffer (capacity = prompt + ``max_new_tokens``, rows of the
+        prompt valid), the last-position logits ``[V]`` and the request's stats (the
+        ``EngineResult`` fields of the prefill); the caller decodes (``cachedrag.server.batch``).
+        """
+        pre = self._prefill(list(segments), self._mode(mode), max_new_tokens)
+        return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info)
 
     def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
         """Prefill only; returns the last-position logits ``[V]`` (for equivalence tests and FLARE)."""
@@ -235,7 +282,8 @@ class CachedEngine:
             raise ConfigError(f"unknown mode {name!r}; choose one of {', '.join(MODES)}")
         return Mode(name)
 
-    def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder):
+    def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder,
+             teacher: Sequence[int] | None = None):
         pre = self._prefill(segments, mode, params.max_new_tokens)
         prompt_tokens = pre.info["prompt_tokens"]
         lookup = prompt_lookup(self.config.lookup, [t for s in segments for t in s.ids], params.temperature == 0.0)
@@ -250,6 +298,20 @@ class CachedEngine:
             draft_accepted=lookup.accepted if lookup else 0,
             **{k: v for k, v in info.items() if k != "prompt_tokens"},
         )
+        if teacher is not None:
+            holder.result.teacher_logits = self._teacher_forced(pre, prompt_tokens, list(teacher))
+
+    @torch.inference_mode()
+    def _teacher_forced(self, pre: _Prefill, start: int, teacher: list[int]) -> torch.Tensor:
+        """Logits ``[A, V]`` predicting ``teacher[j]`` after the prefilled prompt and
+        ``teacher[:j]``: one pass over ``teacher[:-1]`` on the request's buffer (decoding wrote
+        only rows >= ``start``; this pass overwrites them in causal order)."""
+        rows = [pre.logits[None].float()]  # [1, V]
+        if len(teacher) > 1:
+            ids = torch.tensor(teacher[:-1], device=self.runner.device)  # [A-1]
+            pos = torch.arange(start, start + len(teacher) - 1, device=self.runner.device)  # [A-1]
+            rows.append(self.runner.prefill(ids, pos, kv=pre.kv, kv_len=start + len(teacher) - 1, all_logits=True))
+        return torch.cat(rows, 0)  # [A, V]
 
     @torch.inference_mode()
     def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False) -> _Prefill:
@@ -266,6 +328,13 @@ class CachedEngine:
         question = segments[n_question_from:]
         if not question:
             raise ConfigError("a request must end with a text segment (the question)")
+        chunk_order = None
+        if (self.config.order_aware and mode is not Mode.FULL and len(middle) > 1
+                and all(s.kind == "chunk" for s in middle)):
+            chunk_order = self.manager.cached_order([s.key for s in system], [s.key for s in middle])
+            if chunk_order is not None:  # a cached tree path holds these chunks: serve its order exactly
+                middle = [middle[i] for i in chunk_order]
+                segments = system + middle + question
         context = system + middle
         request = PlanRequest(
             system=tuple(PlanSegment(s.key, len(s)) for s in system),
@@ -292,6 +361,9 @@ class CachedEngine:
             self.manager.admit(plan, [s.key for s in context], new_entries)
         if self._layerwise:
             self.manager.prefetch(plan)  # promote what this request reused (background; layer loads do not promote)
+        pre.info["chunk_order"] = chunk_order
+        if chunk_order is not None:
+            pre.info["approximations"].insert(0, "reordered")
         return pre
 
     def _execute(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
@@ -322,10 +394,12 @@ class CachedEngine:
                         loaders[idx] = loader
                 else:
                     entry = self.manager.load(sp.handle)
-                    if entry is not None and (entry.n_tokens != sp.n_tokens or entry.n_layers != runner.n_layers):
+                    wrong = None if entry is None else self._wrong_shape(entry.k.shape, entry.k.dtype, sp.n_tokens)
+                    if wrong is not None:
                         self.manager.invalidate(sp.handle)
-                        entry = None
-                    if entry is None:
+                        notes.append(f"segment {sp.role}[{sp.index}]: cached entry has {wrong}; computed fresh")
+                        action = Action.FRESH
+                    elif entry is None:
                         notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
                         action = Action.FRESH
                     else:
@@ -342,16 +416,66 @@ class CachedEngine:
             elif action is Action.REUSE and sp.recompute:
                 recompute_pos[i] = sp.recompute_positions()
         question_pos = list(range(plan.question_start, total))
-        # token_choice "deviation": the plan fixed how many tokens of these segments to recompute;
-        # which ones is measured at check_layer, so layers below it run over all their tokens
+        # token_choice "deviation" (and the question choices): the plan fixed how many tokens of
+        # these segments to recompute; which ones is measured here. Deviation: at check_layer, so
+        # layers below it run over all their tokens. Question: the question's attention to the
+        # loaded cache, in a pre-pass of the question (and fresh tokens) through a few layers.
+        cfg = self.config.cache
+        choice = cfg.token_choice
         deferred = {i: sp.deferred for i, (sp, a) in enumerate(zip(plan.segments, actions))
                     if a is Action.REUSE and sp.deferred}
-        check_layer = self.config.cache.check_layer
-        if deferred and check_layer >= runner.n_layers:  # too shallow to probe: leading tokens
-            notes.append(f"check_layer {check_layer} >= {runner.n_layers} layers; recomputing leading tokens")
-            for i, n in deferred.items():
-                recompute_pos[i] = list(range(plan.segments[i].start, plan.segments[i].start + n))
-            deferred = {}
+        check_layer = cfg.check_layer
+        by_deviation = choice in ("deviation", "question+deviation")
+        if deferred and by_deviation and check_layer >= runner.n_layers:
+            if choice == "deviation":  # too shallow to probe: leading tokens
+                notes.append(f"check_layer {check_layer} >= {runner.n_layers} layers; recomputing leading tokens")
+                for i, n in deferred.items():
+                    recompute_pos[i] = list(range(plan.segments[i].start, plan.segments[i].start + n))
+                deferred = {}
+            else:
+                notes.append(f"check_layer {check_layer} >= {runner.n_layers} layers; ranking by the question only")
+            by_deviation = False
+        loaded_layers: set[int] = set()
+        load_wait = [0.0]
+
+        def load_layer(layer: int) -> None:  # layer-wise loads: each layer once, before it is read
+            if layer in loaded_layers:
+                return
+            loaded_layers.add(layer)
+            for idx, loader in loaders.items():
+                t_wait = time.perf_counter()
+                got = loader.layer(layer)  # committed: blocks until loaded (or failed)
+                load_wait[0] += time.perf_counter() - t_wait
+                if got is None:
+                    raise _LoadFailed(idx, loader.error)
+                runner.write_rotated_layer(kv, layer, got[0], got[1], plan.segments[idx].start)
+
+        question_scores: dict[int, torch.Tensor] = {}  # segment -> [T_i] question attention to its tokens
+        refine: dict[int, int] = {}  # second stage: segment -> how many of its candidates to keep
+        if deferred and choice in QUESTION_CHOICES:
+            try:
+                scores = self._question_scores(ids, kv, total, fresh_pos, question_pos, plan, deferred,
+                                               load_layer)  # [T]
+            except BaseException:
+                for loader in loaders.values():
+                    loader.close()
+                raise
+            question_scores = {i: scores[plan.segments[i].start:plan.segments[i].end] for i in deferred}
+            if cfg.need_weight > 0 and len(deferred) > 1:  # budget by need, within the request's total
+                seg = list(deferred)
+                counts = allocate_by_need([deferred[i] for i in seg], [float(question_scores[i].sum()) for i in seg],
+                                          [plan.segments[i].n_tokens for i in seg], cfg.need_weight)
+                deferred = dict(zip(seg, counts))
+            if not by_deviation:
+                two_stage = cfg.refine_layer is not None and cfg.refine_layer < runner.n_layers
+                for i, n in deferred.items():
+                    sp = plan.segments[i]
+                    keep = min(sp.n_tokens, math.ceil(cfg.refine_factor * n)) if two_stage else n
+                    top = torch.topk(question_scores[i], min(keep, sp.n_tokens)).indices.tolist()
+                    recompute_pos[i] = sorted(sp.start + j for j in top)
+                    if two_stage and keep > n:
+                        refine[i] = n
+                deferred = {}
         probe_pos = [p for i in deferred for p in range(plan.segments[i].start, plan.segments[i].end)]
         compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos)
                          | set(probe_pos))
@@ -385,22 +509,20 @@ class CachedEngine:
         rope = runner.rotary.cos_sin(positions, runner.dtype, device)  # [Tc, D] each, shared by all layers
         try:
             for layer in range(runner.n_layers):
-                for idx, loader in loaders.items():
-                    t_wait = time.perf_counter()
-                    got = loader.layer(layer)  # committed: blocks until loaded (or failed)
-                    load_s += time.perf_counter() - t_wait
-                    if got is None:
-                        raise _LoadFailed(idx, loader.error)
-                    runner.write_rotated_layer(kv, layer, got[0], got[1], plan.segments[idx].start)
+                load_layer(layer)
                 if deferred and layer == check_layer:
                     unfocused = set() if tracker is None or tracker.decision is None else {
                         i for c, i in enumerate(chunk_seg) if not tracker.decision.is_focused(c)}
                     keep = self._choose_deviating(layer, hidden, positions, rope, kv, plan, deferred, probe_pos,
-                                                  recompute_pos, unfocused)
+                                                  recompute_pos, unfocused, question_scores)
                     positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
                 raw: dict = {}
                 hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope)
                 token_layers += positions.shape[0]
+                if refine and layer == cfg.refine_layer:
+                    keep = self._refine(layer, raw["q"], positions, kv, total, plan, refine, recompute_pos,
+                                        question_scores, len(question_pos))
+                    positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
                 if raw_k is not None or fresh_chunk_rows:
                     fresh_idx = torch.searchsorted(positions, fresh_t)  # [Tf] rows of fresh tokens in the compute set
                 if raw_k is not None:
@@ -426,6 +548,7 @@ class CachedEngine:
         finally:
             for loader in loaders.values():
                 loader.close()
+        load_s += load_wait[0]
         if all_logits:
             logits = runner.logits(hidden)  # [Tc, V]
         else:
@@ -439,11 +562,26 @@ class CachedEngine:
         if raw_k is not None:
             new_entries = self._new_entries(plan, actions, context, fresh_pos, raw_k, kv, fresh_mass, bounds,
                                             n_system, chunk_seg, capture)
-        n_recomputed = sum(len(v) for v in recompute_pos.values())
+        # truthful reuse: only tokens that reached the last layer were computed; the rest of the
+        # prompt was served from cache (some of it probed at the lower layers: "checked")
+        full_depth = set(positions.tolist())
+        n_recomputed = len(full_depth - set(fresh_pos) - set(question_pos))
         chunk_actions = [actions[i] for i in chunk_seg]
+        reused = [i for i, a in enumerate(actions) if a is Action.REUSE]
+        used_choice = (None if not reused else "none" if mode is Mode.NAIVE
+                       else "random" if mode is Mode.RANDOM else choice)
+        approximations = []  # empty: the prefill equals full prefill of the served order
+        if reused:
+            approximations.append("chunk_reuse")
+            if sum(len(recompute_pos.get(i, ())) for i in reused) < sum(plan.segments[i].n_tokens for i in reused):
+                approximations.append(f"partial_recompute:{used_choice}")
+            if focus_layer is not None:
+                approximations.append("early_termination")
         info = {
             "prompt_tokens": total,
-            "computed_tokens": len(compute),
+            "computed_tokens": len(full_depth),
+            "cached_tokens": total - len(full_depth),
+            "checked_tokens": len(compute) - len(full_depth),
             "computed_fraction": token_layers / (runner.n_layers * total),
             "fresh_tokens": len(fresh_pos),
             "recomputed_tokens": n_recomputed,
@@ -457,16 +595,20 @@ class CachedEngine:
             "load_s": load_s,
             "prefill_s": prefill_s,
             "notes": notes,
+            "token_choice": used_choice,
+            "approximations": approximations,
         }
         return _Prefill(kv, logits, info), new_entries
 
     def _choose_deviating(self, layer: int, hidden, positions, rope, kv: KVBuffer, plan, deferred: dict[int, int],
-                          probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int]):
+                          probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int],
+                          question_scores: dict[int, torch.Tensor] | None = None):
         """CacheBlend's token choice at ``layer`` (= check_layer): for each deferred segment, the
         ``deferred[i]`` tokens whose fresh K/V deviate most from the loaded cache go into
         ``recompute_pos``; the other probed tokens leave the compute set. Returns the keep
         mask ``[Tc]`` over ``positions``. Segments already ruled out by focused-chunk early
-        termination keep none of their probe tokens."""
+        termination keep none of their probe tokens. With ``question_scores``
+        (``question+deviation``), the ranking is the weighted rank of both."""
         device = self.runner.device
         probe_t = torch.tensor(probe_pos, device=device, dtype=torch.long)  # [Tp], sorted
         rows = torch.searchsorted(positions, probe_t)  # [Tp] rows of probed tokens in the compute set
@@ -481,10 +623,72 @@ class CachedEngine:
             if i in unfocused:
                 recompute_pos[i] = []
                 continue
+            if question_scores:
+                w = self.config.cache.question_weight
+                seg_dev = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(seg_dev)  # [T_i]
             top = torch.topk(seg_dev, min(count, sp.n_tokens)).indices.tolist()
             recompute_pos[i] = sorted(sp.start + j for j in top)
             chosen.update(recompute_pos[i])
         drop = set(probe_pos) - chosen
+        return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
+
+    def _question_scores(self, ids: torch.Tensor, kv: KVBuffer, total: int, fresh_pos: list[int],
+                         question_pos: list[int], plan, deferred: dict[int, int], load_layer) -> torch.Tensor:
+        """The question's attention to every prompt position ``[T]`` (float32): the question and
+        fresh tokens run through layers ``0..max(question_layers)`` against the loaded cache (the
+        reused chunks' K re-rotated to their new positions); at each of ``question_layers`` the
+        attention probability of every question token to each position, averaged over heads,
+        is summed over question tokens and normalised to sum 1 over the deferred segments' tokens.
+        Rows it writes (question and fresh tokens) are written again by the prefill proper.
+        The fidelity benchmark's oracle overrides this method."""
+        runner = self.runner
+        device = runner.device
+        layers = [x for x in self.config.cache.question_layers if x < runner.n_layers] or [runner.n_layers - 1]
+        pos = torch.tensor(sorted(set(fresh_pos) | set(question_pos)), device=device)  # [Tp]
+        q_rows = torch.arange(pos.shape[0] - len(question_pos), pos.shape[0], device=device)  # question: the last rows
+        inside = torch.zeros(total, dtype=torch.bool, device=device)  # [T]
+        for i in deferred:
+            inside[plan.segments[i].start:plan.segments[i].end] = True
+        every = list(range(total + 1))  # one segment per position
+        hidden = runner.embed(ids[pos])  # [Tp, Dm]
+        rope = runner.rotary.cos_sin(pos, runner.dtype, device)  # [Tp, D] each
+        scores = torch.zeros(total, dtype=torch.float32, device=device)  # [T]
+        for layer in range(max(layers) + 1):
+            load_layer(layer)
+            raw: dict = {}
+            hidden = runner.forward_layer(layer, hidden, pos, kv, total, raw_out=raw, rope=rope)
+            if layer in layers:
+                mass = runner.segment_attention_mass(layer, raw["q"][:, q_rows], pos[q_rows], kv, total, every)  # [Tq, T]
+                s = mass.sum(0).float()  # [T]
+                scores += s / s[inside].sum().clamp_min(1e-12)
+        return scores  # [T]
+
+    def _refine(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, total: int, plan,
+                refine: dict[int, int], recompute_pos: dict[int, list[int]],
+                question_scores: dict[int, torch.Tensor], n_question: int) -> torch.Tensor:
+        """Second stage of the question choice, after ``layer`` (= refine_layer) was computed
+        with the candidates' fresh K: rank each refined segment's candidates by first-stage +
+        this layer's question attention (each normalised over the candidates) and keep
+        ``refine[i]``; the others leave the compute set. Returns the keep mask ``[Tc]``."""
+        device = self.runner.device
+        q_rows = torch.arange(positions.shape[0] - n_question, positions.shape[0], device=device)  # [Tq]
+        every = list(range(total + 1))
+        mass = self.runner.segment_attention_mass(layer, q[:, q_rows], positions[q_rows], kv, total, every)  # [Tq, T]
+        late = mass.sum(0).float()  # [T]
+        live = set(positions.tolist())
+        drop: set[int] = set()
+        for i, n in refine.items():
+            start = plan.segments[i].start
+            cand = [p for p in recompute_pos.get(i, ()) if p in live]
+            if len(cand) <= n:
+                continue
+            idx = torch.tensor(cand, device=device)  # [C]
+            first = question_scores[i][idx - start]  # [C]
+            second = late[idx]  # [C]
+            fused = first / first.sum().clamp_min(1e-12) + second / second.sum().clamp_min(1e-12)  # [C]
+            kept = set(idx[torch.topk(fused, n).indices].tolist())
+            recompute_pos[i] = sorted(kept)
+            drop.update(p for p in cand if p not in kept)
         return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
 
     @property
@@ -510,10 +714,13 @@ class CachedEngine:
         if loader is None:
             notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing; computed fresh")
             return None
-        if loader.n_layers != runner.n_layers or loader.meta.get("n_tokens") not in (None, str(sp.n_tokens)):
+        wrong = self._wrong_shape(loader.kv_shape, loader.kv_dtype, sp.n_tokens)
+        if wrong is None and loader.meta.get("n_tokens") not in (None, str(sp.n_tokens)):
+            wrong = f"n_tokens {loader.meta.get('n_tokens')!r} in its meta, not {sp.n_tokens}"
+        if wrong is not None:
             loader.close()
             self.manager.invalidate(sp.handle)
-            notes.append(f"segment {sp.role}[{sp.index}]: cached entry has another shape; computed fresh")
+            notes.append(f"segment {sp.role}[{sp.index}]: cached entry has {wrong}; computed fresh")
             return None
         if loader.layer(0, timeout=self._break_even_s(sp.n_tokens)) is None:
             error = loader.error
@@ -522,6 +729,17 @@ class CachedEngine:
             notes.append(f"segment {sp.role}[{sp.index}]: cached entry {why}; computed fresh")
             return None
         return loader
+
+    def _wrong_shape(self, shape, dtype, n_tokens: int) -> str | None:
+        """Why a stored K/V of ``shape`` ``[L, H_kv, T, D]`` and ``dtype`` cannot fill a segment of
+        ``n_tokens`` tokens in this model (a valid checksum proves integrity, not fit), or None."""
+        r = self.runner
+        want = (r.n_layers, r.n_kv_heads, n_tokens, r.head_dim)
+        if tuple(shape) != want:
+            return f"shape {list(shape)}, not [L, H_kv, T, D] = {list(want)}"
+        if dtype != r.dtype:
+            return f"dtype {dtype}, not {r.dtype}"
+        return None
 
     def _break_even_s(self, n_tokens: int) -> float:
         """Estimated time to recompute ``n_tokens`` through every layer (measured throughput)."""
@@ -583,3 +801,10 @@ class CachedEngine:
             prefix_keys=tuple(keys[j] for j in prior), inter=inter, intra=float(intra_t.mean()),
             token_inter=token_inter,
         )
+
+
+def _rank01(x: torch.Tensor) -> torch.Tensor:
+    """Ranks of ``x`` scaled to [0, 1] (0 = smallest), float32 ``[T]``: a scale-free score for fusing rankings."""
+    r = torch.empty_like(x, dtype=torch.float32)  # [T]
+    r[torch.argsort(x)] = torch.arange(x.shape[0], dtype=torch.float32, device=x.device)
+    return r / max(1, x.shape[0] - 1)

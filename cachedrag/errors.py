@@ -37,3 +37,27 @@ class CorruptCacheError(CachedRAGError):
 
 class ConfigError(CachedRAGError):
     """A configuration value is out of range or inconsistent."""
+
+
+class InputError(CachedRAGError, ValueError):
+    """A user-supplied file or argument is unusable: wrong format, not UTF-8, not an index..."""
+
+
+class InputNotFoundError(CachedRAGError, FileNotFoundError):
+    """A user-supplied path does not exist."""
+
+
+def describe_validation_error(exc) -> str:
+    """One line from a pydantic ``ValidationError``: ``field: message (got value)`` per problem,
+    without pydantic's multi-line layout and documentation links."""
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(x) for x in err.get("loc", ())) or "value"
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        parts.append(f"{field}: {msg}{got}")
+    return "; ".join(parts)
+
+
+class DirectoryInUseError(CachedRAGError):
+    """Another process (or another tier object) already owns this cache directory."""

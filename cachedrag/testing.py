@@ -102,3 +102,50 @@ TINY_DOCS = [
     Document("uuid", "The uuid module generates universally unique identifiers. uuid.uuid4 makes a random UUID; "
              "uuid.uuid1 uses the host id and the current time."),
 ]
+
+
+def save_tiny_model(path, arch: str = "llama", seed: int = 0, max_position_embeddings: int = 4096):
+    """Write ``tiny_model(arch)`` + ``byte_tokenizer()`` as a local model directory (safetensors,
+    config, tokenizer with its chat template) that ``load_model(path)`` loads like any model."""
+    from pathlib import Path
+
+    path = Path(path)
+    tok = byte_tokenizer()
+    model = tiny_model(arch, seed=seed, vocab_size=len(tok), max_position_embeddings=max_position_embeddings)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+class tiny_default_model:
+    """Context manager: while active, the embedded default model (``None``/``"default"``/
+    ``DEFAULT_MODEL`` everywhere: engines, integrations, CLI, tokenizers) is the tiny random
+    model saved in ``path``. Used by the doc-snippet tests so documentation written for the
+    real model runs in seconds. The process-wide shared engine of the default is dropped on
+    entry and exit so no tiny engine outlives the block."""
+
+    def __init__(self, path):
+        self.path = path
+        self._saved = None
+
+    def __enter__(self):
+        from pathlib import Path
+
+        import cachedrag.model.loader as loader
+        from cachedrag.integrations.engines import engine_registry
+
+        if not (Path(self.path) / "config.json").is_file():
+            save_tiny_model(self.path)
+        self._saved = loader.default_model_dir
+        loader.default_model_dir = lambda: Path(self.path)
+        engine_registry().remove(loader.DEFAULT_MODEL)
+        return self
+
+    def __exit__(self, *exc):
+        import cachedrag.model.loader as loader
+        from cachedrag.integrations.engines import engine_registry
+
+        loader.default_model_dir = self._saved
+        engine_registry().remove(loader.DEFAULT_MODEL)
+        return False

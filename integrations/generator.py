@@ -52,8 +52,14 @@ class Answer:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens whose KV came from the cache (not computed for this request)."""
-        return int(self.result.prompt_tokens - self.result.computed_tokens)
+        """Prompt tokens served from the cache: not recomputed at full depth for this request
+        (tokens the deviation check probed at the lower layers only count here too)."""
+        return int(self.result.cached_tokens)
+
+    @property
+    def checked_tokens(self) -> int:
+        """Cached prompt tokens that were computed at the lower layers only (the deviation check)."""
+        return int(self.result.checked_tokens)
 
     def chunk_outcomes(self) -> list[str]:
         """``"tree"``, ``"reuse"`` or ``"fresh"`` for each registered chunk, in prompt order.

@@ -47,7 +47,7 @@ class Step:
     seconds: float
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    computed_tokens: int = 0  # prompt tokens the model actually computed (reuse skips the rest)
+    computed_tokens: int = 0  # prompt tokens computed at full depth (the rest was served from the chunk cache)
     ttft_s: float | None = None  # a generation's time to first token (its prefill), when known
     cache: dict = field(default_factory=dict)  # chunk-cache stats of a generation step
     retrieval: dict = field(default_factory=dict)  # hit rate, tier times... of a retrieval step
@@ -112,6 +112,7 @@ class PipelineRun:
             "prefill_s": sum(s.ttft_s for s in gens) if all(s.ttft_s is not None for s in gens) else None,
             "prompt_tokens": prompt,
             "computed_tokens": sum(s.computed_tokens for s in gens),
+            "cached_tokens": prompt - sum(s.computed_tokens for s in gens),
             "generated_tokens": sum(s.generated_tokens for s in gens),
             "chunks_hit": sum(s.cache.get("chunks_hit", 0) for s in gens),
             "chunks_missed": sum(s.cache.get("chunks_missed", 0) for s in gens),

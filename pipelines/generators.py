@@ -57,7 +57,7 @@ class Generation:
     token_logprobs: list[float]  # log p of each generated token under the model
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     prompt_tokens: int
-    computed_tokens: int  # prompt tokens computed (== prompt_tokens without reuse)
+    computed_tokens: int  # prompt tokens computed at full depth (== prompt_tokens without reuse)
     seconds: float
     ttft_s: float | None = None
     cache: dict = field(default_factory=dict)
@@ -103,6 +103,7 @@ class EngineGenerator:
         r = self.engine.generate_segments(segments, params, mode=self.mode, start=start)
         cache = {"mode": r.mode, "chunks_hit": r.chunks_hit, "chunks_missed": r.chunks_missed,
                  "prefix_hit_tokens": r.prefix_hit_tokens, "recomputed_tokens": r.recomputed_tokens,
+                 "cached_tokens": r.cached_tokens, "checked_tokens": r.checked_tokens,
                  "computed_fraction": r.computed_fraction, "prefill_s": r.prefill_s, "load_s": r.load_s,
                  "draft_tokens": r.draft_tokens, "draft_accepted": r.draft_accepted}
         return Generation(text=r.text, token_ids=list(r.token_ids), token_logprobs=list(r.token_logprobs),

@@ -118,7 +118,9 @@ def test_early_termination_computes_less(runner):
     r_on = on.generate(shuffled, "q", SYSTEM, max_new_tokens=1)
     r_off = off.generate(shuffled, "q", SYSTEM, max_new_tokens=1)
     assert r_off.focus_layer is None and r_on.focus_layer == 0
-    assert r_on.computed_tokens == r_off.computed_tokens  # same plan at layer 0
+    # same plan at layer 0; the unfocused chunks' recompute tokens stop at layer 0 and count as checked
+    assert r_on.computed_tokens + r_on.checked_tokens == r_off.computed_tokens + r_off.checked_tokens
+    assert r_on.computed_tokens < r_off.computed_tokens and r_on.checked_tokens > r_off.checked_tokens
     assert r_on.computed_fraction < r_off.computed_fraction
 
 
@@ -138,7 +140,28 @@ def test_deviation_choice_recomputes_the_planted_outlier(runner, token, on):
     assert r.chunks_hit == 3 and 0 < len(r.chunk_recompute[1]) <= 2  # ceil(0.01 x len)
     assert token in r.chunk_recompute[1]
     assert r.recomputed_tokens == sum(len(c) for c in r.chunk_recompute)
-    assert r.computed_tokens > r.recomputed_tokens + r.question_tokens  # layer 0 probed every reused token
+    # layer 0 probed every reused token: those not chosen are "checked", still served from cache
+    assert r.checked_tokens == r.prompt_tokens - r.computed_tokens - r.prefix_hit_tokens
+    assert r.cached_tokens == r.prompt_tokens - r.computed_tokens > r.checked_tokens > 0
+
+
+def test_reuse_accounting_is_truthful(runner):
+    """A new question over 3 cached chunks at new positions plus one new chunk: the reused chunks'
+    tokens count as cached (not as computed) even though the deviation check probes them at layer 0."""
+    chunks = [c[:90] for c in CHUNKS]
+    engine = _engine(runner, early_termination=False)
+    engine.generate(chunks[:3], "warm", SYSTEM, max_new_tokens=1)
+    r = engine.generate([chunks[3], chunks[2], chunks[0], chunks[1]], "a new question", SYSTEM, max_new_tokens=1)
+    assert r.chunks_hit == 3 and r.chunks_missed == 1
+    assert r.computed_tokens == r.fresh_tokens + r.recomputed_tokens + r.question_tokens
+    assert r.cached_tokens + r.computed_tokens == r.prompt_tokens
+    assert 0 < r.recomputed_tokens < r.checked_tokens  # probed all, recomputed the deviating few
+    # the three reused chunks (all but their recomputed tokens) + the cached system prompt are served from cache
+    reused = sum(len(s) for s in engine.prompts.chat(chunks[:3], "q", SYSTEM) if s.kind == "chunk")
+    assert r.cached_tokens == r.prefix_hit_tokens + reused - r.recomputed_tokens
+    full = engine.generate([chunks[3], chunks[2], chunks[0], chunks[1]], "a new question", SYSTEM, mode="full",
+                           max_new_tokens=1)
+    assert (full.cached_tokens, full.checked_tokens, full.computed_tokens) == (0, 0, full.prompt_tokens)
 
 
 def test_inter_and_leading_choices_ignore_kv_deviation(runner):
@@ -250,6 +273,7 @@ def test_preload_chunks_promotes_candidate_caches_to_the_fastest_tier(runner, tm
                       disk_bytes=64 << 20, write_through=True)
     writer = CachedEngine(runner, config=EngineConfig(), store=TieredStore.from_config(cfg))
     writer.generate(CHUNKS[:3], "q", SYSTEM, max_new_tokens=1)
+    writer.manager.store.close()  # the writing process ends (one owner per disk directory)
     reader_store = TieredStore.from_config(cfg.model_copy(update={}))  # a restarted process: all on disk
     reader = CachedEngine(runner, config=EngineConfig(), store=reader_store)
     handles = [v.handle for s in reader.prompts.chat(CHUNKS[1:3], "q", SYSTEM)[1:3]

@@ -248,7 +248,9 @@ def _pipeline_summary(records: dict[str, list], warmup: int, setup: _Setup) -> d
             "decode_s": _median([p["decode_s"] for p in parts]),  # LLM time after them
             "llm_calls_mean": statistics.fmean(p["llm_calls"] for p in parts),
             "prompt_tokens_mean": statistics.fmean(p["prompt_tokens"] for p in parts),
+            # prompt tokens computed at full depth; the rest were served from the chunk cache
             "computed_token_fraction": _ratio(sum(p["computed_tokens"] for p in parts), sum(p["prompt_tokens"] for p in parts)),
+            "cached_token_fraction": _ratio(sum(p["cached_tokens"] for p in parts), sum(p["prompt_tokens"] for p in parts)),
             "chunk_hit_rate": _ratio(sum(p["chunks_hit"] for p in parts),
                                      sum(p["chunks_hit"] + p["chunks_missed"] for p in parts)),
             "rouge_l_vs_a": statistics.fmean(rouge_l(r.answer, b.answer) for r, b in zip(runs, base)),

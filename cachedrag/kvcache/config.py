@@ -19,7 +19,9 @@ from cachedrag.errors import ConfigError
 from cachedrag.kvcache.policy import POLICY_NAMES, canonical_policy_name
 
 
-TOKEN_CHOICES = ("deviation", "inter", "leading")
+TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation")
+#: token choices that rank reused tokens by the question's attention (a pre-pass of the question)
+QUESTION_CHOICES = ("question", "question+deviation")
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -64,12 +66,33 @@ class CacheConfig:
           "inter"      Cache-Craft's selection: the top ``token_inter`` of the variant (the
                        tokens that attended most to prior chunks when it was computed); free.
           "leading"    the chunk's first tokens (where the context change hits first); free.
+          "question"   ProphetKV / QCFuse idea: the tokens the *question* attends to most. Before
+                       the prefill, the question tokens (and fresh segments) run through layers
+                       ``0..max(question_layers)`` against the loaded, re-rotated cache; their
+                       attention probability to each reused token, summed over question tokens
+                       and the ``question_layers``, ranks the tokens. Costs a few layers of the
+                       question only; no probe of the reused tokens.
+          "question+deviation"  both rankings fused: weighted rank
+                       ``question_weight x rank(question) + (1 - question_weight) x rank(deviation)``
+                       (costs the deviation probe plus the question pre-pass).
         Measured on SmolLM2-135M (docs/engine.md): deviation and leading roughly halve
-        KL(full || reuse) against naive reuse at 15%; inter barely moves it.
+        KL(full || reuse) against naive reuse at 15%; inter barely moves it. The question
+        choices are compared in docs/fidelity.md.
       check_layer: the layer whose K/V deviation picks the tokens (``token_choice="deviation"``),
         >= 1; a model with no more layers than this recomputes by ``leading`` instead.
       deviation_on: what the deviation measures: "v" (default), "k" (rotated K, as CacheBlend)
         or "kv" (both). On SmolLM2-135M V ranked best (KL 0.087 at 15% vs 0.102 for K and K+V).
+      question_layers: layers whose question attention ranks reused tokens (question choices),
+        each >= 0; summed after normalising each layer's mass over the reused tokens.
+      question_weight: weight of the question ranking in ``question+deviation``. In [0, 1].
+      need_weight: budget by need (question choices): this share of the request's recompute
+        budget (the sum of the per-chunk counts) is redistributed over the reused chunks in
+        proportion to the question's attention mass on each (capped at the chunk's length);
+        the rest follows the per-chunk counts. 0 = counts as planned. In [0, 1].
+      refine_layer: second stage (question choice): None = off; else the first stage keeps
+        ``refine_factor`` x the budget as candidates, computes them through ``refine_layer``,
+        and keeps the budget's worth ranked by first-stage + ``refine_layer`` question attention
+        (on the candidates' fresh K). Must be > max(question_layers). refine_factor >= 1.
       penalize_novel_prefix: beta as Cache-Craft defines it only looks at the chunks the variant
         saw; True also scales beta by |common| / |new prefix| so that new, unseen prior chunks
         lower the overlap. Off by default (paper-faithful).
@@ -95,6 +118,11 @@ class CacheConfig:
     token_choice: str = "deviation"
     check_layer: int = 1
     deviation_on: str = "v"
+    question_layers: tuple[int, ...] = (1,)
+    question_weight: float = 0.5
+    need_weight: float = 0.0
+    refine_layer: int | None = None
+    refine_factor: float = 2.0
     penalize_novel_prefix: bool = False
     max_chunks: int = 10_000
     max_variants_per_chunk: int = 4
@@ -116,6 +144,23 @@ class CacheConfig:
         _check_int("check_layer", self.check_layer, 1)
         if self.deviation_on not in ("v", "k", "kv"):
             raise ConfigError(f"CacheConfig.deviation_on must be 'v', 'k' or 'kv', got {self.deviation_on!r}")
+        layers = self.question_layers
+        if isinstance(layers, list):
+            layers = tuple(layers)
+            object.__setattr__(self, "question_layers", layers)
+        if not isinstance(layers, tuple) or not layers:
+            raise ConfigError(f"CacheConfig.question_layers must be a non-empty tuple of layer indices, got {layers!r}")
+        for layer in layers:
+            _check_int("question_layers", layer, 0)
+        object.__setattr__(self, "question_layers", tuple(sorted(set(layers))))
+        _check_number("question_weight", self.question_weight, 0.0, 1.0)
+        _check_number("need_weight", self.need_weight, 0.0, 1.0)
+        if self.refine_layer is not None:
+            _check_int("refine_layer", self.refine_layer, 1)
+            if self.refine_layer <= max(self.question_layers):
+                raise ConfigError(f"CacheConfig.refine_layer must be > max(question_layers) = "
+                                  f"{max(self.question_layers)}, got {self.refine_layer}")
+        _check_number("refine_factor", self.refine_factor, 1.0, math.inf, hi_open=True)
         if not isinstance(self.penalize_novel_prefix, bool):
             raise ConfigError(f"CacheConfig.penalize_novel_prefix must be a bool, got {self.penalize_novel_prefix!r}")
         _check_int("max_chunks", self.max_chunks, 1)

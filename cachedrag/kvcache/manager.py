@@ -53,7 +53,7 @@ from cachedrag.kvcache.catalog import CatalogError, StoredSegment, tree_order, v
 from cachedrag.kvcache.config import CacheConfig
 from cachedrag.kvcache.index import Variant, VariantIndex
 from cachedrag.kvcache.keys import path_key
-from cachedrag.kvcache.planner import Action, Mode, Plan, Planner, PlanRequest
+from cachedrag.kvcache.planner import Action, Mode, Plan, Planner, PlanRequest, cached_order
 from cachedrag.kvcache.policy import PGDSF
 from cachedrag.kvcache.profile import PrefillProfile
 from cachedrag.kvcache.tree import KnowledgeTree, TreeNode
@@ -161,6 +161,11 @@ class ChunkCacheManager:
             with self._lock:
                 self._sync_drops()
         return self.planner.plan(request, mode)
+
+    def cached_order(self, system_keys: Sequence[str], chunk_keys: Sequence[str]) -> list[int] | None:
+        """Order-aware exact reuse: see ``planner.cached_order`` (read-only)."""
+        with self._lock:
+            return cached_order(self.tree, system_keys, chunk_keys)
 
     def release(self, plan: Plan, used: bool = True) -> None:
         """Record the plan's hits (tree touches, f_r) and push the new priorities to the store."""

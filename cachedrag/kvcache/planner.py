@@ -24,9 +24,13 @@ question. Planning, per mode:
              ceil(ratio x len) tokens instead (fixed global ratio; same token choice).
 
 Token choice: ``inter`` (top ``token_inter``) and ``leading`` (first tokens) are decided here
-and listed in ``SegmentPlan.recompute``. ``deviation`` needs tensors (CacheBlend: the K/V
-deviation of every reused token at ``config.check_layer``), so the plan only fixes how many
-(``SegmentPlan.deferred``) and the engine picks which while it runs.
+and listed in ``SegmentPlan.recompute``. ``deviation`` and the question choices need tensors
+(CacheBlend: the K/V deviation of every reused token at ``config.check_layer``; ProphetKV-like:
+the question's attention to each reused token), so the plan only fixes how many
+(``SegmentPlan.deferred``) and the engine picks which while it runs. ``allocate_by_need``
+(budget by need) moves those counts between chunks by the question's attention mass, within
+the request's total. ``cached_order`` finds a knowledge-tree path that holds the retrieved
+chunks as a set (order-aware exact reuse).
 
 The planner reads the tree and the index without changing their policy state; ``plan`` pins
 what it hands out (so nothing it references is evicted while the engine loads it) and
@@ -409,6 +413,108 @@ class Planner:
             "chunk", idx, seg.key, seg.n_tokens, start, Action.REUSE, variant.handle,
             variant=variant, score=sc, recompute=tokens, deferred=deferred, reason=f"variant {variant.variant_id}",
         )
+
+
+def allocate_by_need(counts: Sequence[int], needs: Sequence[float], sizes: Sequence[int],
+                     weight: float) -> list[int]:
+    """Budget by need: per-chunk recompute counts that follow the question's attention.
+
+    ``counts``: the planned per-chunk counts (CFO or fixed ratio); their sum is the request's
+    budget and is kept (unless every chunk is full). ``needs``: the question's attention mass on
+    each chunk (>= 0). ``sizes``: chunk lengths (caps). ``weight`` in [0, 1]: the share of the
+    budget spread by need; the rest follows ``counts``. Largest-remainder rounding; what a capped
+    chunk cannot take goes to the others by need.
+
+    >>> allocate_by_need([10, 10, 10], [8.0, 1.0, 1.0], [100, 100, 100], 1.0)
+    [24, 3, 3]
+    >>> allocate_by_need([10, 10, 10], [8.0, 1.0, 1.0], [12, 100, 100], 1.0)
+    [12, 9, 9]
+    >>> allocate_by_need([10, 10, 10], [8.0, 1.0, 1.0], [100, 100, 100], 0.0)
+    [10, 10, 10]
+    """
+    n = len(counts)
+    if not (len(needs) == len(sizes) == n):
+        raise ValueError("allocate_by_need: counts, needs and sizes must have one entry per chunk")
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"allocate_by_need: weight must be in [0, 1], got {weight}")
+    budget = min(sum(counts), sum(sizes))
+    total_need = sum(max(0.0, x) for x in needs)
+    if n == 0 or weight == 0.0 or total_need <= 0.0:
+        return [min(c, s) for c, s in zip(counts, sizes)]
+    share = [max(0.0, x) / total_need for x in needs]
+    target = [(1.0 - weight) * c + weight * budget * p for c, p in zip(counts, share)]
+    out = [0] * n
+    open_ = set(range(n))
+    remaining = float(budget)
+    while open_ and remaining > 1e-9:
+        # chunks whose target exceeds their size are filled; their excess goes to the rest by need
+        over = [i for i in open_ if target[i] >= sizes[i]]
+        if not over:
+            break
+        for i in over:
+            out[i] = sizes[i]
+            remaining -= sizes[i]
+            open_.discard(i)
+        share_left = sum(share[i] for i in open_)
+        excess = remaining - sum(target[i] for i in open_)
+        for i in open_:  # by need; evenly among chunks the question ignores when only those are left
+            target[i] += excess * (share[i] / share_left if share_left > 0 else 1.0 / len(open_))
+    floors = {i: min(sizes[i], math.floor(target[i])) for i in open_}
+    for i, f in floors.items():
+        out[i] = f
+    left = budget - sum(out)
+    for i in sorted(open_, key=lambda j: (-(target[j] - floors[j]), j)):
+        if left <= 0:
+            break
+        if out[i] < sizes[i]:
+            out[i] += 1
+            left -= 1
+    return out
+
+
+def cached_order(tree: KnowledgeTree, system_keys: Sequence[str], chunk_keys: Sequence[str]) -> list[int] | None:
+    """Order-aware exact reuse: a permutation of ``chunk_keys`` (indices) whose leading part is
+    the longest knowledge-tree path below the system segments made only of these chunks (as a
+    set), followed by the other chunks in their given order; None when no such path is longer
+    than the exact prefix of the given order (nothing to gain). Read-only; pure Python.
+
+    Greedy walk: at each node, the child that is one of the remaining chunks and has the
+    longest continuation among them wins (ties: earlier in the retrieved order).
+    """
+    node = tree.root
+    for key in system_keys:
+        node = node.children.get(key)
+        if node is None:
+            return None
+    start = node
+    remaining = {k: i for i, k in reversed(list(enumerate(chunk_keys)))}
+
+    def depth(n, left: frozenset) -> int:
+        best = 0
+        for key, child in n.children.items():
+            if key in left:
+                best = max(best, 1 + depth(child, left - {key}))
+        return best
+
+    order: list[int] = []
+    left = frozenset(remaining)
+    while True:
+        options = [(depth(child, left - {key}), -remaining[key], key, child)
+                   for key, child in node.children.items() if key in left]
+        if not options:
+            break
+        _, _, key, node = max(options, key=lambda o: (o[0], o[1]))
+        order.append(remaining[key])
+        left = left - {key}
+    given, walk = 0, start
+    for k in chunk_keys:
+        walk = walk.children.get(k)
+        if walk is None:
+            break
+        given += 1
+    if len(order) <= given:
+        return None
+    return order + [i for i in range(len(chunk_keys)) if i not in set(order)]
 
 
 def benchmark_planning(

@@ -95,8 +95,9 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to %s (one time)", gguf_path, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
+                                                 local_files_only=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.", dir=target.parent))
     try:
         # save_pretrained refuses GGUF-quantized models; the weights are dequantized fp32 now,
@@ -133,9 +134,10 @@ def load_tokenizer(name_or_path: str | None = None):
 
     path = resolve_model_path(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except OSError as exc:
-        raise ModelNotFoundError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)  # offline by construction
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot load a tokenizer from {path!r} (local files only: a directory or a "
+                                 f"Hugging Face id already in the local cache): {_first_line(exc, path)}") from exc
 
 
 def load_default_tokenizer():
@@ -153,11 +155,20 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
 
     path = resolve_model_path(name_or_path)
     try:
-        config = AutoConfig.from_pretrained(path)
-    except OSError as exc:
-        raise ModelNotFoundError(f"cannot load model {path!r}: {exc}") from exc
+        config = AutoConfig.from_pretrained(path, local_files_only=True)  # offline by construction: no hub calls
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot load model {path!r} (local files only: a directory or a Hugging Face id "
+                                 f"already in the local cache; the default needs `{_DEFAULT_INSTALL_HINT}`): "
+                                 f"{_first_line(exc, path)}") from exc
     check_architecture(getattr(config, "architectures", None), path, getattr(config, "model_type", None))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()
     tokenizer = load_tokenizer(path)
     return model, tokenizer
+
+
+def _first_line(exc: BaseException, path: str | None = None) -> str:
+    if path is not None and not Path(path).exists():  # transformers' text would mention a hub it never asked
+        return "no such directory, and no model of that name in the local Hugging Face cache (nothing is downloaded)"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -10,6 +10,8 @@ Owns the retrieval side of cachedrag (see ``docs/retrieval.md``):
     policy         pure-Python prefetch plan, profile-guided budget, stage split
     lookahead      LookaheadRetriever: prefetch(original) -> search(transformed), on_candidates hook
     index          build_index / load_index / RetrievalIndex (index directories)
+    disk_ivf       DiskIVF: IVF with memory-mapped clusters on disk, IVF-PQ + exact re-rank, resumable build
+    scale          the 1M-vector corpus: real chunk embeddings + synthetic distractors (ScaleIndex)
     cli            ``cachedrag index build|search``
 
 Does not own: the chunk KV caches (``cachedrag.kvcache``/``cachedrag.store``) or query
@@ -48,6 +50,14 @@ _EXPORTS = {
     "Hit": "index",
     "build_index": "index",
     "load_index": "index",
+    "DiskIndexConfig": "config",
+    "PipeliningConfig": "config",
+    "DiskIVF": "disk_ivf",
+    "MmapClusterStore": "disk_ivf",
+    "build_disk_ivf": "disk_ivf",
+    "DistractorSource": "scale",
+    "ScaleIndex": "scale",
+    "build_scale_index": "scale",
 }
 
 __all__ = sorted(_EXPORTS)

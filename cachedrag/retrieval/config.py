@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cachedrag.errors import ConfigError
+from cachedrag.errors import ConfigError, describe_validation_error
 
 Metric = Literal["ip", "l2"]
 
@@ -91,6 +91,31 @@ class LookaheadConfig(_Frozen):
     bandwidth_sample_clusters: int = Field(8, ge=1, description="clusters read per bandwidth measurement")
 
 
+class DiskIndexConfig(_Frozen):
+    """How an on-disk IVF index (``disk_ivf``) is trained, written and optionally compressed."""
+
+    nlist: int = Field(1024, ge=1, description="IVF clusters (about sqrt(N) to 4 sqrt(N))")
+    metric: Metric = Field("ip", description="'ip' (normalised vectors: cosine) or 'l2'")
+    kmeans_iters: int = Field(10, ge=1, description="k-means iterations of the coarse quantizer")
+    seed: int = Field(1234, description="k-means seed")
+    train_size: int = Field(65_536, ge=1, description="vectors (the source's first rows) the k-means sees")
+    block_rows: int = Field(65_536, ge=1, description="rows per build step (the unit of progress and of resuming)")
+    pq_m: int = Field(0, ge=0, description="product-quantizer sub-vectors (0: no IVF-PQ); must divide the dimension")
+    pq_bits: int = Field(8, ge=1, le=16, description="bits per PQ code")
+
+
+class PipeliningConfig(_Frozen):
+    """RAGCache's dynamic speculative pipelining (``cachedrag.pipelining``)."""
+
+    max_stages: int = Field(4, ge=1, description="search stages of an idle engine (1: no speculation)")
+    busy_requests: int = Field(2, ge=1, description="other requests in flight at which speculation stops")
+    prompt_chunks: int = Field(4, ge=1, description="top chunks that go into the prompt")
+    min_search_s: float = Field(
+        0.1, ge=0.0, description="speculate only when recent searches took at least this long (0: always)"
+    )
+    search_ema: float = Field(0.3, gt=0.0, le=1.0, description="weight of the newest search in the expected search time")
+
+
 class RetrievalConfig(_Frozen):
     """Everything of the retrieval stack in one object."""
 
@@ -106,4 +131,4 @@ def make_config(model_cls: type[BaseModel], **values) -> BaseModel:
     try:
         return model_cls(**{key: value for key, value in values.items() if value is not None})
     except ValidationError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ConfigError(describe_validation_error(exc)) from exc

@@ -137,7 +137,10 @@ class LookaheadRetriever:
         self.fast = fast
         self.cluster_nbytes = list(cluster_nbytes)
         self.config = config or LookaheadConfig()
-        self.search_config = search_config or SearchConfig()
+        if search_config is None:  # the default nprobe, clamped to a small index's nlist (an explicit one is checked)
+            default = SearchConfig()
+            search_config = default.model_copy(update={"nprobe": min(default.nprobe, quantizer.nlist)})
+        self.search_config = search_config
         self.chunk_ids = list(chunk_ids) if chunk_ids is not None else None
         self.on_candidates = on_candidates
         self._embed_fn = embed
@@ -194,10 +197,11 @@ class LookaheadRetriever:
         for cid in plan.to_evict:
             self.fast.remove(cid)
         copied = []
+        read = getattr(self.slow, "read", self.slow.get)  # a memory-mapped tier's get() returns views
         for cid in plan.to_copy:
             if cancel.is_set():
                 break
-            self.fast.put(cid, self.slow.get([cid])[cid])
+            self.fast.put(cid, read([cid])[cid])
             copied.append(cid)
         cancelled = cancel.is_set()
         candidates: tuple[str, ...] = ()
@@ -290,6 +294,8 @@ class LookaheadRetriever:
         k = k or self.search_config.k
         nprobe = nprobe or self.search_config.nprobe
         q = self._embed(query)  # [B, d]
+        if self.config.cancel_prefetch_on_search and self._current is not None:
+            self._current.cancel()
         probe = self.quantizer.assign(q, nprobe)  # [B, nprobe]
         return staged_search(q, probe, k, self.quantizer.metric, self._fetch_cpu, n_stages)
 
@@ -363,7 +369,7 @@ def measure_bandwidth(slow: ClusterStore, fast_device: torch.device | str, n_clu
     for cid in slow.cluster_ids():
         if sampled == n_clusters:
             break
-        block = slow.get([cid])[cid]
+        block = getattr(slow, "read", slow.get)([cid])[cid]  # a memory-mapped tier's get() would copy nothing
         if block.ids.numel() == 0:
             continue
         nbytes += block.to(fast_device).nbytes

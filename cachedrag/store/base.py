@@ -56,6 +56,9 @@ class TierStats:
     foreign: int = 0  # blobs of another namespace found, removed, served as misses
     skipped_writes: int = 0  # writes abandoned on an I/O error (disk full, read-only dir, lost server)
     temp_cleaned: int = 0  # leftover temp files removed at start
+    vanished: int = 0  # values gone between two reads (another process's eviction, TTL): misses, not corrupt
+    unavailable: int = 0  # calls that failed on a lost / hanging server or were skipped while its circuit was open
+    repairs: int = 0  # malformed shared accounting found and repaired (with a warning)
     load_seconds: float = 0.0  # time spent reading + decoding hits
     store_seconds: float = 0.0  # time spent writing
 

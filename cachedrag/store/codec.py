@@ -269,6 +269,9 @@ def _check_layout(specs: dict[str, TensorSpec], layered: tuple[str, ...], n_laye
         spec = specs.get(name)
         if spec is None or len(spec.shape) != 4 or spec.shape[0] != n_layers:
             raise FormatError(f"layered tensor {name!r} does not have {n_layers} layers")
+    k, v = specs["k"], specs["v"]
+    if (k.shape, k.dtype) != (v.shape, v.dtype):
+        raise FormatError(f"k {k.dtype}{list(k.shape)} and v {v.dtype}{list(v.shape)} differ in shape or dtype")
 
 
 # ---- decode ----------------------------------------------------------------------------

@@ -32,6 +32,10 @@ class StoreConfig(BaseModel):
     redis_bytes: int = Field(0, ge=0, description="Redis tier budget, shared by every process using the server")
     redis_ttl_s: float | None = Field(None, gt=0, description="expire Redis values after this many seconds")
     redis_prefix: str = Field("cachedrag", min_length=1, description="Redis key prefix (accounting spans it)")
+    redis_timeout_s: float = Field(0.5, gt=0, description="socket (and connect) timeout of each Redis call")
+    redis_breaker_failures: int = Field(2, ge=1, description="consecutive timeouts / connection errors that open "
+                                        "the circuit (calls skipped: served from the other tiers)")
+    redis_breaker_reset_s: float = Field(5.0, gt=0, description="how long the circuit stays open before a trial call")
     write_through: bool = Field(False, description="put also copies the entry into the persistent tiers (disk, redis)")
     prefetch_workers: int = Field(1, ge=1, le=64, description="background threads moving entries up for prefetch()")
 

@@ -1,39 +1,55 @@
 """The disk tier: one safetensors file per entry in a local (SSD) directory.
 
 Owns: the directory layout, atomic writes, the byte budget in real allocated bytes, the
-index rebuilt at start (caches survive restarts) and disk-error handling. Does not own:
-the byte format (``codec``) or cross-tier placement.
+index rebuilt at start (caches survive restarts), the directory lock and disk-error
+handling. Does not own: the byte format (``codec``) or cross-tier placement.
 
 Layout: ``<dir>/<key[:2]>/<key>.safetensors`` (256 shard directories at most, created on
-demand). Writes go to ``<dir>/<key[:2]>/.<key>.<random>.tmp`` in the same shard, are
-flushed and fsynced, then ``os.replace``d over the final name: a reader sees the old file,
-the new file or nothing, never a partial one. Temp files left by a crash are deleted at
-start.
+demand). Writes go to ``<dir>/<key[:2]>/.<key>.cachedrag-<pid>-<random>.tmp`` in the same
+shard, are flushed and fsynced, then ``os.replace``d over the final name: a reader sees the
+old file, the new file or nothing, never a partial one. Temp files left by a crash (that name
+pattern only) are deleted at start.
+
+What is ours: only regular files with our names in real (not symlinked) two-hex-character
+shard directories. Anything else (foreign names, foreign ``*.tmp``, symlinks, FIFOs, devices,
+whatever sits behind a symlinked shard) is never opened, charged or deleted. Files are opened
+with ``O_NOFOLLOW | O_NONBLOCK`` and checked to be regular before any read, and their size is
+checked before reading: a file larger than what it was charged (or than the budget) is never
+read into memory. A regular file at an entry's path that fails its checks is treated as a
+damaged entry of ours: counted, removed, a miss.
 
 Budget: each file is charged ``max(size rounded up to the filesystem block, st_blocks *
 512)`` — what it occupies. Room (and the bytes of the temp file being written) is reserved
 before writing, so the files in the directory never exceed ``budget_bytes`` at any moment,
-temp files included. Not counted: the shard directories' own inodes (at most 256) and the
-blocks of a file removed while another thread still reads it.
+temp files included. Not counted: the shard directories' own inodes (at most 256) and the blocks of a file removed while another thread still reads it.
 
 Validation at start (``validate``): ``"lazy"`` stats files only (every get still verifies
-the full checksum); ``"header"`` (default) also reads each header — namespace, key, format,
-length — removing foreign and truncated files before they take budget; ``"full"`` decodes
-and verifies every file. Bad files found at any time are counted (``corrupt`` /
-``foreign``), removed and served as misses.
+the full checksum; a file larger than the budget has its header checked anyway);
+``"header"`` (default) also reads each header — namespace, key, format, length — removing
+foreign and truncated files before they take budget; ``"full"`` decodes and verifies every
+file. Bad files found at any time are counted (``corrupt`` / ``foreign``), removed and
+served as misses.
 
 Errors: an ``OSError`` on write (disk full, read-only directory) skips the write with a
 ``RuntimeWarning``, counts ``skipped_writes`` and leaves the tier serving.
 
-One process per directory: the index lives in this process (share across processes and
-machines with the Redis tier).
+One owner per directory: the index and the byte accounting live in this object, so a
+second ``DiskTier`` on the same directory (another process, or another object in this one)
+would overrun the budget. The constructor takes an exclusive ``flock`` on the
+directory itself and raises ``DirectoryInUseError`` when it is taken; ``close()`` (or
+garbage collection) releases it. Share caches across processes and machines with the
+Redis tier. ``flock`` needs a local filesystem (it is advisory and not reliable on NFS).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
-import tempfile
+import re
+import secrets
+import stat
 import time
 import warnings
 from collections import OrderedDict
@@ -42,14 +58,34 @@ from typing import Literal
 
 import torch
 
-from cachedrag.errors import CorruptCacheError
+from cachedrag.errors import CorruptCacheError, DirectoryInUseError
 from cachedrag.store.base import EntryInfo, HeaderTier, Prepared, check_key
-from cachedrag.store.codec import ForeignEntryError, check_namespace, decode, decode_extras, encode, read_header
+from cachedrag.store.codec import (
+    ForeignEntryError,
+    FormatError,
+    check_namespace,
+    decode,
+    decode_extras,
+    encode,
+    read_header,
+)
 from cachedrag.store.entry import KVEntry
 from cachedrag.store.source import BlobSource, LayerSource
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_TEMP = re.compile(r"\.([0-9a-f]{2,128})\.cachedrag-[0-9]+-[0-9a-f]{16}\.tmp")
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def temp_name(key: str) -> str:
+    """A fresh temp file name for a write of ``key`` (a pattern no one else would use)."""
+    return f".{key}.cachedrag-{os.getpid()}-{secrets.token_hex(8)}{TMP_SUFFIX}"
+
+
+class NotOurFileError(OSError):
+    """The path of an entry holds something we did not write (symlink, FIFO, directory)."""
 Validate = Literal["lazy", "header", "full"]
 logger = logging.getLogger(__name__)
 
@@ -82,7 +118,43 @@ class DiskTier(HeaderTier):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> charged bytes, oldest use first
         self._used = 0
         self._reserved = 0  # bytes of writes in flight (their temp files)
-        self._rebuild()
+        self._lock_fd: int | None = None
+        self._take_directory()
+        try:
+            self._rebuild()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the directory lock ---------------------------------------------------------------
+    def _take_directory(self) -> None:
+        """Exclusive ``flock`` on the directory itself (no lock file to leave behind or to charge),
+        else ``DirectoryInUseError``."""
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise DirectoryInUseError(
+                f"{self.directory} is in use by another disk tier (another process, or an open store in this "
+                "one): one owner per cache directory, whose budget it accounts; close the other store, give "
+                "each process its own directory, or share caches through the Redis tier"
+            ) from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Release the directory (another ``DiskTier`` may open it afterwards)."""
+        with self._lock:
+            fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            os.close(fd)
 
     # ---- paths and sizes -----------------------------------------------------------------
     def path(self, key: str) -> Path:
@@ -101,15 +173,23 @@ class DiskTier(HeaderTier):
 
     # ---- start-up ------------------------------------------------------------------------
     def _rebuild(self) -> None:
-        """Index the directory: drop temp files, charge real sizes, validate per ``validate``."""
+        """Index the directory: drop our temp files, charge real sizes, validate per ``validate``.
+        Only regular files with our names in real shard directories are looked at."""
         found: list[tuple[int, str, int, int]] = []  # (mtime_ns, key, charge, inode)
-        for shard in sorted(self.directory.iterdir()):
-            if not shard.is_dir() or len(shard.name) != 2:
-                continue
-            for f in shard.iterdir():
-                if f.name.endswith(TMP_SUFFIX):
-                    self._unlink_quiet(f, "leftover temp file")
-                    self.stats.temp_cleaned += 1
+        with os.scandir(self.directory) as top:
+            shards = sorted((e for e in top if _SHARD.fullmatch(e.name) and e.is_dir(follow_symlinks=False)),
+                            key=lambda e: e.name)
+        for shard in shards:
+            with os.scandir(shard.path) as it:
+                files = list(it)
+            for f in files:
+                if not f.is_file(follow_symlinks=False):
+                    continue  # symlinks, FIFOs, sockets, devices, directories: not ours
+                temp = _TEMP.fullmatch(f.name)
+                if temp is not None:
+                    if temp.group(1)[:2] == shard.name:
+                        self._unlink_quiet(Path(f.path), "leftover temp file")
+                        self.stats.temp_cleaned += 1
                     continue
                 key = f.name[: -len(SUFFIX)] if f.name.endswith(SUFFIX) else ""
                 try:
@@ -118,31 +198,60 @@ class DiskTier(HeaderTier):
                     continue  # not ours: leave it alone, not charged
                 if key[:2] != shard.name:
                     continue
-                st = f.stat()
+                st = f.stat(follow_symlinks=False)
                 found.append((st.st_mtime_ns, key, self._charge(st), st.st_ino))
         for _, key, charge, ino in sorted(found):
-            if self.validate != "lazy" and not self._valid_at_start(key, ino):
+            if charge > self._budget:  # never written at this budget: ours only if its header proves it
+                if not self._valid_at_start(key, ino, "header", discard=False):
+                    warnings.warn(f"{self.name}: {self.path(key)} is larger than the budget and not a valid "
+                                  "entry; not ours, left alone", RuntimeWarning, stacklevel=3)
+                    continue
+            elif self.validate != "lazy" and not self._valid_at_start(key, ino, self.validate):
                 continue
             self._index[key] = charge
             self._used += charge
-        while self._used > self._budget and self._index:  # budget shrank since last run
-            self._evict_oldest()
+        for key in list(self._index):  # budget shrank since last run: oldest first
+            if self._used <= self._budget:
+                break
+            self._evict_oldest(key)
 
-    def _valid_at_start(self, key: str, ino: int) -> bool:
+    def _valid_at_start(self, key: str, ino: int, check: str, *, discard: bool = True) -> bool:
         try:
-            if self.validate == "full":
-                decode(self.path(key).read_bytes(), key, self.namespace)
-            else:
-                with open(self.path(key), "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    read_header(lambda off, ln: os.pread(f.fileno(), ln, off), size, key, self.namespace)
+            fd = self._open_regular(key)
+            try:
+                size = os.fstat(fd).st_size
+                read_at = _reader(fd)
+                header = read_header(read_at, size, key, self.namespace)
+                if check == "full":
+                    decode(read_at(0, header.total_size), key, self.namespace)
+            finally:
+                os.close(fd)
         except CorruptCacheError as exc:
-            self._discard_bad(key, ino, exc)
+            if discard:
+                self._discard_bad(key, ino, exc)
             return False
         except OSError as exc:
             warnings.warn(f"{self.name}: cannot read {self.path(key)} at start ({exc}); not indexed", RuntimeWarning, stacklevel=3)
             return False
         return True
+
+    def _open_regular(self, key: str) -> int:
+        """A read-only descriptor of ``key``'s file: never follows a symlink, never blocks on a
+        FIFO, and refuses anything but a regular file (``NotOurFileError``)."""
+        fd = os.open(self.path(key), _READ_FLAGS)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise NotOurFileError(errno.EINVAL, f"{self.path(key)} is not a regular file; left alone")
+        return fd
+
+    def _not_ours(self, key: str, exc: OSError) -> None:
+        """The entry's path holds something we did not write (a symlink gives ELOOP): uncharge
+        ``key`` (our file is gone) and leave the thing alone."""
+        warnings.warn(f"{self.name}: {self.path(key)} is not a regular file we wrote ({exc}); "
+                      "served as a miss, left alone", RuntimeWarning, stacklevel=4)
+        with self._lock:
+            self._used -= self._index.pop(key, 0)
 
     # ---- reads ---------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
@@ -158,38 +267,68 @@ class DiskTier(HeaderTier):
             return self._index.get(key)
 
     def _get(self, key: str) -> KVEntry | None:
-        if not self.contains(key):
+        try:
+            fd = self._open_fd(key)
+        except OSError as exc:
+            warnings.warn(f"{self.name}: read of {key} failed ({exc}); served as a miss", RuntimeWarning, stacklevel=3)
+            return None
+        if fd is None:
             return None
         try:
-            with open(self.path(key), "rb") as f:
-                ino = os.fstat(f.fileno()).st_ino
-                blob = f.read()
-        except FileNotFoundError:
-            self._forget(key)
+            st = os.fstat(fd)
+            if not self._size_ok(key, st):
+                return None
+            blob = _reader(fd)(0, st.st_size)
+            entry = decode(blob, key, self.namespace)
+        except CorruptCacheError as exc:
+            self._discard_bad(key, st.st_ino, exc)
             return None
         except OSError as exc:
             warnings.warn(f"{self.name}: read of {key} failed ({exc}); served as a miss", RuntimeWarning, stacklevel=3)
             return None
-        try:
-            entry = decode(blob, key, self.namespace)
-        except CorruptCacheError as exc:
-            self._discard_bad(key, ino, exc)
-            return None
+        finally:
+            os.close(fd)
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
         return entry
 
+    def _size_ok(self, key: str, st: os.stat_result) -> bool:
+        """Before reading a file: it must not take more than it was charged, so a file grown
+        behind our back (a huge sparse file) is never read into memory. A bigger file that our
+        own concurrent write just renamed over the path is a race, not damage: a miss."""
+        with self._lock:
+            charged = self._index.get(key, 0)
+            if self._charge(st) <= charged:
+                return True
+            try:
+                replaced = os.lstat(self.path(key)).st_ino != st.st_ino
+            except FileNotFoundError:
+                replaced = True
+        if not replaced:
+            exc = FormatError(f"file of {st.st_size} bytes takes {self._charge(st)}, more than the {charged} charged")
+            self._discard_bad(key, st.st_ino, exc)
+        return False
+
     def _open_fd(self, key: str) -> int | None:
-        """A read-only descriptor of ``key``'s file, or None when the index or the disk lacks it
-        (a file gone behind our back is forgotten). Other OS errors propagate."""
+        """A read-only descriptor of ``key``'s regular file, or None when the index or the disk
+        lacks it (a file gone behind our back is forgotten; a symlink, FIFO or other non-regular
+        file in its place is left alone and the key uncharged). Other OS errors propagate."""
         if not self.contains(key):
             return None
         try:
-            return os.open(self.path(key), os.O_RDONLY)
+            return self._open_regular(key)
         except FileNotFoundError:
             self._forget(key)
             return None
+        except NotOurFileError as exc:
+            self._not_ours(key, exc)
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                self._not_ours(key, exc)
+                return None
+            raise
 
     def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
         """Header (and with ``extras`` the non-layered tensors) of ``key``'s file; K/V are not read."""
@@ -202,10 +341,7 @@ class DiskTier(HeaderTier):
             return None
         try:
             st = os.fstat(fd)
-
-            def read_at(offset: int, length: int) -> bytes:
-                return os.pread(fd, length, offset)
-
+            read_at = _reader(fd)
             header = read_header(read_at, st.st_size, key, self.namespace)
             tensors = decode_extras(header, read_at) if extras else {}
         except CorruptCacheError as exc:
@@ -219,19 +355,27 @@ class DiskTier(HeaderTier):
         return EntryInfo(dict(header.meta), header.nbytes, header.n_layers, header.n_tokens), tensors
 
     def open_source(self, key: str) -> LayerSource | None:
-        fd = self._open_fd(key)
+        try:
+            fd = self._open_fd(key)
+        except OSError as exc:
+            warnings.warn(f"{self.name}: open of {key} failed ({exc}); served as a miss", RuntimeWarning, stacklevel=2)
+            return None
         if fd is None:
             return None
         st = os.fstat(fd)
-
-        def read_at(offset: int, length: int) -> bytes:
-            return os.pread(fd, length, offset)
-
+        read_at = _reader(fd)
+        if not self._size_ok(key, st):
+            os.close(fd)
+            return None
         try:
             header = read_header(read_at, st.st_size, key, self.namespace)
         except CorruptCacheError as exc:
             os.close(fd)
             self._discard_bad(key, st.st_ino, exc)
+            return None
+        except OSError as exc:
+            os.close(fd)
+            warnings.warn(f"{self.name}: header read of {key} failed ({exc}); served as a miss", RuntimeWarning, stacklevel=2)
             return None
         with self._lock:
             self.stats.hits += 1
@@ -261,11 +405,11 @@ class DiskTier(HeaderTier):
                 self.stats.refused += 1
                 return False
         t0 = time.perf_counter()
-        tmp: str | None = None
+        tmp: Path | None = None
         try:
-            shard = self.path(key).parent
-            shard.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=shard, prefix=f".{key}.", suffix=TMP_SUFFIX)
+            shard = self._shard_dir(key)
+            tmp = shard / temp_name(key)
+            fd = self._open_temp(tmp)
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
                 f.flush()
@@ -277,6 +421,7 @@ class DiskTier(HeaderTier):
                     if not self._reserve(charge - reserve, key):
                         raise OSError(f"file took {charge} bytes, {reserve} reserved and no room for the rest")
                     reserve = charge
+                self._check_target(key)
                 os.replace(tmp, self.path(key))
                 tmp = None
                 self._used += charge - self._index.pop(key, 0)
@@ -295,8 +440,34 @@ class DiskTier(HeaderTier):
                 self.stats.skipped_writes += 1
                 self._reserved -= reserve
             if tmp is not None:
-                self._unlink_quiet(Path(tmp), "temp file of a failed write")
+                self._unlink_quiet(tmp, "temp file of a failed write")
             return False
+
+    def _shard_dir(self, key: str) -> Path:
+        """``key``'s shard directory, created if missing; ``NotOurFileError`` if something else
+        (a symlink to elsewhere, a file) sits at its name: we never write through it."""
+        shard = self.directory / key[:2]
+        try:
+            shard.mkdir()
+        except FileExistsError:
+            pass
+        if not stat.S_ISDIR(os.lstat(shard).st_mode):
+            raise NotOurFileError(errno.ENOTDIR, f"{shard} is not a real directory; not written through")
+        return shard
+
+    def _open_temp(self, tmp: Path) -> int:
+        """Create the temp file (exclusively: never an existing file, never through a symlink)."""
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+    def _check_target(self, key: str) -> None:
+        """Under the lock, before the rename: the final name is ours to replace (absent or a
+        regular file), never a symlink, FIFO or directory someone put there."""
+        try:
+            st = os.lstat(self.path(key))
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(st.st_mode):
+            raise NotOurFileError(errno.EEXIST, f"{self.path(key)} is not a regular file; not replaced")
 
     def _reserve(self, nbytes: int, key: str) -> bool:
         """Under the lock: make ``nbytes`` free (LRU self-eviction if allowed) and reserve them."""
@@ -306,16 +477,23 @@ class DiskTier(HeaderTier):
             victim = next((k for k in self._index if k != key), None)
             if victim is None or not self.self_evict:
                 return False
-            self._evict_oldest(victim)
+            if not self._evict_oldest(victim):
+                return False
         self._reserved += nbytes
         return True
 
-    def _evict_oldest(self, key: str | None = None) -> None:
+    def _evict_oldest(self, key: str | None = None) -> bool:
         key = key if key is not None else next(iter(self._index))
         if self._delete(key):
             self.stats.evictions += 1
+            return True
+        if key in self._index:  # undeletable (read-only disk): move it last so others can go
+            self._index.move_to_end(key)
+        return False
 
     def remove(self, key: str) -> bool:
+        """Delete ``key``'s file; ``False`` when it was not here or could not be deleted (then it
+        stays indexed and charged, with a ``RuntimeWarning``)."""
         with self._lock:
             if key not in self._index:
                 return False
@@ -325,19 +503,30 @@ class DiskTier(HeaderTier):
             return ok
 
     def _delete(self, key: str) -> bool:
-        """Under the lock: unlink ``key``'s file and uncharge it (kept charged if unlink fails)."""
+        """Under the lock: unlink ``key``'s file and uncharge it (kept charged if unlink fails).
+        Something other than a regular file at its path is not ours: left alone, uncharged."""
+        path = self.path(key)
         try:
-            self.path(key).unlink(missing_ok=True)
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                self._used -= self._index.pop(key, 0)
+                return True
+            self._unlink(path)
+        except FileNotFoundError:
+            pass
         except OSError as exc:
             warnings.warn(f"{self.name}: cannot delete {key} ({exc}); still charged", RuntimeWarning, stacklevel=4)
             return False
         self._used -= self._index.pop(key, 0)
         return True
 
+    def _unlink(self, path: Path) -> None:
+        """The one place entry files are deleted (a seam for fault injection: read-only disks)."""
+        os.unlink(path)
+
     def _forget(self, key: str) -> None:
         """A read found no file: uncharge ``key`` unless a write put it back meanwhile."""
         with self._lock:
-            if key in self._index and not self.path(key).exists():
+            if key in self._index and not os.path.lexists(self.path(key)):
                 self._used -= self._index.pop(key)
 
     def _discard_bad(self, key: str, ino: int, exc: CorruptCacheError) -> None:
@@ -350,12 +539,19 @@ class DiskTier(HeaderTier):
             else:
                 self.stats.corrupt += 1
             try:
-                same = self.path(key).stat().st_ino == ino
+                same = os.lstat(self.path(key)).st_ino == ino
             except FileNotFoundError:
                 same = False
                 self._used -= self._index.pop(key, 0)
             if same:
-                self._delete(key)
+                if key in self._index:
+                    self._delete(key)
+                else:  # found bad at start, before it was indexed
+                    try:
+                        self._unlink(self.path(key))
+                    except OSError as err:
+                        warnings.warn(f"{self.name}: cannot remove bad file {self.path(key)} ({err})",
+                                      RuntimeWarning, stacklevel=3)
 
     def _unlink_quiet(self, path: Path, what: str) -> None:
         try:
@@ -375,3 +571,20 @@ class DiskTier(HeaderTier):
             warnings.warn(f"{self.name}: fsync of {directory} failed ({exc})", RuntimeWarning, stacklevel=3)
         finally:
             os.close(fd)
+
+
+def _reader(fd: int):
+    """``read_at(offset, length)`` over ``fd`` (short only at end of file)."""
+
+    def read_at(offset: int, length: int) -> bytes:
+        parts = []
+        while length > 0:
+            got = os.pread(fd, min(length, 1 << 30), offset)
+            if not got:
+                break
+            parts.append(got)
+            offset += len(got)
+            length -= len(got)
+        return b"".join(parts)
+
+    return read_at

@@ -56,6 +56,8 @@ class LayerLoader:
         self.n_layers = source.n_layers
         self.depth = max(1, min(self.n_layers, depth if depth is not None else self.n_layers))
         self.meta = dict(source.meta)
+        self.kv_shape = tuple(source.kv_shape)  # [L, H_kv, T, D] of the stored k and v
+        self.kv_dtype = source.kv_dtype
         self.layer_seconds: list[float | None] = [None] * self.n_layers
         self._layers: list[dict[str, torch.Tensor] | None] = [None] * self.n_layers
         self._events: list[object | None] = [None] * self.n_layers

@@ -1,9 +1,9 @@
 """The Redis tier: chunk caches shared by processes and machines through one Redis server.
 
 Owns: the Redis key layout, the shared byte accounting and its LRU-ish eviction (atomic
-Lua scripts, so many processes can write at once), TTLs and Redis-error handling. Does not
-own: the byte format (``codec``: values are the same safetensors blobs as disk files) or
-cross-tier placement.
+Lua scripts, so many processes can write at once), its validation and repair, TTLs,
+timeouts, the circuit breaker, and Redis-error handling. Does not own: the byte format
+(``codec``: values are the same safetensors blobs as disk files) or cross-tier placement.
 
 Layout under ``prefix`` (default ``cachedrag``):
 
@@ -21,18 +21,36 @@ than the budget. Values that expire by TTL are uncharged lazily (on the next mis
 eviction victims). A standalone server is assumed (the scripts touch keys they were not
 passed, which Redis Cluster forbids).
 
+Malformed accounting (a key of the wrong type, a non-numeric ``__used`` or ``__clock``,
+non-numeric sizes) is checked by every script *before* it writes anything; the script then
+answers "malformed" and this tier runs a repair script (one atomic pass: wrong-typed keys
+reset, sizes and the LRU set reconciled, uncharged values under the prefix charged, usage
+recomputed and brought back under the budget) with a ``RuntimeWarning``, and retries once.
+
+Hanging or lost servers: every call has a socket timeout (``timeout_s``), redis-py's own
+retries are off, and a circuit breaker (``pybreaker``) opens after ``breaker_failures``
+consecutive connection errors or timeouts: for ``breaker_reset_s`` every call is skipped at
+once (a miss, a skipped write), so requests are served from the other tiers in bounded time;
+then one trial call closes it again if the server answers.
+
 Errors: a Redis error on write skips it with a ``RuntimeWarning`` (``skipped_writes``); on
-read it is a miss with a warning; bad blobs are counted, deleted and served as misses.
+read it is a miss with a warning; bad blobs are counted, deleted and served as misses; a
+value that disappears between two reads of one entry (another process evicted it) is a
+miss counted as ``vanished``, never as corrupt.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import warnings
 
+import pybreaker
 import redis
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from cachedrag.errors import CorruptCacheError
 from cachedrag.store.base import EntryInfo, HeaderTier, Prepared, check_key
@@ -42,9 +60,30 @@ from cachedrag.store.source import BlobSource, LayerSource
 
 logger = logging.getLogger(__name__)
 
-_DROP = """
+_MALFORMED = -2
+
+# KEYS[2..5]: sizes, lru, used, clock. Returns nil, or why the accounting is malformed.
+_CHECK = """
+local function count_ok(k)
+  local t = redis.call('TYPE', k)['ok']
+  if t == 'none' then return true end
+  if t ~= 'string' then return false end
+  local v = redis.call('GET', k)
+  return #v <= 18 and string.find(v, '^%d+$') ~= nil
+end
+local function malformed()
+  local t = redis.call('TYPE', KEYS[2])['ok']
+  if t ~= 'hash' and t ~= 'none' then return 'sizes is a ' .. t end
+  t = redis.call('TYPE', KEYS[3])['ok']
+  if t ~= 'zset' and t ~= 'none' then return 'lru is a ' .. t end
+  if not count_ok(KEYS[4]) then return 'used is not a byte count' end
+  if not count_ok(KEYS[5]) then return 'clock is not a counter' end
+  local s = redis.call('HGET', KEYS[2], KEYS[1])
+  if s and (#s > 18 or not string.find(s, '^%d+$')) then return 'size of ' .. KEYS[1] .. ' is not a byte count' end
+  return nil
+end
 local function drop(k)
-  local s = tonumber(redis.call('HGET', KEYS[2], k) or '0')
+  local s = tonumber(redis.call('HGET', KEYS[2], k) or '0') or 0
   redis.call('DEL', k)
   redis.call('HDEL', KEYS[2], k)
   redis.call('ZREM', KEYS[3], k)
@@ -53,7 +92,9 @@ end
 """
 
 # KEYS: value, sizes, lru, used, clock. ARGV: blob, budget, ttl_ms, overhead, may_evict
-_PUT = _DROP + """
+_PUT = _CHECK + """
+local bad = malformed()
+if bad then return {-2, 0, 0, bad} end
 local budget = tonumber(ARGV[2])
 local ttl = tonumber(ARGV[3])
 local used = tonumber(redis.call('GET', KEYS[4]) or '0') - drop(KEYS[1])
@@ -63,7 +104,7 @@ if ttl > 0 then
 else
   redis.call('SET', KEYS[1], ARGV[1])
 end
-local size = tonumber(redis.call('MEMORY', 'USAGE', KEYS[1])) + tonumber(ARGV[4])
+local size = tonumber(redis.call('MEMORY', 'USAGE', KEYS[1]) or 0) + tonumber(ARGV[4])
 if size > budget then
   redis.call('DEL', KEYS[1])
   redis.call('SET', KEYS[4], used)
@@ -87,25 +128,114 @@ redis.call('SET', KEYS[4], used + size)
 return {1, evicted, size}
 """
 
-# KEYS: value, sizes, lru, used, clock. Returns the value (touching it) or false (uncharging a lapsed one).
-_GET = _DROP + """
-local v = redis.call('GET', KEYS[1])
+# KEYS: value, sizes, lru, used, clock. Returns {1, value} (touching it), {0} (a miss, uncharging
+# a lapsed value) or {-2, value-or-false, why} (malformed accounting: nothing touched).
+_GET = _CHECK + """
+local t = redis.call('TYPE', KEYS[1])['ok']
+local v = false
+if t == 'string' then v = redis.call('GET', KEYS[1]) end
+local bad = malformed()
+if bad then return {-2, v, bad} end
 if v then
   redis.call('ZADD', KEYS[3], 'XX', redis.call('INCR', KEYS[5]), KEYS[1])
-  return v
+  return {1, v}
 end
-if redis.call('HEXISTS', KEYS[2], KEYS[1]) == 1 then
-  redis.call('DECRBY', KEYS[4], drop(KEYS[1]))
+if t == 'none' and redis.call('HEXISTS', KEYS[2], KEYS[1]) == 1 then
+  local used = tonumber(redis.call('GET', KEYS[4]) or '0') - drop(KEYS[1])
+  if used < 0 then used = 0 end
+  redis.call('SET', KEYS[4], used)
 end
-return false
+return {0}
 """
 
-# KEYS: value, sizes, lru, used. Returns 1 if the value existed.
-_REMOVE = _DROP + """
+# KEYS: value, sizes, lru, used, clock. Returns {existed} or {-2, why}.
+_REMOVE = _CHECK + """
+local bad = malformed()
+if bad then return {-2, bad} end
 local existed = redis.call('EXISTS', KEYS[1])
-redis.call('DECRBY', KEYS[4], drop(KEYS[1]))
-return existed
+local used = tonumber(redis.call('GET', KEYS[4]) or '0') - drop(KEYS[1])
+if used < 0 then used = 0 end
+redis.call('SET', KEYS[4], used)
+return {existed}
 """
+
+# KEYS: sizes, lru, used, clock. ARGV: SCAN pattern of the prefix's keys, budget, overhead,
+# the accounting keys' common prefix. Resets what is malformed and reconciles the rest;
+# returns a list of what it fixed.
+_REPAIR = """
+local fixed = {}
+for i, want in ipairs({'hash', 'zset', 'string', 'string'}) do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= want and t ~= 'none' then
+    redis.call('DEL', KEYS[i])
+    table.insert(fixed, KEYS[i] .. ' was a ' .. t)
+  end
+end
+local used = 0
+local sizes = redis.call('HGETALL', KEYS[1])
+for i = 1, #sizes, 2 do
+  local k, s = sizes[i], tonumber(sizes[i + 1])
+  if s == nil or s < 0 or s ~= math.floor(s) then
+    redis.call('HDEL', KEYS[1], k)
+    redis.call('ZREM', KEYS[2], k)
+    redis.call('DEL', k)
+    table.insert(fixed, 'size of ' .. k)
+  elseif redis.call('EXISTS', k) == 0 then
+    redis.call('HDEL', KEYS[1], k)
+    redis.call('ZREM', KEYS[2], k)
+  else
+    used = used + s
+    if not redis.call('ZSCORE', KEYS[2], k) then redis.call('ZADD', KEYS[2], 0, k) end
+  end
+end
+for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  if redis.call('HEXISTS', KEYS[1], k) == 0 then redis.call('ZREM', KEYS[2], k) end
+end
+local cursor = '0'
+repeat
+  local r = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000)
+  cursor = r[1]
+  for _, k in ipairs(r[2]) do
+    if string.sub(k, 1, #ARGV[4]) ~= ARGV[4] and redis.call('HEXISTS', KEYS[1], k) == 0 then
+      local s = tonumber(redis.call('MEMORY', 'USAGE', k) or 0) + tonumber(ARGV[3])
+      redis.call('HSET', KEYS[1], k, s)
+      redis.call('ZADD', KEYS[2], 0, k)
+      used = used + s
+      table.insert(fixed, 'uncharged ' .. k)
+    end
+  end
+until cursor == '0'
+local budget = tonumber(ARGV[2])
+while used > budget do
+  local victim = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if not victim then break end
+  used = used - (tonumber(redis.call('HGET', KEYS[1], victim)) or 0)
+  redis.call('DEL', victim)
+  redis.call('HDEL', KEYS[1], victim)
+  redis.call('ZREM', KEYS[2], victim)
+end
+if used < 0 then used = 0 end
+local old = redis.call('GET', KEYS[3])
+if old ~= tostring(used) then table.insert(fixed, 'used ' .. tostring(old) .. ' -> ' .. used) end
+redis.call('SET', KEYS[3], used)
+local clock = redis.call('GET', KEYS[4])
+if clock and (#clock > 18 or not string.find(clock, '^%d+$')) then
+  local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+  redis.call('SET', KEYS[4], math.floor(tonumber(top[2] or '0') or 0))
+  table.insert(fixed, 'clock')
+end
+return fixed
+"""
+
+_DOWN = (redis.ConnectionError, redis.TimeoutError)  # what trips the breaker (not script/data errors)
+
+
+class _Skipped(redis.RedisError):
+    """A call not made: the circuit breaker is open (the server hung or went away)."""
+
+
+class _Malformed(Exception):
+    """A script found the shared accounting malformed (and wrote nothing)."""
 
 
 class RedisTier(HeaderTier):
@@ -125,45 +255,117 @@ class RedisTier(HeaderTier):
         prefix: str = "cachedrag",
         overhead_bytes: int = 256,
         self_evict: bool = True,
+        timeout_s: float = 0.5,
+        breaker_failures: int = 2,
+        breaker_reset_s: float = 5.0,
         name: str = "redis",
     ) -> None:
         super().__init__(name, budget_bytes, namespace, self_evict=self_evict)
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        if timeout_s <= 0 or breaker_failures < 1 or breaker_reset_s <= 0:
+            raise ValueError("timeout_s and breaker_reset_s must be > 0, breaker_failures >= 1")
         if isinstance(url_or_client, str):
-            self._client = redis.Redis.from_url(url_or_client)
+            # no redis-py retries: a hanging server costs one timeout per call, then the breaker opens
+            self._client = redis.Redis.from_url(url_or_client, socket_timeout=timeout_s,
+                                                socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
             self._owns_client = True
         else:
             self._client = url_or_client
             self._owns_client = False
         self.ttl_ms = 0 if ttl_s is None else int(ttl_s * 1000)
         self.overhead_bytes = overhead_bytes
+        self._prefix = prefix
         self._vprefix = f"{prefix}:{namespace}:"
         self._acct = [f"{prefix}:__sizes", f"{prefix}:__lru", f"{prefix}:__used", f"{prefix}:__clock"]
+        self._breaker = pybreaker.CircuitBreaker(
+            fail_max=breaker_failures, reset_timeout=breaker_reset_s,
+            exclude=[lambda exc: not isinstance(exc, _DOWN)], name=f"{name}-breaker")
         self._put = self._client.register_script(_PUT)
         self._get_script = self._client.register_script(_GET)
         self._remove = self._client.register_script(_REMOVE)
+        self._repair = self._client.register_script(_REPAIR)
 
     @property
     def client(self) -> redis.Redis:
         return self._client
 
+    @property
+    def circuit_open(self) -> bool:
+        """Whether calls are being skipped now (the server hung or went away recently)."""
+        return self._breaker.current_state == pybreaker.STATE_OPEN
+
     def vkey(self, key: str) -> str:
         """The Redis key holding ``key``'s value."""
         return self._vprefix + key
+
+    # ---- guarded calls -------------------------------------------------------------------
+    def _guarded(self, fn):
+        """Run one Redis call through the circuit breaker; ``_Skipped`` while it is open. A
+        connection error or timeout counts toward opening it; other errors do not."""
+        try:
+            return self._breaker.call(fn)
+        except pybreaker.CircuitBreakerError as exc:
+            with self._lock:
+                self.stats.unavailable += 1
+            cause = exc.__cause__ or exc.__context__
+            raise _Skipped(f"server unavailable, circuit open ({cause or exc})") from None
+        except _DOWN:
+            with self._lock:
+                self.stats.unavailable += 1
+            raise
+
+    def _call(self, fn, what: str):
+        """A guarded Redis call; a Redis error becomes a warning and ``None`` (served as a miss)."""
+        try:
+            return self._guarded(fn)
+        except redis.RedisError as exc:
+            warnings.warn(f"{self.name}: {what} failed ({exc}); treated as a miss", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _script(self, script, keys: list[str], args: list):
+        """Run an accounting script; on a "malformed" answer repair once (warning) and rerun."""
+        for attempt in range(2):
+            out = self._guarded(lambda: script(keys=keys, args=args))
+            if int(out[0]) != _MALFORMED:
+                return out
+            why = out[-1].decode(errors="replace") if isinstance(out[-1], bytes) else str(out[-1])
+            if attempt == 0:
+                self.repair(why)
+        raise _Malformed(why)
+
+    def repair(self, why: str = "asked") -> list[str]:
+        """Reset malformed shared accounting and reconcile it with the values present (one atomic
+        script: it scans every key under the prefix, so it blocks the server for a moment)."""
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._prefix) + ":*"
+        fixed = self._guarded(lambda: self._repair(
+            keys=self._acct, args=[pattern, self._budget, self.overhead_bytes, f"{self._prefix}:__"]))
+        fixed = [f.decode(errors="replace") if isinstance(f, bytes) else str(f) for f in fixed]
+        with self._lock:
+            self.stats.repairs += 1
+        warnings.warn(f"{self.name}: shared accounting under {self._prefix!r} was malformed ({why}); repaired: "
+                      f"{', '.join(fixed[:8]) or 'nothing else to fix'}", RuntimeWarning, stacklevel=3)
+        return fixed
 
     # ---- accounting ----------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
         try:
-            return int(self._client.get(self._acct[2]) or 0)
+            raw = self._guarded(lambda: self._client.get(self._acct[2]))
         except redis.RedisError as exc:
             warnings.warn(f"{self.name}: cannot read usage ({exc})", RuntimeWarning, stacklevel=2)
             return 0
+        try:
+            return int(raw or 0)
+        except ValueError:
+            return 0  # malformed: the next script call repairs it
 
     def entry_bytes(self, key: str) -> int | None:
         size = self._call(lambda: self._client.hget(self._acct[0], self.vkey(key)), "size lookup")
-        return None if size is None else int(size)
+        try:
+            return None if size is None else int(size)
+        except ValueError:
+            return None
 
     def contains(self, key: str) -> bool:
         return bool(self._call(lambda: self._client.exists(self.vkey(key)), "exists"))
@@ -175,7 +377,16 @@ class RedisTier(HeaderTier):
 
     # ---- reads ---------------------------------------------------------------------------
     def _get(self, key: str) -> KVEntry | None:
-        blob = self._call(lambda: self._get_script(keys=[self.vkey(key), *self._acct], args=[]), "get")
+        try:
+            out = self._script(self._get_script, [self.vkey(key), *self._acct], [])
+        except _Malformed as exc:
+            warnings.warn(f"{self.name}: get of {key} failed (accounting still malformed: {exc}); a miss",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        except redis.RedisError as exc:
+            warnings.warn(f"{self.name}: get failed ({exc}); treated as a miss", RuntimeWarning, stacklevel=3)
+            return None
+        blob = out[1] if int(out[0]) == 1 and len(out) > 1 else None
         if not blob:
             return None
         try:
@@ -184,22 +395,30 @@ class RedisTier(HeaderTier):
             self._discard_bad(key, exc)
             return None
 
+    def _ranged(self, vkey: str):
+        """``read_at`` over a value through guarded ``GETRANGE`` calls."""
+
+        def read_at(offset: int, length: int) -> bytes:
+            if length == 0:
+                return b""
+            return self._guarded(lambda: self._client.getrange(vkey, offset, offset + length - 1))
+
+        return read_at
+
     def _read_header(self, key: str, *, extras: bool) -> tuple[EntryInfo, dict[str, torch.Tensor]] | None:
         """Header (and with ``extras`` the non-layered tensors) of ``key``'s value through
         ``GETRANGE``; K/V are not transferred. Does not touch the LRU time."""
         vkey = self.vkey(key)
-
-        def read_at(offset: int, length: int) -> bytes:
-            return b"" if length == 0 else self._client.getrange(vkey, offset, offset + length - 1)
-
+        read_at = self._ranged(vkey)
+        size = 0
         try:
-            size = self._client.strlen(vkey)
+            size = int(self._guarded(lambda: self._client.strlen(vkey)) or 0)
             if not size:
                 return None
-            header = read_header(read_at, int(size), key, self.namespace)
+            header = read_header(read_at, size, key, self.namespace)
             tensors = decode_extras(header, read_at) if extras else {}
         except CorruptCacheError as exc:
-            self._discard_bad(key, exc)
+            self._discard_bad(key, exc, size)
             return None
         except redis.RedisError as exc:
             warnings.warn(f"{self.name}: header read of {key} failed ({exc}); a miss", RuntimeWarning, stacklevel=3)
@@ -213,23 +432,19 @@ class RedisTier(HeaderTier):
             with self._lock:
                 self.stats.misses += 1
             return None
-
-        def read_at(offset: int, length: int) -> bytes:
-            if length == 0:
-                return b""
-            return self._client.getrange(vkey, offset, offset + length - 1)
-
+        size = int(size)
+        read_at = self._ranged(vkey)
         try:
-            header = read_header(read_at, int(size), key, self.namespace)
+            header = read_header(read_at, size, key, self.namespace)
         except CorruptCacheError as exc:
-            self._discard_bad(key, exc)
+            self._discard_bad(key, exc, size)
             return None
         except redis.RedisError as exc:
             warnings.warn(f"{self.name}: header read of {key} failed ({exc}); a miss", RuntimeWarning, stacklevel=2)
             return None
         with self._lock:
             self.stats.hits += 1
-        return BlobSource(header, read_at, self.name, on_corrupt=lambda exc: self._discard_bad(key, exc))
+        return BlobSource(header, read_at, self.name, on_corrupt=lambda exc: self._discard_bad(key, exc, size))
 
     # ---- writes --------------------------------------------------------------------------
     def prepare(self, key: str, entry: KVEntry, *, blob: bytes | None = None, copy: bool = True) -> Prepared:
@@ -249,8 +464,8 @@ class RedisTier(HeaderTier):
         t0 = time.perf_counter()
         args = [blob, self._budget, self.ttl_ms, self.overhead_bytes, "1" if self.self_evict else "0"]
         try:
-            status, evicted, size = self._put(keys=[self.vkey(prepared.key), *self._acct], args=args)
-        except redis.RedisError as exc:
+            status, evicted, size = self._script(self._put, [self.vkey(prepared.key), *self._acct], args)[:3]
+        except (redis.RedisError, _Malformed) as exc:
             warnings.warn(f"{self.name}: write of {prepared.key} skipped ({exc}); serving continues", RuntimeWarning, stacklevel=2)
             with self._lock:
                 self.stats.skipped_writes += 1
@@ -266,13 +481,26 @@ class RedisTier(HeaderTier):
         return True
 
     def remove(self, key: str) -> bool:
-        existed = self._call(lambda: self._remove(keys=[self.vkey(key), *self._acct[:3]], args=[]), "remove")
+        try:
+            existed = int(self._script(self._remove, [self.vkey(key), *self._acct], [])[0])
+        except (redis.RedisError, _Malformed) as exc:
+            warnings.warn(f"{self.name}: remove of {key} failed ({exc})", RuntimeWarning, stacklevel=2)
+            return False
         if existed:
             with self._lock:
                 self.stats.removes += 1
         return bool(existed)
 
-    def _discard_bad(self, key: str, exc: CorruptCacheError) -> None:
+    def _discard_bad(self, key: str, exc: CorruptCacheError, size: int | None = None) -> None:
+        """Count a bad value and delete it. When the value read in pieces (``size`` bytes at
+        first) is gone or changed meanwhile, another process evicted or rewrote it: a miss
+        counted as ``vanished``, and nothing is deleted."""
+        if size is not None:
+            now = self._call(lambda: self._client.strlen(self.vkey(key)), "strlen")
+            if now is None or int(now) != size:
+                with self._lock:
+                    self.stats.vanished += 1
+                return
         kind = "foreign" if isinstance(exc, ForeignEntryError) else "corrupt"
         logger.warning("%s: %s value for %s removed (%s)", self.name, kind, key, exc)
         with self._lock:
@@ -280,15 +508,7 @@ class RedisTier(HeaderTier):
                 self.stats.foreign += 1
             else:
                 self.stats.corrupt += 1
-        self._call(lambda: self._remove(keys=[self.vkey(key), *self._acct[:3]], args=[]), "remove")
-
-    def _call(self, fn, what: str):
-        """Run a Redis call; a Redis error becomes a warning and ``None`` (served as a miss)."""
-        try:
-            return fn()
-        except redis.RedisError as exc:
-            warnings.warn(f"{self.name}: {what} failed ({exc}); treated as a miss", RuntimeWarning, stacklevel=3)
-            return None
+        self.remove(key)
 
     def clear_namespace(self) -> int:
         """Remove every value of this namespace (tests, benchmarks); returns how many."""

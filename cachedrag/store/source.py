@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from cachedrag.errors import CorruptCacheError
-from cachedrag.store.codec import EntryHeader, ReadAt, decode_extras, decode_layer
+from cachedrag.store.codec import CODE_TO_DTYPE, EntryHeader, ReadAt, decode_extras, decode_layer
 from cachedrag.store.entry import KVEntry
 
 
@@ -26,6 +26,8 @@ class LayerSource(ABC):
     n_layers: int
     layered: tuple[str, ...]
     meta: dict[str, str]
+    kv_shape: tuple[int, int, int, int]  # the real shape of k (and v): [L, H_kv, T, D]
+    kv_dtype: torch.dtype
 
     @abstractmethod
     def load_layer(self, layer: int) -> dict[str, torch.Tensor]:
@@ -48,6 +50,8 @@ class TensorSource(LayerSource):
         self.n_layers = entry.n_layers
         self.layered = entry.layered_names()
         self.meta = dict(entry.meta)
+        self.kv_shape = tuple(entry.k.shape)  # [L, H_kv, T, D]
+        self.kv_dtype = entry.k.dtype
 
     @property
     def device(self) -> torch.device:
@@ -80,6 +84,9 @@ class BlobSource(LayerSource):
         self.n_layers = header.n_layers
         self.layered = header.layered
         self.meta = dict(header.meta)
+        spec = header.specs["k"]  # the codec checked that v has the same shape and dtype
+        self.kv_shape = spec.shape  # [L, H_kv, T, D]
+        self.kv_dtype = CODE_TO_DTYPE[spec.dtype]
 
     def load_layer(self, layer: int) -> dict[str, torch.Tensor]:
         return self._checked(lambda: decode_layer(self._header, layer, self._read_at))

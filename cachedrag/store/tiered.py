@@ -131,7 +131,9 @@ class TieredStore:
             from cachedrag.store.redis_tier import RedisTier
 
             tiers.append(RedisTier(config.redis_url, config.redis_bytes, namespace=ns,
-                                   ttl_s=config.redis_ttl_s, prefix=config.redis_prefix))
+                                   ttl_s=config.redis_ttl_s, prefix=config.redis_prefix,
+                                   timeout_s=config.redis_timeout_s, breaker_failures=config.redis_breaker_failures,
+                                   breaker_reset_s=config.redis_breaker_reset_s))
         return cls(tiers, namespace=ns, write_through=config.write_through, prefetch_workers=config.prefetch_workers)
 
     # ---- queries -------------------------------------------------------------------------
@@ -260,6 +262,7 @@ class TieredStore:
                         node = self._policy.ensure(key)
                         self._policy.add_copy(key, i)
                         self._policy.touch(key)
+                        self._heal_links(key)
                         return entry, i, node.version
         return None, -1, -1
 
@@ -273,6 +276,19 @@ class TieredStore:
             self._policy.drop_copy(key, tier)
             if not node.copies:
                 self._policy.forget(key)
+                return
+            self._heal_links(key)
+
+    def _heal_links(self, key: str) -> None:
+        """Store lock held. ``key`` lost a fast copy (or came back from a shared tier) and may now
+        sit slower than its cached children: drop those links (they only order evictions, so no
+        I/O is needed and nothing is served differently)."""
+        node = self._policy.cached(key)
+        if node is None:
+            return
+        for child in self._policy.children_of(key):
+            if child.level < node.level:
+                self._policy.unlink(child.key)
 
     def _promote_after_read(self, key: str, entry: KVEntry, found_at: int, version: int) -> KVEntry | None:
         with self._lock:
@@ -377,25 +393,39 @@ class TieredStore:
 
     # ---- remove --------------------------------------------------------------------------
     def remove(self, key: str) -> bool:
-        """Delete ``key`` from every tier (shared tiers included). Its children stay cached."""
+        """Delete ``key`` from every tier (shared tiers included). Its children stay cached.
+
+        ``True`` when it was cached and now is gone from every local tier; ``False`` when it
+        was not cached, or when a tier could not delete its copy (e.g. a read-only disk: the
+        tier warns, and the copy stays indexed and charged where it is)."""
         check_key(key)
         with self._lock:
             had = self._policy.cached(key) is not None
-            self._remove_copies(key)
-            self._policy.forget(key)
-            self._policy.unlink(key)
+            gone = self._remove_copies(key)
+            if gone:
+                self._policy.forget(key)
+                self._policy.unlink(key)
+            else:
+                self._heal_links(key)
         for tier in self.tiers:
             if tier.shared:
                 had = tier.remove(key) or had
-        return had
+        return had and gone
 
-    def _remove_copies(self, key: str) -> None:
+    def _remove_copies(self, key: str) -> bool:
+        """Remove every local copy of ``key``; ``False`` if a tier kept one (it stays indexed)."""
         node = self._policy.node(key)
         if node is None:
-            return
-        for t in sorted(node.copies):
-            self.tiers[t].remove(key)
+            return True
+        return all([self._remove_copy(key, t) for t in sorted(node.copies)])
+
+    def _remove_copy(self, key: str, t: int) -> bool:
+        """Remove ``key`` from tier ``t`` and the index; a copy the tier could not delete stays
+        in the index (the tier still holds and charges it)."""
+        if self.tiers[t].remove(key) or not self.tiers[t].contains(key):
             self._policy.drop_copy(key, t)
+            return True
+        return False
 
     # ---- placement (store lock held) -----------------------------------------------------
     def _place(
@@ -449,8 +479,8 @@ class TieredStore:
         if node is None or j not in node.copies:
             return
         if node.level < j or any(c > j for c in node.copies):
-            self.tiers[j].remove(key)
-            self._policy.drop_copy(key, j)
+            if not self._remove_copy(key, j):
+                return
             if node.level is not None and node.level > j:
                 self.stats.demotions += 1
                 self.stats.demotion_writes_saved += 1
@@ -465,8 +495,8 @@ class TieredStore:
                 if self._place(key, entry, k, inner, blobs, copy=False):
                     demoted = True
                     break
-        self.tiers[j].remove(key)
-        self._policy.drop_copy(key, j)
+        if not self._remove_copy(key, j):
+            return  # undeletable here (read-only disk): it stays, and the caller finds no room
         if demoted:
             self.stats.demotions += 1
         else:
@@ -475,7 +505,9 @@ class TieredStore:
     def _drop(self, key: str) -> None:
         """Delete ``key`` and its cached descendants from every tier (logged for ``drops_since``)."""
         for k in [*self._policy.descendants(key), key]:
-            self._remove_copies(k)
+            if not self._remove_copies(k):
+                self._heal_links(k)
+                continue  # a tier could not delete it: it stays indexed where it is
             self._policy.forget(k)
             self._policy.unlink(k)
             self.stats.drops += 1

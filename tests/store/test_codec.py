@@ -164,3 +164,16 @@ def test_entry_facts():
     k1, v1 = e.layer(1)
     assert k1.shape == (2, 5, 4) and torch.equal(v1, e.v[1])
     assert e.clone().equal(e) and e.to("cpu").equal(e)
+
+
+def test_k_and_v_of_different_shapes_are_refused_even_with_valid_checksums(monkeypatch):
+    from cachedrag.store.codec import FormatError, decode
+    from cachedrag.store.entry import KVEntry
+
+    entry = make_entry(1)
+    entry.tensors["v"] = entry.v[:, :1].clone()  # [L, 1, T, D]: crafted after validation
+    monkeypatch.setattr(KVEntry, "validate", lambda self: None)  # a writer that skips the checks
+    blob = encode(key_of(1), entry, NS)  # checksums computed over the crafted tensors
+    monkeypatch.undo()
+    with pytest.raises(FormatError, match="differ"):
+        decode(blob, key_of(1), NS)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from cachedrag.store.codec import encode
-from cachedrag.store.disk import DiskTier
+from cachedrag.store.disk import DiskTier, temp_name
 from tests.store.helpers import NS, disk_bytes_on_disk, key_of, make_entry
 
 
@@ -27,9 +27,11 @@ def test_round_trip_layout_and_restart(tmp_path):
     k = key_of(3)
     assert (tmp_path / k[:2] / f"{k}.safetensors").is_file()
     assert tier.get(k).equal(make_entry(3))
+    used = tier.used_bytes
+    tier.close()
     again = tier_at(tmp_path)  # a new process on the same directory
     assert sorted(again.keys()) == sorted(key_of(i) for i in range(5))
-    assert again.used_bytes == tier.used_bytes
+    assert again.used_bytes == used
     for i in range(5):
         assert again.get(key_of(i)).equal(make_entry(i))
 
@@ -53,13 +55,16 @@ def test_no_partial_file_is_ever_visible(tmp_path, monkeypatch):
 def test_crash_mid_write_leaves_a_temp_file_that_restart_cleans(tmp_path):
     tier = tier_at(tmp_path)
     tier.put(key_of(1), make_entry(1))
+    tier.close()
     shard = tmp_path / key_of(2)[:2]
     shard.mkdir(exist_ok=True)
     blob = encode(key_of(2), make_entry(2), NS)
-    (shard / f".{key_of(2)}.abc123.tmp").write_bytes(blob[: len(blob) // 2])  # the crash
+    (shard / temp_name(key_of(2))).write_bytes(blob[: len(blob) // 2])  # the crash
+    foreign = shard / f".{key_of(2)}.abc123.tmp"  # someone else's temp file: not ours to delete
+    foreign.write_bytes(b"theirs")
     again = tier_at(tmp_path)
     assert again.stats.temp_cleaned == 1
-    assert not list(shard.glob("*.tmp"))
+    assert [p.name for p in shard.glob("*.tmp")] == [foreign.name]
     assert again.keys() == [key_of(1)] and again.get(key_of(2)) is None
 
 
@@ -70,6 +75,7 @@ def test_bad_files_are_counted_removed_and_missed(tmp_path, caplog, validate, da
     for i in range(3):
         tier.put(key_of(i), make_entry(i))
     path = tier.path(key_of(1))
+    tier.close()
     blob = bytearray(path.read_bytes())
     if damage == "truncate":
         path.write_bytes(bytes(blob[: len(blob) - 17]))
@@ -154,12 +160,11 @@ def test_disk_full_skips_the_write_with_a_warning(tmp_path, monkeypatch):
 
 def test_unwritable_directory_skips_the_write(tmp_path, monkeypatch):
     tier = tier_at(tmp_path)
-    import tempfile
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(tier, "_open_temp", read_only)
     with pytest.warns(RuntimeWarning):
         assert not tier.put(key_of(1), make_entry(1))
     assert tier.stats.skipped_writes == 1 and tier.used_bytes == 0
@@ -169,7 +174,9 @@ def test_budget_shrunk_between_runs_evicts_at_start(tmp_path):
     tier = tier_at(tmp_path, 1 << 20)
     for i in range(6):
         tier.put(key_of(i), make_entry(i, tokens=16))
-    small = tier_at(tmp_path, 3 * tier.entry_bytes(key_of(0)))
+    one = tier.entry_bytes(key_of(0))
+    tier.close()
+    small = tier_at(tmp_path, 3 * one)
     assert len(small.keys()) == 3 and disk_bytes_on_disk(tmp_path)[0] <= small.budget_bytes
 
 

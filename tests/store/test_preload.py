@@ -87,6 +87,7 @@ class SlowSource(LayerSource):
     def __init__(self, entry, delay: float) -> None:
         self.entry, self.delay = entry, delay
         self.tier_name, self.n_layers, self.layered, self.meta = "fake", entry.n_layers, ("k", "v"), {}
+        self.kv_shape, self.kv_dtype = tuple(entry.k.shape), entry.k.dtype  # [L, H_kv, T, D]
         self.loaded: list[int] = []
         self.closed = threading.Event()
 

@@ -1,0 +1,119 @@
+"""Chunk-affinity routing policy: which replica should serve a request, given its chunks.
+
+Owns: ``AffinityConfig`` (the load bound) and ``AffinityPolicy.rank`` — pure Python, no torch,
+no Ray, so it is unit-tested on plain strings and integers. The Ray Serve request router
+(``cachedrag.cluster.router``) feeds it replica ids and queue lengths and turns its ranking
+into Serve's ``choose_replicas`` answer.
+
+Does not own: finding a request's chunk fingerprints (``cachedrag.cluster.fingerprints``),
+queue-length probing or the replica set (Ray Serve's ``RequestRouter`` base keeps those).
+
+The rule, rendezvous (highest-random-weight) hashing with bounded load:
+
+1. Every chunk fingerprint ranks all replicas by ``hash(fingerprint, replica)``; its first
+   replica is its *owner*. Owners are stable: adding or losing a replica moves only the chunks
+   that replica owned (the point of rendezvous hashing over ``hash % n``), so a replica's fast
+   tiers keep serving the chunks it owned before.
+2. Load bound: a replica is *eligible* while its queue length is at most
+   ``max(min_queue + slack, ceil(load_factor x mean_queue))`` (consistent hashing with bounded
+   loads, Mirrokni et al. 2018). A hot chunk set therefore cannot pile onto one replica: once
+   its owner is over the bound, each chunk votes for its highest-ranked *eligible* replica
+   instead (its rendezvous runner-up, a stable spill target that warms up too).
+3. Each eligible replica gets the summed weight of the chunks voting for it (a chunk's
+   weight is its length share when given, else 1); the highest score wins, ties to the
+   shorter queue, then to the larger summed hash (deterministic).
+4. No fingerprints (or no votes): least-loaded, ties by replica id order given.
+
+``rank`` returns tiers of replica ids, most preferred first (Serve tries the first tier, and
+the later ones when every replica of the first refuses: full queues). Why hand-written: the
+rule is a dozen lines over ``hashlib``; the libraries that exist (e.g. ``uhashring``) do
+ketama rings without load bounds or weighted votes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class AffinityConfig(BaseModel):
+    """How far affinity may unbalance the replicas' queues before it yields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    slack: int = Field(2, ge=0, description="queued requests a replica may hold beyond the least-loaded one "
+                                            "and still take requests by affinity")
+    load_factor: float = Field(1.5, ge=1.0, description="bounded-load factor: a replica above ceil(factor x mean "
+                                                         "queue) (and above min + slack) takes no affinity traffic")
+    max_fingerprints: int = Field(64, ge=1, description="chunks of one request considered (the first ones)")
+
+
+def hrw_weight(fingerprint: str, replica: str) -> int:
+    """Rendezvous weight of ``replica`` for ``fingerprint`` (64-bit, stable across processes)."""
+    digest = hashlib.blake2b(f"{fingerprint}\x1f{replica}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def owner(fingerprint: str, replicas: Sequence[str]) -> str:
+    """The replica a chunk belongs to when every replica is eligible."""
+    if not replicas:
+        raise ValueError("no replicas")
+    return max(replicas, key=lambda r: hrw_weight(fingerprint, r))
+
+
+class AffinityPolicy:
+    """Ranks replicas for a request's chunk fingerprints (stateless, thread-safe)."""
+
+    def __init__(self, config: AffinityConfig | None = None):
+        self.config = config or AffinityConfig()
+
+    def load_bound(self, queues: Sequence[int]) -> int:
+        """Largest queue length that still takes affinity traffic."""
+        if not queues:
+            return 0
+        mean = sum(queues) / len(queues)
+        return max(min(queues) + self.config.slack, math.ceil(self.config.load_factor * mean))
+
+    def rank(self, fingerprints: Sequence[str], queue_lens: Mapping[str, int | None],
+             weights: Sequence[float] | None = None) -> list[list[str]]:
+        """Tiers of replica ids, most preferred first.
+
+        ``queue_lens``: replica id -> requests queued or running there (``None`` = unknown,
+        counted as 0). ``weights``: one per fingerprint (e.g. token counts), default 1 each.
+        The first tier holds the chosen replica alone; the second, the others by queue length.
+        """
+        replicas = list(queue_lens)
+        if not replicas:
+            return []
+        queues = {r: max(0, q or 0) for r, q in queue_lens.items()}
+        by_load = sorted(replicas, key=lambda r: queues[r])  # stable: ties keep the given order
+        chosen = self.choose(fingerprints, queues, weights)
+        if chosen is None:
+            return [[by_load[0]], by_load[1:]] if len(by_load) > 1 else [by_load]
+        rest = [r for r in by_load if r != chosen]
+        return [[chosen], rest] if rest else [[chosen]]
+
+    def choose(self, fingerprints: Sequence[str], queues: Mapping[str, int],
+               weights: Sequence[float] | None = None) -> str | None:
+        """The affinity choice, or ``None`` when the request has no chunks to follow."""
+        fps = list(fingerprints)[: self.config.max_fingerprints]
+        if weights is not None and len(weights) < len(fps):
+            raise ValueError(f"{len(weights)} weights for {len(fps)} fingerprints")
+        if not fps or not queues:
+            return None
+        bound = self.load_bound(list(queues.values()))
+        eligible = [r for r in queues if queues[r] <= bound]  # never empty: the least loaded is within it
+        score = dict.fromkeys(eligible, 0.0)
+        tiebreak = dict.fromkeys(eligible, 0)
+        for i, fp in enumerate(fps):
+            w = 1.0 if weights is None else float(weights[i])
+            ranked = {r: hrw_weight(fp, r) for r in eligible}
+            best = max(eligible, key=lambda r: ranked[r])
+            score[best] += w
+            for r in eligible:
+                tiebreak[r] += ranked[r]
+        top = max(eligible, key=lambda r: (score[r], -queues[r], tiebreak[r]))
+        return top if score[top] > 0 else None

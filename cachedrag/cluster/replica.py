@@ -1,0 +1,159 @@
+"""One replica's engine: its own fast tiers plus the cluster's shared Redis tier.
+
+Owns: ``ReplicaSettings`` (validated settings of every replica of a deployment: model, reuse
+mode, per-replica budgets, the shared Redis tier), ``build_replica_engine`` (model -> runner ->
+``TieredStore`` of a CPU tier within the replica's budget and, when a Redis URL is given, the
+shared Redis tier written through, so what one replica computes is readable by all) and
+``SharedCacheSync``, which keeps a replica's chunk-cache manager aware of entries the *other*
+replicas wrote (``ChunkCacheManager.refresh``, rate-limited, off the request path on a
+transient thread).
+
+Does not own: Ray (``cachedrag.cluster.deployment``), the HTTP app or the engine loop
+(``cachedrag.server``), the tiers themselves (``cachedrag.store``).
+
+Placement stays within each replica's budgets: the CPU tier is capped by ``cache_gb`` (the
+store demotes to Redis before it deletes), and the Redis tier's byte budget (``redis_gb``) is
+one budget for the whole cluster, enforced atomically by the Redis tier's scripts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cachedrag.errors import ConfigError
+
+log = logging.getLogger("cachedrag.cluster")
+
+GB = 1 << 30
+
+
+class ReplicaSettings(BaseModel):
+    """What every replica of a cluster deployment is built from (picklable, validated)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str | None = Field(None, description="HF model id or path; None = the embedded SmolLM2-135M-Instruct")
+    tiny: bool = Field(False, description="a tiny random-weight model (tests, smoke checks)")
+    served_model_name: str | None = Field(None, description="the id clients send as `model`")
+    mode: Literal["cachedrag", "prefix", "full"] = Field("cachedrag", description="chunk reuse mode")
+    cache_gb: float = Field(2.0, gt=0, description="this replica's in-memory chunk-cache budget (GB)")
+    redis_url: str | None = Field(None, description="shared Redis tier (redis://host:port/db); None = no sharing")
+    redis_gb: float = Field(4.0, gt=0, description="the Redis tier's budget (GB), shared by all replicas")
+    redis_prefix: str = Field("cachedrag", min_length=1, description="Redis key prefix of the shared tier")
+    refresh_s: float = Field(1.0, ge=0, description="adopt entries other replicas wrote at most this often (s)")
+    max_batch: int = Field(8, ge=1, description="most requests decoding together in one replica")
+    max_waiting: int = Field(256, ge=1, description="waiting-queue limit of one replica (503 beyond)")
+    order: Literal["cache_aware", "fifo"] = Field("cache_aware", description="prefill admission order")
+    auto_chunks: bool = Field(True, description="automatic passage detection for clients without the chunks field")
+    max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    threads: int | None = Field(None, ge=1, description="torch threads per replica (None = torch's default)")
+    engine_overrides: dict = Field(default_factory=dict, description="extra EngineConfig fields (advanced)")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or ("tiny-random" if self.tiny else (self.model or "SmolLM2-135M-Instruct"))
+
+
+def build_replica_engine(settings: ReplicaSettings, runner=None):
+    """The ``CachedEngine`` of one replica (CPU tier + optional shared Redis tier); ``runner``:
+    reuse a loaded model (benchmarks running several engines in one process)."""
+    import torch
+
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.fingerprint import namespace_for
+    from cachedrag.model.runner import ModelRunner
+    from cachedrag.store.config import StoreConfig
+    from cachedrag.store.tiered import TieredStore
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if runner is not None:
+        pass
+    elif settings.tiny:
+        from cachedrag.testing import tiny_runner
+
+        runner = tiny_runner()
+    else:
+        from cachedrag.model.loader import load_model
+
+        runner = ModelRunner(*load_model(settings.model))
+    try:
+        config = EngineConfig(mode=settings.mode, cache_bytes=int(settings.cache_gb * GB), **settings.engine_overrides)
+    except ValueError as exc:
+        raise ConfigError(f"bad engine setting: {exc}") from None
+    if settings.redis_url is None:
+        return CachedEngine(runner, config=config)
+    ns = namespace_for(runner.model, runner.tokenizer).digest
+    store = TieredStore.from_config(StoreConfig(
+        namespace=ns, cpu_bytes=int(settings.cache_gb * GB), redis_url=settings.redis_url,
+        redis_bytes=int(settings.redis_gb * GB), redis_prefix=settings.redis_prefix, write_through=True))
+    return CachedEngine(runner, config=config, store=store)
+
+
+class SharedCacheSync:
+    """Adopts chunk caches other replicas wrote to the shared tier, at most every ``interval_s``.
+
+    ``poke()`` is cheap and non-blocking (call it per request): when the last refresh is older
+    than the interval and none is running, one ``manager.refresh()`` starts on a transient
+    thread (it reads entry headers from Redis, never K/V). A request that arrives before the
+    refresh finishes simply misses those chunks (computes them) — never a wrong answer.
+    ``refresh_now()`` runs one synchronously (tests, startup)."""
+
+    def __init__(self, manager, interval_s: float = 1.0):
+        from cachedrag.executor import TransientThreadExecutor
+
+        self.manager = manager
+        self.interval_s = interval_s
+        self.shared = bool(getattr(manager, "features", None) and manager.features.shared)
+        self._executor = TransientThreadExecutor(1, "cachedrag-shared-sync")
+        self._lock = threading.Lock()
+        self._running = False
+        self._last: float | None = None  # monotonic time the last refresh ended
+        self.refreshes = 0
+        self.adopted = 0
+        self.errors = 0
+
+    def poke(self) -> bool:
+        """Start a background refresh if one is due; returns whether one started."""
+        if not self.shared:
+            return False
+        with self._lock:
+            if self._running or (self._last is not None and time.monotonic() - self._last < self.interval_s):
+                return False
+            self._running = True
+        self._executor.submit(self._run)
+        return True
+
+    def refresh_now(self) -> int:
+        """One refresh on this thread; returns how many entries were adopted."""
+        with self._lock:
+            self._running = True
+        return self._run()
+
+    def _run(self) -> int:
+        try:
+            report = self.manager.refresh()
+            n = report.tree_nodes + report.variants
+            self.adopted += n
+            self.refreshes += 1
+            return n
+        except Exception as exc:  # a refresh is an optimisation: log it, keep serving
+            self.errors += 1
+            log.warning("shared-cache refresh failed: %r", exc)
+            return 0
+        finally:
+            with self._lock:
+                self._running = False
+                self._last = time.monotonic()
+
+    def stats(self) -> dict:
+        return {"refreshes": self.refreshes, "adopted": self.adopted, "errors": self.errors}
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,235 @@
+"""The ASGI app: OpenAI-compatible routes over the engine loop (FastAPI).
+
+Owns: ``create_app(engine, config)`` with ``GET /health``, ``GET /v1/models``, ``GET /metrics``
+(Prometheus text), ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE
+streaming, ``n=1``, temperature / top_p / max_tokens / stop / seed, ``usage`` with
+``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
+longer than the context window, 404 unknown model, 503 queue full or shutting down), and
+freeing a request's batch slot when its client disconnects (streaming or not).
+
+The event-loop thread only parses, renders templates and tokenises (no torch ops: see
+``cachedrag.server.loop`` on OpenMP threads); generation runs on the engine loop's thread and
+its events come back through ``loop.call_soon_threadsafe``.
+
+Does not own: the wire models (``protocol``), prompt planning (``prompts``), the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from cachedrag.errors import CachedRAGError, ContextWindowError
+from cachedrag.integrations.template import Message
+from cachedrag.model.generation import SamplingParams
+from cachedrag.server import protocol as P
+from cachedrag.server.config import ServerConfig
+from cachedrag.server.loop import Delta, EngineLoop, Failed, Finished, QueueFullError, ServeRequest
+from cachedrag.server.metrics import ServerMetrics
+from cachedrag.server.prompts import PromptPlanner
+
+log = logging.getLogger("cachedrag.server")
+
+_DISCONNECT_POLL_S = 0.5
+
+
+def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+    """The server app over ``engine`` (a ``CachedEngine``); the engine loop runs while the app does."""
+    config = config or ServerConfig()
+    loop = EngineLoop(engine, config.scheduler)
+    metrics = ServerMetrics(engine, loop)
+    loop.observer = metrics
+    planner = PromptPlanner(engine, config.passages)
+    aliases = {config.model_name, "default"}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="cachedrag", lifespan=lifespan)
+    app.state.loop, app.state.metrics, app.state.planner, app.state.config = loop, metrics, planner, config
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, exc: P.APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(P.APIError(400, message, param=".".join(loc) or None).body(), status_code=400)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health():
+        if loop._thread is None or not loop._thread.is_alive():
+            raise P.APIError(503, "engine loop is not running", type="service_unavailable")
+        return {"status": "ok", "waiting": loop.waiting, "running": loop.running}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "cachedrag"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        _check_model(body.model, aliases)
+        try:
+            messages = [Message(m.role, m.text()) for m in body.messages]
+        except ValueError as exc:
+            raise P.APIError(400, str(exc), param="messages") from None
+        chunks = body.cachedrag.chunks if body.cachedrag else None
+        planned = _plan(lambda: planner.chat(messages, chunks))
+        return await _serve(request, body, planned, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request):
+        _check_model(body.model, aliases)
+        chunks = body.cachedrag.chunks if body.cachedrag else None
+        prompt = body.text()
+        planned = _plan(lambda: planner.completion(prompt, chunks))
+        return await _serve(request, body, planned, chat=False)
+
+    async def _serve(request: Request, body, planned, chat: bool):
+        params = _params(body, planned.prompt_tokens, engine.runner.max_context, config.default_max_tokens)
+        aio = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(event) -> None:  # engine-loop thread -> event loop
+            with contextlib.suppress(RuntimeError):  # the event loop closed (shutdown)
+                aio.call_soon_threadsafe(queue.put_nowait, event)
+
+        serve = ServeRequest(segments=planned.segments, params=params, emit=emit, mode=config.mode)
+        try:
+            rid = loop.submit(serve)
+        except QueueFullError as exc:
+            raise P.APIError(503, f"server busy: {exc}; retry later", type="service_unavailable",
+                             code="queue_full") from None
+        except RuntimeError as exc:
+            raise P.APIError(503, str(exc), type="service_unavailable") from None
+        name = body.model
+        oid = P.new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            return StreamingResponse(_stream(queue, rid, oid, name, chat, body.include_usage),
+                                     media_type="text/event-stream")
+        text: list[str] = []
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    loop.cancel(rid)
+                    metrics.disconnects.inc()
+                    return Response(status_code=499)
+                continue
+            if isinstance(event, Delta):
+                text.append(event.text)
+            elif isinstance(event, Failed):
+                raise _failure(event.error)
+            elif isinstance(event, Finished):
+                use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+                build = P.chat_response if chat else P.completion_response
+                return JSONResponse(build(oid, name, "".join(text), event.finish_reason, use))
+
+    async def _stream(queue: asyncio.Queue, rid: int, oid: str, name: str, chat: bool, include_usage: bool):
+        finished = False
+        try:
+            if chat:
+                yield _sse(P.chat_chunk(oid, name, {"role": "assistant", "content": ""}))
+            while True:
+                event = await queue.get()
+                if isinstance(event, Delta):
+                    yield _sse(P.chat_chunk(oid, name, {"content": event.text}) if chat
+                               else P.completion_chunk(oid, name, event.text))
+                elif isinstance(event, Failed):
+                    finished = True
+                    yield _sse(_failure(event.error).body())
+                    break
+                elif isinstance(event, Finished):
+                    finished = True
+                    yield _sse(P.chat_chunk(oid, name, {}, event.finish_reason) if chat
+                               else P.completion_chunk(oid, name, "", event.finish_reason))
+                    if include_usage:
+                        use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+                        yield _sse(P.chat_chunk(oid, name, {}, use=use, choices=False) if chat
+                                   else P.completion_chunk(oid, name, "", use=use, choices=False))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (the response task was cancelled): free the slot
+                loop.cancel(rid)
+                metrics.disconnects.inc()
+
+    return app
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_model(model: str, aliases: set[str]) -> None:
+    if model not in aliases:
+        raise P.APIError(404, f"the model {model!r} does not exist; this server serves {sorted(aliases)[-1]!r}",
+                         param="model", code="model_not_found")
+
+
+def _plan(build):
+    from cachedrag.server.prompts import ChunkNotFoundError
+
+    try:
+        return build()
+    except ChunkNotFoundError as exc:
+        raise P.APIError(400, str(exc), param="cachedrag.chunks") from None
+    except (CachedRAGError, ValueError) as exc:
+        raise P.APIError(400, str(exc), param="messages") from None
+
+
+def _params(body, prompt_tokens: int, max_context: int, default_max: int) -> SamplingParams:
+    room = max_context - prompt_tokens
+    new = body.new_tokens
+    if new is None:
+        new = min(default_max, room)
+    if room <= 0 or new > room:
+        raise P.APIError(400, f"this model's context window is {max_context} tokens; the prompt has {prompt_tokens} "
+                              f"tokens and {new} were requested for the completion", param="messages",
+                         code="context_length_exceeded")
+    try:
+        return SamplingParams(max_new_tokens=new, temperature=body.temperature, top_p=body.top_p,
+                              stop=body.stop, seed=body.seed)
+    except ValidationError as exc:
+        raise P.APIError(400, str(exc.errors()[0].get("msg")), param="stop") from None
+
+
+def _failure(error: BaseException) -> P.APIError:
+    if isinstance(error, ContextWindowError):
+        return P.APIError(400, str(error), code="context_length_exceeded")
+    if isinstance(error, CachedRAGError):
+        return P.APIError(400, str(error))
+    if isinstance(error, RuntimeError) and "shutting down" in str(error):
+        return P.APIError(503, str(error), type="service_unavailable")
+    log.error("request failed: %r", error)
+    return P.APIError(500, f"internal error: {error}", type="server_error")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+

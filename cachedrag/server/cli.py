@@ -1,0 +1,138 @@
+"""``cachedrag serve``: parse arguments, build the engine and store, run uvicorn.
+
+Owns: the command's arguments, ``build_engine`` (model -> runner -> chunk-cache store ->
+``CachedEngine``), binding the listening socket (so the logged address is the real one, also
+with ``--port 0``) and running uvicorn, which stops cleanly on SIGTERM / SIGINT (in-flight
+requests get ``--graceful-s`` seconds, then the engine loop stops and the process exits 0).
+
+Does not own: the app (``app``) or the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+
+from cachedrag.errors import ConfigError
+
+log = logging.getLogger("cachedrag.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; default 8000)")
+    parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: the model's name)")
+    parser.add_argument("--tiny", action="store_true", help="serve a tiny random-weight model (tests, smoke checks)")
+    parser.add_argument("--mode", default="cachedrag", choices=("cachedrag", "prefix", "full"), help="chunk reuse mode")
+    parser.add_argument("--max-batch", type=int, default=8, help="most requests decoding together (1 = no batching)")
+    parser.add_argument("--max-waiting", type=int, default=256, help="waiting-queue limit; beyond it requests get 503")
+    parser.add_argument("--order", default="cache_aware", choices=("cache_aware", "fifo"), help="prefill admission order")
+    parser.add_argument("--starvation-s", type=float, default=10.0, help="cache-aware order: max wait before a request goes first")
+    parser.add_argument("--prefills-per-step", type=int, default=1, help="prefills admitted between decode steps")
+    parser.add_argument("--no-auto-chunks", action="store_true", help="no automatic passage detection (explicit chunks only)")
+    parser.add_argument("--passage-chars", type=int, default=200, help="shortest paragraph treated as a passage (auto mode)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
+    parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
+    parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")
+    parser.add_argument("--redis-url", default=None, help="add a shared Redis tier (redis://host:port/db)")
+    parser.add_argument("--redis-gb", type=float, default=4.0, help="Redis tier budget (GB) with --redis-url")
+    parser.add_argument("--graceful-s", type=float, default=5.0, help="seconds in-flight requests get on shutdown")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from cachedrag.cluster.cli import add_arguments as add_cluster_arguments  # --replicas N --backend ray
+
+    add_cluster_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "backend", "local") == "ray" or getattr(args, "replicas", 1) != 1:
+        from cachedrag.cluster.cli import run as run_cluster  # replicas on Ray Serve (docs/scale-out.md)
+
+        return run_cluster(args)
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """Shuts down gracefully on SIGTERM/SIGINT and then returns (exit 0) instead of re-raising the signal."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                log.info("cachedrag serve: %s received, shutting down", signal.Signals(sig).name)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    from cachedrag.server.app import create_app
+    from cachedrag.server.config import PassageConfig, SchedulerConfig, ServerConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        scheduler = SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
+                                    starvation_s=args.starvation_s, prefills_per_step=args.prefills_per_step)
+        passages = PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars)
+    except ValueError as exc:
+        raise ConfigError(f"bad server setting: {_first_error(exc)}") from None
+    engine = build_engine(args)
+    name = args.served_model_name or ("tiny-random" if args.tiny else (args.model or "SmolLM2-135M-Instruct"))
+    config = ServerConfig(host=args.host, port=args.port, model_name=name, mode=args.mode, scheduler=scheduler,
+                          passages=passages, default_max_tokens=args.max_tokens)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    host, port = sock.getsockname()[:2]
+    app = create_app(engine, config)
+    server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_s,
+                                           access_log=args.log_level == "debug"))
+    # printed whatever the log level: scripts (bench serve, tests) read the address from this line
+    print(f"cachedrag serve: listening on http://{host}:{port} (model {name}, mode {args.mode}, "
+          f"max batch {args.max_batch}, order {args.order})", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    print("cachedrag serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def build_engine(args: argparse.Namespace):
+    """The ``CachedEngine`` the server runs: model, then its chunk-cache store."""
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.fingerprint import namespace_for
+    from cachedrag.model.runner import ModelRunner
+
+    if args.tiny:
+        from cachedrag.testing import tiny_runner
+
+        runner = tiny_runner()
+    else:
+        from cachedrag.model.loader import load_model
+
+        runner = ModelRunner(*load_model(args.model))
+    gb = 1 << 30
+    config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb))
+    store = None
+    if args.disk_dir or args.redis_url:
+        from cachedrag.store.config import StoreConfig
+        from cachedrag.store.tiered import TieredStore
+
+        try:
+            store_config = StoreConfig(
+                namespace=namespace_for(runner.model, runner.tokenizer).digest, cpu_bytes=int(args.cache_gb * gb),
+                disk_dir=args.disk_dir, disk_bytes=int(args.disk_gb * gb) if args.disk_dir else 0,
+                redis_url=args.redis_url, redis_bytes=int(args.redis_gb * gb) if args.redis_url else 0)
+        except ValueError as exc:
+            raise ConfigError(f"bad store setting: {_first_error(exc)}") from None
+        store = TieredStore.from_config(store_config)
+    return CachedEngine(runner, config=config, store=store)
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        return f"{'.'.join(str(x) for x in first.get('loc', ()))}: {first.get('msg')}"
+    return str(exc)

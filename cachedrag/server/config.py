@@ -1,0 +1,52 @@
+"""Settings of ``cachedrag serve``, validated once.
+
+Owns: ``SchedulerConfig`` (batching and admission order), ``PassageConfig`` (automatic chunk
+detection) and ``ServerConfig`` (address, model name, mode, both of the above). Does not own
+engine settings (``cachedrag.config.EngineConfig``) or policy thresholds of the chunk cache.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SchedulerConfig(BaseModel):
+    """How the engine loop batches and orders requests."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_batch: int = Field(8, ge=1, le=256, description="most requests decoding together (one batched forward)")
+    max_waiting: int = Field(256, ge=1, description="most requests waiting for prefill; beyond it the server answers 503")
+    order: Literal["fifo", "cache_aware"] = Field(
+        "cache_aware", description="admission order: arrival, or RAGCache's cached/compute length ratio")
+    starvation_s: float = Field(
+        10.0, ge=0.0, description="a request waiting this long is admitted before any younger one (cache_aware)")
+    prefills_per_step: int = Field(
+        1, ge=1, description="prefills admitted between two decode steps (more: better TTFT under bursts, "
+                             "longer stalls of the running requests)")
+
+
+class PassageConfig(BaseModel):
+    """Automatic chunk detection for clients that send no ``cachedrag.chunks`` field."""
+
+    model_config = ConfigDict(frozen=True)
+
+    enabled: bool = Field(True, description="split prompts into passages and find passages seen before")
+    min_chars: int = Field(200, ge=36, description="shortest paragraph treated as a cacheable passage")
+    capacity: int = Field(20_000, ge=1, description="distinct passages remembered (least recently seen leave first)")
+
+
+class ServerConfig(BaseModel):
+    """Everything ``cachedrag serve`` takes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port)")
+    model_name: str = Field("SmolLM2-135M-Instruct", description="the model id /v1/models lists and requests name")
+    mode: Literal["cachedrag", "prefix", "full"] = Field("cachedrag", description="chunk reuse mode of every request")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    passages: PassageConfig = Field(default_factory=PassageConfig)
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")

@@ -1,0 +1,284 @@
+"""The engine loop: one thread that runs every request's prefill and batched decode steps.
+
+Owns: ``EngineLoop`` (submit / cancel / start / stop), ``ServeRequest`` (what the HTTP side
+hands in: prompt segments, sampling parameters, an ``emit`` callback) and the events it emits
+(``Delta``, ``Finished``, ``Failed``). Each step, on the loop thread:
+
+1. requests whose client went away leave (their KV buffer is freed); waiting ones leave the queue;
+2. the policy (``cachedrag.server.policy``) picks up to ``prefills_per_step`` waiting requests
+   for the free batch slots; each is planned, loaded and prefilled through the engine's seam
+   (``CachedEngine.prefill``: the shared chunk cache serves it) and its first token is chosen;
+3. ONE batched decode forward (``cachedrag.server.batch``) gives every running request its next
+   token; finished requests (EOS, stop string, ``max_tokens``) leave.
+
+So requests join and leave between steps (continuous batching), and a long prefill delays the
+running requests' next token by that prefill only. Sampling is per request (its own seeded
+generator), and text deltas go through ``TextStream`` (stop strings, whole characters), the
+same as ``CachedEngine.generate``; decoding here is plain one-token-per-step (no prompt-lookup
+drafts), and greedy output equals ``generate`` with ``lookup.max_draft=0`` token for token.
+
+Threads: all torch work runs on this one long-lived thread. ``start`` frees the calling
+thread's idle OpenMP team first (``release_openmp_threads``: model loading ran torch ops on
+it); an idle team on another live thread would halve decode speed (``cachedrag/executor.py``).
+The HTTP side must not run torch ops (tokenising is fine).
+
+Does not own: HTTP, prompt building (``cachedrag.server.prompts``), the order of admission.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cachedrag.executor import release_openmp_threads
+from cachedrag.kvcache.planner import Mode
+from cachedrag.model.generation import SamplingParams, TextStream, make_generator, next_token
+from cachedrag.prompt import Segment
+from cachedrag.server.batch import batched_decode_step
+from cachedrag.server.config import SchedulerConfig
+from cachedrag.server.policy import QueueFullError, SchedulerPolicy, Ticket
+
+log = logging.getLogger("cachedrag.server")
+
+__all__ = ["Delta", "EngineLoop", "Failed", "Finished", "QueueFullError", "ServeRequest"]
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from cache (not computed at full depth)
+    ttft_s: float
+    total_s: float
+    text: str
+    token_ids: list[int]
+    stats: dict = field(default_factory=dict)  # the prefill's engine stats
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+@dataclass
+class ServeRequest:
+    segments: list[Segment]
+    params: SamplingParams
+    emit: Callable[[object], None]  # called on the loop thread with Delta / Finished / Failed; must not block
+    mode: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    id: int = 0  # set by submit
+    cancelled: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+
+@dataclass
+class _Running:
+    request: ServeRequest
+    kv: object  # KVBuffer
+    stream: TextStream
+    generator: torch.Generator | None
+    stats: dict
+    position: int  # where the last chosen token goes when fed back
+    tokens: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    last: int | None = None  # the token to feed next
+
+
+class EngineLoop:
+    """Continuous-batching executor over one ``CachedEngine`` (and so one shared chunk cache)."""
+
+    def __init__(self, engine, config: SchedulerConfig | None = None, observer=None):
+        """``observer``: optional object with ``on_step(batch_size, waiting)``,
+        ``on_first_token(seconds)``, ``on_token(seconds)`` and ``on_finished(Finished)``
+        (the server's Prometheus metrics)."""
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self.policy = SchedulerPolicy(self.config.order, self.config.max_waiting, self.config.starvation_s)
+        self.observer = observer
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._running: list[_Running] = []
+        self._cancel: set[int] = set()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, request: ServeRequest) -> int:
+        """Queue ``request``; returns its id. Raises ``QueueFullError`` when the queue is full."""
+        with self._lock:
+            if self._stop:
+                raise RuntimeError("the engine loop is stopped")
+            request.id = next(self._ids)
+            self.policy.push(Ticket(request.id, request.arrival, request.prompt_tokens, payload=request))
+            self._wake.notify()
+        return request.id
+
+    def cancel(self, request_id: int) -> None:
+        """The client went away: free the request's slot at the next step (no more events)."""
+        with self._lock:
+            self._cancel.add(request_id)
+            self._wake.notify()
+
+    def start(self) -> None:
+        release_openmp_threads()  # this thread ran torch ops (model loading); from now on only the loop does
+        self._thread = threading.Thread(target=self._serve, name="cachedrag-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self.policy)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    # ------------------------------------------------------------------ the loop
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not len(self.policy) and not self._running:
+                    self._wake.wait()
+                if self._stop:
+                    break
+            try:
+                self.step()
+            except Exception as exc:  # a bug in a step must not kill the server: fail the running requests
+                log.exception("engine step failed")
+                for r in self._running:
+                    r.request.emit(Failed(exc))
+                self._running = []
+        for r in self._running:
+            r.request.emit(Failed(RuntimeError("server shutting down")))
+        self._running = []
+        with self._lock:
+            waiting = self.policy.waiting
+            for t in waiting:
+                self.policy.remove(t.id)
+        for t in waiting:
+            t.payload.emit(Failed(RuntimeError("server shutting down")))
+        release_openmp_threads()
+
+    def step(self) -> None:
+        """One scheduling step: drop cancelled, admit prefills, one batched decode."""
+        now = time.perf_counter()
+        with self._lock:
+            cancel, self._cancel = self._cancel, set()
+            for rid in cancel:
+                ticket = self.policy.remove(rid)
+                if ticket is not None:
+                    ticket.payload.cancelled = True
+            free = self.config.max_batch - len([r for r in self._running if r.request.id not in cancel])
+            admitted = self.policy.admit(free, now, limit=self.config.prefills_per_step, estimate=self._estimate)
+        if cancel:
+            self._running = [r for r in self._running if r.request.id not in cancel]
+        for ticket in admitted:
+            self._prefill(ticket.payload)
+        live = [r for r in self._running if r.last is not None]
+        if live:
+            self.steps += 1
+            if self.observer is not None:
+                self.observer.on_step(len(live), len(self.policy))
+            t0 = time.perf_counter()
+            logits = batched_decode_step(self.engine.runner, [r.last for r in live], [r.position for r in live],
+                                         [r.kv for r in live])  # [B, V]
+            dt = time.perf_counter() - t0
+            for b, r in enumerate(live):
+                r.position += 1
+                if self.observer is not None:
+                    self.observer.on_token(dt)
+                self._advance(r, logits[b])
+        self._running = [r for r in self._running if r.last is not None]
+
+    # ------------------------------------------------------------------ helpers
+    def _prefill(self, request: ServeRequest) -> None:
+        engine = self.engine
+        try:
+            pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=request.mode)
+        except Exception as exc:  # bad request content the HTTP side could not see (handed back, not raised)
+            request.emit(Failed(exc))
+            return
+        info = pre.info
+        run = _Running(request=request, kv=pre.kv, stream=TextStream(engine.runner.tokenizer, request.params.stop),
+                       generator=make_generator(request.params, engine.runner.device), stats=info,
+                       position=info["prompt_tokens"])
+        self._running.append(run)
+        self._advance(run, pre.logits, first=True)
+
+    def _advance(self, run: _Running, logits: torch.Tensor, first: bool = False) -> None:
+        """Choose the next token from ``logits`` ``[V]``; emit its text; finish or keep running."""
+        params = run.request.params
+        token = next_token(logits, params, run.generator)
+        if first:
+            run.ttft_s = time.perf_counter() - run.request.arrival
+            if self.observer is not None:
+                self.observer.on_first_token(run.ttft_s)
+        if token in self.engine.eos_ids:
+            return self._finish(run)
+        run.tokens.append(token)
+        delta = run.stream.push(token)
+        if delta:
+            run.request.emit(Delta(delta))
+        if run.stream.stopped or len(run.tokens) >= params.max_new_tokens:
+            return self._finish(run)
+        run.last = token
+
+    def _finish(self, run: _Running) -> None:
+        run.last = None
+        tail = run.stream.flush()
+        if tail:
+            run.request.emit(Delta(tail))
+        params = run.request.params
+        reason = "length" if len(run.tokens) >= params.max_new_tokens and not run.stream.stopped else "stop"
+        info = run.stats
+        prompt = info["prompt_tokens"]
+        cached = info.get("cached_tokens", prompt - info["computed_tokens"])
+        done = Finished(finish_reason=reason, prompt_tokens=prompt, completion_tokens=len(run.tokens),
+                        cached_tokens=int(cached), ttft_s=run.ttft_s,
+                        total_s=time.perf_counter() - run.request.arrival, text=run.stream.text,
+                        token_ids=list(run.tokens), stats=info)
+        run.kv = None  # free the buffer now, not when the list is rebuilt
+        if self.observer is not None:
+            self.observer.on_finished(done)
+        run.request.emit(done)
+
+    def _estimate(self, ticket: Ticket) -> int:
+        """Prompt tokens of ``ticket`` the cache holds now: the knowledge tree's exact prefix,
+        then every later segment with a stored variant (reusable at any position)."""
+        request: ServeRequest = ticket.payload
+        mode = Mode(request.mode or self.engine.config.mode)
+        if mode is Mode.FULL:
+            return 0
+        manager = self.engine.manager
+        keys = [s.key for s in request.segments[:-1]]  # the last segment (the question) is always computed
+        nodes = manager.tree.match_prefix(keys)
+        cached = sum(len(s) for s in request.segments[:len(nodes)])
+        if mode is not Mode.PREFIX:
+            cached += sum(len(s) for s in request.segments[len(nodes):-1] if s.key in manager.index)
+        return cached

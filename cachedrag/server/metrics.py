@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server (``GET /metrics``), through ``prometheus_client``.
+
+Owns: ``ServerMetrics``, a private ``CollectorRegistry`` (so several apps in one process, as
+in tests, never collide) with request counts by endpoint and status, TTFT and per-output-token
+latency histograms, decode batch sizes, queue length and running requests, prompt / cached /
+completion token counters, chunk hits and misses, and the chunk cache's entries and bytes per
+store tier (read from the store when scraped). It is the engine loop's observer
+(``on_step``, ``on_first_token``, ``on_token``, ``on_finished``).
+
+Does not own: what is measured (the loop and app report it).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+_TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+class _CacheCollector:
+    """Chunk-cache entries and bytes, per tier when the store has tiers (read at scrape time)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        manager = self.engine.manager
+        stats = manager.stats()
+        entries = GaugeMetricFamily("cachedrag_cache_entries", "chunk-cache entries referenced by the manager")
+        entries.add_metric([], stats.get("entries", 0))
+        yield entries
+        tier_bytes = GaugeMetricFamily("cachedrag_cache_bytes", "bytes of chunk KV per store tier", labels=["tier"])
+        store = manager.store
+        for tier in getattr(store, "tiers", None) or [store]:
+            used = getattr(tier, "used_bytes", None)
+            used = used() if callable(used) else used
+            if used is not None:
+                tier_bytes.add_metric([str(getattr(tier, "name", None) or type(tier).__name__)], float(used))
+        yield tier_bytes
+
+
+class ServerMetrics:
+    def __init__(self, engine=None, loop=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("cachedrag_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("cachedrag_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY,
+                              registry=r)
+        self.tpot = Histogram("cachedrag_time_per_output_token_seconds", "decode step time per output token",
+                              buckets=_TOKEN, registry=r)
+        self.batch = Histogram("cachedrag_decode_batch_size", "requests in one batched decode forward",
+                               buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.e2e = Histogram("cachedrag_request_seconds", "arrival to last token", buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter("cachedrag_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("cachedrag_cached_prompt_tokens", "prompt tokens served from the chunk cache",
+                                     registry=r)
+        self.completion_tokens = Counter("cachedrag_completion_tokens", "generated tokens", registry=r)
+        self.chunk_hits = Counter("cachedrag_chunk_hits", "chunk segments served from cache", registry=r)
+        self.chunk_misses = Counter("cachedrag_chunk_misses", "chunk segments computed fresh", registry=r)
+        self.disconnects = Counter("cachedrag_client_disconnects", "requests whose client went away", registry=r)
+        self.queue = Gauge("cachedrag_queue_length", "requests waiting for prefill", registry=r)
+        self.running = Gauge("cachedrag_running_requests", "requests decoding", registry=r)
+        if loop is not None:
+            self.queue.set_function(lambda: loop.waiting)
+            self.running.set_function(lambda: loop.running)
+        if engine is not None:
+            r.register(_CacheCollector(engine))
+
+    # ------------------------------------------------------------------ loop observer
+    def on_step(self, batch_size: int, waiting: int) -> None:
+        self.batch.observe(batch_size)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_token(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+
+    def on_finished(self, done) -> None:
+        self.e2e.observe(done.total_s)
+        self.prompt_tokens.inc(done.prompt_tokens)
+        self.cached_tokens.inc(done.cached_tokens)
+        self.completion_tokens.inc(done.completion_tokens)
+        self.chunk_hits.inc(done.stats.get("chunks_hit", 0))
+        self.chunk_misses.inc(done.stats.get("chunks_missed", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

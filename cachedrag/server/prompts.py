@@ -1,0 +1,133 @@
+"""Request text -> engine segments, with chunk boundaries found two ways.
+
+Owns: ``PromptPlanner``, which renders chat messages through the tokenizer's chat template
+(``integrations.template``), cuts the rendered prompt into text and chunk parts
+(``integrations.splitter``: a cacheable leading prefix, chunks reusable at any position, the
+question last) and tokenises them into the engine's segments, and ``passages``, the
+content-defined paragraph split behind automatic detection.
+
+1. explicit: the request's ``"cachedrag": {"chunks": [...]}`` texts, each of which must occur
+   verbatim in the prompt (else ``ChunkNotFoundError``, a 400).
+2. automatic (no field): every paragraph of the messages at least ``min_chars`` long is a
+   passage (paragraphs end at blank lines and at separator lines without letters or digits,
+   e.g. ``-----``; the last paragraph of the last message is the question and never one), and
+   every passage seen before (a bounded LRU ``ChunkRegistry`` of passage texts, found verbatim
+   anywhere in a prompt, at any offset) becomes a chunk. So an unmodified OpenAI client that
+   puts retrieved texts in its prompt gets them served from the chunk cache at whatever
+   position they come next. Explicit chunks are remembered as passages too.
+
+Does not own: tokenisation details and keys (``cachedrag.prompt``), HTTP, or the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachedrag.errors import CachedRAGError
+from cachedrag.integrations.chunks import ChunkRegistry, ChunkRegistryConfig, Match, normalize
+from cachedrag.integrations.splitter import split_prompt
+from cachedrag.integrations.template import Message, RenderedPrompt, render_messages
+from cachedrag.prompt import Segment
+from cachedrag.server.config import PassageConfig
+
+_BOUNDARY = re.compile(r"^[^\w]*$")  # a blank line or a separator line (no letters or digits)
+
+
+class ChunkNotFoundError(CachedRAGError):
+    """An explicit ``cachedrag.chunks`` text does not occur verbatim in the prompt."""
+
+
+@dataclass
+class PlannedPrompt:
+    segments: list[Segment]
+    n_chunks: int  # chunk segments (explicit or detected)
+    chunk_source: str  # "explicit", "auto" or "none"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+
+def passages(text: str, min_chars: int) -> list[str]:
+    """Paragraphs of ``text`` at least ``min_chars`` long (stripped), in order."""
+    out: list[str] = []
+    block: list[str] = []
+    for line in text.split("\n") + [""]:
+        if _BOUNDARY.match(line):
+            para = normalize("\n".join(block))
+            if len(para) >= min_chars:
+                out.append(para)
+            block = []
+        else:
+            block.append(line)
+    return out
+
+
+class _ExplicitChunks:
+    """The ``find`` of ``ChunkRegistry`` over one request's explicit chunk texts."""
+
+    def __init__(self, texts: Sequence[str]):
+        self.texts = [t for t in dict.fromkeys(normalize(x) for x in texts) if t]
+
+    def find(self, prompt: str) -> list[Match]:
+        found = []
+        for i, text in enumerate(self.texts):
+            start = prompt.find(text)
+            if start < 0:
+                raise ChunkNotFoundError(f"cachedrag.chunks[{i}] does not occur verbatim in the prompt: {text[:60]!r}")
+            while start >= 0:
+                found.append((start, text))
+                start = prompt.find(text, start + len(text))
+        chosen, cursor = [], 0
+        for start, text in sorted(found, key=lambda st: (st[0], -len(st[1]))):  # leftmost, longest first
+            if start >= cursor:
+                chosen.append(Match(start, start + len(text), text))
+                cursor = start + len(text)
+        return chosen
+
+
+class PromptPlanner:
+    """Builds engine segments for chat and completion requests (thread-safe)."""
+
+    def __init__(self, engine, config: PassageConfig | None = None):
+        self.engine = engine
+        self.config = config or PassageConfig()
+        anchor = 32
+        self.seen = ChunkRegistry(ChunkRegistryConfig(capacity=self.config.capacity, anchor_chars=anchor, stride=4))
+
+    @property
+    def tokenizer(self):
+        return self.engine.runner.tokenizer
+
+    def chat(self, messages: Sequence[Message], chunks: Sequence[str] | None = None) -> PlannedPrompt:
+        rendered = render_messages(self.tokenizer, messages)
+        contents = [m.content for m in messages]
+        return self._plan(rendered, contents, chunks)
+
+    def completion(self, prompt: str, chunks: Sequence[str] | None = None) -> PlannedPrompt:
+        """A raw completion prompt (no chat template), as OpenAI's ``/v1/completions`` takes it."""
+        return self._plan(RenderedPrompt(prompt), [prompt], chunks)
+
+    def _plan(self, rendered: RenderedPrompt, contents: list[str], chunks: Sequence[str] | None) -> PlannedPrompt:
+        if chunks:
+            finder = _ExplicitChunks(chunks)
+            split = split_prompt(rendered, finder)
+            self.seen.register(t for t in finder.texts if len(t) >= self.config.min_chars)
+            source = "explicit"
+        elif self.config.enabled:
+            found: list[str] = []
+            for j, content in enumerate(contents):
+                paras = passages(content, self.config.min_chars)
+                if j == len(contents) - 1 and paras and normalize(content).endswith(paras[-1]):
+                    paras = paras[:-1]  # the last message's last paragraph is the question
+                found.extend(paras)
+            self.seen.register(found)
+            split = split_prompt(rendered, self.seen)
+            source = "auto"
+        else:
+            split = split_prompt(rendered, _ExplicitChunks(()))
+            source = "none"
+        segments = self.engine.prompts.text_segments(split.parts)
+        return PlannedPrompt(segments, split.n_chunks, source if split.n_chunks else "none")

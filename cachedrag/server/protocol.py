@@ -1,0 +1,147 @@
+"""The OpenAI wire format the server speaks: request models, response bodies, error shape.
+
+Owns: pydantic models of the ``/v1/chat/completions`` and ``/v1/completions`` request bodies
+(the fields we honour, validated; unknown OpenAI fields are accepted and ignored, as vLLM
+does), the ``cachedrag`` extension field, builders of the JSON response and SSE chunk bodies
+with ``usage`` (``prompt_tokens_details.cached_tokens`` = prompt tokens served from the chunk
+cache), and ``APIError`` with OpenAI's error body ``{"error": {"message", "type", "param",
+"code"}}``. Does not own: routing (``app``), generation (``loop``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with ``status``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class CachedRAGExtension(BaseModel):
+    """The ``"cachedrag"`` request field: texts of the prompt to serve as reusable chunks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chunks: list[str] = Field(default_factory=list, description="retrieved texts that occur verbatim in the prompt")
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="only n=1 is served")
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    cachedrag: CachedRAGExtension | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        if isinstance(value, list):
+            if len(value) > 4:
+                raise ValueError("at most 4 stop sequences")
+            value = [s for s in value if s]
+        return value or None
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+
+    def text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise APIError(400, "only one prompt per request is served", param="prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason, "logprobs": None}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None,
+               use: dict | None = None, choices: bool = True) -> dict:
+    body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}] if choices
+            else []}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": use}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None = None,
+                     use: dict | None = None, choices: bool = True) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}] if choices
+            else []}
+    if use is not None:
+        body["usage"] = use
+    return body

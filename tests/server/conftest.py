@@ -1,0 +1,73 @@
+"""A live server on loopback over a tiny random model (uvicorn in a thread, port chosen by the OS)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: object
+    engine: object
+    server: object
+    thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def loop(self):
+        return self.app.state.loop
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start_server(engine=None, **config) -> LiveServer:
+    import uvicorn
+
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.model.lookup import LookupConfig
+    from cachedrag.server.app import create_app
+    from cachedrag.server.config import ServerConfig
+    from cachedrag.testing import tiny_runner
+
+    if engine is None:
+        engine = CachedEngine(tiny_runner(), config=EngineConfig(lookup=LookupConfig(max_draft=0)))
+    app = create_app(engine, ServerConfig(model_name="tiny", **config))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", app, engine, server, thread)
+
+
+@pytest.fixture
+def live_server():
+    servers = []
+
+    def make(engine=None, **config):
+        s = start_server(engine, **config)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.stop()

@@ -1,0 +1,211 @@
+"""The OpenAI-compatible app over a live loopback server, through the real ``openai`` package."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from cachedrag.testing import TINY_DOCS
+
+openai = pytest.importorskip("openai")
+
+CHUNKS = [TINY_DOCS[0].text, TINY_DOCS[3].text]
+
+
+def _messages(chunks, question="What does it do?"):
+    context = "\n\n".join(chunks)
+    return [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}]
+
+
+def _client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+
+
+def test_health_models_and_metrics(live_server):
+    s = live_server()
+    assert httpx.get(s.url + "/health").json()["status"] == "ok"
+    assert [m.id for m in _client(s).models.list()] == ["tiny"]
+    _client(s).chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=3, temperature=0)
+    text = httpx.get(s.url + "/metrics").text
+    for name in ("cachedrag_requests_total", "cachedrag_time_to_first_token_seconds_bucket",
+                 "cachedrag_time_per_output_token_seconds_bucket", "cachedrag_decode_batch_size_bucket",
+                 "cachedrag_queue_length", "cachedrag_chunk_hits_total", "cachedrag_chunk_misses_total",
+                 "cachedrag_cache_bytes"):
+        assert name in text, name
+    assert 'cachedrag_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+
+
+def test_chat_non_stream_and_stream_agree_and_count_cached_tokens(live_server):
+    s = live_server()
+    client = _client(s)
+    extra = {"cachedrag": {"chunks": CHUNKS}}
+    first = client.chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=6, temperature=0,
+                                           extra_body=extra)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.completion_tokens == 6 and first.choices[0].finish_reason == "length"
+    # chunks in another order: non-prefix reuse (random tiny weights attend everywhere, so the planner
+    # recomputes most tokens; some still come from the chunk caches)
+    again = client.chat.completions.create(model="tiny", messages=_messages(CHUNKS[::-1]), max_tokens=6,
+                                           temperature=0, extra_body={"cachedrag": {"chunks": CHUNKS[::-1]}})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    stream = client.chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=6, temperature=0,
+                                            extra_body=extra, stream=True, stream_options={"include_usage": True})
+    pieces, usage, reasons = [], None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == first.choices[0].message.content  # same prompt again: exact prefix hit, same tokens
+    assert reasons[-1] == "length" and usage.completion_tokens == 6
+    assert usage.prompt_tokens_details.cached_tokens >= sum(len(c.encode()) for c in CHUNKS)  # a token per byte
+
+
+def test_completions_endpoint_and_stop(live_server):
+    s = live_server()
+    client = _client(s)
+    full = client.completions.create(model="tiny", prompt="Hello there, server.", max_tokens=10, temperature=0)
+    text = full.choices[0].text
+    assert full.usage.completion_tokens == 10 and full.object == "text_completion"
+    stop = text[4:6]
+    if stop and "\ufffd" not in stop and stop.strip():
+        cut = client.completions.create(model="tiny", prompt="Hello there, server.", max_tokens=10, temperature=0,
+                                        stop=[stop])
+        assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny", prompt="Hello there, server.", max_tokens=10,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+
+
+def test_seeded_sampling_is_reproducible(live_server):
+    client = _client(live_server())
+    kw = dict(model="tiny", messages=_messages(CHUNKS[:1]), max_tokens=8, temperature=0.8, top_p=0.9, seed=3)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+
+
+@pytest.mark.parametrize("change, status, param", [
+    ({"model": "gpt-4o"}, 404, "model"),
+    ({"temperature": 3.0}, 400, "temperature"),
+    ({"n": 2}, 400, "n"),
+    ({"max_tokens": 100_000}, 400, "messages"),
+    ({"cachedrag": {"chunks": ["this text is not in the prompt at all, anywhere"]}}, 400, "cachedrag.chunks"),
+])
+def test_errors_have_the_openai_shape(live_server, change, status, param):
+    s = live_server()
+    body = {"model": "tiny", "messages": _messages(CHUNKS), "max_tokens": 4, **change}
+    r = httpx.post(s.url + "/v1/chat/completions", json=body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_openai_client_raises_its_typed_errors(live_server):
+    client = _client(live_server())
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=_messages(CHUNKS), max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=10**6)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_full_queue_answers_503(live_server):
+    s = live_server(scheduler={"max_batch": 1, "max_waiting": 1})
+    gate, entered = threading.Event(), threading.Event()
+    prefill = s.engine.prefill
+
+    def held_prefill(*args, **kwargs):  # the first prefill waits: the queue behind it fills up
+        entered.set()
+        gate.wait(30)
+        return prefill(*args, **kwargs)
+
+    s.engine.prefill = held_prefill
+    body = {"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 2}
+    results = []
+
+    def post():
+        results.append(httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60))
+
+    threads = [threading.Thread(target=post), threading.Thread(target=post)]
+    threads[0].start()
+    assert entered.wait(30)  # the first request left the queue for its (held) prefill
+    threads[1].start()
+    deadline = time.monotonic() + 30
+    while s.loop.waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rejected = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+    gate.set()
+    for t in threads:
+        t.join(60)
+    assert rejected.status_code == 503
+    assert rejected.json()["error"]["code"] == "queue_full"
+    assert sorted(r.status_code for r in results) == [200, 200]
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(live_server):
+    s = live_server(scheduler={"max_batch": 1})
+    body = {"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 150, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the role chunk: the request is running
+        while s.loop.steps < 2:
+            time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    while (s.loop.running or s.loop.waiting) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s.loop.running == 0 and s.loop.waiting == 0
+    # the freed slot serves the next request (max_batch=1: a leaked slot would block it)
+    r = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+    assert "cachedrag_client_disconnects_total 1.0" in httpx.get(s.url + "/metrics").text
+
+
+def test_unmodified_client_gets_automatic_chunk_reuse(live_server):
+    docs = [TINY_DOCS[i].text for i in (1, 2)]  # 160-171 characters: passages above the minimum
+    cached = {}
+    for name, passages, extra in (("auto", {"min_chars": 100}, None),
+                                  ("explicit", {"min_chars": 100, "enabled": False}, True),
+                                  ("none", {"min_chars": 100, "enabled": False}, None)):
+        client = _client(live_server(passages=passages))
+        for order in (docs, docs[::-1]):  # the second request has the passages in the other order
+            body = {"cachedrag": {"chunks": order}} if extra else None
+            r = client.chat.completions.create(model="tiny", messages=_messages(order), max_tokens=2,
+                                               extra_body=body)
+        cached[name] = r.usage.prompt_tokens_details.cached_tokens
+    # detection finds the same chunks the explicit field names; without either, only the
+    # system-prompt prefix is cached
+    assert cached["auto"] == cached["explicit"] > cached["none"]
+
+
+def test_prompt_planner_detects_passages_seen_before():
+    from cachedrag.engine import CachedEngine
+    from cachedrag.integrations.template import Message
+    from cachedrag.server.config import PassageConfig
+    from cachedrag.server.prompts import PromptPlanner
+    from cachedrag.testing import tiny_runner
+
+    planner = PromptPlanner(CachedEngine(tiny_runner()), PassageConfig(min_chars=100))
+    docs = [TINY_DOCS[i].text for i in (1, 2)]
+    msgs = [Message(m["role"], m["content"]) for m in _messages(docs)]
+    planned = planner.chat(msgs)
+    chunks = [s.text for s in planned.segments if s.kind == "chunk"]
+    assert chunks == docs and planned.chunk_source == "auto"
+    # seen before: found verbatim inside another prompt even without paragraph breaks around it
+    inline = planner.completion("Notes: " + docs[1] + " That is all. What is it?")
+    assert [s.text for s in inline.segments if s.kind == "chunk"] == [docs[1]]
+    explicit = planner.chat(msgs, chunks=[docs[0]])
+    assert [s.text for s in explicit.segments if s.kind == "chunk"] == [docs[0]]
+    assert explicit.chunk_source == "explicit"
+
+
+def test_passages_split_at_blank_and_separator_lines():
+    from cachedrag.server.prompts import passages
+
+    text = "Context:\n-----\n" + "a" * 50 + "\nsecond line\n\n" + "b" * 30 + "\n\n" + "c" * 60 + "\n-----\nQ?"
+    assert passages(text, 40) == ["a" * 50 + "\nsecond line", "c" * 60]

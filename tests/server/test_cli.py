@@ -1,0 +1,60 @@
+"""``cachedrag serve`` as a process: logs where it listens, serves, stops cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("uvicorn")
+
+
+def _serve(*args):
+    return subprocess.Popen([sys.executable, "-m", "cachedrag.cli", "serve", "--tiny", "--port", "0", *args],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_logs_address_and_stops_cleanly(sig):
+    proc = _serve("--max-batch", "2")
+    try:
+        url, lines = None, []
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "".join(lines)
+        for _ in range(100):  # uvicorn starts accepting right after the log line
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny-random", "prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bad_setting_exits_2_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "cachedrag.cli", "serve", "--tiny", "--max-batch", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("cachedrag: error:") and "max_batch" in proc.stderr
+    assert "Traceback" not in proc.stderr

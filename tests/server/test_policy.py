@@ -1,0 +1,90 @@
+"""The torch-free admission policy: FIFO, cache-aware order, starvation bound, queue limit."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from cachedrag.server.policy import QueueFullError, SchedulerPolicy, Ticket
+
+
+def _tickets():
+    # id, arrival, prompt tokens, cached tokens -> priority cached / (prompt - cached)
+    return [Ticket(1, 0.0, 1000, 0), Ticket(2, 0.1, 1000, 900), Ticket(3, 0.2, 1000, 500), Ticket(4, 0.3, 100, 90)]
+
+
+def test_policy_module_never_imports_torch():
+    import subprocess
+
+    code = "import sys, cachedrag.server.policy, cachedrag.server.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
+
+
+def test_fifo_admits_in_arrival_order():
+    p = SchedulerPolicy("fifo", starvation_s=100)
+    for t in _tickets():
+        p.push(t)
+    assert [t.id for t in p.admit(2, now=1.0)] == [1, 2]
+    assert [t.id for t in p.admit(5, now=1.0)] == [3, 4]
+    assert len(p) == 0
+
+
+def test_cache_aware_admits_highest_cached_to_compute_ratio_first():
+    p = SchedulerPolicy("cache_aware", starvation_s=100)
+    for t in _tickets():
+        p.push(t)
+    # priorities: 1 -> 0, 2 -> 9, 3 -> 1, 4 -> 9 (tie with 2: earlier arrival first)
+    assert [t.id for t in p.admit(4, now=1.0)] == [2, 4, 3, 1]
+
+
+def test_estimate_refreshes_cached_len_before_ranking():
+    p = SchedulerPolicy("cache_aware", starvation_s=100)
+    for t in _tickets():
+        p.push(t)
+    # the cache changed while they waited: now only request 1 is fully cached (clamped to its prompt)
+    chosen = p.admit(1, now=1.0, estimate=lambda t: 5000 if t.id == 1 else 0)
+    assert [t.id for t in chosen] == [1]
+    assert chosen[0].cached_len == 1000
+
+
+def test_starved_requests_go_first_oldest_first():
+    p = SchedulerPolicy("cache_aware", starvation_s=5.0)
+    for t in _tickets():
+        p.push(t)
+    # at t=5.15 tickets 1 (waited 5.15 s) and 2 (5.05 s) are starved: they lead in arrival order
+    assert [t.id for t in p.ranked(now=5.15)] == [1, 2, 4, 3]
+
+
+def test_no_request_waits_past_the_bound_under_a_stream_of_better_ones():
+    """A cold request keeps losing to fully cached newcomers only until the starvation window ends."""
+    p = SchedulerPolicy("cache_aware", starvation_s=3.0)
+    p.push(Ticket(0, 0.0, 1000, 0))
+    admitted_at = None
+    for step in range(1, 20):  # one slot per second, one hot newcomer per second
+        now = float(step)
+        p.push(Ticket(step, now - 0.5, 1000, 990))
+        if any(t.id == 0 for t in p.admit(1, now=now)):
+            admitted_at = now
+            break
+    assert admitted_at == 3.0
+
+
+def test_queue_limit_and_remove():
+    p = SchedulerPolicy(max_waiting=2)
+    p.push(Ticket(1, 0.0, 10))
+    p.push(Ticket(2, 0.0, 10))
+    with pytest.raises(QueueFullError):
+        p.push(Ticket(3, 0.0, 10))
+    assert p.remove(1).id == 1
+    assert p.remove(1) is None
+    p.push(Ticket(3, 0.0, 10))
+    assert [t.id for t in p.admit(10, now=0.0, limit=1)] in ([2], [3])
+    assert len(p) == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"order": "lifo"}, {"max_waiting": 0}, {"starvation_s": -1}])
+def test_bad_settings_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SchedulerPolicy(**kwargs)

@@ -1,0 +1,128 @@
+"""The documentation's code runs as written: every ```python block of README.md and docs/*.md.
+
+Each page's blocks run in order in one namespace (a later block may use what an earlier one
+defined, as a reader following the page would), in a fresh working directory per page, with
+the embedded default model swapped for the tiny random model (``cachedrag.testing.
+tiny_default_model``) so a page runs in seconds. The working directory holds ``my-index``, a
+tiny index of ``cachedrag.testing.TINY_DOCS``: the pages build it with the shell command
+``cachedrag index build ... --out my-index`` (shell blocks are not executed here; the CLI's
+own tests cover that command).
+
+A block preceded by the line ``<!-- doc-test: skip (reason) -->`` (needs a live server, a GPU,
+a long benchmark...) is reported as skipped with that reason. When a block fails, the page's
+later blocks are skipped (they would fail for the same reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SKIP = re.compile(r"^<!--\s*doc-test:\s*skip\s*\((?P<reason>.+)\)\s*-->\s*$")
+FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,})(?P<info>.*)$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int  # 1-based line of the opening fence
+    code: str
+    skip: str | None  # the skip reason, or None
+
+
+def blocks_of(path: Path) -> list[Block]:
+    """The ```python blocks of a Markdown page, with their skip markers."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        info, ticks, indent = m["info"].strip(), m["ticks"], len(m["indent"])
+        end = i + 1
+        while end < len(lines) and not lines[end].strip().startswith(ticks):
+            end += 1
+        if info.split(" ")[0].lower() in ("python", "py"):
+            prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            skip = SKIP.match(prev.strip())
+            code = "\n".join(line[indent:] for line in lines[i + 1:end])
+            out.append(Block(path.name, i + 1, code, skip["reason"].strip() if skip else None))
+        i = end + 1
+    return out
+
+
+CASES = [(b, n) for page in PAGES if page.is_file() for n, b in enumerate(blocks_of(page))]
+
+
+def test_the_harness_finds_blocks_and_skip_markers(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("text\n\n```python\nx = 1\n```\n\n<!-- doc-test: skip (needs a GPU) -->\n```python\ny = 2\n```\n"
+                    "```bash\nls\n```\n- item:\n\n    ```python\n    z = 3\n    ```\n")
+    got = blocks_of(page)
+    assert [(b.line, b.code, b.skip) for b in got] == [(3, "x = 1", None), (8, "y = 2", "needs a GPU"),
+                                                       (16, "z = 3", None)]
+    assert len(CASES) >= 10  # the docs do have code
+
+
+@pytest.fixture(scope="session")
+def docs_env(tmp_path_factory):
+    """The tiny default model's directory and a tiny ``my-index`` to copy into each page's cwd."""
+    from cachedrag.retrieval.config import ChunkConfig, IndexConfig, RetrievalConfig
+    from cachedrag.retrieval.embedder import Embedder
+    from cachedrag.retrieval.index import build_index
+    from cachedrag.testing import TINY_DOCS, byte_tokenizer, save_tiny_model
+
+    base = tmp_path_factory.mktemp("docs-env")
+    model_dir = save_tiny_model(base / "tiny-default")
+    index_dir = base / "my-index"
+    config = RetrievalConfig(chunk=ChunkConfig(chunk_tokens=96, overlap=8), index=IndexConfig(nlist=2))
+    build_index(TINY_DOCS, byte_tokenizer(), Embedder(), config, out=index_dir, progress=False)
+    return model_dir, index_dir
+
+
+class _Page:
+    """One page's run: its namespace, its working directory, and whether a block failed."""
+
+    def __init__(self, cwd: Path):
+        self.cwd = cwd
+        self.namespace: dict = {"__name__": "__docs__"}
+        self.failed: str | None = None
+
+
+_pages: dict[str, _Page] = {}
+
+
+def _page(name: str, docs_env, tmp_path_factory) -> _Page:
+    if name not in _pages:
+        cwd = tmp_path_factory.mktemp("page-" + name.replace(".", "-"))
+        shutil.copytree(docs_env[1], cwd / "my-index")
+        _pages[name] = _Page(cwd)
+    return _pages[name]
+
+
+@pytest.mark.parametrize("block, n", CASES, ids=[f"{b.page}:{b.line}" for b, _ in CASES])
+def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch):
+    from cachedrag.testing import tiny_default_model
+
+    if block.skip is not None:
+        pytest.skip(block.skip)
+    page = _page(block.page, docs_env, tmp_path_factory)
+    if page.failed is not None:
+        pytest.skip(f"an earlier block of {block.page} failed ({page.failed})")
+    monkeypatch.chdir(page.cwd)
+    monkeypatch.setenv("CACHEDRAG_HOME", str(page.cwd / ".cachedrag"))
+    page.failed = f"line {block.line}"
+    code = compile(block.code, f"{block.page}:{block.line}", "exec")
+    with tiny_default_model(docs_env[0]), contextlib.redirect_stdout(io.StringIO()):
+        exec(code, page.namespace)  # noqa: S102 - executing our own documentation is the point
+    page.failed = None

@@ -1,0 +1,235 @@
+"""Question-driven token choice, budget by need, teacher forcing, order-aware reuse, fidelity knob.
+
+Planted-outlier tests on the tiny random model (2 layers): a cached K planted along the
+question's own query direction at a question layer must be recomputed by the ``question``
+choice and ignored by ``deviation`` (which looks at V); a V outlier the other way round.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachedrag.config import FIDELITY_PRESETS, EngineConfig
+from cachedrag.engine import CachedEngine
+from cachedrag.errors import ConfigError
+from cachedrag.kvcache.config import CacheConfig
+from cachedrag.model.generation import SamplingParams
+from cachedrag.testing import tiny_runner
+
+CHUNKS = [
+    "The heapq module provides an implementation of the heap queue algorithm. " * 2,
+    "bisect.insort inserts an item into a sorted list keeping it sorted. " * 2,
+    "functools.lru_cache memoizes a function with a bounded cache. " * 2,
+    "textwrap.fill wraps a paragraph so every line is at most width characters. " * 2,
+]
+SYSTEM = "Answer from the excerpts."
+ORDER = [CHUNKS[2], CHUNKS[1], CHUNKS[0]]  # every chunk cached (from CHUNKS[:3]), none in prefix order
+QUESTION = "which module memoizes?"
+
+
+@pytest.fixture
+def runner():
+    return tiny_runner("qwen2", seed=3)
+
+
+def _engine(runner, **kw):
+    cache = kw.pop("cache", {})
+    kw.setdefault("early_termination", False)
+    return CachedEngine(runner, config=EngineConfig(cache=CacheConfig(**cache), **kw))
+
+
+def _warm(engine):
+    engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+
+
+def _variant_entry(engine, chunk_index: int):
+    key = engine.prompts.chat(CHUNKS[:3], "q", SYSTEM)[1 + chunk_index].key
+    (variant,) = engine.manager.index.variants(key)
+    return engine.manager.store.peek(variant.handle)
+
+
+def _plant_question_key(engine, runner, token: int, layer: int = 1):
+    """Make the cached raw K of ``token`` of CHUNKS[1] (served at prompt slot 1) point along the
+    question's mean query at ``layer``, so the question attends to it far more than to any other."""
+    recorded = {}
+    original = runner.segment_attention_mass
+
+    def spy(i, q, positions, kv, kv_len, bounds):
+        if i == layer and "q" not in recorded:
+            recorded["q"] = q.detach().clone()  # [H_q, Tq, D] rotated question queries
+        return original(i, q, positions, kv, kv_len, bounds)
+
+    recorder = engine
+    if engine.config.cache.token_choice != "question":  # record the queries through a question engine
+        recorder = CachedEngine(runner, config=EngineConfig(early_termination=False, cache=CacheConfig(
+            recompute_ratio=0.01, token_choice="question")), manager=engine.manager)
+    runner.segment_attention_mass = spy
+    try:
+        first = recorder.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+    finally:
+        runner.segment_attention_mass = original
+    assert first.chunks_hit == 3
+    segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
+    pos = len(segs[0]) + len(segs[1]) + token  # absolute position of the planted token
+    q = recorded["q"].mean(1)  # [H_q, D]
+    group = runner.n_heads // runner.n_kv_heads
+    k_rot = q.view(runner.n_kv_heads, group, -1).mean(1)  # [H_kv, D]
+    k_rot = 50.0 * k_rot / k_rot.norm(dim=-1, keepdim=True)
+    raw = runner.rotary.apply(k_rot[:, None, :], torch.tensor([-pos]))[:, 0]  # [H_kv, D] un-rotated
+    with torch.inference_mode():
+        _variant_entry(engine, 1).tensors["k"][layer, :, token] = raw
+    return first
+
+
+@pytest.mark.parametrize("token", [5, 30])
+def test_question_choice_recomputes_the_token_the_question_attends_to(runner, token):
+    engine = _engine(runner, cache={"recompute_ratio": 0.01, "token_choice": "question"})
+    _warm(engine)
+    first = _plant_question_key(engine, runner, token)
+    assert token not in first.chunk_recompute[1]  # not chosen before the plant
+    r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+    assert r.chunks_hit == 3 and 0 < len(r.chunk_recompute[1]) <= 2
+    assert token in r.chunk_recompute[1]
+    assert r.token_choice == "question" and "partial_recompute:question" in r.approximations
+    # no probe of reused tokens: only recompute + question tokens are computed
+    assert r.computed_tokens == r.recomputed_tokens + r.question_tokens and r.checked_tokens == 0
+
+
+def test_deviation_choice_ignores_a_question_key_plant(runner):
+    engine = _engine(runner, cache={"recompute_ratio": 0.01})
+    _warm(engine)
+    _plant_question_key(engine, runner, 30)
+    assert 30 not in engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1).chunk_recompute[1]
+
+
+def test_question_choice_ignores_a_value_outlier(runner):
+    """V at the question layer cannot change the question's attention there."""
+    engine = _engine(runner, cache={"recompute_ratio": 0.01, "token_choice": "question"})
+    _warm(engine)
+    before = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1).chunk_recompute
+    with torch.inference_mode():
+        _variant_entry(engine, 1).tensors["v"][1, :, 40] += 100.0
+    after = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1).chunk_recompute
+    assert after == before and 40 not in after[1]
+
+
+def test_weighted_rank_spans_question_and_deviation(runner):
+    picks = {}
+    for name, cache in {"question": {"token_choice": "question"}, "deviation": {},
+                        "w1": {"token_choice": "question+deviation", "question_weight": 1.0},
+                        "w0": {"token_choice": "question+deviation", "question_weight": 0.0},
+                        "half": {"token_choice": "question+deviation"}}.items():
+        engine = _engine(runner, cache={"recompute_ratio": 0.2, **cache})
+        _warm(engine)
+        picks[name] = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1).chunk_recompute
+    assert picks["w1"] == picks["question"] and picks["w0"] == picks["deviation"]
+    assert picks["question"] != picks["deviation"]  # the two rankings differ on this request
+    assert [len(c) for c in picks["half"]] == [len(c) for c in picks["deviation"]]
+
+
+def test_budget_by_need_moves_recompute_between_chunks_within_the_total(runner):
+    """A planted key makes the question attend to chunk slot 1 most: with need_weight 1 it gets
+    more of the (unchanged) request budget than its ratio share."""
+    counts = {}
+    for w in (0.0, 1.0):
+        engine = _engine(runner, cache={"recompute_ratio": 0.2, "token_choice": "question", "need_weight": w})
+        _warm(engine)
+        _plant_question_key(engine, runner, 30)
+        r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+        counts[w] = [len(c) for c in r.chunk_recompute]
+    assert sum(counts[1.0]) == sum(counts[0.0])
+    assert counts[1.0][1] > counts[0.0][1]
+    assert counts[1.0][0] < counts[0.0][0] and counts[1.0][2] < counts[0.0][2]
+
+
+def test_second_stage_keeps_the_budget_after_probing_candidates(runner):
+    engine = _engine(runner, cache={"recompute_ratio": 0.1, "token_choice": "question", "question_layers": (0,),
+                                    "refine_layer": 1, "refine_factor": 3.0})
+    single = _engine(runner, cache={"recompute_ratio": 0.1, "token_choice": "question", "question_layers": (0,)})
+    for e in (engine, single):
+        _warm(e)
+    r, s = (e.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1) for e in (engine, single))
+    assert [len(c) for c in r.chunk_recompute] == [len(c) for c in s.chunk_recompute]
+    assert r.checked_tokens > 0 and s.checked_tokens == 0  # dropped candidates reached layer 1 only
+    assert r.computed_fraction > s.computed_fraction
+
+
+def test_question_choice_at_full_recompute_equals_full_prefill(runner):
+    engine = _engine(runner, cache={"recompute_ratio": 1.0, "token_choice": "question", "need_weight": 1.0})
+    _warm(engine)
+    segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
+    torch.testing.assert_close(engine.prefill_logits(segs), engine.prefill_logits(segs, mode="full"),
+                               atol=1e-4, rtol=0)
+
+
+def test_teacher_forced_logits_reproduce_greedy_and_exact_reuse(runner):
+    engine = _engine(runner)
+    params = SamplingParams(max_new_tokens=6)
+    segs = engine.prompts.chat(CHUNKS[:3], QUESTION, SYSTEM)
+    full = engine.generate_segments(segs, params, mode="full")
+    tf = engine.generate_segments(segs, params, mode="full", teacher=full.token_ids)
+    assert tf.teacher_logits.shape == (len(full.token_ids), full_logits_width(engine, segs))
+    assert tf.teacher_logits.argmax(-1).tolist() == full.token_ids
+    engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    exact = engine.generate_segments(segs, params, mode="prefix", teacher=full.token_ids)
+    assert exact.prefix_hit_tokens > 0 and exact.approximations == []
+    torch.testing.assert_close(exact.teacher_logits, tf.teacher_logits, atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError):
+        engine.generate_segments(segs, params, teacher=list(range(7)))
+
+
+def test_order_aware_reuse_serves_the_cached_order_exactly(runner):
+    on = _engine(runner, order_aware=True)
+    off = _engine(runner)
+    for e in (on, off):
+        e.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    r_on = on.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+    r_off = off.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+    assert r_on.chunk_order == [2, 1, 0] and r_on.approximations == ["reordered"]
+    assert r_on.prefix_hit_tokens == r_on.prompt_tokens - r_on.question_tokens
+    assert r_off.chunk_order is None and "chunk_reuse" in r_off.approximations
+    cached_order = on.prompts.chat(CHUNKS[:3], QUESTION, SYSTEM)
+    torch.testing.assert_close(on.prefill_logits(on.prompts.chat(ORDER, QUESTION, SYSTEM)),
+                               on.prefill_logits(cached_order, mode="full"), atol=1e-5, rtol=0)
+    # a retrieved set with a chunk the path lacks: the cached part leads, the new chunk follows
+    r = on.generate([CHUNKS[3][:40], CHUNKS[1], CHUNKS[0]], QUESTION, SYSTEM, max_new_tokens=1)
+    assert r.chunk_order == [2, 1, 0] and r.approximations == ["reordered"] and r.chunks_missed == 1
+    assert on.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1, mode="full").chunk_order is None
+
+
+@pytest.mark.parametrize("level", ["exact", "balanced", "fast"])
+def test_fidelity_levels_set_mode_policy_and_order(level):
+    cfg = EngineConfig(fidelity=level, cache={"alpha": 2.0})
+    preset = FIDELITY_PRESETS[level]
+    assert cfg.mode == preset["mode"] and cfg.order_aware == preset["order_aware"]
+    assert cfg.cache.alpha == 2.0  # fields the preset does not own are kept
+    for name, value in preset["cache"].items():
+        assert getattr(cfg.cache, name) == value
+
+
+def test_unknown_fidelity_level_is_refused():
+    with pytest.raises(ValueError, match="fidelity"):
+        EngineConfig(fidelity="perfect")
+
+
+def test_exact_fidelity_answers_equal_full_prefill(runner):
+    engine = CachedEngine(runner, config=EngineConfig(fidelity="exact"))
+    engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=6)
+    assert r.approximations == [] and r.token_ids == engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=6,
+                                                                      mode="full").token_ids
+
+
+def full_logits_width(engine, segs) -> int:
+    return engine.prefill_logits(segs, mode="full").shape[-1]
+
+
+def test_score_equals_teacher_forced_generation(runner):
+    engine = _engine(runner)
+    segs = engine.prompts.chat(CHUNKS[:2], QUESTION, SYSTEM)
+    full = engine.generate_segments(segs, SamplingParams(max_new_tokens=5), mode="full", teacher=None)
+    tf = engine.generate_segments(segs, SamplingParams(max_new_tokens=5), mode="full", teacher=full.token_ids)
+    torch.testing.assert_close(engine.score(segs, full.token_ids, mode="full"), tf.teacher_logits, atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError):
+        engine.score(segs, [])
