@@ -245,6 +245,7 @@ class _TTFTBench:
 
         from tqdm import tqdm
 
+        from cachedrag.model.generation import SamplingParams
         from cachedrag.pipelining import rows_stages
 
         if chunk_cache == "cold":
@@ -274,7 +275,9 @@ class _TTFTBench:
                     else:
                         ids = self.ivf.search(qt, k, nprobe)[1]
                     search_s[v].append(time.perf_counter() - t0)
-                    r = self.engines[v].generate(self._texts(ids[0].tolist()), question, max_new_tokens=1)
+                    engine = self.engines[v]
+                    segments = engine.prompts.chat(self._texts(ids[0].tolist()), question)
+                    r = engine.generate_segments(segments, SamplingParams(max_new_tokens=1), start=t0)  # TTFT from t0
                 else:
                     if look:
                         stages_of = lambda n_st, qt=qt: self.lookahead.search_stages(qt, n_st, k=k, nprobe=nprobe)  # noqa: E731

@@ -89,10 +89,11 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, config)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_s,
                                            access_log=args.log_level == "debug"))
-    log.info("cachedrag serve: listening on http://%s:%d (model %s, mode %s, max batch %d, order %s)",
-             host, port, name, args.mode, args.max_batch, args.order)
+    # printed whatever the log level: scripts (bench serve, tests) read the address from this line
+    print(f"cachedrag serve: listening on http://{host}:{port} (model {name}, mode {args.mode}, "
+          f"max batch {args.max_batch}, order {args.order})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
-    log.info("cachedrag serve: stopped")
+    print("cachedrag serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 
