@@ -155,3 +155,21 @@ def test_short_searches_turn_speculation_off_and_long_ones_back_on(runner):
     pipe.generate(QUESTION, search(0.1), system_prompt=SYSTEM, max_new_tokens=1)  # the last search was short
     pipe.generate(QUESTION, search(0.0), system_prompt=SYSTEM, max_new_tokens=1)  # the last search was long
     assert seen == [3, 1, 3]
+
+
+def test_a_pipelines_own_layout_is_used_for_speculation_and_answer(runner):
+    engine = CachedEngine(runner, config=EngineConfig(mode="prefix"))
+    pipe = SpeculativePipeline(engine, PipeliningConfig(max_stages=2, prompt_chunks=2))
+
+    def layout(chunks):
+        parts = [("text", "Context follows.\n")] + [("chunk", c + "\n\n") for c in chunks]
+        return engine.prompts.text_segments(parts + [("text", "Q: " + QUESTION + "\nA:")])
+
+    out = pipe.generate(QUESTION, _GatedSearch(engine, [[C[1], C[2]], [C[1], C[3]]], [2]), layout=layout,
+                        max_new_tokens=6)
+    ref_engine = CachedEngine(runner, config=EngineConfig(mode="prefix"))
+    from cachedrag.model.generation import SamplingParams
+
+    ref = ref_engine.generate_segments(layout([C[1], C[3]]), SamplingParams(max_new_tokens=6))
+    assert out.result.token_ids == ref.token_ids and out.kept_chunks == 1
+    assert out.result.prefix_hit_tokens > 0
