@@ -37,6 +37,7 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "cluster": ("cachedrag.bench.cluster", "replicas on Ray Serve: round-robin vs chunk-affinity routing, shared Redis tier"),
     "serve": ("cachedrag.bench.serve", "OpenAI server under load: batching, cache-aware order, chunk modes (a..e)"),
     "integrations": ("cachedrag.bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
+    "speed": ("cachedrag.bench.speed", "prefill/decode speed per dtype vs transformers and llama.cpp; first-request and miss cost"),
 }
 
 INDEX_COMMANDS: dict[str, tuple[str, str]] = {
