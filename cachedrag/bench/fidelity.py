@@ -52,10 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpora", default="stdlib,info",
                         help="comma-separated: stdlib (embedded pydoc corpus + gold QA), info (GNU info manuals)")
     parser.add_argument("--seeds", default="0,1", help="stream seeds (which questions, which shuffled orders)")
-    parser.add_argument("--requests", type=int, default=5, help="requests per corpus and seed")
+    parser.add_argument("--requests", type=int, default=4, help="requests per corpus and seed")
     parser.add_argument("--ratios", default="0,0.1,0.3",
                         help=f"recompute ratios of the frontier (0 = the naive row); the full one: {FULL_RATIOS}")
-    parser.add_argument("--choices", default="deviation,question,question+deviation,leading,oracle",
+    parser.add_argument("--choices", default="deviation,question,question+deviation,oracle",
                         help="token choices, subset of " + ",".join(ALL_CHOICES))
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--top-k", type=int, default=5)

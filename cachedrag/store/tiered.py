@@ -481,6 +481,7 @@ class TieredStore:
         if node.level < j or any(c > j for c in node.copies):
             if not self._remove_copy(key, j):
                 return
+            self._heal_links(key)  # its children may now sit faster than its remaining (shared) copy
             if node.level is not None and node.level > j:
                 self.stats.demotions += 1
                 self.stats.demotion_writes_saved += 1
