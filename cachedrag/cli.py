@@ -28,11 +28,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 BENCH_SUITES: dict[str, tuple[str, str]] = {
     "ttft": ("cachedrag.bench.ttft", "time to first token per reuse mode (full, prefix, naive, random, cachedrag)"),
+    "fidelity": ("cachedrag.bench.fidelity", "answers vs full prefill per token choice and recompute ratio (frontier)"),
     "retrieval": ("cachedrag.bench.retrieval", "IVF recall, cluster overlap and lookahead search latency"),
     "kernels": ("cachedrag.bench.kernels", "Triton kernels vs torch references (GPU; CPU runs references)"),
     "tiers": ("cachedrag.bench.tiers", "chunk-cache load time per tier vs recompute, restart reuse"),
+    "faults": ("cachedrag.bench.faults", "fault-injection campaign: crafted/odd files, kills, hanging Redis"),
     "pipelines": ("cachedrag.bench.pipelines", "HyDE, SubQuestion, Iter-RetGen, FLARE end to end"),
+    "cluster": ("cachedrag.bench.cluster", "replicas on Ray Serve: round-robin vs chunk-affinity routing, shared Redis tier"),
+    "serve": ("cachedrag.bench.serve", "OpenAI server under load: batching, cache-aware order, chunk modes (a..e)"),
     "integrations": ("cachedrag.bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
+    "speed": ("cachedrag.bench.speed", "prefill/decode speed per dtype vs transformers and llama.cpp; first-request and miss cost"),
 }
 
 INDEX_COMMANDS: dict[str, tuple[str, str]] = {
@@ -74,12 +79,15 @@ def _add(sub, name: str, module: str, help_text: str, selected: bool, adder: str
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser; only the subcommand named in ``argv`` (if any) gets its module imported."""
+    """The parser. With ``argv`` (what ``main`` passes), only the subcommand it names gets its
+    module imported (``--help`` stays fast); with ``argv=None`` every subcommand is registered
+    with its arguments (for callers that parse several command lines with one parser)."""
     from cachedrag import __version__
 
     words = _selected(list(argv or []))
     command = words[0] if words else None
     second = words[1] if len(words) > 1 else None
+    every = argv is None
     parser = argparse.ArgumentParser(
         prog="cachedrag",
         description="cachedrag: reuse chunk KV caches to make RAG fast.",
@@ -87,21 +95,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cachedrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in _available(COMMANDS).items():
-        _add(sub, name, module, help_text, command == name)
+        _add(sub, name, module, help_text, every or command == name)
 
     suites = _available(BENCH_SUITES)
     if suites:
         bench = sub.add_parser("bench", help="run a benchmark suite", description="Benchmark suites.")
         bench_sub = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
         for name, (module, help_text) in suites.items():
-            _add(bench_sub, name, module, help_text, command == "bench" and second == name)
+            _add(bench_sub, name, module, help_text, every or (command == "bench" and second == name))
 
     index_cmds = _available(INDEX_COMMANDS)
     if index_cmds:
         index = sub.add_parser("index", help="build or search an IVF index", description="IVF index tools.")
         index_sub = index.add_subparsers(dest="index_command", required=True, metavar="ACTION")
         for name, (module, help_text) in index_cmds.items():
-            _add(index_sub, name, module, help_text, command == "index" and second == name,
+            _add(index_sub, name, module, help_text, every or (command == "index" and second == name),
                  adder=f"add_{name}_arguments", runner=f"run_{name}")
     return parser
 

@@ -23,10 +23,11 @@ FidelityName = Literal["exact", "balanced", "fast"]
 FIDELITY_PRESETS: dict[str, dict] = {
     # no approximation: exact-prefix reuse only, in the retrieved order (answers = full prefill)
     "exact": {"mode": "prefix", "cache": {}, "order_aware": False},
-    # non-prefix reuse with question-driven recompute at a fixed ratio; cached orders served exactly
+    # non-prefix reuse, question-driven recompute of 30%: on the frontier, teacher-forced KL 0.037 and
+    # ROUGE-L 0.72 vs full at 3.4x TTFT, closer to full than a reordered exact prefill (0.59), so order-aware off
     "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question", "recompute_ratio": 0.3},
-                 "order_aware": True},
-    # the cheapest recompute that keeps the first token on the measured frontier
+                 "order_aware": False},
+    # 10% recompute (6x TTFT) and cached orders served exactly (14x): both at about the order-noise floor
     "fast": {"mode": "cachedrag", "cache": {"token_choice": "question", "recompute_ratio": 0.1},
              "order_aware": True},
 }

@@ -1,8 +1,9 @@
 """Document corpora: loading user corpora and building the embedded stdlib-docs corpus.
 
 Owns: the ``Document`` record, reading a corpus from a directory of UTF-8 ``.txt``/``.md``
-files or a JSONL file of ``{"id", "text"}``, reading a question stream, and the demo corpus
-made of the Python standard library's own pydoc text. Does not own: chunking (see
+files or a JSONL file of ``{"id", "text"}``, reading a question stream, the demo corpus
+made of the Python standard library's own pydoc text, and a second real-manual corpus made of
+the GNU info manuals the system ships (``info_corpus``; offline, no data files to ship). Does not own: chunking (see
 ``cachedrag.retrieval.chunker``) or embedding.
 """
 
@@ -127,6 +128,43 @@ def stdlib_corpus(modules: tuple[str, ...] = STDLIB_MODULES, max_chars_per_doc: 
         docs.append(Document(id=f"stdlib/{name}", text=text[:max_chars_per_doc]))
     if not docs:
         raise EmptyInputError("no stdlib module could be rendered for the demo corpus")
+    return docs
+
+
+INFO_MANUALS: tuple[str, ...] = ("grep", "sed", "gzip", "time", "bc", "ed", "diffutils")
+INFO_DIR = "/usr/share/info"
+
+
+def info_corpus(manuals: tuple[str, ...] = INFO_MANUALS, root: str | Path = INFO_DIR,
+                max_chars_per_doc: int = 6_000) -> list[Document]:
+    """GNU info manuals (plain text, gzip-compressed, in ``root``) as one document per node.
+
+    Info files separate nodes with a 0x1F byte; each node starts with a ``File: ... Node: ...``
+    header line, dropped here. Nodes shorter than 200 characters (menus) are skipped; each node
+    is cut to ``max_chars_per_doc``. Raises ``EmptyInputError`` naming ``root`` when none of the
+    manuals is installed.
+    """
+    import gzip
+
+    root = Path(root)
+    docs: list[Document] = []
+    for name in manuals:
+        parts = sorted(root.glob(f"{name}.info*.gz")) + sorted(root.glob(f"{name}.info"))
+        for part in parts:
+            with gzip.open(part, "rt", encoding="utf-8", errors="replace") if part.suffix == ".gz" else \
+                    part.open(encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+            for node in text.split("\x1f")[1:]:
+                lines = node.strip("\n").splitlines()
+                header = lines[0] if lines else ""
+                if "Node:" not in header or header.startswith("Tag Table"):
+                    continue
+                node_name = header.split("Node:", 1)[1].split(",", 1)[0].strip()
+                body = "\n".join(lines[1:]).strip()
+                if len(body) >= 200:
+                    docs.append(Document(id=f"info/{name}/{node_name}", text=body[:max_chars_per_doc]))
+    if not docs:
+        raise EmptyInputError(f"no GNU info manual ({', '.join(manuals)}) found under {root}")
     return docs
 
 

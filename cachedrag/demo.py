@@ -87,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
     from cachedrag.bench.workload import zipf_stream
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
-    from cachedrag.model.loader import load_model
     from cachedrag.model.runner import ModelRunner
 
     import tempfile
@@ -98,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny:
         runner, index = tiny_setup(tmp.name)
     else:
-        runner = ModelRunner(*load_model(args.model))
+        runner = ModelRunner.from_pretrained(args.model)  # warmed up at load: the first question pays no one-time cost
         index = stdlib_index(runner.tokenizer, args.model or "default")
     nprobe = min(16, index.manifest.nlist)
     cached = CachedEngine(runner, config=EngineConfig(mode="cachedrag"))
@@ -123,16 +122,36 @@ def run(args: argparse.Namespace) -> int:
             line += f" | full prefill TTFT {base.ttft_s * 1000:.0f} ms"
         print(line + "\n")
 
-    print("summary")
-    warm = rows[len(rows) // 4:] or rows
-    med = statistics.median(r.ttft_s for r, _ in warm)
-    print(f"  cachedrag median TTFT  {med * 1000:7.0f} ms   chunk hit rate "
-          f"{sum(r.chunks_hit for r, _ in warm) / max(1, sum(r.chunks_hit + r.chunks_missed for r, _ in warm)):.0%}")
-    if not args.no_baseline:
-        base_med = statistics.median(b.ttft_s for _, b in warm)
-        same = statistics.fmean(float(r.token_ids[:1] == b.token_ids[:1]) for r, b in warm)
-        print(f"  full prefill median    {base_med * 1000:7.0f} ms   speedup {base_med / med:.1f}x, "
-              f"same first token {same:.0%} (after the first {len(rows) - len(warm)} warm-up questions)")
+    _print_summary(rows, args.no_baseline)
     print("\nMore: `cachedrag bench ttft` compares all reuse modes; docs/ explains each part.")
     tmp.cleanup()
     return 0
+
+
+def _print_summary(rows: list, no_baseline: bool) -> None:
+    """Medians over the stream after its first quarter (the cache starts empty): TTFT and the
+    whole answer time (TTFT + decode) of both systems, and TTFT split by whether every chunk
+    came from the cache, so a reader sees what reuse buys and what a miss costs."""
+    warm = rows[len(rows) // 4:] or rows
+    hits = sum(r.chunks_hit for r, _ in warm)
+    total = max(1, sum(r.chunks_hit + r.chunks_missed for r, _ in warm))
+    print(f"summary: {len(warm)} questions after the first {len(rows) - len(warm)} (the stream repeats topics in "
+          f"new words, so retrieved chunks recur); chunk hit rate {hits / total:.0%}")
+
+    def med(values):
+        values = list(values)
+        return statistics.median(values) * 1000 if values else float("nan")
+
+    print(f"  {'':<14} {'median TTFT':>12} {'median answer time':>19}")
+    ttft, answer = med(r.ttft_s for r, _ in warm), med(r.total_s for r, _ in warm)
+    print(f"  {'cachedrag':<14} {ttft:>9.0f} ms {answer:>16.0f} ms")
+    if not no_baseline:
+        base_ttft, base_answer = med(b.ttft_s for _, b in warm), med(b.total_s for _, b in warm)
+        same = statistics.fmean(float(r.token_ids[:1] == b.token_ids[:1]) for r, b in warm)
+        print(f"  {'full prefill':<14} {base_ttft:>9.0f} ms {base_answer:>16.0f} ms")
+        print(f"  {'speedup':<14} {base_ttft / ttft:>11.2f}x {base_answer / answer:>18.2f}x   "
+              f"same first token {same:.0%}")
+    all_hit = [r.ttft_s for r, _ in warm if r.chunks_missed == 0]
+    some_miss = [r.ttft_s for r, _ in warm if r.chunks_missed > 0]
+    print(f"  cachedrag TTFT when every chunk was cached: {med(all_hit):.0f} ms ({len(all_hit)} questions); "
+          f"with misses: {med(some_miss):.0f} ms ({len(some_miss)} questions)")

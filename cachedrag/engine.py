@@ -167,14 +167,13 @@ class CachedEngine:
     def __init__(self, runner: ModelRunner | None = None, *, model: str | None = None,
                  config: EngineConfig | None = None, store=None, manager: ChunkCacheManager | None = None):
         if runner is None:
-            from cachedrag.model.loader import load_model
-
-            runner = ModelRunner(*load_model(model))
+            runner = ModelRunner.from_pretrained(model)  # warmed up: no first-request penalty
         self.runner = runner
         self.config = config or EngineConfig()
         # chunk keys carry the tenant salt (isolation); stored entries carry the model namespace
         # (validity: a cache of one model never serves another), shared by all tenants of a store
-        self.namespace = namespace_for(runner.model, runner.tokenizer, self.config.tenant_salt)
+        self.namespace = namespace_for(runner.model, runner.tokenizer, self.config.tenant_salt,
+                                       getattr(getattr(runner, "numerics", None), "tag", None))
         self.model_namespace = dataclasses.replace(self.namespace, tenant_salt=None)
         self.prompts = PromptBuilder(runner.tokenizer, self.namespace)
         if manager is None:
@@ -230,6 +229,15 @@ class CachedEngine:
         for _ in deltas:
             pass
         return holder.result
+
+    def score(self, segments: Sequence[Segment], answer: Sequence[int], mode: str | None = None) -> torch.Tensor:
+        """Teacher-forced logits ``[A, V]`` of ``answer`` after the prompt, without decoding:
+        row j predicts ``answer[j]`` from the prompt and ``answer[:j]`` (the prompt prefilled by
+        ``mode``, with this engine's reuse; fidelity measurements compare these with ``full``)."""
+        if not answer:
+            raise ConfigError("score needs at least one answer token")
+        pre = self._prefill(list(segments), self._mode(mode), len(answer))
+        return self._teacher_forced(pre, pre.info["prompt_tokens"], list(answer))
 
     def prefill(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None) -> "Prefilled":
         """Plan, load and prefill only, without decoding (the serving scheduler's seam).
@@ -484,7 +492,7 @@ class CachedEngine:
         raw_k = None
         if store_new and fresh_pos:
             raw_k = torch.empty(runner.n_layers, runner.n_kv_heads, len(fresh_pos), runner.head_dim,
-                                dtype=runner.dtype, device=device)  # [L, H_kv, Tf, D]
+                                dtype=self._store_dtype, device=device)  # [L, H_kv, Tf, D]
         fresh_mass = None
         fresh_chunk_rows = capture and any(
             actions[i] is Action.FRESH for i in chunk_seg)
@@ -684,6 +692,12 @@ class CachedEngine:
         return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
 
     @property
+    def _store_dtype(self) -> torch.dtype:
+        """dtype of chunk caches handed to the store (the runner's ``kv_store_dtype``)."""
+        numerics = getattr(self.runner, "numerics", None)
+        return numerics.store_dtype if numerics is not None else self.runner.dtype
+
+    @property
     def _layerwise(self) -> bool:
         return self.config.layerwise_loading and hasattr(self.manager.store, "open_layers")
 
@@ -766,7 +780,7 @@ class CachedEngine:
         for i, r0 in row_of.items():
             sp = plan.segments[i]
             k = raw_k[:, :, r0:r0 + sp.n_tokens].contiguous()  # [L, H_kv, T, D]
-            v = kv.v[:, :, sp.start:sp.end].contiguous()  # [L, H_kv, T, D]
+            v = kv.v[:, :, sp.start:sp.end].to(self._store_dtype, copy=True)  # [L, H_kv, T, D]
             handle = path_key(keys[: i + 1])
             meta = None
             if capture and sp.role == "chunk" and fresh_mass is not None:

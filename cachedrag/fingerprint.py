@@ -43,6 +43,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:32]
 
 
-def namespace_for(model, tokenizer, tenant_salt: str | None = None) -> Namespace:
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+def namespace_for(model, tokenizer, tenant_salt: str | None = None, dtype: str | None = None) -> Namespace:
+    """``dtype``: the runner's numerics tag (``ModelRunner.numerics.tag``: dtype, int8 weights,
+    stored-KV dtype); default the dtype of the model's parameters."""
+    dtype = dtype or str(next(model.parameters()).dtype).replace("torch.", "")
     return Namespace(model_fingerprint(model), dtype, tokenizer_fingerprint(tokenizer), tenant_salt)

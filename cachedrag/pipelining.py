@@ -9,7 +9,7 @@ or the chunk cache.
 How a request runs. The search runs on a transient thread (``executor.TransientThreadExecutor``:
 it exits when the search ends, so no OpenMP team outlives it) and posts the running top-k after
 each stage. The caller's thread prefills speculatively, one chunk at a time, in prompt order:
-step ``j`` prefills the system prefix + chunks ``0..j`` + the chat template's short tail through
+step ``j`` prefills the prompt layout up to chunk ``j`` + the chat template's short tail through
 ``engine.generate_segments`` (one token). The engine stores each step's chunk KV on the exact
 prefix, so step ``j + 1`` finds chunks ``0..j`` in the knowledge tree and computes only chunk
 ``j + 1``. Before each step the driver looks for a newer stage: when its top-k differs, the
@@ -18,6 +18,10 @@ redone) and continues from the first changed position; the rest of the old specu
 abandoned (the cancel happens between chunks: a prefill in progress is never interrupted).
 When the final stage arrives, the request is generated over the final top-k: its common prefix
 with the speculation is served from the knowledge tree, the rest is computed as usual.
+
+Whether to speculate follows ``retrieval.policy.speculation_stages``: the engine's load
+(``EngineLoad``) and the expected search time (an EMA of this pipeline's recent searches; a
+search shorter than ``min_search_s`` leaves nothing to hide behind).
 
 Results equal the non-speculative path: a tree hit is the same KV that a fresh prefill of the
 same prefix computes, and before the final request the driver invalidates every entry that an
@@ -125,29 +129,41 @@ class SpeculativePipeline:
         self.config = config or PipeliningConfig()
         self.load = load or EngineLoad()
         self._pool = TransientThreadExecutor(1, thread_name_prefix="cachedrag-staged-search")
+        self.expected_search_s: float | None = None  # EMA of this pipeline's search times
 
     def stages_for_load(self) -> int:
         """Stages for a request starting now (this one excluded from the load)."""
-        return speculation_stages(max(0, self.load.active - 1), self.config.max_stages, self.config.busy_requests)
+        return speculation_stages(max(0, self.load.active - 1), self.config.max_stages, self.config.busy_requests,
+                                  self.expected_search_s, self.config.min_search_s)
+
+    def _observe_search(self, seconds: float) -> None:
+        w = self.config.search_ema
+        prev = self.expected_search_s
+        self.expected_search_s = seconds if prev is None else (1 - w) * prev + w * seconds
 
     def generate(self, question: str, search: StageSearch, *, system_prompt: str | None = None,
-                 max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
-                 mode: str | None = None, n_stages: int | None = None, start: float | None = None) -> PipelineResult:
+                 layout: Callable[[Sequence[str]], list] | None = None, max_new_tokens: int = 64,
+                 temperature: float = 0.0, seed: int | None = None, mode: str | None = None,
+                 n_stages: int | None = None, start: float | None = None) -> PipelineResult:
         """Answer ``question`` over the final top-k of ``search``, speculating on earlier stages.
 
-        ``n_stages`` overrides the load rule (1 = the sequential baseline: search, then prefill).
+        ``layout(chunks) -> segments`` builds the prompt (default: the engine's chat layout with
+        ``system_prompt``; a pipeline passes its own template). ``n_stages`` overrides the load
+        rule (1 = the sequential baseline: search, then prefill).
         """
         start = time.perf_counter() if start is None else start
+        if layout is None:
+            layout = lambda chunks: self.engine.prompts.chat(list(chunks), question, system_prompt)  # noqa: E731
         with self.load.request():
             stages = n_stages or self.stages_for_load()
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
             if stages == 1:
                 final = _last(search(1))
                 search_s = time.perf_counter() - start
-                return self._final(question, final.chunks, [], params, mode, system_prompt, start, 1, search_s, 0, [])
-            return self._speculate(question, search, stages, params, mode, system_prompt, start)
+                return self._final(layout, final.chunks, [], params, mode, start, 1, search_s, 0, [])
+            return self._speculate(layout, search, stages, params, mode, system_prompt, start)
 
-    def _speculate(self, question, search, stages, params, mode, system_prompt, start) -> PipelineResult:
+    def _speculate(self, layout, search, stages, params, mode, system_prompt, start) -> PipelineResult:
         posted: queue.Queue = queue.Queue()
         arrived: list[float] = []  # when the final stage was posted
 
@@ -181,38 +197,35 @@ class SpeculativePipeline:
                 for j in range(keep, len(target)):
                     if not posted.empty():  # a newer top-k: re-plan before the next chunk
                         break
-                    steps.append(self._step(target[: j + 1], mode, system_prompt))
+                    steps.append(self._step(layout(target[: j + 1]), target[: j + 1], mode, system_prompt))
                     spec.append(target[j])
                     timeline.append((time.perf_counter() - start, f"speculated chunk {j}"))
         finally:
             future.result()  # the search thread has ended (its errors were posted)
         search_s = arrived[0] if arrived else timeline[-1][0]
-        return self._final(question, final.chunks, steps, params, mode, system_prompt, start, stages, search_s,
-                           restarts, timeline)
+        return self._final(layout, final.chunks, steps, params, mode, start, stages, search_s, restarts, timeline)
 
-    def _step(self, chunks: list[str], mode, system_prompt) -> _Step:
-        """Prefill the system prefix + ``chunks`` + the template tail; the engine stores the chunk KV."""
+    def _step(self, segments: list, chunks: list[str], mode, system_prompt) -> _Step:
+        """Prefill the prompt up to its last chunk + the chat template's tail; the engine stores the chunk KV."""
         engine = self.engine
-        prompts = engine.prompts
-        segments = prompts.chat(chunks, "?", system_prompt)
-        before, after = prompts.template_split(system_prompt)
-        tail = prompts.segment("text", after) if after else segments[-1]
-        segments[-1] = tail
-        context = segments[:-1]
-        handle = path_key([s.key for s in context])
+        last = max(i for i, seg in enumerate(segments) if seg.kind == "chunk")
+        _, after = engine.prompts.template_split(system_prompt)
+        tail = engine.prompts.segment("text", after or "\n")
+        context = segments[: last + 1]
+        handle = path_key([seg.key for seg in context])
         created = handle not in set(engine.manager.handles())
-        result = engine.generate_segments(segments, SamplingParams(max_new_tokens=1), mode=mode)
+        result = engine.generate_segments(context + [tail], SamplingParams(max_new_tokens=1), mode=mode)
         return _Step(tuple(chunks), handle, created, result.computed_tokens, len(tail))
 
-    def _final(self, question, chunks, steps: Sequence[_Step], params, mode, system_prompt, start, stages,
-               search_s, restarts, timeline) -> PipelineResult:
+    def _final(self, layout, chunks, steps: Sequence[_Step], params, mode, start, stages, search_s, restarts,
+               timeline) -> PipelineResult:
         chunks = list(chunks[: self.config.prompt_chunks])
         used = [s for s in steps if list(s.chunks) == chunks[: len(s.chunks)]]
         for s in steps:  # abandoned speculation must not be reused approximately by the final request
             if s not in used and s.created:
                 self.engine.manager.invalidate(s.handle)
-        segments = self.engine.prompts.chat(chunks, question, system_prompt)
-        result = self.engine.generate_segments(segments, params, mode=mode, start=start)
+        self._observe_search(search_s)
+        result = self.engine.generate_segments(layout(chunks), params, mode=mode, start=start)
         spec_tokens = sum(s.computed for s in steps)
         useful = sum(s.computed - s.tail for s in used)
         kept = max((len(s.chunks) for s in used), default=0)

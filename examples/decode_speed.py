@@ -1,9 +1,11 @@
-"""Decode speed of the engine: the few-row matmul layout and prompt-lookup speculative decoding.
+"""Decode speed of the engine: the runner's fast path and prompt-lookup speculative decoding.
 
-Three engines share one model: the reference layout (F.linear, one token per pass), the
-default few-row layout, and the default layout with prompt-lookup drafts (the engine's
-default). Each answers the same questions over the same chunks, interleaved; all must
-produce the same tokens. Prints decode ms per generated token and how many drafts were kept.
+Four engines share one model: the reference path (F.linear over the HF modules, one token per
+pass), the few-row ``W @ x^T`` layout over the HF modules, the fast path (fused projections,
+``docs/speed.md``; the default), and the fast path with prompt-lookup drafts (the engine's
+default). Each answers the same questions over the same chunks, interleaved; all should
+produce the same tokens (the paths sum in different orders, so a near-tied greedy choice may
+differ). Prints decode ms per generated token and how many drafts were kept.
 
 Run: .venv/bin/python examples/decode_speed.py [--questions 6] [--tokens 48]
 """
@@ -24,10 +26,12 @@ args = parser.parse_args()
 
 model, tokenizer = load_model()
 engines = {
-    "F.linear, no drafts": CachedEngine(ModelRunner(model, tokenizer, skinny_linear=False),
+    "F.linear, no drafts": CachedEngine(ModelRunner(model, tokenizer, fast=False, skinny_linear=False),
                                         config=EngineConfig(lookup=LookupConfig(max_draft=0))),
-    "few-row layout, no drafts": CachedEngine(ModelRunner(model, tokenizer), config=EngineConfig(lookup=LookupConfig(max_draft=0))),
-    "few-row layout + drafts (default)": CachedEngine(ModelRunner(model, tokenizer)),
+    "few-row layout, no drafts": CachedEngine(ModelRunner(model, tokenizer, fast=False),
+                                              config=EngineConfig(lookup=LookupConfig(max_draft=0))),
+    "fast path, no drafts": CachedEngine(ModelRunner(model, tokenizer), config=EngineConfig(lookup=LookupConfig(max_draft=0))),
+    "fast path + drafts (default)": CachedEngine(ModelRunner(model, tokenizer)),
 }
 docs = {d.id: d.text for d in stdlib_corpus(("json", "heapq", "bisect", "functools", "textwrap", "csv"))}
 chunks = [tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)[:256]) for t in docs.values()]
@@ -44,7 +48,7 @@ for i, question in enumerate(list(STDLIB_QUESTIONS)[: args.questions]):
         t[2] += r.draft_tokens
         t[3] += r.draft_accepted
         answers.add(tuple(r.token_ids))
-    print(f"{question[:60]!r}: {'same tokens' if len(answers) == 1 else 'DIFFERENT tokens'} from all three")
+    print(f"{question[:60]!r}: {'same tokens' if len(answers) == 1 else 'DIFFERENT tokens'} from all four")
 
 for name, (seconds, tokens, drafted, accepted) in totals.items():
     kept = f", {accepted}/{drafted} draft tokens accepted" if drafted else ""

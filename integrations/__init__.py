@@ -11,6 +11,9 @@ Owns the adapters users meet (one file per framework) and the helpers they share
     generator    chunk-aware generation (blocking, streaming, timeout) and token usage
     search       index-directory search with lookahead prefetch, registering what it returns
     worker       blocking work on worker threads for the async methods
+    openai_llama_index, openai_langchain   clients of a remote ``cachedrag serve`` (OpenAILike,
+                 ChatOpenAI) that send the registered chunks as ``cachedrag.chunks``
+    openai_transport  the httpx transports that attach them
 
 Does not own: the engine, caches or retrieval (``cachedrag``'s core). Names below import
 lazily, so ``import cachedrag.integrations`` needs neither framework installed; the two
@@ -25,6 +28,8 @@ _EXPORTS = {
     "CachedRAGLLM": "llama_index",
     "CachedRAGNodePostprocessor": "llama_index",
     "ChatCachedRAG": "langchain",
+    "CachedRAGOpenAILike": "openai_llama_index",
+    "ChatCachedRAGOpenAI": "openai_langchain",
     "ChunkRegistry": "chunks",
     "ChunkRegistryConfig": "chunks",
     "chunk_registry": "chunks",

@@ -223,3 +223,13 @@ def test_exact_fidelity_answers_equal_full_prefill(runner):
 
 def full_logits_width(engine, segs) -> int:
     return engine.prefill_logits(segs, mode="full").shape[-1]
+
+
+def test_score_equals_teacher_forced_generation(runner):
+    engine = _engine(runner)
+    segs = engine.prompts.chat(CHUNKS[:2], QUESTION, SYSTEM)
+    full = engine.generate_segments(segs, SamplingParams(max_new_tokens=5), mode="full", teacher=None)
+    tf = engine.generate_segments(segs, SamplingParams(max_new_tokens=5), mode="full", teacher=full.token_ids)
+    torch.testing.assert_close(engine.score(segs, full.token_ids, mode="full"), tf.teacher_logits, atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError):
+        engine.score(segs, [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -63,7 +64,9 @@ def _sequential(runner, mode, chunks):
         ([C[:3], C[:3]], [3], 3),  # the top-k never changes: the whole prompt is speculated
         ([[C[0], C[4], C[5]], C[:3]], [3], 1),  # chunks 1-2 change: only chunk 0 is kept
         ([[C[3], C[1], C[2]], C[:3]], [2], 0),  # the first chunk changes: nothing is kept
-        ([[C[0], C[4], C[5]], C[:3], C[:3]], [1, 3], 3),  # re-planned mid-way, then stable
+        # re-planned mid-way, then stable; stage 1 may speculate one chunk more than the gate waits
+        # for before stage 2 arrives, leaving stage 2 one step short when the final stage comes
+        ([[C[0], C[4], C[5]], C[:3], C[:3]], [1, 3], (2, 3)),
     ],
 )
 def test_speculative_answer_equals_the_sequential_one(runner, mode, stages, after, kept):
@@ -74,7 +77,9 @@ def test_speculative_answer_equals_the_sequential_one(runner, mode, stages, afte
     assert out.result.token_ids == ref.token_ids
     torch.testing.assert_close(torch.tensor(out.result.token_logprobs), torch.tensor(ref.token_logprobs),
                                atol=1e-4, rtol=1e-4)
-    assert out.chunks == stages[-1] and out.kept_chunks == kept
+    allowed = kept if isinstance(kept, tuple) else (kept,)
+    assert out.chunks == stages[-1] and out.kept_chunks in allowed
+    kept = out.kept_chunks
     assert out.result.prefix_hit_tokens > 0 if kept else True
     # the final request computed only what the speculation did not provide
     chunk_tokens = [len(engine.prompts.segment("chunk", c + "\n\n")) for c in stages[-1]]
@@ -101,7 +106,8 @@ def test_abandoned_speculation_is_not_left_in_the_cache(runner):
 def test_busy_engine_does_not_speculate(runner):
     engine = CachedEngine(runner, config=EngineConfig(mode="prefix"))
     load = EngineLoad()
-    pipe = SpeculativePipeline(engine, PipeliningConfig(max_stages=4, busy_requests=2), load=load)
+    pipe = SpeculativePipeline(engine, PipeliningConfig(max_stages=4, busy_requests=2, min_search_s=0),
+                               load=load)
     seen = []
 
     def search(n_stages):
@@ -130,3 +136,44 @@ def test_search_errors_reach_the_caller(runner):
 @pytest.mark.parametrize("others, expected", [(0, 4), (1, 2), (2, 1), (5, 1)])
 def test_stages_follow_the_load(others, expected):
     assert speculation_stages(others, max_stages=4, busy_requests=2) == expected
+
+
+@pytest.mark.parametrize("expected_s, stages", [(None, 4), (0.01, 1), (0.2, 4)])
+def test_stages_need_search_time_to_hide(expected_s, stages):
+    assert speculation_stages(0, 4, 2, expected_search_s=expected_s, min_search_s=0.1) == stages
+
+
+def test_short_searches_turn_speculation_off_and_long_ones_back_on(runner):
+    engine = CachedEngine(runner, config=EngineConfig(mode="prefix"))
+    pipe = SpeculativePipeline(engine, PipeliningConfig(max_stages=3, min_search_s=0.05, search_ema=1.0))
+    seen = []
+
+    def search(delay):
+        def run(n_stages):
+            seen.append(n_stages)
+            time.sleep(delay)
+            yield StageTopK(0, tuple(C[:2]), True)
+        return run
+
+    pipe.generate(QUESTION, search(0.0), system_prompt=SYSTEM, max_new_tokens=1)  # nothing measured yet
+    pipe.generate(QUESTION, search(0.1), system_prompt=SYSTEM, max_new_tokens=1)  # the last search was short
+    pipe.generate(QUESTION, search(0.0), system_prompt=SYSTEM, max_new_tokens=1)  # the last search was long
+    assert seen == [3, 1, 3]
+
+
+def test_a_pipelines_own_layout_is_used_for_speculation_and_answer(runner):
+    engine = CachedEngine(runner, config=EngineConfig(mode="prefix"))
+    pipe = SpeculativePipeline(engine, PipeliningConfig(max_stages=2, prompt_chunks=2))
+
+    def layout(chunks):
+        parts = [("text", "Context follows.\n")] + [("chunk", c + "\n\n") for c in chunks]
+        return engine.prompts.text_segments(parts + [("text", "Q: " + QUESTION + "\nA:")])
+
+    out = pipe.generate(QUESTION, _GatedSearch(engine, [[C[1], C[2]], [C[1], C[3]]], [2]), layout=layout,
+                        max_new_tokens=6)
+    ref_engine = CachedEngine(runner, config=EngineConfig(mode="prefix"))
+    from cachedrag.model.generation import SamplingParams
+
+    ref = ref_engine.generate_segments(layout([C[1], C[3]]), SamplingParams(max_new_tokens=6))
+    assert out.result.token_ids == ref.token_ids and out.kept_chunks == 1
+    assert out.result.prefix_hit_tokens > 0

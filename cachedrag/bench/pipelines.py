@@ -160,7 +160,7 @@ class _Setup:
         if args.engine_linear == "reference":  # ablation: the engines' decode through F.linear, as transformers'
             from cachedrag.model.runner import ModelRunner
 
-            runner = ModelRunner(runner.model, runner.tokenizer, skinny_linear=False)
+            runner = ModelRunner(runner.model, runner.tokenizer, skinny_linear=False, fast=False)
         lookup = LookupConfig() if args.draft_tokens is None else LookupConfig(max_draft=args.draft_tokens)
         cache = CacheConfig() if args.recompute_ratio is None else CacheConfig(recompute_ratio=args.recompute_ratio)
         engine_config = EngineConfig(mode="cachedrag", cache_bytes=int(args.cache_gb * 2**30), lookup=lookup, cache=cache)

@@ -7,7 +7,8 @@ Table 1 analogue: mean fraction of the transformed query's probed clusters that 
 original query also probes, and that the budgeted prefetch actually covered); search
 latency of plain Faiss in RAM (baseline), of the disk-backed cluster store cold (page cache
 dropped, nothing prefetched) and of the lookahead search after a prefetch window. Prints a
-summary and writes JSON (``--json OUT``). Does not own: any retrieval logic.
+summary and writes JSON (``--json OUT``). ``--scale`` runs ``retrieval_scale`` instead (a 1M-vector
+on-disk index, lookahead and speculative pipelining end to end). Does not own: any retrieval logic.
 
 Without ``--transformed`` the transformed query is built deterministically: the question plus
 the first sentence of its top exact-search chunk (a stand-in for a HyDE rewrite); a pipeline's
@@ -60,9 +61,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="latency repetitions per query")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    from cachedrag.bench.retrieval_scale import add_arguments as add_scale_arguments
+
+    add_scale_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scale:
+        from cachedrag.bench.retrieval_scale import print_summary, run_scale
+
+        results = run_scale(args)
+        print_summary(results)
+        if args.json_out:
+            write_json(results, args.json_out)
+        return 0
     results = run_bench(args)
     _print_summary(results)
     if args.json_out:

@@ -4,8 +4,10 @@ Owns: the TTFT suite. It builds a workload (corpus -> LLM-token chunks -> exact 
 question), runs every request through each mode in turn (interleaved, so machine noise hits
 all modes alike; each mode has its own engine and cache, sharing one loaded model), and
 reports per mode: TTFT median/mean/p95, computed-token fraction, chunk hit rate, ROUGE-L and
-first-token agreement against the ``full`` answer of the same request, and speedups measured
-in the same run. Also reports the planner micro-benchmark (10k cached chunks) and the
+first-token agreement against the ``full`` answer of the same request, teacher-forced agreement
+over that answer (``teacher_forced_top1``: the mode's top-1 equals full's at each answer position;
+``teacher_forced_kl``: mean KL(full || mode) per position; the same prefill as the free-running
+answer, so no compounding of an early divergence), and speedups measured in the same run. Also reports the planner micro-benchmark (10k cached chunks) and the
 replacement-policy trace simulation. Prints a table; ``--json OUT`` writes
 ``{"config", "n_requests", "modes": {mode: {...}}, "planning", "policy_simulation"}``.
 """
@@ -19,6 +21,7 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l, summary
+from cachedrag.kvcache.config import TOKEN_CHOICES
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the Python documentation excerpts "
@@ -42,11 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-ratio", type=float, default=None, help="fixed global recompute ratio instead of CFO")
     parser.add_argument("--ratios", default="", help="also run cachedrag at these fixed recompute ratios, e.g. 0.15,0.3,0.5 "
                         "(rows 'cachedrag@R': the fidelity vs computed-fraction frontier)")
-    parser.add_argument("--token-choice", default=None, choices=("deviation", "inter", "leading"),
+    parser.add_argument("--token-choice", default=None, choices=TOKEN_CHOICES,
                         help="which tokens of a reused chunk cachedrag recomputes (default: the CacheConfig default)")
     parser.add_argument("--choices", default="", help="also run cachedrag with these other token choices, e.g. "
                         "inter,leading (rows 'cachedrag:CHOICE', same recompute counts)")
     parser.add_argument("--no-early-termination", action="store_true", help="disable focused-chunk early termination")
+    parser.add_argument("--no-teacher-forced", action="store_true",
+                        help="skip teacher-forced agreement (saves one full-prefill scoring pass per request)")
+    parser.add_argument("--order-aware", action="store_true", help="EngineConfig.order_aware for every mode")
     parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--planning-chunks", type=int, default=10_000, help="cached chunks in the planning micro-benchmark")
@@ -83,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         cache_kwargs["recompute_ratio"] = args.recompute_ratio
     if args.token_choice is not None:
         cache_kwargs["token_choice"] = args.token_choice
-    config = EngineConfig(cache=CacheConfig(**cache_kwargs), early_termination=not args.no_early_termination)
+    config = EngineConfig(cache=CacheConfig(**cache_kwargs), early_termination=not args.no_early_termination,
+                          order_aware=args.order_aware)
     engines = {m: CachedEngine(runner, config=config.model_copy(update={"mode": m})) for m in modes}
     for ratio in [float(x) for x in args.ratios.split(",") if x.strip()]:
         name = f"cachedrag@{ratio:g}"
@@ -96,14 +103,27 @@ def run(args: argparse.Namespace) -> int:
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
+    from cachedrag.model.generation import SamplingParams
+
     records: dict[str, list] = {m: [] for m in modes}
+    teacher: dict[str, list] = {m: [] for m in modes}  # per counted request: (top1, kl) vs full
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
     for i in tqdm(range(n), desc="bench ttft", unit="req", file=sys.stderr):
-        for m in modes:
+        segs = engines["full"].prompts.chat(work.retrieved[i], work.questions[i], args.system_prompt)
+        ref_logp = answer = None
+        for m in modes:  # "full" first: its answer is what the other modes are teacher-forced on
             with torch.inference_mode():
-                r = engines[m].generate(work.retrieved[i], work.questions[i], args.system_prompt,
-                                        max_new_tokens=args.max_new_tokens)
+                r = engines[m].generate_segments(segs, params, teacher=answer)
+            if m == "full" and not args.no_teacher_forced and r.token_ids:
+                answer = r.token_ids
+                ref_logp = engines["full"].score(segs, answer, mode="full").log_softmax(-1)  # [A, V]
             if i >= warmup:
                 records[m].append(r)
+                if ref_logp is not None:
+                    logp = ref_logp if m == "full" else r.teacher_logits.log_softmax(-1)  # [A, V]
+                    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [A]
+                    top1 = (logp.argmax(-1) == ref_logp.argmax(-1)).float()  # [A]
+                    teacher[m].append((float(top1.mean()), float(kl.mean())))
 
     results = {"config": {
         "model": args.model or "SmolLM2-135M-Instruct", "corpus": work.corpus_name, "questions": work.question_source,
@@ -126,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
             "first_token_match_vs_full": statistics.fmean(
                 float(r.token_ids[:1] == f.token_ids[:1]) for r, f in zip(rs, full)),
             "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rs),
+            "teacher_forced_top1": statistics.fmean(t[0] for t in teacher[m]) if teacher[m] else None,
+            "teacher_forced_kl": statistics.fmean(t[1] for t in teacher[m]) if teacher[m] else None,
         }
         approx = [(r, f) for r, f in zip(rs, full) if r.prefix_hit_tokens + r.question_tokens < r.prompt_tokens
                   and r.chunks_hit > 0]  # served partly from non-prefix reuse: where fidelity can move
@@ -162,14 +184,16 @@ def _simulate() -> dict:
 
 def _print_table(results: dict) -> None:
     cols = ["ttft_median_s", "ttft_p95_s", "computed_token_fraction", "chunk_hit_rate", "rouge_l_vs_full",
-            "rouge_l_vs_full_approximate", "first_token_match_vs_full", "speedup_vs_full", "speedup_vs_prefix"]
-    head = ["mode", "ttft_med", "ttft_p95", "computed", "hit_rate", "rougeL", "rougeL~", "tok1_match", "x_full",
-            "x_prefix"]
+            "rouge_l_vs_full_approximate", "first_token_match_vs_full", "teacher_forced_top1", "teacher_forced_kl",
+            "speedup_vs_full", "speedup_vs_prefix"]
+    head = ["mode", "ttft_med", "ttft_p95", "computed", "hit_rate", "rougeL", "rougeL~", "tok1_match", "tf_top1",
+            "tf_kl", "x_full", "x_prefix"]
     print(f"\nTTFT over {results['n_requests']} requests ({results['config']['questions']})")
     print("  ".join([f"{head[0]:>14}"] + [f"{h:>10}" for h in head[1:]]))
     for m, row in results["modes"].items():
         vals = [f"{row[c]:.3f}" if isinstance(row[c], float) else "-" for c in cols]
         print("  ".join([f"{m:>14}"] + [f"{v:>10}" for v in vals]))
-    print("rougeL~: ROUGE-L vs full over requests served partly from non-prefix chunk reuse")
+    print("rougeL~: ROUGE-L vs full over requests served partly from non-prefix chunk reuse; tf_*: teacher-forced "
+          "over full's answer")
     p = results["planning"]
     print(f"planning: {p['plan_us_mean']} us mean, {p['plan_us_p99']} us p99 per request with {p['n_chunks']} cached chunks")

@@ -59,8 +59,9 @@ class ReplicaSettings(BaseModel):
         return self.served_model_name or ("tiny-random" if self.tiny else (self.model or "SmolLM2-135M-Instruct"))
 
 
-def build_replica_engine(settings: ReplicaSettings):
-    """The ``CachedEngine`` of one replica (CPU tier + optional shared Redis tier)."""
+def build_replica_engine(settings: ReplicaSettings, runner=None):
+    """The ``CachedEngine`` of one replica (CPU tier + optional shared Redis tier); ``runner``:
+    reuse a loaded model (benchmarks running several engines in one process)."""
     import torch
 
     from cachedrag.config import EngineConfig
@@ -72,7 +73,9 @@ def build_replica_engine(settings: ReplicaSettings):
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    if settings.tiny:
+    if runner is not None:
+        pass
+    elif settings.tiny:
         from cachedrag.testing import tiny_runner
 
         runner = tiny_runner()

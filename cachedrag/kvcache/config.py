@@ -118,7 +118,7 @@ class CacheConfig:
     token_choice: str = "deviation"
     check_layer: int = 1
     deviation_on: str = "v"
-    question_layers: tuple[int, ...] = (1,)
+    question_layers: tuple[int, ...] = (4, 8, 12, 16)
     question_weight: float = 0.5
     need_weight: float = 0.0
     refine_layer: int | None = None

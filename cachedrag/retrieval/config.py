@@ -110,6 +110,10 @@ class PipeliningConfig(_Frozen):
     max_stages: int = Field(4, ge=1, description="search stages of an idle engine (1: no speculation)")
     busy_requests: int = Field(2, ge=1, description="other requests in flight at which speculation stops")
     prompt_chunks: int = Field(4, ge=1, description="top chunks that go into the prompt")
+    min_search_s: float = Field(
+        0.1, ge=0.0, description="speculate only when recent searches took at least this long (0: always)"
+    )
+    search_ema: float = Field(0.3, gt=0.0, le=1.0, description="weight of the newest search in the expected search time")
 
 
 class RetrievalConfig(_Frozen):

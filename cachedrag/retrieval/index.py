@@ -2,9 +2,24 @@
 
 Owns: ``build_index`` (chunk -> embed -> train IVF-Flat), the on-disk layout and its
 ``IndexManifest`` (embedder name and dimension, metric, nlist, chunk settings, tokenizer
-identity, per-file sha256), ``load_index`` with its mismatch and checksum checks, and
+identity, per-file sha256, and its own sha256), the crash-safe swap of a rebuilt index
+into place, ``load_index`` with its mismatch, checksum and structure checks, and
 ``RetrievalIndex``, which maps search results back to ``Chunk`` records. Does not own: the
 search kernels (``ivf``) or the tiers and prefetching (``cluster_store``, ``lookahead``).
+
+Saving (``_save``): files are written into ``.<name>.cachedrag-build-<pid>-<hex>/`` next to
+the target, held by an ``flock`` on the sibling ``.lock`` file while the build runs, then
+swapped in with one ``renameat2(RENAME_EXCHANGE)`` (Linux): at every instant the path holds
+a complete index, the old one or the new one, and a failed exchange changes nothing. Where
+the exchange is unsupported, two renames are used and a failure of the second renames the
+old index back. Temp directories of builds that died (kill -9) are removed by the next save
+next to the same path; nothing else is touched. Written with ``ctypes`` because the standard
+library has no exchange-rename; ``_exchange`` / ``_rename`` are the seams fault tests use.
+
+The manifest verifies itself: ``manifest_sha256`` is the sha256 of its other fields
+(canonical JSON), and ``files`` must list every file of the layout, so emptying ``files``
+or editing ``metric`` is detected. This is integrity against accidents and naive edits,
+not authentication: whoever can write the directory can recompute every checksum.
 
 Layout of an index directory (no pickle anywhere; numpy files load with
 ``allow_pickle=False``)::
@@ -21,11 +36,16 @@ Layout of an index directory (no pickle anywhere; numpy files load with
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +66,11 @@ from cachedrag.retrieval.ivf import PAD_ID, IVFIndex, Stage, check_nprobe
 
 MANIFEST = "manifest.json"
 FORMAT = "cachedrag-ivf-index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _ARRAYS = ("token_ids", "token_offsets", "centroids", "vectors", "ids", "offsets")
+_FILES = frozenset([*(f"{a}.npy" for a in _ARRAYS), "chunks.jsonl"])
+BUILD_TAG = ".cachedrag-build-"
+_STALE_LOCK_S = 60.0  # a live pid with a free lock this old is a reused pid, not a build in progress
 
 
 class IndexManifest(BaseModel):
@@ -69,6 +92,16 @@ class IndexManifest(BaseModel):
     index: IndexConfig
     tokenizer: dict
     files: dict[str, str] = {}  # file name -> sha256
+    manifest_sha256: str = ""  # sha256 of the canonical JSON of every other field
+
+    def digest(self) -> str:
+        """The sha256 this manifest should carry in ``manifest_sha256``."""
+        fields = self.model_dump(mode="json", exclude={"manifest_sha256"})
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def sealed(self) -> "IndexManifest":
+        """A copy carrying its own checksum."""
+        return self.model_copy(update={"manifest_sha256": self.digest()})
 
 
 @dataclass(frozen=True)
@@ -228,12 +261,16 @@ def load_index(path: str | Path, embedder: Embedder | None = None, verify: bool 
         for name, digest in manifest.files.items():
             if _sha256(path / name) != digest:
                 raise CorruptCacheError(f"index file {path / name} fails its checksum; rebuild the index")
-    arrays = {name: np.load(path / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
-    with (path / "chunks.jsonl").open(encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    try:
+        arrays = {name: np.load(path / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
+        with (path / "chunks.jsonl").open(encoding="utf-8") as fh:
+            records = [json.loads(line) for line in fh if line.strip()]
+    except (ValueError, OSError, EOFError) as exc:  # numpy format errors, bad JSON, missing files
+        raise CorruptCacheError(f"{path}: index files cannot be read ({exc}); rebuild the index") from exc
     tok_off = arrays["token_offsets"]
     if len(records) != manifest.n_chunks or len(tok_off) != manifest.n_chunks + 1:
         raise CorruptCacheError(f"{path}: chunk files disagree with the manifest ({len(records)} records)")
+    _check_structure(path, arrays, manifest)
     chunks = [Chunk.from_record(r, arrays["token_ids"][tok_off[i] : tok_off[i + 1]]) for i, r in enumerate(records)]
     ivf = IVFIndex(
         torch.from_numpy(arrays["centroids"]),
@@ -254,8 +291,14 @@ def _save(index: RetrievalIndex, out: Path) -> Path:
     if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not a cachedrag index directory; refusing to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    clean_leftovers(out)
+    base = out.parent / f".{out.name}{BUILD_TAG}{os.getpid()}-{secrets.token_hex(6)}"
+    lock = Path(f"{base}.lock")
+    lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    tmp = base
     try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        tmp.mkdir()
         token_offsets = np.concatenate([[0], np.cumsum([len(c.token_ids) for c in index.chunks])]).astype(np.int64)
         token_ids = np.fromiter((t for c in index.chunks for t in c.token_ids), dtype=np.int32, count=int(token_offsets[-1]))
         arrays = {
@@ -271,20 +314,139 @@ def _save(index: RetrievalIndex, out: Path) -> Path:
             files[f"{name}.npy"] = _write(tmp / f"{name}.npy", lambda fh, a=array: np.save(fh, np.ascontiguousarray(a)))
         lines = "".join(json.dumps(c.to_record(), ensure_ascii=False) + "\n" for c in index.chunks)
         files["chunks.jsonl"] = _write(tmp / "chunks.jsonl", lambda fh: fh.write(lines.encode("utf-8")))
-        manifest = index.manifest.model_copy(update={"files": files})
+        manifest = index.manifest.model_copy(update={"files": files, "format_version": FORMAT_VERSION}).sealed()
         _write(tmp / MANIFEST, lambda fh: fh.write(manifest.model_dump_json(indent=2).encode()))
         os.chmod(tmp, 0o755)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "index")
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
+        _fsync_dir(tmp)
+        _swap_in(tmp, out)  # afterwards ``tmp`` holds the old index (or nothing)
+        _fsync_dir(out.parent)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        shutil.rmtree(Path(f"{base}.old"), ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        os.close(lock_fd)
     return out
+
+
+def _swap_in(new: Path, out: Path) -> None:
+    """Put the complete index ``new`` at ``out``; the old index (if any) ends up at ``new``.
+
+    ``out`` holds a complete index at every instant: one atomic exchange where the system has
+    it; else two renames, the old index renamed back if the second fails."""
+    if not out.exists():
+        _rename(new, out)
+        return
+    try:
+        _exchange(new, out)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise  # a real failure: nothing changed, ``out`` still holds the old index
+    old = Path(f"{new}.old")
+    _rename(out, old)
+    try:
+        _rename(new, out)
+    except BaseException:
+        _rename(old, out)  # put the old index back
+        raise
+    _rename(old, new)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """``rename(2)`` (a seam: fault tests make it fail)."""
+    os.rename(src, dst)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Atomically swap two paths (``renameat2(..., RENAME_EXCHANGE)``, Linux 3.15+, glibc 2.28+).
+    ``OSError(ENOSYS)`` where unavailable. A seam: fault tests make it fail."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def clean_leftovers(out: str | Path) -> list[Path]:
+    """Remove the temp directories that dead builds of ``out`` left next to it (our
+    ``.<name>.cachedrag-build-*`` names only; a build still running holds its lock and is
+    left alone). If a build died between the two renames of the fallback swap and ``out`` is
+    missing, its old index is renamed back first. Returns what was removed."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    prefix = f".{out.name}{BUILD_TAG}"
+    builds: dict[str, list[Path]] = {}
+    for p in out.parent.iterdir():
+        if p.name.startswith(prefix) and not p.is_symlink():
+            build = p.name[len(prefix):].split(".")[0]
+            builds.setdefault(build, []).append(p)
+    removed: list[Path] = []
+    for build, paths in builds.items():
+        base = out.parent / f"{prefix}{build}"
+        if not _dead(build, Path(f"{base}.lock")):
+            continue
+        old = Path(f"{base}.old")
+        if not out.exists() and (old / MANIFEST).is_file():
+            os.rename(old, out)
+            warnings.warn(f"{out} was missing after a build died mid-swap; its previous index was restored",
+                          RuntimeWarning, stacklevel=2)
+        for p in paths:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists():
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _dead(build: str, lock: Path) -> bool:
+    """Whether the build ``<pid>-<hex>`` is over: its process is gone, or its lock is free
+    (and old enough that it is not a build between creating and locking it)."""
+    try:
+        pid = int(build.split("-")[0])
+    except ValueError:
+        return False  # not a name we make
+    if pid != os.getpid():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # alive, someone else's
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return pid != os.getpid() and _older_than(lock.with_suffix(""), _STALE_LOCK_S)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: a build in progress
+    finally:
+        os.close(fd)
+    return _older_than(lock, _STALE_LOCK_S)
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - os.lstat(path).st_mtime > seconds
+    except FileNotFoundError:
+        return True
 
 
 def _write(path: Path, write) -> str:
@@ -305,7 +467,39 @@ def _sha256(path: Path) -> str:
 
 
 def _read_manifest(path: Path) -> IndexManifest:
+    """The manifest, checked: its own checksum (format 2), and a ``files`` table naming every
+    file of the layout. A format-1 manifest (no checksum) loads with a warning to rebuild."""
     try:
-        return IndexManifest.model_validate_json((path / MANIFEST).read_text(encoding="utf-8"))
-    except ValueError as exc:
+        manifest = IndexManifest.model_validate_json((path / MANIFEST).read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
         raise CorruptCacheError(f"{path / MANIFEST} is not a valid index manifest: {exc}") from exc
+    if manifest.format_version == 1:
+        warnings.warn(f"{path}: index format 1 has no manifest checksum; rebuild it to get a self-verifying one",
+                      RuntimeWarning, stacklevel=3)
+    elif manifest.format_version != FORMAT_VERSION:
+        raise IndexMismatchError(f"{path}: index format {manifest.format_version}, this cachedrag reads "
+                                 f"{FORMAT_VERSION}; rebuild the index")
+    elif manifest.manifest_sha256 != manifest.digest():
+        raise CorruptCacheError(f"{path / MANIFEST} fails its own checksum (edited or damaged); rebuild the index")
+    if set(manifest.files) != _FILES:
+        raise CorruptCacheError(f"{path / MANIFEST}: its file table lists {sorted(manifest.files)}, "
+                                f"not the index's files {sorted(_FILES)}; rebuild the index")
+    return manifest
+
+
+def _check_structure(path: Path, arrays: dict[str, np.ndarray], manifest: IndexManifest) -> None:
+    """Array invariants a search relies on (so a bad index raises here, not mid-search): ids
+    are a permutation of the chunk rows, offsets are monotone and cover every vector."""
+    n = manifest.n_chunks
+    ids, offsets, tok = arrays["ids"], arrays["offsets"], arrays["token_offsets"]
+    problems = []
+    if ids.shape != (n,) or not np.array_equal(np.sort(ids), np.arange(n)):
+        problems.append("ids are not a permutation of the chunk rows")
+    if offsets.shape != (manifest.nlist + 1,) or offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) < 0):
+        problems.append("cluster offsets do not cover the vectors")
+    if arrays["vectors"].shape != (n, manifest.dim):
+        problems.append(f"vectors have shape {arrays['vectors'].shape}")
+    if tok[0] != 0 or tok[-1] != len(arrays["token_ids"]) or np.any(np.diff(tok) < 0):
+        problems.append("token offsets do not cover the token ids")
+    if problems:
+        raise CorruptCacheError(f"{path}: {'; '.join(problems)}; rebuild the index")

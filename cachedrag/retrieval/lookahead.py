@@ -294,6 +294,8 @@ class LookaheadRetriever:
         k = k or self.search_config.k
         nprobe = nprobe or self.search_config.nprobe
         q = self._embed(query)  # [B, d]
+        if self.config.cancel_prefetch_on_search and self._current is not None:
+            self._current.cancel()
         probe = self.quantizer.assign(q, nprobe)  # [B, nprobe]
         return staged_search(q, probe, k, self.quantizer.metric, self._fetch_cpu, n_stages)
 
@@ -367,7 +369,7 @@ def measure_bandwidth(slow: ClusterStore, fast_device: torch.device | str, n_clu
     for cid in slow.cluster_ids():
         if sampled == n_clusters:
             break
-        block = slow.get([cid])[cid]
+        block = getattr(slow, "read", slow.get)([cid])[cid]  # a memory-mapped tier's get() would copy nothing
         if block.ids.numel() == 0:
             continue
         nbytes += block.to(fast_device).nbytes

@@ -99,16 +99,22 @@ def hit_fraction(probed: Sequence[int], resident: set[int] | frozenset[int]) -> 
     return sum(1 for c in probed if c in resident) / len(probed)
 
 
-def speculation_stages(other_requests: int, max_stages: int, busy_requests: int) -> int:
+def speculation_stages(other_requests: int, max_stages: int, busy_requests: int,
+                       expected_search_s: float | None = None, min_search_s: float = 0.0) -> int:
     """Search stages for a request, from the engine's load (RAGCache's dynamic rule).
 
     Speculative prefill only pays when the engine has spare capacity: with no other request
     in flight the search runs in ``max_stages`` stages (a speculation after each but the
     last); each other request in flight divides the stages; from ``busy_requests`` other
-    requests on, one stage (no speculation: the engine's time goes to real work).
+    requests on, one stage (no speculation: the engine's time goes to real work). And only
+    when there is search time to hide: with ``expected_search_s`` (recent searches) below
+    ``min_search_s``, one stage (each speculative step has a fixed cost that a short search
+    cannot pay back).
     """
-    if max_stages < 1 or busy_requests < 1 or other_requests < 0:
-        raise ConfigError("max_stages and busy_requests must be >= 1, other_requests >= 0")
+    if max_stages < 1 or busy_requests < 1 or other_requests < 0 or min_search_s < 0:
+        raise ConfigError("max_stages and busy_requests must be >= 1, other_requests and min_search_s >= 0")
     if other_requests >= busy_requests:
+        return 1
+    if expected_search_s is not None and expected_search_s < min_search_s:
         return 1
     return max(1, max_stages // (1 + other_requests))

@@ -43,9 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-gb", type=float, default=4.0, help="Redis tier budget (GB) with --redis-url")
     parser.add_argument("--graceful-s", type=float, default=5.0, help="seconds in-flight requests get on shutdown")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from cachedrag.cluster.cli import add_arguments as add_cluster_arguments  # --replicas N --backend ray
+
+    add_cluster_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "backend", "local") == "ray" or getattr(args, "replicas", 1) != 1:
+        from cachedrag.cluster.cli import run as run_cluster  # replicas on Ray Serve (docs/scale-out.md)
+
+        return run_cluster(args)
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -82,10 +89,11 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, config)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_s,
                                            access_log=args.log_level == "debug"))
-    log.info("cachedrag serve: listening on http://%s:%d (model %s, mode %s, max batch %d, order %s)",
-             host, port, name, args.mode, args.max_batch, args.order)
+    # printed whatever the log level: scripts (bench serve, tests) read the address from this line
+    print(f"cachedrag serve: listening on http://{host}:{port} (model {name}, mode {args.mode}, "
+          f"max batch {args.max_batch}, order {args.order})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
-    log.info("cachedrag serve: stopped")
+    print("cachedrag serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 

@@ -262,6 +262,7 @@ class TieredStore:
                         node = self._policy.ensure(key)
                         self._policy.add_copy(key, i)
                         self._policy.touch(key)
+                        self._heal_links(key)
                         return entry, i, node.version
         return None, -1, -1
 
@@ -275,6 +276,19 @@ class TieredStore:
             self._policy.drop_copy(key, tier)
             if not node.copies:
                 self._policy.forget(key)
+                return
+            self._heal_links(key)
+
+    def _heal_links(self, key: str) -> None:
+        """Store lock held. ``key`` lost a fast copy (or came back from a shared tier) and may now
+        sit slower than its cached children: drop those links (they only order evictions, so no
+        I/O is needed and nothing is served differently)."""
+        node = self._policy.cached(key)
+        if node is None:
+            return
+        for child in self._policy.children_of(key):
+            if child.level < node.level:
+                self._policy.unlink(child.key)
 
     def _promote_after_read(self, key: str, entry: KVEntry, found_at: int, version: int) -> KVEntry | None:
         with self._lock:
@@ -391,6 +405,8 @@ class TieredStore:
             if gone:
                 self._policy.forget(key)
                 self._policy.unlink(key)
+            else:
+                self._heal_links(key)
         for tier in self.tiers:
             if tier.shared:
                 had = tier.remove(key) or had
@@ -465,6 +481,7 @@ class TieredStore:
         if node.level < j or any(c > j for c in node.copies):
             if not self._remove_copy(key, j):
                 return
+            self._heal_links(key)  # its children may now sit faster than its remaining (shared) copy
             if node.level is not None and node.level > j:
                 self.stats.demotions += 1
                 self.stats.demotion_writes_saved += 1
@@ -490,6 +507,7 @@ class TieredStore:
         """Delete ``key`` and its cached descendants from every tier (logged for ``drops_since``)."""
         for k in [*self._policy.descendants(key), key]:
             if not self._remove_copies(k):
+                self._heal_links(k)
                 continue  # a tier could not delete it: it stays indexed where it is
             self._policy.forget(k)
             self._policy.unlink(k)

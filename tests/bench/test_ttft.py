@@ -20,6 +20,10 @@ def test_bench_ttft_reports_every_mode(tiny_model_dir, tiny_corpus, tmp_path, ca
     full, prefix = data["modes"]["full"], data["modes"]["prefix"]
     assert full["rouge_l_vs_full"] == 1.0 and full["first_token_match_vs_full"] == 1.0
     assert full["chunk_hit_rate"] == 0.0 and full["computed_token_fraction"] == 1.0
+    assert full["teacher_forced_top1"] == 1.0 and full["teacher_forced_kl"] == 0.0
+    assert prefix["teacher_forced_top1"] == 1.0 and prefix["teacher_forced_kl"] < 1e-6
+    for row in data["modes"].values():
+        assert 0.0 <= row["teacher_forced_top1"] <= 1.0 and row["teacher_forced_kl"] >= -1e-6
     assert prefix["chunk_hit_rate"] > 0  # repeated questions hit their exact prefix
     assert prefix["rouge_l_vs_full"] == 1.0  # exact reuse does not change answers
     for row in data["modes"].values():

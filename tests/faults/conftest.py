@@ -22,3 +22,6 @@ def expected(runner):
     from tests.faults.helpers import reference
 
     return reference(runner)
+
+
+from tests.store.conftest import redis_server  # noqa: E402,F401  (a real redis-server for the Redis faults)

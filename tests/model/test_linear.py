@@ -7,7 +7,7 @@ import torch
 
 from cachedrag.model.linear import SKINNY_ROWS, gated_mlp, linear, reference_linear
 from cachedrag.model.runner import ModelRunner
-from cachedrag.testing import TINY_ARCHITECTURES, tiny_runner
+from cachedrag.testing import byte_tokenizer, TINY_ARCHITECTURES, tiny_runner
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -54,8 +54,8 @@ def test_gated_mlp_equals_the_hf_mlp(arch):
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_runner_decode_equals_reference_layout(arch):
     """Prefill, then decode steps: the skinny runner's logits match a runner on F.linear."""
-    fast = tiny_runner(arch)
-    ref = ModelRunner(fast.model, fast.tokenizer, skinny_linear=False)
+    fast = ModelRunner(tiny_runner(arch).model, byte_tokenizer(), fast=False)  # the unfused path: layout alone
+    ref = ModelRunner(fast.model, fast.tokenizer, skinny_linear=False, fast=False)
     assert fast.project is linear and ref.project is reference_linear
     ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3))
     kv_fast, kv_ref = fast.new_kv(24), ref.new_kv(24)

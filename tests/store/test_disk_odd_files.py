@@ -142,6 +142,7 @@ def test_remove_on_a_read_only_disk_is_not_reported_as_done(tmp_path, monkeypatc
     store = TieredStore.from_config(StoreConfig(namespace=NS, cpu_bytes=1 << 20, disk_dir=tmp_path,
                                                 disk_bytes=1 << 20, disk_fsync=False, write_through=True))
     assert store.put(key_of(1), make_entry(1))
+    assert store.put(key_of(2), make_entry(2), parent=key_of(1))  # a child that stays in the CPU tier
     disk = store.tier("disk")
     assert disk.contains(key_of(1))
 
@@ -156,6 +157,7 @@ def test_remove_on_a_read_only_disk_is_not_reported_as_done(tmp_path, monkeypatc
     assert store.check_invariants() == []
     monkeypatch.undo()
     assert store.remove(key_of(1)) is True
-    assert not disk.path(key_of(1)).exists() and disk.used_bytes == 0
+    assert not disk.path(key_of(1)).exists() and disk.contains(key_of(2))
+    assert disk.used_bytes == disk_bytes_on_disk(tmp_path)[0] == disk.entry_bytes(key_of(2))
     assert store.check_invariants() == []
     store.close()

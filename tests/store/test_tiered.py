@@ -312,3 +312,22 @@ def test_two_stores_share_entries_through_redis(redis_server, redis_prefix, tmp_
     assert b.get(key_of(5)).equal(make_entry(5))  # b's cpu copy is its own
     b.remove(key_of(5))
     assert not a.contains(key_of(5)) and b.check_invariants() == []
+
+
+def test_a_parent_lost_from_a_fast_tier_does_not_leave_the_tree_inconsistent(tmp_path):
+    """A parent's disk copy found damaged (removed) while its only other copy is in a slower tier:
+    the child may now be faster than the parent; the store drops that link instead of reporting
+    a violation forever."""
+    from cachedrag.store.cpu import MemoryTier
+
+    slow = MemoryTier(1 << 20, namespace=NS, device="cpu", name="slow")
+    slow.shared = True  # stands in for Redis: probed on a miss, evicts on its own
+    store = TieredStore([CPUTier(1 << 20, namespace=NS), slow], namespace=NS, write_through=False)
+    assert store.put(key_of(0), make_entry(0))
+    assert store.put(key_of(1), make_entry(1), parent=key_of(0))
+    slow.put(key_of(0), make_entry(0))  # another process wrote the parent to the shared tier
+    store.get(key_of(0), promote=False)
+    store._read(key_of(0))  # noqa: SLF001 (index learns of the shared copy)
+    store.tier("cpu").remove(key_of(0))  # the fast copy is lost behind the store's back
+    assert store.get(key_of(0), promote=False) is not None  # served from the slow tier
+    assert store.check_invariants() == []

@@ -1,0 +1,426 @@
+"""``cachedrag bench fidelity``: how far chunk reuse moves answers from full prefill, per token choice.
+
+Owns: the fidelity suite. Per corpus (the embedded stdlib docs with the gold QA set, and the GNU
+info manuals) and per stream seed, each request (a question, its top-k chunks; for gold items the
+chunk holding the answer is always among them) runs on a fresh cache:
+
+1. reference: ``full`` prefill in the retrieved order, greedy answer ``A`` (``max_new_tokens``),
+   and its teacher-forced logits over ``A`` (``CachedEngine.score``);
+2. order noise + warm-up: the same chunks in another random order (first chunk changed), computed
+   from scratch (exact full prefill of that order) while it stores every chunk's KV: its answer and
+   teacher-forced logits over ``A`` against the reference are the noise floor
+   (``order_noise_rouge_l``, ``order_noise_top1``): what reordering alone does to the answer;
+3. every row, on that warm cache, in the retrieved order: ``prefix`` (exact prefix reuse: the
+   system prompt only), ``order_aware`` (prefix reuse serving the cached order: exact, reordered),
+   ``naive`` (ratio 0), and each token choice at each recompute ratio (non-prefix reuse of every
+   chunk, the chunk KV computed behind other neighbours): free-running answer (ROUGE-L, exact
+   match, first token vs ``A``; gold accuracy) and teacher-forced logits over ``A`` (top-1
+   agreement with the reference per position, KL(full || reuse) per position).
+
+Rows share one loaded model; within a request they run back to back, so TTFT ratios (``x_full``,
+``x_prefix``) are measured side by side. ``oracle`` chooses the tokens whose true V (every layer)
+deviates most from full prefill's: a ceiling no real choice can see. Prints a table; ``--json OUT``
+writes ``{"config", "rows": {row: metrics}, "by_corpus", "by_seed", "noise", "requests"}``;
+``--plot PNG`` draws fidelity vs TTFT speedup per choice (matplotlib, the ``bench`` extra).
+
+Does not own the engine, the metrics' definitions (``bench.metrics``) or the gold set (``bench.gold``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+
+from cachedrag.bench import write_json
+from cachedrag.bench.metrics import rouge_l
+
+ALL_CHOICES = ("deviation", "question", "question+deviation", "leading", "inter", "random", "oracle")
+FULL_RATIOS = "0,0.05,0.1,0.15,0.2,0.3,0.5"
+SYSTEM_PROMPTS = {
+    "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
+               "given by the user. Be brief."),
+    "info": ("You are a helpful assistant. Answer the question using the GNU manual excerpts given by the "
+             "user. Be brief."),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--corpora", default="stdlib,info",
+                        help="comma-separated: stdlib (embedded pydoc corpus + gold QA), info (GNU info manuals)")
+    parser.add_argument("--seeds", default="0,1", help="stream seeds (which questions, which shuffled orders)")
+    parser.add_argument("--requests", type=int, default=4, help="requests per corpus and seed")
+    parser.add_argument("--ratios", default="0,0.1,0.3",
+                        help=f"recompute ratios of the frontier (0 = the naive row); the full one: {FULL_RATIOS}")
+    parser.add_argument("--choices", default="deviation,question,question+deviation,oracle",
+                        help="token choices, subset of " + ",".join(ALL_CHOICES))
+    parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--question-layers", default=None, help="CacheConfig.question_layers, e.g. 1 or 1,2")
+    parser.add_argument("--need-weight", type=float, default=None, help="CacheConfig.need_weight (budget by need)")
+    parser.add_argument("--refine-layer", type=int, default=None, help="CacheConfig.refine_layer (second stage)")
+    parser.add_argument("--no-early-termination", action="store_true", help="disable focused-chunk early termination")
+    parser.add_argument("--corpus", help="an extra corpus (directory or JSONL) run as 'custom' with --questions")
+    parser.add_argument("--questions", help="questions for --corpus, one per line")
+    parser.add_argument("--plot", help="write a PNG of fidelity vs TTFT speedup here (needs matplotlib)")
+    parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"not a comma-separated list of numbers: {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    ratios = _floats(args.ratios)
+    seeds = [int(x) for x in _floats(args.seeds)]
+    choices = [c.strip() for c in args.choices.split(",") if c.strip()]
+    corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
+    bad = [c for c in choices if c not in ALL_CHOICES] + [c for c in corpora if c not in ("stdlib", "info")]
+    if bad:
+        raise SystemExit(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
+    if any(not 0 <= r <= 1 for r in ratios) or not seeds or args.requests < 1:
+        raise SystemExit("ratios must be in [0, 1], --seeds non-empty, --requests >= 1")
+    if bool(args.corpus) != bool(args.questions):
+        raise SystemExit("--corpus and --questions go together")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib: pip install 'cachedrag[bench]'") from None
+
+    import torch
+
+    from cachedrag.model.loader import load_model
+    from cachedrag.model.runner import ModelRunner
+
+    torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    runner = ModelRunner(*load_model(args.model))
+    rows = _rows(runner, args, ratios, choices)
+    sets = []
+    if args.corpus:
+        sets.append(("custom", _custom(runner, args)))
+    for name in corpora:
+        sets.append((name, _corpus(runner, name, args)))
+    records: list[dict] = []
+    total = len(sets) * len(seeds) * args.requests
+    done = 0
+    for corpus_name, (texts, items, system) in sets:
+        for seed in seeds:
+            rng = random.Random(f"{seed}:{corpus_name}")
+            picks = rng.sample(items, min(args.requests, len(items)))
+            for item in picks:
+                records.append(_request(runner, rows, item, system, corpus_name, seed, rng, args))
+                done += 1
+                print(f"bench fidelity: {done}/{total} requests ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                      flush=True)
+    results = _summarise(records, list(rows), args, ratios, choices, time.perf_counter() - t0)
+    _print_table(results)
+    if args.json_out:
+        write_json(results, args.json_out)
+    if args.plot:
+        plot_frontier(results, args.plot)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- setup
+
+def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
+    """Row name -> (engine, mode). Each engine gets a fresh manager per request (``_bind``)."""
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.kvcache.config import CacheConfig
+
+    base: dict = {}
+    if args.question_layers:
+        base["question_layers"] = tuple(int(x) for x in args.question_layers.split(","))
+    if args.need_weight is not None:
+        base["need_weight"] = args.need_weight
+    if args.refine_layer is not None:
+        base["refine_layer"] = args.refine_layer
+    et = not args.no_early_termination
+    oracle = _oracle_class()
+
+    def engine(cls=CachedEngine, order_aware=False, **cache):
+        return cls(runner, config=EngineConfig(cache=CacheConfig(**{**base, **cache}), early_termination=et,
+                                               order_aware=order_aware))
+
+    # run order: "prefix" stores the retrieved order as a tree path, so it runs last (the reuse rows
+    # compute nothing fresh and store nothing; "noise" computes everything and warms the cache)
+    rows = {"full": (engine(oracle), "full"), "noise": (engine(), "naive"),
+            "order_aware": (engine(order_aware=True), "prefix")}
+    if 0 in ratios:
+        rows["naive"] = (engine(), "naive")
+    for choice in choices:
+        for ratio in (r for r in ratios if r > 0):
+            name = f"{choice}@{ratio:g}"
+            if choice == "oracle":
+                rows[name] = (engine(oracle, token_choice="question", need_weight=0.0, recompute_ratio=ratio),
+                              "cachedrag")
+            elif choice == "random":
+                rows[name] = (engine(recompute_ratio=ratio), "random")
+            else:
+                rows[name] = (engine(token_choice=choice, recompute_ratio=ratio), "cachedrag")
+    rows["prefix"] = (engine(), "prefix")
+    return rows
+
+
+def _corpus(runner, name: str, args):
+    """(chunk texts, request items, system prompt); an item is (question, retrieved texts, gold or None)."""
+    from cachedrag.bench.gold import INFO_QUESTIONS, STDLIB_GOLD
+    from cachedrag.corpus import info_corpus, stdlib_corpus
+
+    docs = stdlib_corpus() if name == "stdlib" else info_corpus()
+    if name == "stdlib":
+        return _retrieve(runner, docs, [(g.question, g.doc, g.answer) for g in STDLIB_GOLD], args) + (
+            SYSTEM_PROMPTS["stdlib"],)
+    return _retrieve(runner, docs, [(q, None, None) for q in INFO_QUESTIONS], args) + (SYSTEM_PROMPTS["info"],)
+
+
+def _custom(runner, args):
+    from cachedrag.corpus import load_corpus, load_questions
+
+    return _retrieve(runner, load_corpus(args.corpus), [(q, None, None) for q in dict.fromkeys(
+        load_questions(args.questions))], args) + (SYSTEM_PROMPTS["stdlib"],)
+
+
+def _retrieve(runner, docs, questions, args):
+    """Chunk, embed, exact top-k; a gold item's answer chunk (first chunk of its document holding
+    the answer) replaces the last retrieved chunk when retrieval missed it."""
+    import numpy as np
+
+    from cachedrag.bench.gold import gold_match
+    from cachedrag.retrieval.chunker import chunk_documents
+    from cachedrag.retrieval.config import ChunkConfig
+    from cachedrag.retrieval.embedder import Embedder
+
+    chunks = chunk_documents(docs, runner.tokenizer, ChunkConfig(chunk_tokens=args.chunk_tokens, overlap=0),
+                             progress=False)
+    texts = [c.text for c in chunks]
+    embedder = Embedder()
+    vecs = embedder.encode(texts)  # [N, d]
+    qvecs = embedder.encode([q for q, _, _ in questions])  # [Q, d]
+    top = np.argsort(-(qvecs @ vecs.T), axis=1)[:, :args.top_k]  # [Q, k]
+    items = []
+    for (q, doc, answer), row in zip(questions, top):
+        picked = [int(i) for i in row]
+        gold = None
+        if answer is not None:
+            holder = next((i for i, c in enumerate(chunks) if c.doc_id == doc and gold_match(c.text, answer)), None)
+            if holder is None:
+                print(f"bench fidelity: gold answer {answer!r} is in no chunk of {doc}; question skipped",
+                      file=sys.stderr)
+                continue
+            if holder not in picked:
+                picked[-1] = holder
+            gold = answer
+        items.append((q, [texts[i] for i in picked], gold))
+    return texts, items
+
+
+def _oracle_class():
+    from cachedrag.engine import CachedEngine
+
+    class OracleEngine(CachedEngine):
+        """The ceiling: ``question`` choice machinery, but tokens ranked by their true V deviation
+        (all layers) from the reference full prefill captured by the last ``score`` in ``full`` mode."""
+
+        reference_v = None
+
+        def _teacher_forced(self, pre, start, teacher):
+            if pre.info["chunks_hit"] == 0 and pre.info["prefix_hit_tokens"] == 0:  # full prefill: the reference
+                type(self).reference_v = pre.kv.v[:, :, :start].clone()  # [L, H_kv, T, D], shared by the oracle rows
+            return super()._teacher_forced(pre, start, teacher)
+
+        def _question_scores(self, ids, kv, total, fresh_pos, question_pos, plan, deferred, load_layer):
+            for layer in range(self.runner.n_layers):
+                load_layer(layer)
+            ref = self.reference_v
+            if ref is None or ref.shape[2] != total:
+                raise RuntimeError("oracle: no reference full prefill of this prompt")
+            return (kv.v[:, :, :total] - ref).float().norm(dim=-1).mean((0, 1))  # [T]
+
+    return OracleEngine
+
+
+def _bind(engine, manager) -> None:
+    """Point ``engine`` at ``manager`` (one fresh cache per request, shared by all rows), with the
+    planner following this engine's policy (recompute ratio, token choice)."""
+    engine.manager = manager
+    manager.config = engine.config.cache
+    manager.planner.config = engine.config.cache
+
+
+# ---------------------------------------------------------------------------------- one request
+
+def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng: random.Random, args) -> dict:
+    import torch
+
+    from cachedrag.bench.gold import gold_match
+    from cachedrag.kvcache.manager import ChunkCacheManager
+    from cachedrag.model.generation import SamplingParams
+    from cachedrag.store.cpu import CPUTier
+
+    question, chunks, gold = item
+    full_engine = rows["full"][0]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    manager = ChunkCacheManager(CPUTier(2 << 30, namespace=full_engine.model_namespace.digest),
+                                full_engine.config.cache, capacity_bytes=2 << 30)
+    segs = full_engine.prompts.chat(chunks, question, system)
+    _bind(full_engine, manager)
+    ref = full_engine.generate_segments(segs, params, mode="full")
+    answer = ref.token_ids
+    ref_logits = full_engine.score(segs, answer, mode="full")  # [A, V]
+    ref_logp = ref_logits.log_softmax(-1)
+    ref_top = ref_logits.argmax(-1)  # [A]
+    order = list(range(len(chunks)))
+    while len(chunks) > 1 and order[0] == 0:
+        rng.shuffle(order)
+    record = {"corpus": corpus, "seed": seed, "question": question, "gold": gold, "answer": ref.text,
+              "prompt_tokens": ref.prompt_tokens, "order": order, "rows": {}}
+
+    def measure(r) -> dict:
+        logits = r.teacher_logits  # [A, V]
+        kl = (ref_logp.exp() * (ref_logp - logits.log_softmax(-1))).sum(-1)  # [A]
+        return {"ttft_s": r.ttft_s, "computed_fraction": r.computed_fraction,
+                "tf_top1": float((logits.argmax(-1) == ref_top).float().mean()), "tf_kl": float(kl.mean()),
+                "first_token": float(r.token_ids[:1] == answer[:1]), "rouge_l": rouge_l(r.text, ref.text),
+                "exact": float(r.token_ids == answer), "gold": None if gold is None else float(gold_match(r.text, gold)),
+                "approximations": r.approximations, "chunks_hit": r.chunks_hit}
+
+    record["rows"]["full"] = {"ttft_s": ref.ttft_s, "computed_fraction": 1.0, "tf_top1": 1.0, "tf_kl": 0.0,
+                              "first_token": 1.0, "rouge_l": 1.0, "exact": 1.0,
+                              "gold": None if gold is None else float(gold_match(ref.text, gold)),
+                              "approximations": [], "chunks_hit": 0}
+    shuffled = full_engine.prompts.chat([chunks[i] for i in order], question, system)
+    for name, (engine, mode) in rows.items():
+        if name == "full":
+            continue
+        _bind(engine, manager)
+        with torch.inference_mode():
+            r = engine.generate_segments(shuffled if name == "noise" else segs, params, mode=mode, teacher=answer)
+        record["rows"][name] = measure(r)
+        if name == "noise":
+            assert r.chunks_hit == 0, "the noise/warm-up pass must compute every chunk fresh"
+    return record
+
+
+# ---------------------------------------------------------------------------------- summary
+
+METRICS = ("tf_top1", "tf_kl", "first_token", "rouge_l", "exact", "gold", "computed_fraction")
+
+
+def _aggregate(recs: list[dict], row: str) -> dict:
+    out = {}
+    for m in METRICS:
+        vals = [r["rows"][row][m] for r in recs if r["rows"][row][m] is not None]
+        out[m] = statistics.fmean(vals) if vals else None
+    out["ttft_median_s"] = statistics.median(r["rows"][row]["ttft_s"] for r in recs)
+    out["n"] = len(recs)
+    return out
+
+
+def _summarise(records: list[dict], row_names: list[str], args, ratios, choices, seconds: float) -> dict:
+    import torch
+
+    results = {"config": {
+        "model": args.model or "SmolLM2-135M-Instruct", "corpora": sorted({r["corpus"] for r in records}),
+        "seeds": sorted({r["seed"] for r in records}), "requests_per_corpus_seed": args.requests,
+        "ratios": ratios, "choices": choices, "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
+        "max_new_tokens": args.max_new_tokens, "early_termination": not args.no_early_termination,
+        "question_layers": args.question_layers, "need_weight": args.need_weight, "refine_layer": args.refine_layer,
+        "torch_threads": torch.get_num_threads(), "seconds": round(seconds, 1),
+    }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {}}
+    rows = [n for n in row_names if n != "noise"]
+    for name in rows:
+        results["rows"][name] = _aggregate(records, name)
+    full_t = results["rows"]["full"]["ttft_median_s"]
+    prefix_t = results["rows"]["prefix"]["ttft_median_s"]
+    for row in results["rows"].values():
+        row["x_full"] = full_t / row["ttft_median_s"]
+        row["x_prefix"] = prefix_t / row["ttft_median_s"]
+    noise = _aggregate(records, "noise")
+    results["noise"] = {"order_noise_rouge_l": noise["rouge_l"], "order_noise_top1": noise["tf_top1"],
+                        "order_noise_kl": noise["tf_kl"], "order_noise_first_token": noise["first_token"],
+                        "order_noise_exact": noise["exact"], "order_noise_gold": noise["gold"]}
+    for key, field in (("by_corpus", "corpus"), ("by_seed", "seed")):
+        for value in sorted({r[field] for r in records}):
+            sub = [r for r in records if r[field] == value]
+            results[key][str(value)] = {name: _aggregate(sub, name) for name in rows + ["noise"]}
+    results["requests"] = records
+    return results
+
+
+def _print_table(results: dict) -> None:
+    cols = ("computed_fraction", "ttft_median_s", "x_full", "x_prefix", "tf_top1", "tf_kl", "first_token", "rouge_l",
+            "exact", "gold")
+    head = ("row", "computed", "ttft_med", "x_full", "x_prefix", "tf_top1", "tf_kl", "tok1", "rougeL", "exact", "gold")
+    cfg = results["config"]
+    print(f"\nFidelity vs full prefill over {results['n_requests']} requests (corpora {','.join(cfg['corpora'])}, "
+          f"seeds {cfg['seeds']}, {cfg['max_new_tokens']} greedy tokens)")
+    print("  ".join([f"{head[0]:>22}"] + [f"{h:>9}" for h in head[1:]]))
+
+    def fmt(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    for name, row in results["rows"].items():
+        print("  ".join([f"{name:>22}"] + [f"{fmt(row.get(c)):>9}" for c in cols]))
+    n = results["noise"]
+    print(f"order-noise floor (full prefill, chunks shuffled): rougeL {fmt(n['order_noise_rouge_l'])}, "
+          f"tf_top1 {fmt(n['order_noise_top1'])}, tf_kl {fmt(n['order_noise_kl'])}, "
+          f"tok1 {fmt(n['order_noise_first_token'])}, gold {fmt(n['order_noise_gold'])}")
+    seeds = list(results["by_seed"])
+    if len(seeds) > 1:
+        print("per seed (tf_kl / rougeL): " + "; ".join(
+            f"{name} " + " ".join(f"{results['by_seed'][s][name]['tf_kl']:.3f}/{results['by_seed'][s][name]['rouge_l']:.2f}"
+                                  for s in seeds)
+            for name in results["rows"] if "@" in name))
+
+
+def plot_frontier(results: dict, path: str) -> None:
+    """Two panels, teacher-forced top-1 and ROUGE-L vs TTFT speedup over full prefill; one line
+    per token choice over its recompute ratios, the order-noise floor as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    by_choice: dict[str, list[tuple[float, dict]]] = {}
+    for name, row in rows.items():
+        if "@" in name:
+            choice, ratio = name.split("@")
+            by_choice.setdefault(choice, []).append((float(ratio), row))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric, label, floor in ((axes[0], "tf_top1", "teacher-forced top-1 agreement", "order_noise_top1"),
+                                     (axes[1], "rouge_l", "ROUGE-L vs full (free-running)", "order_noise_rouge_l")):
+        for choice, pts in sorted(by_choice.items()):
+            pts.sort()
+            style = "--" if choice == "oracle" else "-"
+            ax.plot([p[1]["x_full"] for p in pts], [p[1][metric] for p in pts], style, marker="o", label=choice)
+            for ratio, p in pts:
+                ax.annotate(f"{ratio:g}", (p["x_full"], p[metric]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+        for name, marker in (("naive", "x"), ("prefix", "s"), ("order_aware", "^")):
+            if name in rows:
+                ax.plot([rows[name]["x_full"]], [rows[name][metric]], marker, color="black", label=name)
+        if results["noise"][floor] is not None:
+            ax.axhline(results["noise"][floor], color="grey", linestyle=":", label="order-noise floor")
+        ax.set_xlabel("TTFT speedup vs full prefill (x)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower left")
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['model']}: {results['n_requests']} requests, corpora {', '.join(cfg['corpora'])}, "
+                 f"seeds {cfg['seeds']} (labels: recompute ratio)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,378 @@
+"""``cachedrag bench serve``: the OpenAI server under load, five configurations side by side.
+
+Owns: the serving suite. For each configuration it starts ``cachedrag serve`` as its own
+process on loopback (``--port 0``), warms it with a few requests, then replays a Zipf-skewed
+RAG stream (the ``bench ttft`` workload: stdlib-docs chunks, exact top-k retrieval with the
+MiniLM embedder) at each concurrency level with Poisson arrivals (``--rate`` requests/s; at
+most ``level`` requests in flight), streaming every answer through SSE, and reports per level:
+requests/s, output tokens/s, TTFT p50/p95, time per output token p50, chunk hit rate (from the
+server's Prometheus counters) and the ``cached_tokens`` share of prompt tokens. Then the
+configurations' answers are compared with (b) (ROUGE-L, exact match) and, with ``--soak``,
+config (d) takes ``--soak-requests`` at ``--soak-concurrency`` with random client disconnects.
+
+Configurations (the issue's a..e):
+  a  ``--mode full --max-batch 1``          today's one-at-a-time baseline
+  b  ``--mode full``, batched, FIFO
+  c  ``--mode cachedrag``, batched, FIFO, explicit ``cachedrag.chunks``
+  d  ``--mode cachedrag``, batched, cache-aware order, explicit chunks
+  e  as (d), but the client sends no extension field (automatic passage detection)
+
+Every level of one configuration replays the same requests as that level of every other, so
+answers compare request by request. Servers run one at a time (the CPU is shared).
+``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import select
+import subprocess
+import sys
+import time
+
+from cachedrag.bench import write_json
+from cachedrag.bench.metrics import percentile, rouge_l
+
+CONFIGS = {
+    "a": ("full, no batching", ["--mode", "full", "--max-batch", "1", "--order", "fifo"], True),
+    "b": ("full, batched", ["--mode", "full", "--order", "fifo"], True),
+    "c": ("cachedrag, batched, FIFO", ["--mode", "cachedrag", "--order", "fifo"], True),
+    "d": ("cachedrag, batched, cache-aware", ["--mode", "cachedrag", "--order", "cache_aware"], True),
+    "e": ("cachedrag, cache-aware, automatic chunks", ["--mode", "cachedrag", "--order", "cache_aware"], False),
+}
+SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
+                 "given by the user. Be brief.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--tiny", action="store_true", help="tiny random model (a smoke run of the suite, seconds)")
+    parser.add_argument("--configs", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
+    parser.add_argument("--levels", default="1,2,4,8", help="concurrency levels")
+    parser.add_argument("--requests", type=int, default=8, help="requests per level (default 8: fits one 15-min run)")
+    parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server before the levels")
+    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate (requests/s) of every level")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-batch", type=int, default=8, help="batch size of the batched configurations")
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--chunk-tokens", type=int, default=192)
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--soak", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the disconnect soak on config d after the levels")
+    parser.add_argument("--soak-requests", type=int, default=200)
+    parser.add_argument("--soak-concurrency", type=int, default=16)
+    parser.add_argument("--soak-disconnect", type=float, default=0.3, help="share of soak requests that disconnect")
+    parser.add_argument("--soak-max-tokens", type=int, default=6)
+    parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+
+
+# ---------------------------------------------------------------------- server processes
+class ServerProcess:
+    """``cachedrag serve`` on loopback in a child process."""
+
+    def __init__(self, args: list[str]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0",
+                                      "--log-level", "warning", *args], stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.url = None
+        lines = []
+        deadline = time.monotonic() + 300
+        while self.url is None:
+            if not select.select([self.proc.stderr], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                self.proc.kill()
+                raise RuntimeError("cachedrag serve did not start within 300 s:\n" + "".join(lines[-20:]))
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("cachedrag serve exited before listening:\n" + "".join(lines[-20:]))
+            lines.append(line)
+            m = re.search(r"listening on (http://[\d.]+:\d+)", line)
+            self.url = m.group(1) if m else None
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def _metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ---------------------------------------------------------------------- clients
+def _body(model: str, chunks: list[str], question: str, explicit: bool, max_tokens: int) -> dict:
+    context = "\n\n".join(chunks)
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}]}
+    if explicit:
+        body["cachedrag"] = {"chunks": chunks}
+    return body
+
+
+async def _one(client, url: str, body: dict, disconnect_after: int | None = None) -> dict:
+    """Stream one request; returns timings, text, usage (or what happened)."""
+    t0 = time.perf_counter()
+    out = {"ttft_s": None, "text": "", "usage": None, "status": None, "disconnected": False}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        out["status"] = r.status_code
+        if r.status_code != 200:
+            out["error"] = (await r.aread()).decode()[:200]
+            return out
+        deltas = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["error"] = event["error"]["message"]
+                break
+            if event.get("usage"):
+                out["usage"] = event["usage"]
+            for choice in event.get("choices", ()):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    if out["ttft_s"] is None:
+                        out["ttft_s"] = time.perf_counter() - t0
+                    out["text"] += piece
+                    deltas += 1
+            if disconnect_after is not None and deltas >= disconnect_after:
+                out["disconnected"] = True
+                break  # leaving the block closes the connection mid-stream
+    out["total_s"] = time.perf_counter() - t0
+    return out
+
+
+async def _replay(url: str, bodies: list[dict], concurrency: int, rate: float, seed: int) -> tuple[list[dict], float]:
+    """Poisson arrivals at ``rate``; at most ``concurrency`` in flight. Returns results and wall time."""
+    import httpx
+
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in bodies:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    slots = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def go(body, at):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            async with slots:
+                return await _one(client, url, body)
+
+        results = await asyncio.gather(*(go(b, a) for b, a in zip(bodies, arrivals)))
+        return list(results), time.perf_counter() - start
+
+
+def _level_stats(results: list[dict], wall: float, hits: float, misses: float) -> dict:
+    ok = [r for r in results if r["status"] == 200 and r["usage"]]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tpot = [(r["total_s"] - r["ttft_s"]) / (r["usage"]["completion_tokens"] - 1) for r in ok
+            if r["ttft_s"] is not None and r["usage"]["completion_tokens"] > 1]
+    out_tokens = sum(r["usage"]["completion_tokens"] for r in ok)
+    prompt = sum(r["usage"]["prompt_tokens"] for r in ok)
+    cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok)
+    return {
+        "requests": len(results), "completed": len(ok), "wall_s": round(wall, 3),
+        "requests_per_s": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
+        "tpot_p50_s": percentile(tpot, 50) if tpot else None,
+        "chunk_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "cached_tokens_share": cached / prompt if prompt else 0.0,
+        "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
+        "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
+    }
+
+
+# ---------------------------------------------------------------------- the suite
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from cachedrag.bench.workload import Workload, build_workload
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; choose from {','.join(CONFIGS)}")
+    levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    n_total = args.warmup + args.requests * len(levels)
+    model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
+    if args.tiny:
+        from cachedrag.testing import TINY_DOCS
+
+        rng = random.Random(args.seed)
+        docs = [d.text for d in TINY_DOCS]
+        questions = [f"What does item {rng.randrange(6)} do?" for _ in range(n_total)]
+        work = Workload(docs, questions, [rng.sample(docs, 1) for _ in questions], "tiny docs", "random")  # 512-token context
+        model_name = "tiny-random"
+    else:
+        from cachedrag.model.loader import load_tokenizer
+
+        work = build_workload(load_tokenizer(args.model), None, None, top_k=args.top_k, chunk_tokens=args.chunk_tokens,
+                              n_requests=n_total, zipf_s=args.zipf, seed=args.seed)
+        model_name = args.model or "SmolLM2-135M-Instruct"
+    from cachedrag.executor import release_openmp_threads
+
+    release_openmp_threads()  # the embedder ran torch ops here; this process only waits on sockets from now on
+
+    def bodies(explicit: bool, lo: int, hi: int, max_tokens: int) -> list[dict]:
+        return [_body(model_name, work.retrieved[i], work.questions[i], explicit, max_tokens) for i in range(lo, hi)]
+
+    results: dict = {"config": {
+        "model": model_name, "levels": levels, "requests_per_level": args.requests, "warmup": args.warmup,
+        "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
+        "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
+        "configs": {c: CONFIGS[c][0] for c in configs},
+    }, "configs": {}, "answers": {}}
+    texts: dict[str, dict[int, list[str]]] = {}
+    for name in configs:
+        label, flags, explicit = CONFIGS[name]
+        batch = [] if "--max-batch" in flags else ["--max-batch", str(args.max_batch)]
+        print(f"[{name}] {label}: starting server", file=sys.stderr)
+        server = ServerProcess(model_args + flags + batch)
+        try:
+            asyncio.run(_replay(server.url, bodies(explicit, 0, args.warmup, args.max_tokens), 1, args.rate, 0))
+            results["configs"][name] = {}
+            texts[name] = {}
+            for j, level in enumerate(levels):
+                lo = args.warmup + j * args.requests
+                before = httpx.get(server.url + "/metrics").text
+                res, wall = asyncio.run(_replay(server.url, bodies(explicit, lo, lo + args.requests, args.max_tokens),
+                                                level, args.rate, args.seed + level))
+                after = httpx.get(server.url + "/metrics").text
+                hits = _metric_sum(after, "cachedrag_chunk_hits_total") - _metric_sum(before, "cachedrag_chunk_hits_total")
+                misses = (_metric_sum(after, "cachedrag_chunk_misses_total")
+                          - _metric_sum(before, "cachedrag_chunk_misses_total"))
+                row = _level_stats(res, wall, hits, misses)
+                results["configs"][name][str(level)] = row
+                texts[name][level] = [r["text"] for r in res]
+                print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
+                      f"{row['ttft_p50_s']:.2f} s, {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+            if args.soak and name == "d":
+                results["soak"] = _soak(server, args, model_name, work)
+        finally:
+            server.stop()
+        if args.json_out:  # partial results survive an interrupted run
+            write_json(results, args.json_out)
+    if "b" in texts:
+        for name in texts:
+            if name == "b":
+                continue
+            pairs = [(x, y) for lv in levels for x, y in zip(texts[name][lv], texts["b"][lv])]
+            results["answers"][name] = {"rouge_l_vs_b": sum(rouge_l(x, y) for x, y in pairs) / len(pairs),
+                                        "exact_match_vs_b": sum(x == y for x, y in pairs) / len(pairs)}
+    _ratios(results)
+    _print(results)
+    if args.json_out:
+        write_json(results, args.json_out)
+    return 0
+
+
+def _soak(server: ServerProcess, args, model_name: str, work) -> dict:
+    """``--soak-requests`` at ``--soak-concurrency``, a share of them disconnecting mid-stream."""
+    import httpx
+
+    rng = random.Random(args.seed + 99)
+    n = len(work.questions)
+    plan = [(rng.randrange(n), rng.randint(1, 3) if rng.random() < args.soak_disconnect else None)
+            for _ in range(args.soak_requests)]
+    rss_before = server.rss_bytes()
+    cache_before = _metric_sum(httpx.get(server.url + "/metrics").text, "cachedrag_cache_bytes")
+
+    async def go():
+        slots = asyncio.Semaphore(args.soak_concurrency)
+        limits = httpx.Limits(max_connections=args.soak_concurrency + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            async def one(i, cut):
+                async with slots:
+                    body = _body(model_name, work.retrieved[i], work.questions[i], True, args.soak_max_tokens)
+                    try:
+                        return await _one(client, server.url, body, disconnect_after=cut)
+                    except httpx.HTTPError as exc:
+                        return {"status": None, "error": repr(exc), "disconnected": False, "usage": None}
+            return await asyncio.gather(*(one(i, cut) for i, cut in plan))
+
+    t0 = time.perf_counter()
+    res = asyncio.run(go())
+    wall = time.perf_counter() - t0
+    time.sleep(2.0)  # let the server notice the last disconnects
+    health = httpx.get(server.url + "/health").json()
+    metrics = httpx.get(server.url + "/metrics").text
+    stayed = [r for r in res if not r["disconnected"]]
+    statuses: dict[str, int] = {}
+    for r in res:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    return {
+        "requests": len(res), "concurrency": args.soak_concurrency, "wall_s": round(wall, 2),
+        "disconnected": sum(r["disconnected"] for r in res),
+        "stayed": len(stayed), "stayed_completed": sum(1 for r in stayed if r["status"] == 200 and r["usage"]),
+        "statuses": statuses, "errors": [r.get("error") for r in res if r.get("error")][:5],
+        "server_5xx": sum(1 for r in res if r["status"] and r["status"] >= 500),
+        "running_after": health["running"], "waiting_after": health["waiting"],
+        "disconnects_counted": _metric_sum(metrics, "cachedrag_client_disconnects_total"),
+        "rss_before_mb": round(rss_before / 2**20, 1), "rss_after_mb": round(server.rss_bytes() / 2**20, 1),
+        "cache_bytes_growth_mb": round((_metric_sum(metrics, "cachedrag_cache_bytes") - cache_before) / 2**20, 1),
+    }
+
+
+def _ratios(results: dict) -> None:
+    c = results["configs"]
+    out = {}
+    if "a" in c and "d" in c and "4" in c["a"] and "4" in c["d"]:
+        out["d_vs_a_requests_per_s_c4"] = c["d"]["4"]["requests_per_s"] / c["a"]["4"]["requests_per_s"]
+        out["a_vs_d_ttft_p50_c4"] = c["a"]["4"]["ttft_p50_s"] / c["d"]["4"]["ttft_p50_s"]
+    for name in ("b", "d"):
+        if name in c and "8" in c[name] and "1" in c[name]:
+            out[f"{name}_output_tokens_per_s_c8_vs_c1"] = (c[name]["8"]["output_tokens_per_s"]
+                                                          / c[name]["1"]["output_tokens_per_s"])
+    if all(k in c for k in "ade"):
+        for lv in c["a"]:
+            gain_d = c["a"][lv]["ttft_p50_s"] - c["d"][lv]["ttft_p50_s"]
+            gain_e = c["a"][lv]["ttft_p50_s"] - c["e"][lv]["ttft_p50_s"]
+            out[f"e_keeps_of_d_ttft_gain_c{lv}"] = gain_e / gain_d if gain_d > 0 else None
+    results["ratios"] = out
+
+
+def _print(results: dict) -> None:
+    cols = [("requests_per_s", "req/s"), ("output_tokens_per_s", "tok/s"), ("ttft_p50_s", "ttft50"),
+            ("ttft_p95_s", "ttft95"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
+            ("cached_tokens_share", "cached")]
+    print(f"\nserve: {results['config']['requests_per_level']} requests per level, max_tokens "
+          f"{results['config']['max_tokens']}, {results['config']['model']}")
+    print(f"{'config':>8} {'conc':>5} " + " ".join(f"{h:>8}" for _, h in cols))
+    for name, levels in results["configs"].items():
+        for lv, row in levels.items():
+            vals = [row[k] for k, _ in cols]
+            print(f"{name:>8} {lv:>5} " + " ".join(f"{v:>8.3f}" if isinstance(v, float) else f"{'-':>8}" for v in vals))
+    for name, a in results.get("answers", {}).items():
+        print(f"answers {name} vs b: ROUGE-L {a['rouge_l_vs_b']:.3f}, exact {a['exact_match_vs_b']:.2f}")
+    for k, v in results.get("ratios", {}).items():
+        print(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}")
+    if "soak" in results:
+        s = results["soak"]
+        print(f"soak: {s['requests']} requests at concurrency {s['concurrency']}, {s['disconnected']} disconnected, "
+              f"{s['stayed_completed']}/{s['stayed']} others completed, statuses {s['statuses']}, "
+              f"running/waiting after {s['running_after']}/{s['waiting_after']}, "
+              f"RSS {s['rss_before_mb']} -> {s['rss_after_mb']} MB (cache +{s['cache_bytes_growth_mb']} MB)")

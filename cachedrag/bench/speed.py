@@ -1,0 +1,318 @@
+"""``cachedrag bench speed``: prefill and decode speed of our runner per dtype, against
+transformers and llama.cpp on the same model, plus the first-request and cache-miss penalties.
+
+Owns: the speed suite. One RAG prompt (system prompt + top-5 stdlib chunks of 256 tokens + a
+question, ~1,300 tokens) is timed through every system, interleaved round by round at each
+thread count (medians of the rounds): full-prefill seconds -> tokens/s, and greedy decode
+ms/token (one token per step, no speculation).
+
+- ``cachedrag-fp32`` / ``-bf16`` / ``-int8``: ``ModelRunner`` (fast path) ``prefill`` + ``decode_step``.
+- ``transformers-fp32`` / ``-bf16``: HF ``generate`` (sdpa) with 1 and 1 + N new tokens.
+- ``llamacpp-f32`` / ``llamacpp-q4_1``: llama.cpp through llama-cpp-python (only when importable),
+  on an F32 GGUF dequantised from the shipped Q4_1 file and on that Q4_1 file.
+
+Names carry no suffix at the default thread count and ``@<n>t`` at others. Also:
+``first_request_ratio`` (a fresh process: first ``full`` request after ``from_pretrained`` /
+the median of later ones), ``miss_ratio`` (``cachedrag`` mode on a cold cache / ``full``, TTFT
+medians, interleaved) and ``end_to_end`` (median TTFT of the ``bench ttft`` stream in
+``cachedrag`` mode + 128 x decode ms/token, per dtype, against llama.cpp Q4_1's full prefill +
+128 x its decode). ``--json OUT`` writes ``{"systems": {name: {"dtype", "threads",
+"prefill_tokens_per_s", "decode_ms_per_token"}}, "first_request_ratio", "miss_ratio", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from cachedrag.bench import write_json
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the Python documentation excerpts "
+    "given by the user. Be brief."
+)
+ALL_SYSTEMS = ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8", "transformers-fp32", "transformers-bf16",
+               "llamacpp-f32", "llamacpp-q4_1")
+_NUMERICS = {"cachedrag-fp32": ("float32", "dense"), "cachedrag-bf16": ("bfloat16", "dense"),
+             "cachedrag-int8": ("bfloat16", "int8")}
+E2E_TOKENS = 128
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
+    parser.add_argument("--threads", default=None, help="thread counts, the first is the default (default: N,1 with N "
+                        "the cores this process may use)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per thread count (medians)")
+    parser.add_argument("--new-tokens", type=int, default=24, help="decode steps timed per round")
+    parser.add_argument("--stream", type=int, default=14, help="requests of the ttft stream for end_to_end and miss_ratio")
+    parser.add_argument("--skip-first-request", action="store_true", help="skip the fresh-process first-request probe")
+    parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+class _Ours:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def time(self, ids, new_tokens: int) -> tuple[float, float]:
+        import torch
+
+        r = self.runner
+        kv = r.new_kv(len(ids) + new_tokens + 1)
+        t0 = time.perf_counter()
+        logits = r.prefill(torch.tensor(ids), kv=kv)
+        prefill = time.perf_counter() - t0
+        token = int(logits.argmax())
+        t1 = time.perf_counter()
+        for step in range(new_tokens):
+            token = int(r.decode_step(token, len(ids) + step, kv).argmax())
+        return prefill, (time.perf_counter() - t1) / max(1, new_tokens)
+
+
+class _Transformers:
+    def __init__(self, model):
+        self.model = model
+
+    def time(self, ids, new_tokens: int) -> tuple[float, float]:
+        import torch
+
+        x = torch.tensor([ids])
+        kw = {"do_sample": False, "pad_token_id": 0}
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            self.model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
+            prefill = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.model.generate(x, max_new_tokens=1 + new_tokens, min_new_tokens=1 + new_tokens, **kw)
+            total = time.perf_counter() - t1
+        return prefill, max(0.0, total - prefill) / max(1, new_tokens)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cachedrag.bench.anchor import LlamaCppTimer, f32_gguf_path, llama_cpp_available
+    from cachedrag.bench.workload import build_workload
+    from cachedrag.model.loader import default_gguf_path, load_model
+    from cachedrag.model.runner import ModelRunner, default_threads, set_threads
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    if unknown:
+        print(f"cachedrag: error: unknown systems {unknown}; choose from {', '.join(ALL_SYSTEMS)}", file=sys.stderr)
+        return 2
+    notes = []
+    if not llama_cpp_available():
+        dropped = [s for s in systems if s.startswith("llamacpp")]
+        systems = [s for s in systems if not s.startswith("llamacpp")]
+        if dropped:
+            notes.append("llama_cpp not importable (pip install 'cachedrag[anchor]'): llama.cpp systems skipped")
+    default = default_threads()
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({default, 1}, reverse=True)
+
+    need = {"float32"} | {_NUMERICS[s][0] for s in systems if s in _NUMERICS}
+    need |= {"bfloat16"} if "transformers-bf16" in systems else set()
+    models = {d: load_model(None, dtype=getattr(torch, d)) for d in sorted(need)}
+    runners = {name: ModelRunner(*models[d], weights=w, threads=threads[0])
+               for name, (d, w) in _NUMERICS.items() if name in systems or name == "cachedrag-fp32"}
+    tokenizer = runners["cachedrag-fp32"].tokenizer
+    work = build_workload(tokenizer, top_k=5, chunk_tokens=256, n_requests=max(args.stream, args.rounds + 1), seed=0)
+    from cachedrag.engine import CachedEngine
+
+    probe = CachedEngine(runners["cachedrag-fp32"])
+    segments = probe.prompts.chat(work.retrieved[0], work.questions[0], SYSTEM_PROMPT)
+    ids = [t for s in segments for t in s.ids]
+
+    timers = {}
+    for name in systems:
+        if name.startswith("cachedrag"):
+            timers[name] = _Ours(runners[name])
+        elif name == "transformers-fp32":
+            timers[name] = _Transformers(models["float32"][0])
+        elif name == "transformers-bf16":
+            timers[name] = _Transformers(models["bfloat16"][0])
+    for r in runners.values():
+        r.warmup(len(ids), 4)
+
+    results = {"config": {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "rounds": args.rounds,
+                          "threads": threads, "default_threads": threads[0], "torch": torch.__version__},
+               "systems": {}, "notes": notes}
+    for n_threads in threads:
+        set_threads(n_threads)
+        anchors = {}
+        if "llamacpp-f32" in systems:
+            anchors["llamacpp-f32"] = LlamaCppTimer(f32_gguf_path(), n_threads)
+        if "llamacpp-q4_1" in systems:
+            anchors["llamacpp-q4_1"] = LlamaCppTimer(default_gguf_path(), n_threads)
+        here = {**timers, **anchors}
+        samples = {name: ([], []) for name in here}
+        for name, timer in here.items():  # one untimed pass each: allocator, caches
+            timer.time(ids[:256], 2)
+        for _ in range(args.rounds):
+            for name in systems:
+                if name in here:
+                    p, d = here[name].time(ids, args.new_tokens)
+                    samples[name][0].append(p)
+                    samples[name][1].append(d)
+        for name in systems:
+            if name not in here:
+                continue
+            p, d = _median(samples[name][0]), _median(samples[name][1])
+            key = name if n_threads == threads[0] else f"{name}@{n_threads}t"
+            dtype = {"llamacpp-f32": "float32", "llamacpp-q4_1": "q4_1"}.get(name) or (
+                _NUMERICS[name][0] + ("+int8w" if _NUMERICS[name][1] == "int8" else "") if name in _NUMERICS
+                else ("float32" if name.endswith("fp32") else "bfloat16"))
+            results["systems"][key] = {"dtype": dtype, "threads": n_threads, "prefill_tokens_per_s": len(ids) / p,
+                                       "decode_ms_per_token": d * 1000, "prefill_s": p}
+        for a in anchors.values():
+            a.close()
+    set_threads(threads[0])
+
+    results["miss_ratio"], miss_detail = _miss_ratio(runners["cachedrag-fp32"], work, args.rounds + 2)
+    results["miss"] = miss_detail
+    results["end_to_end"] = _end_to_end(runners, work, results["systems"], args.stream)
+    results["first_request_ratio"] = None
+    if not args.skip_first_request:
+        results["first_request_ratio"], results["first_request"] = _first_request(threads[0])
+    results["targets"] = _targets(results)
+    _print(results)
+    if args.json_out:
+        write_json(results, args.json_out)
+    return 0
+
+
+def _miss_ratio(runner, work, n: int):
+    """TTFT of a request whose chunks are all new (a fresh engine: nothing cached) over ``full``."""
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+
+    full = CachedEngine(runner, config=EngineConfig(mode="full"))
+    miss, base = [], []
+    for i in range(n):
+        chunks, q = work.retrieved[i % len(work.retrieved)], work.questions[i % len(work.questions)]
+        cold = CachedEngine(runner, config=EngineConfig(mode="cachedrag"))
+        m = cold.generate(chunks, q, SYSTEM_PROMPT, max_new_tokens=1)
+        b = full.generate(chunks, q, SYSTEM_PROMPT, max_new_tokens=1)
+        miss.append(m.ttft_s)
+        base.append(b.ttft_s)
+    detail = {"miss_ttft_s": _median(miss), "full_ttft_s": _median(base), "requests": n}
+    return detail["miss_ttft_s"] / detail["full_ttft_s"], detail
+
+
+def _end_to_end(runners, work, systems: dict, n: int) -> dict:
+    """Median TTFT on the ttft stream in ``cachedrag`` mode (first 25% of requests not counted) +
+    ``E2E_TOKENS`` x the dtype's decode ms/token; llama.cpp Q4_1: full prefill + the same tokens."""
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+
+    out = {}
+    skip = max(1, n // 4)
+    for name, runner in runners.items():
+        if name not in systems:
+            continue
+        engine = CachedEngine(runner, config=EngineConfig(mode="cachedrag"))
+        ttft = []
+        for i in range(n):
+            r = engine.generate(work.retrieved[i], work.questions[i], SYSTEM_PROMPT, max_new_tokens=1)
+            if i >= skip:
+                ttft.append(r.ttft_s)
+        t = _median(ttft)
+        out[name] = {"ttft_s": t, "seconds": t + E2E_TOKENS * systems[name]["decode_ms_per_token"] / 1000}
+    q4 = systems.get("llamacpp-q4_1")
+    if q4 is not None:
+        out["llamacpp-q4_1"] = {"ttft_s": q4["prefill_s"],
+                                "seconds": q4["prefill_s"] + E2E_TOKENS * q4["decode_ms_per_token"] / 1000}
+    return out
+
+
+_CHILD = """
+import json, statistics, sys, time
+t0 = time.perf_counter()
+from cachedrag.bench.workload import build_workload
+from cachedrag.config import EngineConfig
+from cachedrag.engine import CachedEngine
+from cachedrag.model.runner import ModelRunner
+runner = ModelRunner.from_pretrained(threads=int(sys.argv[1]))
+load_s = time.perf_counter() - t0
+work = build_workload(runner.tokenizer, top_k=5, chunk_tokens=256, n_requests=6, seed=1)
+engine = CachedEngine(runner, config=EngineConfig(mode="full"))
+ttft = []
+for chunks, q in zip(work.retrieved, work.questions):
+    ttft.append(engine.generate(chunks, q, sys.argv[2], max_new_tokens=1).ttft_s)
+print(json.dumps({"load_s": load_s, "ttft_s": ttft}))
+"""
+
+
+def _first_request(threads: int):
+    """A fresh process: ``from_pretrained`` (which warms up), then 6 ``full`` requests; the first
+    one's TTFT over the median of the others."""
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(threads), SYSTEM_PROMPT], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        return None, {"error": proc.stderr.strip().splitlines()[-1:] or ["child failed"]}
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, later = data["ttft_s"][0], statistics.median(data["ttft_s"][1:])
+    return first / later, {"first_ttft_s": first, "later_ttft_s": later, "load_s": data["load_s"]}
+
+
+def _targets(results: dict) -> dict:
+    s = results["systems"]
+
+    def get(name, field):
+        return s.get(name, {}).get(field)
+
+    out = {}
+    f32, ours32 = get("llamacpp-f32", "decode_ms_per_token"), get("cachedrag-fp32", "decode_ms_per_token")
+    if f32 and ours32:
+        out["fp32 decode <= llama.cpp F32"] = {"ratio": ours32 / f32, "met": ours32 <= f32}
+    bf = get("cachedrag-bf16", "decode_ms_per_token")
+    if bf and ours32:
+        out["bf16 decode <= 0.6x fp32"] = {"ratio": bf / ours32, "met": bf <= 0.6 * ours32}
+    i8, q4 = get("cachedrag-int8", "decode_ms_per_token"), get("llamacpp-q4_1", "decode_ms_per_token")
+    if i8 and q4:
+        out["int8 decode <= llama.cpp Q4_1"] = {"ratio": i8 / q4, "met": i8 <= q4}
+    p32, lp32 = get("cachedrag-fp32", "prefill_tokens_per_s"), get("llamacpp-f32", "prefill_tokens_per_s")
+    if p32 and lp32:
+        out["fp32 prefill >= llama.cpp F32"] = {"ratio": p32 / lp32, "met": p32 >= lp32}
+    pbf = get("cachedrag-bf16", "prefill_tokens_per_s")
+    if pbf and p32:
+        out["bf16 prefill >= 1.5x fp32"] = {"ratio": pbf / p32, "met": pbf >= 1.5 * p32}
+    e2e = results.get("end_to_end", {})
+    if "llamacpp-q4_1" in e2e:
+        for name in ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8"):
+            if name in e2e:
+                ratio = e2e["llamacpp-q4_1"]["seconds"] / e2e[name]["seconds"]
+                out[f"end to end {name} >= 1.5x llama.cpp Q4_1"] = {"ratio": ratio, "met": ratio >= 1.5}
+    if results.get("first_request_ratio") is not None:
+        out["first request <= 1.1x"] = {"ratio": results["first_request_ratio"],
+                                        "met": results["first_request_ratio"] <= 1.1}
+    out["miss <= 1.05x full"] = {"ratio": results["miss_ratio"], "met": results["miss_ratio"] <= 1.05}
+    return out
+
+
+def _print(results: dict) -> None:
+    cfg = results["config"]
+    print(f"\nspeed: {cfg['prompt_tokens']}-token RAG prompt, {cfg['new_tokens']} decode steps, "
+          f"median of {cfg['rounds']} interleaved rounds")
+    print(f"{'system':<28} {'dtype':<16} {'threads':>7} {'prefill tok/s':>14} {'prefill s':>10} {'decode ms/tok':>14}")
+    for name, row in results["systems"].items():
+        print(f"{name:<28} {row['dtype']:<16} {row['threads']:>7} {row['prefill_tokens_per_s']:>14.0f} "
+              f"{row['prefill_s']:>10.2f} {row['decode_ms_per_token']:>14.1f}")
+    m = results["miss"]
+    print(f"\nmiss: {m['miss_ttft_s']:.2f}s vs full {m['full_ttft_s']:.2f}s -> miss_ratio {results['miss_ratio']:.3f}")
+    if results.get("first_request"):
+        print(f"first request: {results['first_request']} -> first_request_ratio {results['first_request_ratio']}")
+    for name, row in results["end_to_end"].items():
+        print(f"end to end (TTFT + {E2E_TOKENS} tokens) {name:<18} {row['seconds']:.2f}s (TTFT {row['ttft_s']:.2f}s)")
+    for note in results["notes"]:
+        print(f"note: {note}")
+    print("\ntargets:")
+    for name, row in results["targets"].items():
+        print(f"  {'MET    ' if row['met'] else 'NOT MET'} {name}: {row['ratio']:.3f}")

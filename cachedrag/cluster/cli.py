@@ -1,0 +1,140 @@
+"""``cachedrag serve --replicas N --backend ray``: the server as a Ray Serve deployment.
+
+Owns: the cluster-only arguments (``add_arguments``, added to ``cachedrag serve``'s parser),
+turning the parsed arguments into a ``ClusterConfig`` (``cluster_config``) and ``run``: start
+(or join, ``--ray-address``) a Ray cluster, start a private Redis server for the shared tier
+when no ``--redis-url`` is given (``--no-shared-cache``: none), deploy
+``cachedrag.cluster.deployment.build_app`` on ``--host``/``--port`` and wait for SIGTERM /
+SIGINT, then shut Serve, Ray (when we started it) and Redis down.
+
+Does not own: the deployment (``deployment``) or the single-process server (``cachedrag.server.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+
+from cachedrag.errors import ConfigError
+
+log = logging.getLogger("cachedrag.cluster")
+
+APP_NAME = "cachedrag"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("scale-out (Ray Serve)")
+    group.add_argument("--replicas", type=int, default=1, help="engine replicas (more than 1 needs --backend ray)")
+    group.add_argument("--backend", default="local", choices=("local", "ray"),
+                       help="local: one process; ray: replicas as a Ray Serve deployment")
+    group.add_argument("--router", default="affinity", choices=("affinity", "round_robin"),
+                       help="ray backend: chunk-affinity request router, or round-robin")
+    group.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. 'auto'); default: start one here")
+    group.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per replica")
+    group.add_argument("--retries", type=int, default=2, help="re-sends of a request whose replica died before answering")
+    group.add_argument("--no-shared-cache", action="store_true",
+                       help="ray backend: no shared Redis tier (each replica keeps its own cache)")
+
+
+def _get(args: argparse.Namespace, name: str, default=None):
+    return getattr(args, name, default)
+
+
+def cluster_config(args: argparse.Namespace, redis_url: str | None):
+    """A validated ``ClusterConfig`` from ``cachedrag serve``'s arguments (``ConfigError`` if bad)."""
+    from pydantic import ValidationError
+
+    from cachedrag.cluster.deployment import ClusterConfig
+    from cachedrag.cluster.replica import ReplicaSettings
+
+    try:
+        replica = ReplicaSettings(
+            model=_get(args, "model"), tiny=bool(_get(args, "tiny", False)),
+            served_model_name=_get(args, "served_model_name"), mode=_get(args, "mode", "cachedrag"),
+            cache_gb=_get(args, "cache_gb", 2.0), redis_url=redis_url, redis_gb=_get(args, "redis_gb", 4.0),
+            max_batch=_get(args, "max_batch", 8), max_waiting=_get(args, "max_waiting", 256),
+            order=_get(args, "order", "cache_aware"), auto_chunks=not _get(args, "no_auto_chunks", False),
+            max_tokens=_get(args, "max_tokens", 256))
+        return ClusterConfig(replicas=args.replicas, router=args.router, retries=args.retries,
+                             replica_cpus=args.replica_cpus, passage_chars=_get(args, "passage_chars", 200),
+                             replica=replica)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigError(f"bad cluster setting: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 and args.backend != "ray":
+        raise ConfigError("--replicas > 1 needs --backend ray (pip install 'cachedrag[cluster]')")
+    if args.backend == "ray":
+        try:
+            import ray  # noqa: F401
+            from ray import serve  # noqa: F401
+        except ImportError:
+            raise ConfigError("--backend ray needs Ray Serve: pip install 'cachedrag[cluster]'") from None
+
+
+def _port(host: str, port: int) -> int:
+    if port:
+        return port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    import ray
+    from ray import serve
+
+    from cachedrag.cluster.deployment import build_app
+
+    logging.basicConfig(level=str(_get(args, "log_level", "info")).upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redis_server = None
+    redis_url = _get(args, "redis_url")
+    if redis_url is None and not args.no_shared_cache:
+        from cachedrag.store.redis_server import start_redis_server
+
+        redis_server = start_redis_server()
+        redis_url = redis_server.url
+        log.info("shared chunk-cache tier: private redis-server at %s", redis_url)
+    config = cluster_config(args, redis_url)
+    started_ray = False
+    try:
+        if not ray.is_initialized():
+            ray.init(address=args.ray_address, include_dashboard=False)
+            started_ray = args.ray_address is None
+        port = _port(args.host, args.port)
+        serve.start(http_options={"host": args.host, "port": port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        # printed whatever the log level, like the single-process server: scripts read the address
+        print(f"cachedrag serve: listening on http://{args.host}:{port} ({config.replicas} replicas on Ray Serve, "
+              f"router {config.router}, shared tier {redis_url or 'none'})", file=sys.stderr, flush=True)
+        _wait_for_signal()
+        log.info("cachedrag serve: stopping")
+        serve.shutdown()
+    finally:
+        if started_ray:
+            ray.shutdown()
+        if redis_server is not None:
+            redis_server.stop()
+    print("cachedrag serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

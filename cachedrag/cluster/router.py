@@ -1,0 +1,132 @@
+"""Ray Serve request routers for the engine replicas (Serve's custom request-router interface).
+
+Owns: ``ChunkAffinityRouter`` — Serve's ``RequestRouter.choose_replicas`` over
+``cachedrag.cluster.affinity`` (rendezvous hashing of the request's chunk fingerprints with a
+queue-length bound, least-loaded fallback) — and ``RoundRobinRouter`` (the baseline of
+``cachedrag bench cluster``). Both also honour a pinned replica (``replica=<id>`` keyword of
+the call: admin calls that must reach one given replica, e.g. its stats).
+
+Does not own: the policy (torch-free, in ``affinity``), fingerprinting (the ingress does it
+once per request and passes ``route=Fingerprints`` to the replica call, so the router never
+parses bodies), queue-length probing and backoff (Serve's ``RequestRouter`` base: within a
+returned tier Serve picks the replica with the shortest queue that accepts the request, and
+moves to the next tier when all refuse).
+
+Queue lengths come from Serve's replica queue-length cache; when an entry is missing or stale,
+the router's own count of requests it sent and that have not completed stands in.
+
+Configure on the deployment (``serve.yaml`` or Python):
+
+    request_router_config:
+      request_router_class: cachedrag.cluster.router:ChunkAffinityRouter
+      request_router_kwargs: {slack: 2, load_factor: 1.5}
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cachedrag.cluster.affinity import AffinityConfig, AffinityPolicy
+from cachedrag.cluster.fingerprints import Fingerprints
+
+log = logging.getLogger("cachedrag.cluster")
+
+
+def _backoff_after(pending: PendingRequest | None) -> None:
+    """Our tiers list every replica: once Serve has tried them all, it must back off before
+    asking again (without this flag its routing loop re-asks at once, spinning when a pinned
+    replica is gone)."""
+    if pending is not None:
+        pending.routing_context.should_backoff = True
+
+
+def _pinned(candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]] | None:
+    pin = None if pending is None else pending.kwargs.get("replica")
+    if pin is None:
+        return None
+    match = [r for r in candidates if r.replica_id.unique_id == pin]
+    return [match] if match else []  # an unknown or dead replica: nothing (Serve retries with backoff)
+
+
+class _CountingRouter(RequestRouter):
+    """Keeps its own in-flight count per replica (stands in for missing queue-length info).
+
+    No ``FIFOMixin``: with it Serve hands a chosen replica to the *oldest* pending request,
+    not to the one it was chosen for, which would defeat affinity."""
+
+    def _ensure(self) -> None:
+        if not hasattr(self, "_inflight"):
+            self._inflight: Counter[ReplicaID] = Counter()
+            self.decisions: Counter[str] = Counter()
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self._ensure()
+        self._inflight[replica_id] += 1
+
+    def on_request_completed(self, replica_id, internal_request_id) -> None:
+        self._ensure()
+        if self._inflight[replica_id] > 0:
+            self._inflight[replica_id] -= 1
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        self._ensure()
+        self._inflight.pop(replica_id, None)
+        super().on_replica_actor_died(replica_id)
+
+    def queue_len(self, replica: RunningReplica) -> int:
+        self._ensure()
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        return cached if cached is not None else self._inflight[replica.replica_id]
+
+
+class ChunkAffinityRouter(_CountingRouter):
+    """Sends a request to the replica that owns most of its chunks (rendezvous hashing),
+    unless that replica's queue is over the load bound; no chunks: least-loaded."""
+
+    def initialize_state(self, slack: int = 2, load_factor: float = 1.5, max_fingerprints: int = 64, **_: object):
+        self._ensure()
+        self.policy = AffinityPolicy(AffinityConfig(slack=slack, load_factor=load_factor,
+                                                    max_fingerprints=max_fingerprints))
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        _backoff_after(pending_request)
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        if not hasattr(self, "policy"):
+            self.initialize_state()
+        route = None if pending_request is None else pending_request.kwargs.get("route")
+        fps = route if isinstance(route, Fingerprints) else Fingerprints()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        queues = {rid: self.queue_len(r) for rid, r in by_id.items()}
+        tiers = self.policy.rank(fps.digests, queues, fps.weights or None)
+        self.decisions["affinity" if fps.digests else "least_loaded"] += 1
+        return [[by_id[rid] for rid in tier] for tier in tiers if tier]
+
+
+class RoundRobinRouter(_CountingRouter):
+    """Cycles through the replicas (the cache-oblivious baseline)."""
+
+    def initialize_state(self, **_: object):
+        self._ensure()
+        self._turn = itertools.count()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        _backoff_after(pending_request)
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        if not hasattr(self, "_turn"):
+            self.initialize_state()
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        i = next(self._turn) % len(ordered)
+        first = ordered[i]
+        return [[first], [r for r in ordered if r is not first]]

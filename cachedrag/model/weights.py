@@ -1,0 +1,210 @@
+"""The runner's fast weight layout: fused projections in bf16/fp32 or int8 weight-only.
+
+Owns: ``Numerics`` (the validated choice of activation dtype and weight format, and the name
+it gives the chunk-cache namespace), ``PackedLinear`` (one projection in the layout that is
+fastest on the CPU for its format) and ``LayerWeights`` (a decoder layer's projections fused:
+q/k/v into one matrix, gate/up into one, so a layer runs 4 matmuls instead of 7).
+
+Formats, measured on this project's machine (Xeon with AVX512-BF16/AMX, one thread, all 211
+projections of SmolLM2-135M for one token, ``docs/speed.md``):
+
+- ``float32``: ``F.linear`` (MKL sgemm/sgemv), 44 ms; MKL's packed weights are no faster for one
+  row, and the ``W @ x^T`` layout of ``linear.py`` (faster on the EPYC it was tuned on) is slower here.
+- ``bfloat16``: oneDNN's packed (``mkldnn._reorder_linear_weight``) bf16 matmul, the kernel
+  inductor's CPU backend uses for bf16 linears: 28.5 ms, against 41 ms through ``F.linear``.
+- ``int8`` weight-only (per-output-channel symmetric scales, bf16 activations): PyTorch's
+  ``_weight_int8pack_mm`` CPU kernel for few rows, 21 ms; many rows (prefill) dequantise the
+  weight to bf16 and take oneDNN's matmul. torchao's ``Int8WeightOnlyConfig`` was measured and
+  not used: on the CPU in eager mode it dequantises the whole weight on every call, so it reads
+  more bytes than bf16, and its compiled form needs a minutes-long inductor compile per model.
+  The quantisation itself is three lines (absmax per row / 127), kept here.
+
+Does not own: which layers exist or the attention (``runner.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT8_KERNEL_ROWS = 16  # up to this many rows, the int8 kernel; above, dequantise + bf16 matmul
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "bf16": "bfloat16"}
+
+
+def dtype_name(dtype) -> str:
+    """``"float32"``/``"bfloat16"`` from a torch dtype or a name (``fp32``, ``bf16`` accepted)."""
+    if isinstance(dtype, torch.dtype):
+        for name, value in DTYPES.items():
+            if value == dtype:
+                return name
+        raise ValueError(f"unsupported dtype {dtype}; choose float32 or bfloat16")
+    name = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose float32 or bfloat16")
+    return name
+
+
+class Numerics(BaseModel):
+    """How the runner computes: activation/KV ``dtype``, weight format, stored-KV dtype."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="activations, working KV and dense weights")
+    weights: Literal["dense", "int8"] = Field(
+        "dense", description="dense: weights in `dtype`; int8: int8 weight-only with per-channel scales (needs bfloat16)")
+    kv_store_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="dtype of chunk caches handed to the store (None: `dtype`); bfloat16 halves tier bytes")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data):
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("dtype") is None:
+                data["dtype"] = "bfloat16" if data.get("weights") == "int8" else "float32"
+            else:
+                data["dtype"] = dtype_name(data["dtype"])
+            if data.get("kv_store_dtype") is not None:
+                data["kv_store_dtype"] = dtype_name(data["kv_store_dtype"])
+        return data
+
+    @model_validator(mode="after")
+    def _int8_needs_bf16(self):
+        if self.weights == "int8" and self.dtype != "bfloat16":
+            raise ValueError("int8 weights compute with bfloat16 activations (the CPU int8 kernel is ~5x slower "
+                             "with float32 ones); use dtype='bfloat16'")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_store_dtype or self.dtype]
+
+    @property
+    def tag(self) -> str:
+        """The namespace's dtype field: caches of other numerics never serve this runner."""
+        tag = self.dtype + ("+int8w" if self.weights == "int8" else "")
+        if self.kv_store_dtype and self.kv_store_dtype != self.dtype:
+            tag += f"+kv-{self.kv_store_dtype}"
+        return tag
+
+
+class PackedLinear:
+    """``x @ W^T + b`` for ``x`` ``[..., I]`` with ``W`` ``[O, I]`` in a CPU-friendly layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, numerics: Numerics):
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.kind = "dense"
+        self.bias = bias.detach().to(numerics.torch_dtype) if bias is not None else None
+        self.weight = weight.to(numerics.torch_dtype).contiguous()  # [O, I]
+        if weight.device.type != "cpu":
+            return
+        if numerics.weights == "int8":
+            w = weight.float()  # [O, I]
+            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [O]
+            self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [O, I]
+            self.scale = scale.to(numerics.torch_dtype)  # [O]
+            self.weight = None
+            self.kind = "int8"
+        elif numerics.dtype == "bfloat16" and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)  # oneDNN blocked layout
+            self.kind = "mkldnn"
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "int8":
+            return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+        return self.weight.numel() * self.weight.element_size()
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the kernel sees it, in the compute dtype: ``[O, I]``."""
+        if self.kind == "int8":
+            return self.qweight.to(self.scale.dtype) * self.scale[:, None]
+        return self.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mkldnn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.kind == "int8":
+            rows = x.numel() // x.shape[-1]
+            if 0 < rows <= INT8_KERNEL_ROWS:
+                flat = x.reshape(rows, x.shape[-1])  # [N, I]
+                out = torch._weight_int8pack_mm(flat, self.qweight, self.scale)  # [N, O]
+                if self.bias is not None:
+                    out = out + self.bias
+                return out.reshape(*x.shape[:-1], self.out_features)
+            return F.linear(x, self.dequantized(), self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _share(packed: PackedLinear, modules) -> None:
+    """Point the HF modules' weights at rows of a dense fused weight, so fusing copies nothing
+    (same values; the reference path and the fingerprint keep reading them)."""
+    if packed.kind != "dense" or packed.weight.dtype != modules[0].weight.dtype:
+        return
+    row = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(packed.weight[row:row + n], requires_grad=False)  # view [n, I]
+        row += n
+
+
+def _cat_bias(*modules) -> torch.Tensor | None:
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype)
+                      for b, m in zip(biases, modules)])
+
+
+class LayerWeights:
+    """One decoder layer's projections in the fast layout: ``qkv`` ``[Dm] -> [H_q*D + 2*H_kv*D]``,
+    ``o``, ``gate_up`` ``[Dm] -> [2*Dff]``, ``down``; norms and the activation stay the HF modules."""
+
+    def __init__(self, layer, numerics: Numerics):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.q_out = attn.q_proj.weight.shape[0]
+        self.kv_out = attn.k_proj.weight.shape[0]
+        w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # [Oq + 2*Okv, Dm]
+        self.qkv = PackedLinear(w, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), numerics)
+        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, numerics)
+        self.ff = mlp.gate_proj.weight.shape[0]
+        gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2*Dff, Dm]
+        self.gate_up = PackedLinear(gu, _cat_bias(mlp.gate_proj, mlp.up_proj), numerics)
+        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, numerics)
+        self.act = mlp.act_fn
+        _share(self.qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
+        _share(self.gate_up, (mlp.gate_proj, mlp.up_proj))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))``: ``[T, Dm] -> [T, Dm]``."""
+        gate, up = self.gate_up(x).split(self.ff, dim=-1)  # [T, Dff] each
+        return self.down(self.act(gate) * up)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in (self.qkv, self.o, self.gate_up, self.down))
+
+
+def packable(model) -> bool:
+    """True when every layer has the Llama-family projections the fast layout fuses."""
+    try:
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                if not isinstance(m, torch.nn.Linear):
+                    return False
+            if not hasattr(mlp, "act_fn"):
+                return False
+    except AttributeError:
+        return False
+    return True

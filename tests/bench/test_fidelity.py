@@ -1,0 +1,63 @@
+"""``cachedrag bench fidelity`` end to end on a tiny model and corpus; the gold QA set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cachedrag.bench.gold import STDLIB_GOLD, gold_match
+from cachedrag.cli import main
+from cachedrag.corpus import stdlib_corpus
+
+
+def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    corpus, questions = tiny_corpus
+    out, png = tmp_path / "fidelity.json", tmp_path / "frontier.png"
+    rc = main(["bench", "fidelity", "--corpora", "", "--corpus", corpus, "--questions", questions,
+               "--model", tiny_model_dir, "--top-k", "3", "--chunk-tokens", "48", "--max-new-tokens", "3",
+               "--seeds", "0,1", "--requests", "2", "--ratios", "0,0.2", "--choices", "question,deviation,oracle",
+               "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["n_requests"] == 4 and set(data["by_seed"]) == {"0", "1"}
+    rows = data["rows"]
+    assert set(rows) == {"full", "prefix", "order_aware", "naive", "question@0.2", "deviation@0.2", "oracle@0.2"}
+    assert rows["full"]["tf_top1"] == 1.0 and rows["full"]["rouge_l"] == 1.0
+    # exact prefix reuse changes nothing; order-aware reuse serves the shuffled order: = the noise floor
+    assert rows["prefix"]["tf_top1"] == 1.0 and rows["prefix"]["exact"] == 1.0
+    assert rows["order_aware"]["tf_top1"] == pytest.approx(data["noise"]["order_noise_top1"])
+    assert rows["order_aware"]["rouge_l"] == pytest.approx(data["noise"]["order_noise_rouge_l"])
+    for record in data["requests"]:
+        assert record["rows"]["order_aware"]["approximations"] == ["reordered"]
+        assert record["rows"]["question@0.2"]["chunks_hit"] == 3  # every chunk reused, not in prefix order
+        assert "partial_recompute:question" in record["rows"]["question@0.2"]["approximations"]
+    for name in ("naive", "question@0.2", "oracle@0.2"):
+        assert 0.0 <= rows[name]["tf_top1"] <= 1.0 and rows[name]["tf_kl"] >= 0.0
+        assert rows[name]["computed_fraction"] < 1.0
+    assert png.stat().st_size > 0
+    assert "order-noise floor" in capsys.readouterr().out
+
+
+def test_bench_fidelity_refuses_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "fidelity", "--choices", "psychic"])
+
+
+def test_every_gold_answer_is_in_its_document():
+    docs = {d.id: d.text for d in stdlib_corpus()}
+    assert len(STDLIB_GOLD) >= 40 and len({g.question for g in STDLIB_GOLD}) == len(STDLIB_GOLD)
+    for item in STDLIB_GOLD:
+        assert gold_match(docs[item.doc], item.answer), item
+        assert not gold_match(item.question, item.answer), item  # the question does not give it away
+
+
+@pytest.mark.parametrize("answer, gold, expected", [
+    ("Use heapq.heappushpop(heap, x).", "heappushpop", True),
+    ("Use heappush then heappop.", "heappushpop", False),
+    ("math.comb(n, k)", "comb", True),
+    ("combinations", "comb", False),
+    ("COPY2 copies metadata", "copy2", True),
+])
+def test_gold_match_is_a_whole_word_match(answer, gold, expected):
+    assert gold_match(answer, gold) is expected

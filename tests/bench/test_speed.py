@@ -1,0 +1,78 @@
+"""bench speed (cachedrag/bench/speed.py) and its llama.cpp anchor helpers (bench/anchor.py)."""
+
+import gguf
+import numpy as np
+
+from cachedrag.bench import speed
+from cachedrag.bench.anchor import dequantize_gguf
+
+
+def test_dequantize_gguf_writes_f32_tensors_and_keeps_metadata(tmp_path):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 64)).astype(np.float32)  # [rows, cols]
+    src = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(src, "llama")
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    out = tmp_path / "m.f32.gguf"
+    dequantize_gguf(src, out)
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
+    assert reader.fields["llama.block_count"].contents() == 1
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == ["a", "b"]
+    tensors = {t.name: t for t in reader.tensors}
+    up = tensors["blk.0.ffn_up.weight"]
+    assert up.tensor_type == gguf.GGMLQuantizationType.F32
+    got = np.asarray(up.data).reshape(4, 64)
+    want = gguf.dequantize(gguf.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(got - w).max() < 0.05  # Q8_0 rounding only
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically, no temp file left
+
+
+def _results(**over):
+    systems = {
+        "cachedrag-fp32": {"dtype": "float32", "threads": 2, "prefill_tokens_per_s": 700.0, "decode_ms_per_token": 40.0,
+                           "prefill_s": 1.9},
+        "cachedrag-bf16": {"dtype": "bfloat16", "threads": 2, "prefill_tokens_per_s": 2000.0,
+                           "decode_ms_per_token": 30.0, "prefill_s": 0.65},
+        "llamacpp-f32": {"dtype": "float32", "threads": 2, "prefill_tokens_per_s": 500.0, "decode_ms_per_token": 35.0,
+                         "prefill_s": 2.6},
+        "llamacpp-q4_1": {"dtype": "q4_1", "threads": 2, "prefill_tokens_per_s": 100.0, "decode_ms_per_token": 20.0,
+                          "prefill_s": 13.0},
+    }
+    results = {"systems": systems, "miss_ratio": 1.02, "first_request_ratio": 1.2,
+               "end_to_end": {"cachedrag-bf16": {"ttft_s": 0.5, "seconds": 4.34},
+                              "llamacpp-q4_1": {"ttft_s": 13.0, "seconds": 15.56}}}
+    results.update(over)
+    return results
+
+
+def test_targets_compare_the_measured_rows():
+    t = speed._targets(_results())
+    assert t["fp32 decode <= llama.cpp F32"] == {"ratio": 40.0 / 35.0, "met": False}
+    assert t["bf16 decode <= 0.6x fp32"]["met"] is False and abs(t["bf16 decode <= 0.6x fp32"]["ratio"] - 0.75) < 1e-9
+    assert t["fp32 prefill >= llama.cpp F32"]["met"] is True
+    assert t["bf16 prefill >= 1.5x fp32"]["met"] is True
+    assert t["end to end cachedrag-bf16 >= 1.5x llama.cpp Q4_1"]["met"] is True
+    assert t["first request <= 1.1x"]["met"] is False
+    assert t["miss <= 1.05x full"]["met"] is True
+    assert "int8 decode <= llama.cpp Q4_1" not in t  # no int8 row measured: no claim
+
+
+def test_unknown_system_is_a_clear_error(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    speed.add_arguments(parser)
+    assert speed.run(parser.parse_args(["--systems", "cachedrag-fp64"])) == 2
+    assert "unknown systems" in capsys.readouterr().err

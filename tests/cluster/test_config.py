@@ -1,0 +1,52 @@
+"""Cluster settings: the documented serve.yaml builds the app; bad settings are refused clearly."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve")
+yaml = pytest.importorskip("yaml")
+
+from cachedrag.cluster.cli import add_arguments, check_arguments, cluster_config  # noqa: E402
+from cachedrag.cluster.deployment import ClusterConfig, app_builder  # noqa: E402
+from cachedrag.errors import ConfigError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_serve_yaml_builds_the_application():
+    doc = yaml.safe_load((ROOT / "examples" / "serve.yaml").read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "cachedrag.cluster.deployment:app_builder"
+    config = ClusterConfig.model_validate(app["args"])
+    assert config.replicas == 2 and config.router == "affinity" and config.replica.redis_url.startswith("redis://")
+    assert type(app_builder(app["args"])).__name__ == "Application"
+
+
+def test_unknown_or_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        ClusterConfig.model_validate({"replicas": 0})
+    with pytest.raises(ValueError):
+        ClusterConfig.model_validate({"replica": {"cache_gb": 1, "typo": 3}})
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache-gb", type=float, default=2.0)
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_arguments():
+    with pytest.raises(ConfigError, match="needs --backend ray"):
+        check_arguments(_args("--replicas", "3"))
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        check_arguments(_args("--replicas", "0", "--backend", "ray"))
+    check_arguments(_args("--replicas", "3", "--backend", "ray"))
+    config = cluster_config(_args("--replicas", "3", "--backend", "ray", "--router", "round_robin"), "redis://h:1/0")
+    assert config.replicas == 3 and config.router == "round_robin" and config.replica.redis_url == "redis://h:1/0"
+    with pytest.raises(ConfigError, match="cache_gb"):
+        cluster_config(_args("--replicas", "2", "--backend", "ray", "--cache-gb", "-1"), None)
