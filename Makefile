@@ -31,7 +31,7 @@ install-dev: $(DEV_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/cachedrag demo
 
-test: $(DEV_STAMP)
+test: $(DEV_STAMP) wheel-check
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
 
 # A real (non-editable) install of the built wheel into a throwaway venv outside the checkout,
