@@ -27,6 +27,7 @@ twice yields two matches (the engine serves both occurrences from the same chunk
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -155,6 +156,26 @@ class ChunkRegistry:
 def normalize(text: str) -> str:
     """The form a chunk is registered and matched in: surrounding whitespace stripped."""
     return text.strip()
+
+
+_BOUNDARY = re.compile(r"^[^\w]*$")  # a blank line or a separator line (no letters or digits)
+
+
+def paragraphs(text: str, min_chars: int) -> list[str]:
+    """Paragraphs of ``text`` (split at blank and separator lines), normalized, at least
+    ``min_chars`` long, in order: the content-defined passages the server detects and the
+    cluster router fingerprints."""
+    out: list[str] = []
+    block: list[str] = []
+    for line in text.split("\n") + [""]:
+        if _BOUNDARY.match(line):
+            para = normalize("\n".join(block))
+            if len(para) >= min_chars:
+                out.append(para)
+            block = []
+        else:
+            block.append(line)
+    return out
 
 
 def _leftmost_longest(found: set[tuple[int, str]]) -> list[Match]:

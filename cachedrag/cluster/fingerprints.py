@@ -15,11 +15,11 @@ ranking (``cachedrag.cluster.affinity``).
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-_BOUNDARY = re.compile(r"^[^\w]*$")  # a blank line or a separator line (no letters or digits)
+from cachedrag.integrations.chunks import paragraphs
+
 
 
 @dataclass(frozen=True)
@@ -38,19 +38,6 @@ def digest(text: str) -> str:
     return hashlib.blake2b(text.strip().encode(), digest_size=12).hexdigest()
 
 
-def paragraphs(text: str, min_chars: int) -> list[str]:
-    """Paragraphs of ``text`` (split at blank and separator lines) at least ``min_chars`` long."""
-    out: list[str] = []
-    block: list[str] = []
-    for line in text.split("\n") + [""]:
-        if _BOUNDARY.match(line):
-            para = "\n".join(block).strip()
-            if len(para) >= min_chars:
-                out.append(para)
-            block = []
-        else:
-            block.append(line)
-    return out
 
 
 def _content_text(content) -> str:

@@ -21,18 +21,17 @@ Does not own: tokenisation details and keys (``cachedrag.prompt``), HTTP, or the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachedrag.errors import CachedRAGError
 from cachedrag.integrations.chunks import ChunkRegistry, ChunkRegistryConfig, Match, normalize
+from cachedrag.integrations.chunks import paragraphs as passages
 from cachedrag.integrations.splitter import split_prompt
 from cachedrag.integrations.template import Message, RenderedPrompt, render_messages
 from cachedrag.prompt import Segment
 from cachedrag.server.config import PassageConfig
 
-_BOUNDARY = re.compile(r"^[^\w]*$")  # a blank line or a separator line (no letters or digits)
 
 
 class ChunkNotFoundError(CachedRAGError):
@@ -50,19 +49,6 @@ class PlannedPrompt:
         return sum(len(s) for s in self.segments)
 
 
-def passages(text: str, min_chars: int) -> list[str]:
-    """Paragraphs of ``text`` at least ``min_chars`` long (stripped), in order."""
-    out: list[str] = []
-    block: list[str] = []
-    for line in text.split("\n") + [""]:
-        if _BOUNDARY.match(line):
-            para = normalize("\n".join(block))
-            if len(para) >= min_chars:
-                out.append(para)
-            block = []
-        else:
-            block.append(line)
-    return out
 
 
 class _ExplicitChunks:
