@@ -14,11 +14,17 @@ The rule, rendezvous (highest-random-weight) hashing with bounded load:
    replica is its *owner*. Owners are stable: adding or losing a replica moves only the chunks
    that replica owned (the point of rendezvous hashing over ``hash % n``), so a replica's fast
    tiers keep serving the chunks it owned before.
-2. Load bound: a replica is *eligible* while its queue length is at most
-   ``max(min_queue + slack, ceil(load_factor x mean_queue))`` (consistent hashing with bounded
-   loads, Mirrokni et al. 2018). A hot chunk set therefore cannot pile onto one replica: once
+2. Load bound: a replica is *eligible* while taking the request keeps its queue within
+   ``cap = max(min_queue + 1 + slack, ceil(load_factor x (total_queue + 1) / replicas))``
+   (consistent hashing with bounded loads, Mirrokni et al. 2018: the cap is on the load
+   *after* placing the request). A hot chunk set therefore cannot pile onto one replica: once
    its owner is over the bound, each chunk votes for its highest-ranked *eligible* replica
-   instead (its rendezvous runner-up, a stable spill target that warms up too).
+   instead (its rendezvous runner-up, a stable spill target that warms up too). With
+   ``slack=0, load_factor=1`` (the defaults) only the least-loaded replicas are eligible:
+   affinity breaks ties between equally loaded replicas and never queues a request behind
+   another while a replica has less work (the measured best where every replica can read
+   every chunk from a cheap shared tier, ``docs/scale-out.md``); a larger slack or factor
+   trades balance for locality (where loading from the shared tier is expensive).
 3. Each eligible replica gets the summed weight of the chunks voting for it (a chunk's
    weight is its length share when given, else 1); the highest score wins, ties to the
    shorter queue, then to the larger summed hash (deterministic).
@@ -44,10 +50,11 @@ class AffinityConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    slack: int = Field(2, ge=0, description="queued requests a replica may hold beyond the least-loaded one "
-                                            "and still take requests by affinity")
-    load_factor: float = Field(1.5, ge=1.0, description="bounded-load factor: a replica above ceil(factor x mean "
-                                                         "queue) (and above min + slack) takes no affinity traffic")
+    slack: int = Field(0, ge=0, description="queued requests a replica may hold beyond the least-loaded one "
+                                            "and still take requests by affinity (0: only the least loaded)")
+    load_factor: float = Field(1.0, ge=1.0, description="bounded-load factor: a replica whose queue would exceed "
+                                                         "ceil(factor x mean queue after placing the request) (and "
+                                                         "min + 1 + slack) takes no affinity traffic")
     max_fingerprints: int = Field(64, ge=1, description="chunks of one request considered (the first ones)")
 
 
@@ -71,11 +78,12 @@ class AffinityPolicy:
         self.config = config or AffinityConfig()
 
     def load_bound(self, queues: Sequence[int]) -> int:
-        """Largest queue length that still takes affinity traffic."""
+        """Largest queue length (before placing the request) that still takes affinity traffic."""
         if not queues:
             return 0
-        mean = sum(queues) / len(queues)
-        return max(min(queues) + self.config.slack, math.ceil(self.config.load_factor * mean))
+        mean_after = (sum(queues) + 1) / len(queues)
+        cap = max(min(queues) + 1 + self.config.slack, math.ceil(self.config.load_factor * mean_after - 1e-9))
+        return cap - 1
 
     def rank(self, fingerprints: Sequence[str], queue_lens: Mapping[str, int | None],
              weights: Sequence[float] | None = None) -> list[list[str]]:

@@ -26,6 +26,8 @@ Does not own: the HTTP routes of the API itself (the server's app), the routing 
 import asyncio
 import json
 import logging
+import time
+from collections import deque
 from typing import Literal
 
 import ray
@@ -36,9 +38,11 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
+from cachedrag.cluster.affinity import AffinityConfig
 from cachedrag.cluster.asgi import ForwardedRequest, ResponseStart, call_app
 from cachedrag.cluster.fingerprints import Fingerprints, request_fingerprints
 from cachedrag.cluster.replica import ReplicaSettings, SharedCacheSync, build_replica_engine
+from cachedrag.cluster.timeline import RequestRecord
 
 log = logging.getLogger("cachedrag.cluster")
 
@@ -58,8 +62,10 @@ class ClusterConfig(BaseModel):
 
     replicas: int = Field(2, ge=1, description="engine replicas")
     router: Literal["affinity", "round_robin"] = Field("affinity", description="request router of the replicas")
-    slack: int = Field(2, ge=0, description="affinity: queued requests beyond the least-loaded replica still routed by affinity")
-    load_factor: float = Field(1.5, ge=1.0, description="affinity: bounded-load factor over the mean queue length")
+    slack: int = Field(AffinityConfig.model_fields["slack"].default, ge=0,
+                       description="affinity: queued requests beyond the least-loaded replica still routed by affinity")
+    load_factor: float = Field(AffinityConfig.model_fields["load_factor"].default, ge=1.0,
+                               description="affinity: bounded-load factor over the mean queue length after placing")
     retries: int = Field(2, ge=0, description="re-sends of a request whose replica died before answering")
     replica_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per replica")
     max_ongoing_requests: int = Field(32, ge=1, description="requests Serve sends one replica at once")
@@ -90,6 +96,34 @@ def _replica_ids(app_name: str | None = None) -> list[str]:
     return sorted(out)
 
 
+class _Recorder:
+    """The engine loop's observer: forwards to the server's metrics and keeps a bounded log of
+    finished requests (``RequestRecord``: arrival, TTFT, load and compute time) for
+    ``cachedrag.cluster.timeline``."""
+
+    def __init__(self, metrics, replica: str, keep: int = 10_000):
+        self.metrics = metrics
+        self.replica = replica
+        self.records: deque[RequestRecord] = deque(maxlen=keep)
+
+    def on_step(self, batch_size: int, waiting: int) -> None:
+        self.metrics.on_step(batch_size, waiting)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.metrics.on_first_token(seconds)
+
+    def on_token(self, seconds: float) -> None:
+        self.metrics.on_token(seconds)
+
+    def on_finished(self, done) -> None:
+        self.metrics.on_finished(done)
+        s = done.stats
+        self.records.append(RequestRecord(
+            replica=self.replica, arrival=time.time() - done.total_s, ttft_s=done.ttft_s, total_s=done.total_s,
+            load_s=float(s.get("load_s", 0.0)), prefill_s=float(s.get("prefill_s", 0.0)),
+            chunks_hit=int(s.get("chunks_hit", 0)), chunks_missed=int(s.get("chunks_missed", 0))))
+
+
 @serve.deployment(name=REPLICA_DEPLOYMENT, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
     """One engine + the server's app; requests arrive as ``ForwardedRequest``s."""
@@ -114,6 +148,8 @@ class EngineReplica:
         except Exception:  # constructed outside Serve (tests of the class itself)
             self.replica_id = "local"
         self._header = [(b"x-cachedrag-replica", self.replica_id.encode())]
+        self.recorder = _Recorder(self.app.state.metrics, self.replica_id)
+        self.app.state.loop.observer = self.recorder
         self.served = 0
 
     async def handle(self, request: ForwardedRequest, route: Fingerprints | None = None, replica: str | None = None):
@@ -128,8 +164,9 @@ class EngineReplica:
         if thread is None or not thread.is_alive():
             raise RuntimeError("the engine loop is not running")
 
-    def stats(self, replica: str | None = None) -> dict:
-        """This replica's counters: requests, chunk hits/misses, shared-tier refreshes, tiers."""
+    def stats(self, replica: str | None = None, records: bool = False) -> dict:
+        """This replica's counters: requests, chunk hits/misses, shared-tier refreshes, tiers;
+        ``records``: also its finished requests' ``RequestRecord`` dicts."""
         manager = self.engine.manager
         registry = self.app.state.metrics.registry  # the server's Prometheus counters
         counts = {name: registry.get_sample_value(f"cachedrag_{name}_total") or 0.0
@@ -141,6 +178,8 @@ class EngineReplica:
         if tiers is not None:
             out["tiers"] = {t.name: {"used_bytes": t.used_bytes, "hits": t.stats.hits, "misses": t.stats.misses}
                             for t in tiers}
+        if records:
+            out["records"] = [r.to_dict() for r in list(self.recorder.records)]
         return out
 
     async def __del__(self):
@@ -165,12 +204,13 @@ class Ingress:
         self.counters = {"requests": 0, "retried": 0, "failed_mid_stream": 0, "failed": 0}
 
     @ingress_app.get("/cluster/stats")
-    async def cluster_stats(self):
-        """Counters of every live replica (and the ingress's own)."""
+    async def cluster_stats(self, records: bool = False):
+        """Counters of every live replica (and the ingress's own); ``?records=true``: also each
+        replica's finished requests (``cachedrag.cluster.timeline.RequestRecord``)."""
         out = {}
         for r in _replica_ids():  # one at a time: Serve matches concurrent sub-requests of one request by its id
             try:
-                out[r] = await asyncio.wait_for(self.engines.stats.remote(replica=r), timeout=5)
+                out[r] = await asyncio.wait_for(self.engines.stats.remote(replica=r, records=records), timeout=5)
             except (asyncio.TimeoutError, *_REPLICA_ERRORS) as exc:
                 out[r] = {"error": _short(exc)}
         return {"ingress": self.counters, "replicas": out}

@@ -19,7 +19,7 @@ Configure on the deployment (``serve.yaml`` or Python):
 
     request_router_config:
       request_router_class: cachedrag.cluster.router:ChunkAffinityRouter
-      request_router_kwargs: {slack: 2, load_factor: 1.5}
+      request_router_kwargs: {slack: 0, load_factor: 1.0}
 """
 
 from __future__ import annotations
@@ -82,27 +82,36 @@ class _CountingRouter(RequestRouter):
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         return cached if cached is not None else self._inflight[replica.replica_id]
 
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """Serve's entry point: a pinned replica, else the subclass's ``rank`` tiers."""
+        _backoff_after(pending_request)
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        if not candidate_replicas:
+            return []
+        return self.rank(candidate_replicas, pending_request)
+
+    def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
+        raise NotImplementedError
+
 
 class ChunkAffinityRouter(_CountingRouter):
     """Sends a request to the replica that owns most of its chunks (rendezvous hashing),
     unless that replica's queue is over the load bound; no chunks: least-loaded."""
 
-    def initialize_state(self, slack: int = 2, load_factor: float = 1.5, max_fingerprints: int = 64, **_: object):
+    def initialize_state(self, **kwargs: object):
         self._ensure()
-        self.policy = AffinityPolicy(AffinityConfig(slack=slack, load_factor=load_factor,
-                                                    max_fingerprints=max_fingerprints))
+        fields = {k: v for k, v in kwargs.items() if k in AffinityConfig.model_fields}
+        self.policy = AffinityPolicy(AffinityConfig(**fields))
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        _backoff_after(pending_request)
-        pinned = _pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
+    def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
         if not hasattr(self, "policy"):
             self.initialize_state()
-        route = None if pending_request is None else pending_request.kwargs.get("route")
+        route = None if pending is None else pending.kwargs.get("route")
         fps = route if isinstance(route, Fingerprints) else Fingerprints()
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_id = {r.replica_id.unique_id: r for r in candidates}
         queues = {rid: self.queue_len(r) for rid, r in by_id.items()}
         tiers = self.policy.rank(fps.digests, queues, fps.weights or None)
         self.decisions["affinity" if fps.digests else "least_loaded"] += 1
@@ -116,17 +125,11 @@ class RoundRobinRouter(_CountingRouter):
         self._ensure()
         self._turn = itertools.count()
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        _backoff_after(pending_request)
-        pinned = _pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
+    def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
         if not hasattr(self, "_turn"):
             self.initialize_state()
-        if not candidate_replicas:
-            return []
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-        i = next(self._turn) % len(ordered)
-        first = ordered[i]
+        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
+        first = ordered[next(self._turn) % len(ordered)]
         return [[first], [r for r in ordered if r is not first]]
+
+
