@@ -170,6 +170,7 @@ def _run_config(name: str, args, stream, redis_url: str | None, port: int, model
         "redis_hit_share": round((after["redis_hits"] - before["redis_hits"]) / hits, 4) if hits else None,
         "requests": len(results), "errors": len(results) - len(ok), "per_replica": sorted(replicas.values()),
         "deploy_s": round(deploy_s, 1), "wall_s": round(wall, 2), "parts": parts,
+        "records": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.to_dict().items()} for r in records],
     }
 
 
@@ -257,15 +258,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"config {name}: {CONFIGS[name][0]}{' + redis' if CONFIGS[name][1] else ''} ...", flush=True)
             results["configs"][name] = _run_config(name, args, stream, redis.url, port, model_name,
                                                    slack=args.slack if name == "c" else None)
-            print(f"  {results['configs'][name]}", flush=True)
+            _progress(results["configs"][name])
         if not args.skip_one:
             print("one replica, same total CPU tier, CPUs and Redis ...", flush=True)
             results["one"] = _run_config("one", args, stream, redis.url, port, model_name)
-            print(f"  {results['one']}", flush=True)
+            _progress(results["one"])
         for slack in slacks:
             print(f"frontier: c with slack {slack} ...", flush=True)
             results["frontier"].append(_run_config("c", args, stream, redis.url, port, model_name, slack=slack))
-            print(f"  {results['frontier'][-1]}", flush=True)
+            _progress(results["frontier"][-1])
         serve.shutdown()
         ray.shutdown()
         if not args.skip_reuse:
@@ -286,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(result: dict) -> None:
+    print(f"  {({k: v for k, v in result.items() if k != 'records'})}", flush=True)
+
+
 def _rows(results: dict) -> list[tuple[str, dict]]:
     labels = {"a": "a round-robin", "b": "b round-robin + redis", "c": "c affinity + redis"}
     rows = [(labels[n] + (f" (slack {r['slack']})" if "slack" in r else ""), r) for n, r in results["configs"].items()]
@@ -299,18 +304,19 @@ def _print(results: dict) -> None:
     print(f"\ncachedrag bench cluster ({results['setup']['model']}, {results['setup']['replicas']} replicas, "
           f"{results['setup']['requests']} requests at concurrency {results['setup']['concurrency']})")
     print(f"{'config':<36} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'errors':>6} "
-          f"{'wait':>6} {'load':>6} {'compute':>7} {'other':>6} {'stranded':>8} {'spread':>6} {'longer':>6}")
+          f"{'wait':>6} {'load':>6} {'compute':>7} {'store':>6} {'other':>6} {'stranded':>8} {'spread':>6} {'longer':>6}")
     for label, r in _rows(results):
         p = r.get("parts", {})
         f = lambda k: f"{p[k]:.3f}" if p.get(k) is not None else "-"  # noqa: E731
         print(f"{label:<36} {r['hit_rate'] or 0:>8.3f} {r['ttft_p50_s'] or 0:>9.3f} {r['ttft_p95_s'] or 0:>9.3f} "
               f"{r['requests_per_s']:>7.3f} {r['errors']:>6} {f('wait_p50_s'):>6} {f('load_p50_s'):>6} "
-              f"{f('compute_p50_s'):>7} {f('overhead_p50_s'):>6} {f('stranded_share'):>8} {f('spread_mean'):>6} "
+              f"{f('compute_p50_s'):>7} {f('store_p50_s'):>6} {f('overhead_p50_s'):>6} {f('stranded_share'):>8} {f('spread_mean'):>6} "
               f"{f('joined_longer_share'):>6}")
-    print("(wait / load / compute: medians of the server-side TTFT parts; other: client TTFT p50 minus server "
+    print("(wait / load / compute / store: medians of the server-side TTFT parts (store: planning and storing new "
+          "chunk caches); other: client TTFT p50 minus server "
           "TTFT p50; stranded: share of time a replica had a request waiting while another idled; spread: mean "
           "most - fewest requests in flight; longer: share of requests that joined a longer queue)")
-    c, a, b = (results["configs"].get(k) for k in "abc")
+    a, b, c = (results["configs"].get(k) for k in "abc")
     if c and a and a["ttft_p50_s"] and c["ttft_p50_s"]:
         print(f"TTFT p50 c/a = {c['ttft_p50_s'] / a['ttft_p50_s']:.3f}" +
               (f"   c/b = {c['ttft_p50_s'] / b['ttft_p50_s']:.3f}" if b and b["ttft_p50_s"] else ""))

@@ -121,7 +121,29 @@ class _Recorder:
         self.records.append(RequestRecord(
             replica=self.replica, arrival=time.time() - done.total_s, ttft_s=done.ttft_s, total_s=done.total_s,
             load_s=float(s.get("load_s", 0.0)), prefill_s=float(s.get("prefill_s", 0.0)),
-            chunks_hit=int(s.get("chunks_hit", 0)), chunks_missed=int(s.get("chunks_missed", 0))))
+            chunks_hit=int(s.get("chunks_hit", 0)), chunks_missed=int(s.get("chunks_missed", 0)),
+            call_s=float(s.get(_CALL_S, 0.0))))
+
+
+_CALL_S = "replica_prefill_call_s"
+
+
+class _TimedEngine:
+    """The replica's engine as the server's app sees it: the same object, except that each
+    ``prefill`` call's whole duration (plan, load, compute, storing new caches) is added to its
+    stats (``replica_prefill_call_s``), so a request's TTFT splits into wait and service."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def prefill(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        pre = self._engine.prefill(*args, **kwargs)
+        pre.info[_CALL_S] = time.perf_counter() - t0
+        return pre
 
 
 @serve.deployment(name=REPLICA_DEPLOYMENT, health_check_period_s=2, health_check_timeout_s=30)
@@ -140,7 +162,7 @@ class EngineReplica:
                                                         order=settings.order),
                               passages=PassageConfig(enabled=settings.auto_chunks),
                               default_max_tokens=settings.max_tokens)
-        self.app = create_app(self.engine, config)
+        self.app = create_app(_TimedEngine(self.engine), config)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the engine loop
         try:

@@ -10,7 +10,9 @@ Does not own: measuring (the engine's prefill stats and the server loop's TTFT a
 
 The parts of one request's server-side TTFT (arrival at the replica -> first token):
 ``wait`` (queued behind other prefills and decode steps of its replica), ``load`` (reading its
-cached chunks from the CPU tier or Redis), ``compute`` (the partial prefill). The imbalance
+cached chunks from the CPU tier or Redis), ``compute`` (the partial prefill) and ``store``
+(the rest of the engine's prefill call: planning, and storing the new chunk caches, written
+through to Redis when the replica shares a tier). The imbalance
 figures, from each replica's in-flight intervals ``[arrival, arrival + total]`` and waiting
 intervals ``[arrival, prefill start]``:
 
@@ -42,11 +44,21 @@ class RequestRecord:
     prefill_s: float = 0.0
     chunks_hit: int = 0
     chunks_missed: int = 0
+    call_s: float = 0.0  # the whole engine prefill call (0 = not measured: load + prefill stand in)
+
+    @property
+    def service_s(self) -> float:
+        return max(self.call_s, self.prefill_s + self.load_s)
 
     @property
     def wait_s(self) -> float:
-        """Time before its prefill started (TTFT minus loading and computing)."""
-        return max(0.0, self.ttft_s - self.prefill_s - self.load_s)
+        """Time before its prefill call started."""
+        return max(0.0, self.ttft_s - self.service_s)
+
+    @property
+    def store_s(self) -> float:
+        """Planning and storing new chunk caches: the prefill call beyond loading and computing."""
+        return max(0.0, self.call_s - self.prefill_s - self.load_s)
 
     @property
     def end(self) -> float:
@@ -109,6 +121,8 @@ def summarize(records: Iterable[RequestRecord], replicas: Sequence[str] | None =
         "wait_mean_s": round(statistics.fmean(r.wait_s for r in recs), 4) if recs else None,
         "load_p50_s": _median([r.load_s for r in recs]),
         "compute_p50_s": _median([r.prefill_s for r in recs]),
+        "store_p50_s": _median([r.store_s for r in recs]),
+        "store_mean_s": round(statistics.fmean(r.store_s for r in recs), 4) if recs else None,
         "per_replica": {n: sum(1 for r in recs if r.replica == n) for n in names},
     }
     span = stranded = spread = 0.0

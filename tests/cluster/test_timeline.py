@@ -7,8 +7,9 @@ import pytest
 from cachedrag.cluster.timeline import RequestRecord, summarize
 
 
-def rec(replica, arrival, ttft, total, load=0.0, prefill=0.0):
-    return RequestRecord(replica=replica, arrival=arrival, ttft_s=ttft, total_s=total, load_s=load, prefill_s=prefill)
+def rec(replica, arrival, ttft, total, load=0.0, prefill=0.0, call=0.0):
+    return RequestRecord(replica=replica, arrival=arrival, ttft_s=ttft, total_s=total, load_s=load, prefill_s=prefill,
+                         call_s=call)
 
 
 def test_parts_of_one_request():
@@ -17,6 +18,9 @@ def test_parts_of_one_request():
     assert r.prefill_start == pytest.approx(10.6) and r.end == pytest.approx(11.5)
     assert RequestRecord.from_dict({**r.to_dict(), "extra": 1}) == r
     assert rec("a", 0, ttft=0.1, total=1, load=0.2, prefill=0.3).wait_s == 0.0  # never negative
+    timed = rec("a", 10.0, ttft=1.0, total=1.5, load=0.1, prefill=0.3, call=0.7)  # 0.3 s planning + storing
+    assert timed.wait_s == pytest.approx(0.3) and timed.store_s == pytest.approx(0.3)
+    assert r.store_s == 0.0
 
 
 def test_balanced_replicas_strand_nothing():
