@@ -10,6 +10,11 @@ queue-length probing or the replica set (Ray Serve's ``RequestRouter`` base keep
 
 The rule, rendezvous (highest-random-weight) hashing with bounded load:
 
+0. Prefill-aware load (when the caller passes ``pending``: requests routed to a replica that
+   have not produced their first token, ``cachedrag.cluster.board``): only replicas with at
+   most ``min_pending + prefill_slack`` pending requests are candidates. A pending request
+   costs its replica a whole prefill; a decoding one, a share of a batched step.
+
 1. Every chunk fingerprint ranks all replicas by ``hash(fingerprint, replica)``; its first
    replica is its *owner*. Owners are stable: adding or losing a replica moves only the chunks
    that replica owned (the point of rendezvous hashing over ``hash % n``), so a replica's fast
@@ -55,6 +60,8 @@ class AffinityConfig(BaseModel):
     load_factor: float = Field(1.0, ge=1.0, description="bounded-load factor: a replica whose queue would exceed "
                                                          "ceil(factor x mean queue after placing the request) (and "
                                                          "min + 1 + slack) takes no affinity traffic")
+    prefill_slack: int = Field(0, ge=0, description="requests before their first token a replica may hold beyond "
+                                                    "the replica with the fewest and still be a candidate")
     max_fingerprints: int = Field(64, ge=1, description="chunks of one request considered (the first ones)")
 
 
@@ -86,34 +93,45 @@ class AffinityPolicy:
         return cap - 1
 
     def rank(self, fingerprints: Sequence[str], queue_lens: Mapping[str, int | None],
-             weights: Sequence[float] | None = None) -> list[list[str]]:
+             weights: Sequence[float] | None = None, pending: Mapping[str, int] | None = None) -> list[list[str]]:
         """Tiers of replica ids, most preferred first.
 
         ``queue_lens``: replica id -> requests queued or running there (``None`` = unknown,
         counted as 0). ``weights``: one per fingerprint (e.g. token counts), default 1 each.
-        The first tier holds the chosen replica alone; the second, the others by queue length.
+        ``pending``: replica id -> requests there before their first token (rule 0; missing = 0).
+        The first tier holds the chosen replica alone; the second, the others by load.
         """
         replicas = list(queue_lens)
         if not replicas:
             return []
         queues = {r: max(0, q or 0) for r, q in queue_lens.items()}
-        by_load = sorted(replicas, key=lambda r: queues[r])  # stable: ties keep the given order
-        chosen = self.choose(fingerprints, queues, weights)
+        pend = {r: max(0, (pending or {}).get(r, 0)) for r in replicas}
+        by_load = sorted(replicas, key=lambda r: (pend[r], queues[r]))  # stable: ties keep the given order
+        chosen = self.choose(fingerprints, queues, weights, pend)
         if chosen is None:
             return [[by_load[0]], by_load[1:]] if len(by_load) > 1 else [by_load]
         rest = [r for r in by_load if r != chosen]
         return [[chosen], rest] if rest else [[chosen]]
 
+    def candidates(self, queues: Mapping[str, int], pending: Mapping[str, int] | None = None) -> list[str]:
+        """Replicas that may take the request by affinity (rules 0 and 2); never empty when
+        ``queues`` is not: the least loaded of the fewest-pending replicas is always one."""
+        cand = list(queues)
+        if pending:
+            least = min(pending.get(r, 0) for r in cand)
+            cand = [r for r in cand if pending.get(r, 0) <= least + self.config.prefill_slack]
+        bound = self.load_bound([queues[r] for r in cand])
+        return [r for r in cand if queues[r] <= bound]
+
     def choose(self, fingerprints: Sequence[str], queues: Mapping[str, int],
-               weights: Sequence[float] | None = None) -> str | None:
+               weights: Sequence[float] | None = None, pending: Mapping[str, int] | None = None) -> str | None:
         """The affinity choice, or ``None`` when the request has no chunks to follow."""
         fps = list(fingerprints)[: self.config.max_fingerprints]
         if weights is not None and len(weights) < len(fps):
             raise ValueError(f"{len(weights)} weights for {len(fps)} fingerprints")
         if not fps or not queues:
             return None
-        bound = self.load_bound(list(queues.values()))
-        eligible = [r for r in queues if queues[r] <= bound]  # never empty: the least loaded is within it
+        eligible = self.candidates(queues, pending)
         score = dict.fromkeys(eligible, 0.0)
         tiebreak = dict.fromkeys(eligible, 0)
         for i, fp in enumerate(fps):

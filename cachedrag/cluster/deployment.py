@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections import deque
 from typing import Literal
 
@@ -40,6 +41,8 @@ from ray.serve.config import RequestRouterConfig
 
 from cachedrag.cluster.affinity import AffinityConfig
 from cachedrag.cluster.asgi import ForwardedRequest, ResponseStart, call_app
+from cachedrag.cluster import board  # board.BOARD at call time: Ray pickles these classes by value, which
+#                                     would copy a global imported by name (and split the router's board from ours)
 from cachedrag.cluster.fingerprints import Fingerprints, request_fingerprints
 from cachedrag.cluster.replica import ReplicaSettings, SharedCacheSync, build_replica_engine
 from cachedrag.cluster.timeline import RequestRecord
@@ -174,7 +177,8 @@ class EngineReplica:
         self.app.state.loop.observer = self.recorder
         self.served = 0
 
-    async def handle(self, request: ForwardedRequest, route: Fingerprints | None = None, replica: str | None = None):
+    async def handle(self, request: ForwardedRequest, route: Fingerprints | None = None, replica: str | None = None,
+                     ticket: str | None = None):
         """Stream the app's response: ``ResponseStart``, then body chunks."""
         self.sync.poke()  # adopt what other replicas wrote meanwhile (background, rate-limited)
         self.served += 1
@@ -235,7 +239,7 @@ class Ingress:
                 out[r] = await asyncio.wait_for(self.engines.stats.remote(replica=r, records=records), timeout=5)
             except (asyncio.TimeoutError, *_REPLICA_ERRORS) as exc:
                 out[r] = {"error": _short(exc)}
-        return {"ingress": self.counters, "replicas": out}
+        return {"ingress": {**self.counters, "before_first_token": len(board.BOARD)}, "replicas": out}
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request):
@@ -250,39 +254,53 @@ class Ingress:
             except (ValueError, UnicodeDecodeError):
                 pass  # not JSON: the replica's app answers with its 400
         self.counters["requests"] += 1
-        last: BaseException | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                self.counters["retried"] += 1
-            stream = self.engines.options(stream=True).handle.remote(fwd, route=route)
-            try:
-                start = await stream.__anext__()
-            except _REPLICA_ERRORS as exc:
-                last = exc
-                continue
-            assert isinstance(start, ResponseStart)
-            headers = {k.decode(): v.decode() for k, v in start.headers if k.lower() not in _HOP_HEADERS}
-            if (start.header("content-type") or "").startswith("text/event-stream"):
-                return StreamingResponse(self._relay(stream), status_code=start.status, headers=headers)
-            try:
-                chunks = [c async for c in stream]
-            except _REPLICA_ERRORS as exc:  # nothing was sent to the client yet: retry
-                last = exc
-                continue
-            return Response(b"".join(chunks), status_code=start.status, headers=headers)
+        ticket = uuid.uuid4().hex  # this request on the prefill board (cachedrag.cluster.board)
+        streaming = False
+        try:
+            last: BaseException | None = None
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    self.counters["retried"] += 1
+                stream = self.engines.options(stream=True).handle.remote(fwd, route=route, ticket=ticket)
+                try:
+                    start = await stream.__anext__()
+                except _REPLICA_ERRORS as exc:
+                    last = exc
+                    continue
+                assert isinstance(start, ResponseStart)
+                answering = start.header("x-cachedrag-replica")
+                if answering:
+                    board.BOARD.routed(ticket, answering)
+                headers = {k.decode(): v.decode() for k, v in start.headers if k.lower() not in _HOP_HEADERS}
+                if (start.header("content-type") or "").startswith("text/event-stream"):
+                    streaming = True  # the relay clears the ticket at the first content event
+                    return StreamingResponse(self._relay(stream, ticket), status_code=start.status, headers=headers)
+                try:
+                    chunks = [c async for c in stream]
+                except _REPLICA_ERRORS as exc:  # nothing was sent to the client yet: retry
+                    last = exc
+                    continue
+                return Response(b"".join(chunks), status_code=start.status, headers=headers)
+        finally:
+            if not streaming:
+                board.BOARD.started(ticket)
         self.counters["failed"] += 1
         message = f"no replica could serve the request after {self.retries + 1} attempts: {_short(last)}"
         return JSONResponse(_error(503, message, "service_unavailable", "replica_failed"), status_code=503)
 
-    async def _relay(self, stream):
+    async def _relay(self, stream, ticket: str):
         try:
             async for chunk in stream:
+                if b'"role"' not in chunk:  # past the chat role event: the first token (or the end) arrived
+                    board.BOARD.started(ticket)
                 yield chunk
         except _REPLICA_ERRORS as exc:
             self.counters["failed_mid_stream"] += 1
             message = f"the replica serving this stream failed mid-answer ({_short(exc)}); the answer is incomplete, retry the request"
             yield f"data: {json.dumps(_error(503, message, 'service_unavailable', 'replica_failed'))}\n\n".encode()
             yield b"data: [DONE]\n\n"
+        finally:
+            board.BOARD.started(ticket)
 
 
 def build_app(config: ClusterConfig):

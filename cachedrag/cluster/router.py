@@ -12,8 +12,10 @@ parses bodies), queue-length probing and backoff (Serve's ``RequestRouter`` base
 returned tier Serve picks the replica with the shortest queue that accepts the request, and
 moves to the next tier when all refuse).
 
-Queue lengths come from Serve's replica queue-length cache; when an entry is missing or stale,
-the router's own count of requests it sent and that have not completed stands in.
+Load: Serve's replica queue lengths (when an entry is missing or stale, the router's own count
+of requests it sent and that have not completed stands in) and, for the affinity router, the
+requests of each replica still before their first token (``cachedrag.cluster.board``, kept
+with the ingress; a call passes its ``ticket=`` keyword).
 
 Configure on the deployment (``serve.yaml`` or Python):
 
@@ -31,6 +33,8 @@ from collections import Counter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cachedrag.cluster.affinity import AffinityConfig, AffinityPolicy
+from cachedrag.cluster import board  # board.BOARD at call time: Serve ships this class pickled by value,
+#                                     which would copy a global imported by name (not the ingress's board)
 from cachedrag.cluster.fingerprints import Fingerprints
 
 log = logging.getLogger("cachedrag.cluster")
@@ -113,7 +117,10 @@ class ChunkAffinityRouter(_CountingRouter):
         fps = route if isinstance(route, Fingerprints) else Fingerprints()
         by_id = {r.replica_id.unique_id: r for r in candidates}
         queues = {rid: self.queue_len(r) for rid, r in by_id.items()}
-        tiers = self.policy.rank(fps.digests, queues, fps.weights or None)
+        tiers = self.policy.rank(fps.digests, queues, fps.weights or None, board.BOARD.pending(by_id))
+        ticket = None if pending is None else pending.kwargs.get("ticket")
+        if ticket is not None and tiers:
+            board.BOARD.routed(ticket, tiers[0][0])  # at once: a request routed next must see it (the ingress corrects it)
         self.decisions["affinity" if fps.digests else "least_loaded"] += 1
         return [[by_id[rid] for rid in tier] for tier in tiers if tier]
 

@@ -143,7 +143,24 @@ def test_fingerprints_beyond_the_cap_are_ignored_and_bad_weights_refused():
 
 
 def test_policy_imports_neither_torch_nor_ray():
-    code = ("import sys, cachedrag.cluster.affinity, cachedrag.cluster.fingerprints, cachedrag.cluster.timeline; "
+    code = ("import sys, cachedrag.cluster.affinity, cachedrag.cluster.board, cachedrag.cluster.fingerprints, cachedrag.cluster.timeline; "
             "bad = [m for m in ('torch', 'ray', 'numpy') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_requests_before_their_first_token_outweigh_decoding_ones():
+    """The convoy case measured on 2 replicas: r0 just took a request (pending its prefill),
+    r1 holds two decoding requests. By count r0 is less loaded; by pending prefills it is not."""
+    policy = AffinityPolicy()
+    queues = {"r0": 1, "r1": 2}
+    for i in range(100):
+        fps = [f"c{i}", f"d{i}"]
+        assert policy.choose(fps, queues) == "r0"  # queue lengths alone
+        assert policy.choose(fps, queues, pending={"r0": 1, "r1": 0}) == "r1"
+        assert policy.rank(fps, queues, pending={"r0": 1})[0] == ["r1"]
+    assert policy.rank([], queues, pending={"r0": 1, "r1": 0}) == [["r1"], ["r0"]]  # least-loaded fallback too
+    # equal pending counts: the queue bound decides; prefill_slack widens the candidates
+    assert policy.candidates({"r0": 1, "r1": 2}, {"r0": 1, "r1": 1}) == ["r0"]
+    loose = AffinityPolicy(AffinityConfig(prefill_slack=1, slack=5))
+    assert sorted(loose.candidates({"r0": 1, "r1": 2}, {"r0": 1, "r1": 0})) == ["r0", "r1"]

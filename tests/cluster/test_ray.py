@@ -180,6 +180,9 @@ def test_replicas_record_where_each_requests_ttft_went(cluster):
         assert 0 < r.ttft_s <= r.total_s and r.prefill_s > 0 and r.arrival > 1e9  # wall-clock seconds
     summary = summarize(records, list(replicas))
     assert summary["requests"] == len(records) and 0.0 <= summary["stranded_share"] <= 1.0
+    text, _, _ = stream_text(cluster, body(DOCS[14:16], max_tokens=2, stream=True))
+    assert text
+    assert stats(cluster)["ingress"]["before_first_token"] == 0  # every ticket left the prefill board
 
 
 @pytest.mark.slow
