@@ -186,7 +186,7 @@ class SpeculativePipeline:
         self.engine = engine
         self.config = config or PipeliningConfig()
         self.load = load or engine_load(engine)
-        self._pool = TransientThreadExecutor(1, thread_name_prefix="cachedrag-staged-search")
+        self._pool = TransientThreadExecutor(4, thread_name_prefix="cachedrag-staged-search")  # one per request in flight
         self.expected_search_s: float | None = None  # EMA of this pipeline's search times
 
     def stages_for_load(self) -> int:
