@@ -23,6 +23,7 @@ distinct chunk of realistic length for the LLM (its own chunk-cache key and pref
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -134,8 +135,6 @@ class ScaleIndex:
         """``(scores [B, k], ids [B, k])`` -> ranked ``Hit`` lists, as ``RetrievalIndex.hits``
         (so pipeline retrievers run over this index); a distractor's chunk is its parent's
         record with id ``scale/<row>`` and the marked text of ``text(row)``."""
-        from dataclasses import replace
-
         from cachedrag.retrieval.index import Hit
 
         out = []
