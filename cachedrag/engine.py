@@ -471,7 +471,7 @@ class CachedEngine:
                 for i, n in deferred.items():
                     sp = plan.segments[i]
                     keep = min(sp.n_tokens, math.ceil(cfg.refine_factor * n)) if two_stage else n
-                    top = torch.topk(question_scores[i], min(keep, sp.n_tokens)).indices.tolist()
+                    top = _pick(question_scores[i], keep, cfg.sink_tokens)
                     recompute_pos[i] = sorted(sp.start + j for j in top)
                     if two_stage and keep > n:
                         refine[i] = n
@@ -626,7 +626,7 @@ class CachedEngine:
             if question_scores:
                 w = self.config.cache.question_weight
                 seg_dev = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(seg_dev)  # [T_i]
-            top = torch.topk(seg_dev, min(count, sp.n_tokens)).indices.tolist()
+            top = _pick(seg_dev, count, self.config.cache.sink_tokens)
             recompute_pos[i] = sorted(sp.start + j for j in top)
             chosen.update(recompute_pos[i])
         drop = set(probe_pos) - chosen
@@ -686,6 +686,7 @@ class CachedEngine:
             first = question_scores[i][idx - start]  # [C]
             second = late[idx]  # [C]
             fused = first / first.sum().clamp_min(1e-12) + second / second.sum().clamp_min(1e-12)  # [C]
+            fused[idx - start < self.config.cache.sink_tokens] = math.inf  # sink tokens stay
             kept = set(idx[torch.topk(fused, n).indices].tolist())
             recompute_pos[i] = sorted(kept)
             drop.update(p for p in cand if p not in kept)
@@ -801,6 +802,18 @@ class CachedEngine:
             prefix_keys=tuple(keys[j] for j in prior), inter=inter, intra=float(intra_t.mean()),
             token_inter=token_inter,
         )
+
+
+def _pick(scores: torch.Tensor, count: int, sink: int) -> list[int]:
+    """Indices of the ``count`` tokens to recompute in one chunk: its first ``sink`` tokens
+    (``CacheConfig.sink_tokens``, as far as ``count`` allows), then the highest ``scores [T]``."""
+    n = scores.shape[0]
+    count = min(count, n)
+    lead = min(sink, count)
+    if lead == 0:
+        return torch.topk(scores, count).indices.tolist()
+    rest = torch.topk(scores[lead:], count - lead).indices + lead  # [count - lead]
+    return list(range(lead)) + rest.tolist()
 
 
 def _rank01(x: torch.Tensor) -> torch.Tensor:

@@ -69,9 +69,11 @@ from cachedrag.integrations.engines import engine_name, load_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
 from cachedrag.integrations.query_stats import QueryStats
 from cachedrag.integrations.search import SearchHit, shared_searcher
+from cachedrag.integrations.speculation import pipelining_option
 from cachedrag.integrations.template import Message, RenderedPrompt
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
 from cachedrag.model.loader import DEFAULT_MODEL
+from cachedrag.retrieval.config import PipeliningConfig
 
 __all__ = ["CachedRAGLLM", "CachedRAGRetriever", "CachedRAGNodePostprocessor"]
 
@@ -287,11 +289,17 @@ class CachedRAGRetriever(BaseRetriever):
     Several ``embedding_strs`` (HyDE with ``include_original=True``) are searched as the
     renormalised mean of their normalised embeddings. ``query_bundle.embedding`` is ignored:
     it comes from ``Settings.embed_model``, not necessarily the index's embedder.
+
+    ``pipelining=True`` (or a ``PipeliningConfig``): speculative pipelining; the search runs in
+    stages while the LLM's engine prefills the intermediate top-k in the shape of its previous
+    prompt (``integrations.speculation``); same nodes and answers, ``last_speculation`` says
+    what it did.
     """
 
     def __init__(self, index_dir: str, similarity_top_k: int = 4, nprobe: int | None = None,
                  auto_prefetch: bool = True, chunk_registry: ChunkRegistry | None = None,
-                 callback_manager: CallbackManager | None = None, verbose: bool = False):
+                 callback_manager: CallbackManager | None = None, verbose: bool = False,
+                 pipelining: bool | PipeliningConfig | dict = False):
         if similarity_top_k < 1:
             raise ValueError("similarity_top_k must be at least 1")
         super().__init__(callback_manager=callback_manager, verbose=verbose)
@@ -299,6 +307,8 @@ class CachedRAGRetriever(BaseRetriever):
         self.similarity_top_k = similarity_top_k
         self.nprobe = nprobe
         self._searcher = shared_searcher(index_dir, chunk_registry)
+        self._pipelining = pipelining_option(pipelining)
+        self.last_speculation: dict | None = None  # what the latest pipelined retrieval speculated
         self._handler = None
         if auto_prefetch:
             self._handler = _PrefetchOnQueryStart()
@@ -317,7 +327,11 @@ class CachedRAGRetriever(BaseRetriever):
             self._handler = None
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        hits = self._searcher.search(query_bundle.embedding_strs, k=self.similarity_top_k, nprobe=self.nprobe)
+        if self._pipelining is None:
+            hits = self._searcher.search(query_bundle.embedding_strs, k=self.similarity_top_k, nprobe=self.nprobe)
+        else:
+            hits, self.last_speculation = self._pipelining.search(self._searcher, query_bundle.embedding_strs,
+                                                                  self.similarity_top_k, self.nprobe)
         return [NodeWithScore(node=_node(h), score=h.score) for h in hits]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

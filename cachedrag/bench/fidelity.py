@@ -63,8 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--question-layers", default=None, help="CacheConfig.question_layers, e.g. 1 or 1,2")
     parser.add_argument("--need-weight", type=float, default=None, help="CacheConfig.need_weight (budget by need)")
+    parser.add_argument("--sink-tokens", type=int, default=None,
+                        help="CacheConfig.sink_tokens (each reused chunk's first tokens always recomputed)")
     parser.add_argument("--refine-layer", type=int, default=None, help="CacheConfig.refine_layer (second stage)")
-    parser.add_argument("--no-early-termination", action="store_true", help="disable focused-chunk early termination")
+    parser.add_argument("--early-termination", action="store_true",
+                        help="focused-chunk early termination in every row (default: off; it trades fidelity for "
+                             "compute, see --et-choices)")
+    parser.add_argument("--et-choices", default="question",
+                        help="token choices that also get rows with early termination on, named '<choice>/et@<ratio>' "
+                             "('' = none)")
     parser.add_argument("--corpus", help="an extra corpus (directory or JSONL) run as 'custom' with --questions")
     parser.add_argument("--questions", help="questions for --corpus, one per line")
     parser.add_argument("--plot", help="write a PNG of fidelity vs TTFT speedup here (needs matplotlib)")
@@ -83,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     seeds = [int(x) for x in _floats(args.seeds)]
     choices = [c.strip() for c in args.choices.split(",") if c.strip()]
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
-    bad = [c for c in choices if c not in ALL_CHOICES] + [c for c in corpora if c not in ("stdlib", "info")]
+    bad = [c for c in choices + _et_choices(args) if c not in ALL_CHOICES] + [
+        c for c in corpora if c not in ("stdlib", "info")]
     if bad:
         raise SystemExit(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
     if any(not 0 <= r <= 1 for r in ratios) or not seeds or args.requests < 1:
@@ -116,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     for corpus_name, (texts, items, system) in sets:
         for seed in seeds:
             rng = random.Random(f"{seed}:{corpus_name}")
-            picks = rng.sample(items, min(args.requests, len(items)))
+            picks = _picks(items, corpus_name, seed, args.requests)
             for item in picks:
                 records.append(_request(runner, rows, item, system, corpus_name, seed, rng, args))
                 done += 1
@@ -133,6 +141,16 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- setup
 
+def _picks(items: list, corpus: str, seed: int, n: int) -> list:
+    """The questions of one (corpus, seed) stream: a slice of one fixed permutation of the corpus's
+    items, seed s taking items ``s*n .. s*n+n-1`` (wrapping), so seeds 0 and 1 with ``n`` <= half
+    the set ask disjoint questions, and a run per seed asks what the joint run asks."""
+    perm = list(items)
+    random.Random(f"picks:{corpus}").shuffle(perm)
+    n = min(n, len(perm))
+    return [perm[(seed * n + j) % len(perm)] for j in range(n)]
+
+
 def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
     """Row name -> (engine, mode). Each engine gets a fresh manager per request (``_bind``)."""
     from cachedrag.config import EngineConfig
@@ -146,10 +164,11 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
         base["need_weight"] = args.need_weight
     if args.refine_layer is not None:
         base["refine_layer"] = args.refine_layer
-    et = not args.no_early_termination
+    if args.sink_tokens is not None:
+        base["sink_tokens"] = args.sink_tokens
     oracle = _oracle_class()
 
-    def engine(cls=CachedEngine, order_aware=False, **cache):
+    def engine(cls=CachedEngine, order_aware=False, et=args.early_termination, **cache):
         return cls(runner, config=EngineConfig(cache=CacheConfig(**{**base, **cache}), early_termination=et,
                                                order_aware=order_aware))
 
@@ -159,18 +178,23 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
             "order_aware": (engine(order_aware=True), "prefix")}
     if 0 in ratios:
         rows["naive"] = (engine(), "naive")
-    for choice in choices:
+    et_choices = [] if args.early_termination else _et_choices(args)
+    for choice, et in [(c, args.early_termination) for c in choices] + [(c, True) for c in et_choices]:
         for ratio in (r for r in ratios if r > 0):
-            name = f"{choice}@{ratio:g}"
+            name = f"{choice}{'/et' if et and not args.early_termination else ''}@{ratio:g}"
             if choice == "oracle":
-                rows[name] = (engine(oracle, token_choice="question", need_weight=0.0, recompute_ratio=ratio),
-                              "cachedrag")
+                rows[name] = (engine(oracle, et=et, token_choice="question", need_weight=0.0, sink_tokens=0,
+                                     recompute_ratio=ratio), "cachedrag")
             elif choice == "random":
-                rows[name] = (engine(recompute_ratio=ratio), "random")
+                rows[name] = (engine(et=et, recompute_ratio=ratio), "random")
             else:
-                rows[name] = (engine(token_choice=choice, recompute_ratio=ratio), "cachedrag")
+                rows[name] = (engine(et=et, token_choice=choice, recompute_ratio=ratio), "cachedrag")
     rows["prefix"] = (engine(), "prefix")
     return rows
+
+
+def _et_choices(args) -> list[str]:
+    return [c.strip() for c in args.et_choices.split(",") if c.strip()]
 
 
 def _corpus(runner, name: str, args):
@@ -323,6 +347,7 @@ def _aggregate(recs: list[dict], row: str) -> dict:
     for m in METRICS:
         vals = [r["rows"][row][m] for r in recs if r["rows"][row][m] is not None]
         out[m] = statistics.fmean(vals) if vals else None
+    out["gold_n"] = sum(r["rows"][row]["gold"] is not None for r in recs)
     out["ttft_median_s"] = statistics.median(r["rows"][row]["ttft_s"] for r in recs)
     out["n"] = len(recs)
     return out
@@ -335,8 +360,10 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
         "model": args.model or "SmolLM2-135M-Instruct", "corpora": sorted({r["corpus"] for r in records}),
         "seeds": sorted({r["seed"] for r in records}), "requests_per_corpus_seed": args.requests,
         "ratios": ratios, "choices": choices, "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
-        "max_new_tokens": args.max_new_tokens, "early_termination": not args.no_early_termination,
+        "max_new_tokens": args.max_new_tokens, "early_termination": args.early_termination,
+        "et_choices": [] if args.early_termination else _et_choices(args),
         "question_layers": args.question_layers, "need_weight": args.need_weight, "refine_layer": args.refine_layer,
+        "sink_tokens": args.sink_tokens,
         "torch_threads": torch.get_num_threads(), "seconds": round(seconds, 1),
     }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {}}
     rows = [n for n in row_names if n != "noise"]
@@ -344,9 +371,12 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
         results["rows"][name] = _aggregate(records, name)
     full_t = results["rows"]["full"]["ttft_median_s"]
     prefix_t = results["rows"]["prefix"]["ttft_median_s"]
+    full_gold = results["rows"]["full"]["gold"]
     for row in results["rows"].values():
         row["x_full"] = full_t / row["ttft_median_s"]
         row["x_prefix"] = prefix_t / row["ttft_median_s"]
+        # task accuracy vs full prefill, in points (the target: within 1 point)
+        row["gold_delta_pts"] = None if row["gold"] is None else 100.0 * (row["gold"] - full_gold)
     noise = _aggregate(records, "noise")
     results["noise"] = {"order_noise_rouge_l": noise["rouge_l"], "order_noise_top1": noise["tf_top1"],
                         "order_noise_kl": noise["tf_kl"], "order_noise_first_token": noise["first_token"],
@@ -377,6 +407,15 @@ def _print_table(results: dict) -> None:
     print(f"order-noise floor (full prefill, chunks shuffled): rougeL {fmt(n['order_noise_rouge_l'])}, "
           f"tf_top1 {fmt(n['order_noise_top1'])}, tf_kl {fmt(n['order_noise_kl'])}, "
           f"tok1 {fmt(n['order_noise_first_token'])}, gold {fmt(n['order_noise_gold'])}")
+    corpora = list(results["by_corpus"])
+    if len(corpora) > 1:
+        print("per corpus (tf_top1 / tf_kl / tok1 / rougeL / gold):")
+        for c in corpora:
+            sub = results["by_corpus"][c]
+            n_c = sub["full"]["n"]
+            print(f"  {c} ({n_c} requests): " + "; ".join(
+                f"{name} {fmt(sub[name]['tf_top1'])}/{fmt(sub[name]['tf_kl'])}/{fmt(sub[name]['first_token'])}/"
+                f"{fmt(sub[name]['rouge_l'])}/{fmt(sub[name]['gold'])}" for name in sub))
     seeds = list(results["by_seed"])
     if len(seeds) > 1:
         print("per seed (tf_kl / rougeL): " + "; ".join(

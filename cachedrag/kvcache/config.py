@@ -89,6 +89,11 @@ class CacheConfig:
         budget (the sum of the per-chunk counts) is redistributed over the reused chunks in
         proportion to the question's attention mass on each (capped at the chunk's length);
         the rest follows the per-chunk counts. 0 = counts as planned. In [0, 1].
+      sink_tokens: choices measured while running (deviation, question, question+deviation): the
+        first ``sink_tokens`` tokens of every reused chunk are always among its recomputed tokens
+        (within its count), the rest ranked as the choice says (EPIC / attention-sink idea: a
+        chunk's opening tokens are where a new left context changes the cache most). 0 = off
+        (on SmolLM2-135M 4 or 16 sink tokens did not help the question choice, docs/fidelity.md). >= 0.
       refine_layer: second stage (question choice): None = off; else the first stage keeps
         ``refine_factor`` x the budget as candidates, computes them through ``refine_layer``,
         and keeps the budget's worth ranked by first-stage + ``refine_layer`` question attention
@@ -121,6 +126,7 @@ class CacheConfig:
     question_layers: tuple[int, ...] = (4, 8, 12, 16)
     question_weight: float = 0.5
     need_weight: float = 0.0
+    sink_tokens: int = 0
     refine_layer: int | None = None
     refine_factor: float = 2.0
     penalize_novel_prefix: bool = False
@@ -155,6 +161,7 @@ class CacheConfig:
         object.__setattr__(self, "question_layers", tuple(sorted(set(layers))))
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
         _check_number("need_weight", self.need_weight, 0.0, 1.0)
+        _check_int("sink_tokens", self.sink_tokens, 0)
         if self.refine_layer is not None:
             _check_int("refine_layer", self.refine_layer, 1)
             if self.refine_layer <= max(self.question_layers):
