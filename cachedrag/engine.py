@@ -466,6 +466,14 @@ class CachedEngine:
                 counts = allocate_by_need([deferred[i] for i in seg], [float(question_scores[i].sum()) for i in seg],
                                           [plan.segments[i].n_tokens for i in seg], cfg.need_weight)
                 deferred = dict(zip(seg, counts))
+            if choice == "question+inter":  # fused with the variant's own inter-attention fractions (free)
+                w = cfg.question_weight
+                for i in deferred:
+                    meta = plan.segments[i].variant.meta if plan.segments[i].variant is not None else None
+                    inter = list(meta.token_inter) if meta is not None else []
+                    if len(inter) == plan.segments[i].n_tokens:
+                        inter_t = torch.tensor(inter, dtype=torch.float32, device=device)  # [T_i]
+                        question_scores[i] = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(inter_t)  # [T_i]
             if not by_deviation:
                 two_stage = cfg.refine_layer is not None and cfg.refine_layer < runner.n_layers
                 for i, n in deferred.items():
@@ -817,7 +825,10 @@ def _pick(scores: torch.Tensor, count: int, sink: int) -> list[int]:
 
 
 def _rank01(x: torch.Tensor) -> torch.Tensor:
-    """Ranks of ``x`` scaled to [0, 1] (0 = smallest), float32 ``[T]``: a scale-free score for fusing rankings."""
+    """Ranks of ``x`` scaled to [0, 1] (0 = smallest), float32 ``[T]``: a scale-free score for fusing rankings.
+    Ties rank the earlier position higher (as ``select_tokens`` breaks them: by position)."""
+    n = x.shape[0]
     r = torch.empty_like(x, dtype=torch.float32)  # [T]
-    r[torch.argsort(x)] = torch.arange(x.shape[0], dtype=torch.float32, device=x.device)
+    order = (n - 1) - torch.argsort(x.flip(0), stable=True)  # [T] ascending; among ties, later positions first
+    r[order] = torch.arange(n, dtype=torch.float32, device=x.device)
     return r / max(1, x.shape[0] - 1)
