@@ -74,13 +74,7 @@ class IndexSearcher:
 
     def search(self, texts: str | Sequence[str], k: int, nprobe: int | None = None) -> list[SearchHit]:
         """Top-``k`` chunks for the combined query ``texts`` (see the module docstring)."""
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = [t for t in texts if t and t.strip()]
-        if not texts:
-            raise ValueError("the query is empty")
-        query = self.query_vector(texts)  # [1, d]
-        nprobe = min(nprobe or self.lookahead.search_config.nprobe, self.nlist)
+        query, nprobe = self._query(texts, nprobe)  # [1, d]
         result = self.lookahead.search(query, k=k, nprobe=nprobe)
         hits = self._hits(result.scores, result.ids)
         self.registry.register(h.text for h in hits)
@@ -89,18 +83,21 @@ class IndexSearcher:
     def search_stages(self, texts: str | Sequence[str], k: int, n_stages: int, nprobe: int | None = None):
         """``(stage index, hits, final)`` after each stage of a staged search (speculative
         pipelining); the final hits equal ``search``'s and are registered like them."""
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = [t for t in texts if t and t.strip()]
-        if not texts:
-            raise ValueError("the query is empty")
-        query = self.query_vector(texts)  # [1, d]
-        nprobe = min(nprobe or self.lookahead.search_config.nprobe, self.nlist)
+        query, nprobe = self._query(texts, nprobe)  # [1, d]
         for stage in self.lookahead.search_stages(query, n_stages, k=k, nprobe=nprobe):
             hits = self._hits(stage.scores, stage.ids)
             if stage.final:
                 self.registry.register(h.text for h in hits)
             yield stage.index, hits, stage.final
+
+    def _query(self, texts: str | Sequence[str], nprobe: int | None) -> tuple[torch.Tensor, int]:
+        """The query vector ``[1, d]`` of ``texts`` and the nprobe to search with."""
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = [t for t in texts if t and t.strip()]
+        if not texts:
+            raise ValueError("the query is empty")
+        return self.query_vector(texts), min(nprobe or self.lookahead.search_config.nprobe, self.nlist)
 
     def _hits(self, scores: torch.Tensor, ids: torch.Tensor) -> list[SearchHit]:
         """Hits of the first query of ``scores``/``ids`` ``[B, k]``."""
