@@ -472,12 +472,20 @@ class CachedEngine:
                 counts = allocate_by_need([deferred[i] for i in seg], [float(question_scores[i].sum()) for i in seg],
                                           [plan.segments[i].n_tokens for i in seg], cfg.need_weight)
                 deferred = dict(zip(seg, counts))
+            if choice == "question+inter":  # fused with the variant's own inter-attention fractions (free)
+                w = cfg.question_weight
+                for i in deferred:
+                    meta = plan.segments[i].variant.meta if plan.segments[i].variant is not None else None
+                    inter = list(meta.token_inter) if meta is not None else []
+                    if len(inter) == plan.segments[i].n_tokens:
+                        inter_t = torch.tensor(inter, dtype=torch.float32, device=device)  # [T_i]
+                        question_scores[i] = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(inter_t)  # [T_i]
             if not by_deviation:
                 two_stage = cfg.refine_layer is not None and cfg.refine_layer < runner.n_layers
                 for i, n in deferred.items():
                     sp = plan.segments[i]
                     keep = min(sp.n_tokens, math.ceil(cfg.refine_factor * n)) if two_stage else n
-                    top = torch.topk(question_scores[i], min(keep, sp.n_tokens)).indices.tolist()
+                    top = _pick(question_scores[i], keep, cfg.sink_tokens)
                     recompute_pos[i] = sorted(sp.start + j for j in top)
                     if two_stage and keep > n:
                         refine[i] = n
@@ -637,7 +645,7 @@ class CachedEngine:
             if question_scores:
                 w = self.config.cache.question_weight
                 seg_dev = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(seg_dev)  # [T_i]
-            top = torch.topk(seg_dev, min(count, sp.n_tokens)).indices.tolist()
+            top = _pick(seg_dev, count, self.config.cache.sink_tokens)
             recompute_pos[i] = sorted(sp.start + j for j in top)
             chosen.update(recompute_pos[i])
         drop = set(probe_pos) - chosen
@@ -697,6 +705,7 @@ class CachedEngine:
             first = question_scores[i][idx - start]  # [C]
             second = late[idx]  # [C]
             fused = first / first.sum().clamp_min(1e-12) + second / second.sum().clamp_min(1e-12)  # [C]
+            fused[idx - start < self.config.cache.sink_tokens] = math.inf  # sink tokens stay
             kept = set(idx[torch.topk(fused, n).indices].tolist())
             recompute_pos[i] = sorted(kept)
             drop.update(p for p in cand if p not in kept)
@@ -814,8 +823,23 @@ class CachedEngine:
         )
 
 
+def _pick(scores: torch.Tensor, count: int, sink: int) -> list[int]:
+    """Indices of the ``count`` tokens to recompute in one chunk: its first ``sink`` tokens
+    (``CacheConfig.sink_tokens``, as far as ``count`` allows), then the highest ``scores [T]``."""
+    n = scores.shape[0]
+    count = min(count, n)
+    lead = min(sink, count)
+    if lead == 0:
+        return torch.topk(scores, count).indices.tolist()
+    rest = torch.topk(scores[lead:], count - lead).indices + lead  # [count - lead]
+    return list(range(lead)) + rest.tolist()
+
+
 def _rank01(x: torch.Tensor) -> torch.Tensor:
-    """Ranks of ``x`` scaled to [0, 1] (0 = smallest), float32 ``[T]``: a scale-free score for fusing rankings."""
+    """Ranks of ``x`` scaled to [0, 1] (0 = smallest), float32 ``[T]``: a scale-free score for fusing rankings.
+    Ties rank the earlier position higher (as ``select_tokens`` breaks them: by position)."""
+    n = x.shape[0]
     r = torch.empty_like(x, dtype=torch.float32)  # [T]
-    r[torch.argsort(x)] = torch.arange(x.shape[0], dtype=torch.float32, device=x.device)
+    order = (n - 1) - torch.argsort(x.flip(0), stable=True)  # [T] ascending; among ties, later positions first
+    r[order] = torch.arange(n, dtype=torch.float32, device=x.device)
     return r / max(1, x.shape[0] - 1)
