@@ -123,8 +123,18 @@ class ChatCachedRAG(BaseChatModel):
         return "cachedrag"
 
     @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """``dumpd``/``dumps`` write the constructor arguments; ``load`` rebuilds the model (its
+        engine comes from the process-wide registry again, so the cache is shared, not copied)."""
+        return True
+
+    @classmethod
     def get_lc_namespace(cls) -> list[str]:
         return ["cachedrag", "integrations", "langchain"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "CACHEDRAG_API_KEY"}  # never written out; read back from the environment
 
     def get_num_tokens(self, text: str) -> int:
         """Tokens of ``text`` under the model's own tokenizer (never LangChain's GPT-2 fallback)."""

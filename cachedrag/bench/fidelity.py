@@ -38,7 +38,7 @@ import time
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l
 
-ALL_CHOICES = ("deviation", "question", "question+deviation", "leading", "inter", "random", "oracle")
+ALL_CHOICES = ("deviation", "question", "question+deviation", "question+inter", "leading", "inter", "random", "oracle")
 FULL_RATIOS = "0,0.05,0.1,0.15,0.2,0.3,0.5"
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
@@ -305,6 +305,8 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
     ref_logits = full_engine.score(segs, answer, mode="full")  # [A, V]
     ref_logp = ref_logits.log_softmax(-1)
     ref_top = ref_logits.argmax(-1)  # [A]
+    top2 = ref_logp.exp().topk(2, dim=-1).values  # [A, 2]
+    decisive = (top2[:, 0] - top2[:, 1]) >= DECISIVE_MARGIN  # [A] full prefill's choice is not a near tie
     order = list(range(len(chunks)))
     while len(chunks) > 1 and order[0] == 0:
         rng.shuffle(order)
@@ -314,13 +316,19 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
     def measure(r) -> dict:
         logits = r.teacher_logits  # [A, V]
         kl = (ref_logp.exp() * (ref_logp - logits.log_softmax(-1))).sum(-1)  # [A]
+        agree = logits.argmax(-1) == ref_top  # [A]
         return {"ttft_s": r.ttft_s, "computed_fraction": r.computed_fraction,
-                "tf_top1": float((logits.argmax(-1) == ref_top).float().mean()), "tf_kl": float(kl.mean()),
+                "tf_top1": float(agree.float().mean()), "tf_kl": float(kl.mean()),
+                "tf_top1_decisive": float(agree[decisive].float().mean()) if decisive.any() else None,
+                "tf_top1_tied": float(agree[~decisive].float().mean()) if (~decisive).any() else None,
                 "first_token": float(r.token_ids[:1] == answer[:1]), "rouge_l": rouge_l(r.text, ref.text),
                 "exact": float(r.token_ids == answer), "gold": None if gold is None else float(gold_match(r.text, gold)),
                 "approximations": r.approximations, "chunks_hit": r.chunks_hit}
 
+    record["decisive_share"] = float(decisive.float().mean())
     record["rows"]["full"] = {"ttft_s": ref.ttft_s, "computed_fraction": 1.0, "tf_top1": 1.0, "tf_kl": 0.0,
+                              "tf_top1_decisive": 1.0 if decisive.any() else None,
+                              "tf_top1_tied": 1.0 if (~decisive).any() else None,
                               "first_token": 1.0, "rouge_l": 1.0, "exact": 1.0,
                               "gold": None if gold is None else float(gold_match(ref.text, gold)),
                               "approximations": [], "chunks_hit": 0}
@@ -339,7 +347,11 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
 
 # ---------------------------------------------------------------------------------- summary
 
-METRICS = ("tf_top1", "tf_kl", "first_token", "rouge_l", "exact", "gold", "computed_fraction")
+METRICS = ("tf_top1", "tf_kl", "tf_top1_decisive", "tf_top1_tied", "first_token", "rouge_l", "exact", "gold",
+           "computed_fraction")
+#: full prefill's top-1 probability minus its top-2 at an answer position: below this it is a near
+#: tie (tf_top1_tied), at or above it a decisive choice (tf_top1_decisive)
+DECISIVE_MARGIN = 0.2
 
 
 def _aggregate(recs: list[dict], row: str) -> dict:
@@ -365,7 +377,9 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
         "question_layers": args.question_layers, "need_weight": args.need_weight, "refine_layer": args.refine_layer,
         "sink_tokens": args.sink_tokens,
         "torch_threads": torch.get_num_threads(), "seconds": round(seconds, 1),
-    }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {}}
+    }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {},
+        "decisive_margin": DECISIVE_MARGIN,
+        "decisive_share": statistics.fmean(r["decisive_share"] for r in records) if records else None}
     rows = [n for n in row_names if n != "noise"]
     for name in rows:
         results["rows"][name] = _aggregate(records, name)
@@ -380,6 +394,7 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
     noise = _aggregate(records, "noise")
     results["noise"] = {"order_noise_rouge_l": noise["rouge_l"], "order_noise_top1": noise["tf_top1"],
                         "order_noise_kl": noise["tf_kl"], "order_noise_first_token": noise["first_token"],
+                        "order_noise_top1_decisive": noise["tf_top1_decisive"],
                         "order_noise_exact": noise["exact"], "order_noise_gold": noise["gold"]}
     for key, field in (("by_corpus", "corpus"), ("by_seed", "seed")):
         for value in sorted({r[field] for r in records}):
@@ -390,9 +405,10 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
 
 
 def _print_table(results: dict) -> None:
-    cols = ("computed_fraction", "ttft_median_s", "x_full", "x_prefix", "tf_top1", "tf_kl", "first_token", "rouge_l",
+    cols = ("computed_fraction", "ttft_median_s", "x_full", "x_prefix", "tf_top1", "tf_kl", "tf_top1_decisive",
+            "first_token", "rouge_l", "exact", "gold")
+    head = ("row", "computed", "ttft_med", "x_full", "x_prefix", "tf_top1", "tf_kl", "tf_decis", "tok1", "rougeL",
             "exact", "gold")
-    head = ("row", "computed", "ttft_med", "x_full", "x_prefix", "tf_top1", "tf_kl", "tok1", "rougeL", "exact", "gold")
     cfg = results["config"]
     print(f"\nFidelity vs full prefill over {results['n_requests']} requests (corpora {','.join(cfg['corpora'])}, "
           f"seeds {cfg['seeds']}, {cfg['max_new_tokens']} greedy tokens)")
@@ -406,7 +422,10 @@ def _print_table(results: dict) -> None:
     n = results["noise"]
     print(f"order-noise floor (full prefill, chunks shuffled): rougeL {fmt(n['order_noise_rouge_l'])}, "
           f"tf_top1 {fmt(n['order_noise_top1'])}, tf_kl {fmt(n['order_noise_kl'])}, "
-          f"tok1 {fmt(n['order_noise_first_token'])}, gold {fmt(n['order_noise_gold'])}")
+          f"tf_decis {fmt(n['order_noise_top1_decisive'])}, tok1 {fmt(n['order_noise_first_token'])}, "
+          f"gold {fmt(n['order_noise_gold'])}")
+    print(f"tf_decis: teacher-forced top-1 on positions where full prefill's top-1 leads its top-2 by >= "
+          f"{DECISIVE_MARGIN} probability ({fmt(results['decisive_share'])} of positions); the rest are near ties")
     corpora = list(results["by_corpus"])
     if len(corpora) > 1:
         print("per corpus (tf_top1 / tf_kl / tok1 / rougeL / gold):")
