@@ -236,6 +236,23 @@ def test_score_equals_teacher_forced_generation(runner):
         engine.score(segs, [])
 
 
+def test_question_inter_fuses_the_question_ranking_with_token_inter(runner):
+    picks = {}
+    for name, cache in {"question": {"token_choice": "question"}, "inter": {"token_choice": "inter"},
+                        "w1": {"token_choice": "question+inter", "question_weight": 1.0},
+                        "w0": {"token_choice": "question+inter", "question_weight": 0.0},
+                        "half": {"token_choice": "question+inter"}}.items():
+        engine = _engine(runner, cache={"recompute_ratio": 0.2, **cache})
+        engine.generate([CHUNKS[1], CHUNKS[0], CHUNKS[2]], "warm", SYSTEM, max_new_tokens=1)  # behind others
+        r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+        assert r.chunks_hit == 3
+        picks[name] = r.chunk_recompute
+    assert picks["w1"] == picks["question"] and picks["w0"] == picks["inter"]
+    assert picks["question"] != picks["inter"]  # the two rankings differ on this request
+    assert [len(c) for c in picks["half"]] == [len(c) for c in picks["inter"]]
+    assert r.token_choice == "question+inter" and r.checked_tokens == 0  # free: no probe of reused tokens
+
+
 @pytest.mark.parametrize("choice", ["question", "deviation", "question+deviation"])
 def test_sink_tokens_are_always_recomputed_within_the_count(runner, choice):
     counts = {}

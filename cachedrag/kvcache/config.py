@@ -19,9 +19,9 @@ from cachedrag.errors import ConfigError
 from cachedrag.kvcache.policy import POLICY_NAMES, canonical_policy_name
 
 
-TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation")
+TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation", "question+inter")
 #: token choices that rank reused tokens by the question's attention (a pre-pass of the question)
-QUESTION_CHOICES = ("question", "question+deviation")
+QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -75,6 +75,8 @@ class CacheConfig:
           "question+deviation"  both rankings fused: weighted rank
                        ``question_weight x rank(question) + (1 - question_weight) x rank(deviation)``
                        (costs the deviation probe plus the question pre-pass).
+          "question+inter"  weighted rank of the question ranking and the variant's
+                       ``token_inter`` (free: no probe), ``question_weight`` as above.
         Measured on SmolLM2-135M (docs/engine.md): deviation and leading roughly halve
         KL(full || reuse) against naive reuse at 15%; inter barely moves it. The question
         choices are compared in docs/fidelity.md.
@@ -84,7 +86,8 @@ class CacheConfig:
         or "kv" (both). On SmolLM2-135M V ranked best (KL 0.087 at 15% vs 0.102 for K and K+V).
       question_layers: layers whose question attention ranks reused tokens (question choices),
         each >= 0; summed after normalising each layer's mass over the reused tokens.
-      question_weight: weight of the question ranking in ``question+deviation``. In [0, 1].
+      question_weight: weight of the question ranking in ``question+deviation`` and
+        ``question+inter``. In [0, 1].
       need_weight: budget by need (question choices): this share of the request's recompute
         budget (the sum of the per-chunk counts) is redistributed over the reused chunks in
         proportion to the question's attention mass on each (capped at the chunk's length);
