@@ -22,14 +22,16 @@ FidelityName = Literal["exact", "balanced", "fast"]
 #: the reuse mode, the policy fields of ``cache`` it owns, and order-aware exact reuse.
 FIDELITY_PRESETS: dict[str, dict] = {
     # no approximation: exact-prefix reuse only, in the retrieved order (answers = full prefill)
-    "exact": {"mode": "prefix", "cache": {}, "order_aware": False},
-    # non-prefix reuse, question-driven recompute of 30%: on the frontier, teacher-forced KL 0.037 and
-    # ROUGE-L 0.72 vs full at 3.4x TTFT, closer to full than a reordered exact prefill (0.59), so order-aware off
-    "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question", "recompute_ratio": 0.3},
-                 "order_aware": False},
-    # 10% recompute (6x TTFT) and cached orders served exactly (14x): both at about the order-noise floor
-    "fast": {"mode": "cachedrag", "cache": {"token_choice": "question", "recompute_ratio": 0.1},
-             "order_aware": True},
+    "exact": {"mode": "prefix", "cache": {}, "order_aware": False, "early_termination": False},
+    # non-prefix reuse, 30% recomputed, chosen by the question's attention fused with each chunk's own
+    # inter-chunk attention (question+inter), early termination off: x_prefix 2.6, teacher-forced KL 0.011
+    # (8-request frontier) / 0.020 (42 gold questions) vs order noise 0.07, ROUGE-L 0.69-0.79 vs full,
+    # closer to full than a reordered exact prefill (0.62-0.69), so order-aware off
+    "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.3},
+                 "order_aware": False, "early_termination": False},
+    # 10% recompute (5x TTFT, KL 0.034) and cached orders served exactly (15x): both at about the order-noise floor
+    "fast": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.1},
+             "order_aware": True, "early_termination": False},
 }
 
 
@@ -39,7 +41,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
     fidelity: FidelityName | None = Field(
-        None, description="'exact' | 'balanced' | 'fast': sets mode, the recompute policy and order_aware from "
+        None, description="'exact' | 'balanced' | 'fast': sets mode, the recompute policy, order_aware and "
+                          "early_termination from "
                           "FIDELITY_PRESETS (calibrated in docs/fidelity.md); None = the fields as given")
     mode: ModeName = Field("cachedrag", description="default reuse mode of generate()")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="policy thresholds (alpha, N x M, focus...)")
@@ -61,7 +64,7 @@ class EngineConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _apply_fidelity(cls, data):
-        """A fidelity level overrides mode, order_aware and the cache fields its preset names."""
+        """A fidelity level overrides mode, order_aware, early_termination and the cache fields its preset names."""
         if not isinstance(data, dict) or data.get("fidelity") is None:
             return data
         name = data["fidelity"]
@@ -74,7 +77,8 @@ class EngineConfig(BaseModel):
         elif isinstance(cache, dict):
             cache = CacheConfig.from_dict(cache)
         cache = dataclasses.replace(cache, **preset["cache"]) if isinstance(cache, CacheConfig) else cache
-        return {**data, "mode": preset["mode"], "order_aware": preset["order_aware"], "cache": cache}
+        return {**data, "mode": preset["mode"], "order_aware": preset["order_aware"],
+                "early_termination": preset["early_termination"], "cache": cache}
 
     @field_validator("cache", mode="before")
     @classmethod

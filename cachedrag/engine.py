@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -239,14 +239,19 @@ class CachedEngine:
         pre = self._prefill(list(segments), self._mode(mode), len(answer))
         return self._teacher_forced(pre, pre.info["prompt_tokens"], list(answer))
 
-    def prefill(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None) -> "Prefilled":
+    def prefill(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None,
+                between_layers: Callable[[int, int], None] | None = None) -> "Prefilled":
         """Plan, load and prefill only, without decoding (the serving scheduler's seam).
 
         Returns the working KV buffer (capacity = prompt + ``max_new_tokens``, rows of the
         prompt valid), the last-position logits ``[V]`` and the request's stats (the
         ``EngineResult`` fields of the prefill); the caller decodes (``cachedrag.server.batch``).
+        ``between_layers(layer, tokens)`` is called after each layer of the partial prefill
+        (``tokens``: positions that layer computed): the serving loop runs other requests'
+        decode steps there (chunked prefill). It must not touch this request's buffer; its time
+        is left out of ``prefill_s`` and the engine's cost model.
         """
-        pre = self._prefill(list(segments), self._mode(mode), max_new_tokens)
+        pre = self._prefill(list(segments), self._mode(mode), max_new_tokens, between_layers=between_layers)
         return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info)
 
     def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
@@ -314,7 +319,8 @@ class CachedEngine:
         return torch.cat(rows, 0)  # [A, V]
 
     @torch.inference_mode()
-    def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False) -> _Prefill:
+    def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False,
+                 between_layers: Callable[[int, int], None] | None = None) -> _Prefill:
         runner = self.runner
         first_chunk = next((i for i, s in enumerate(segments) if s.kind == "chunk"), None)
         last_chunk = max((i for i, s in enumerate(segments) if s.kind == "chunk"), default=None)
@@ -350,7 +356,7 @@ class CachedEngine:
             while True:  # a cached entry that fails mid-load (corrupt, lost) is recomputed: restart once per failure
                 try:
                     pre, new_entries = self._execute(plan, segments, context, mode, max_new_tokens, all_logits,
-                                                     force_fresh)
+                                                     force_fresh, between_layers)
                     break
                 except _LoadFailed as failed:
                     force_fresh = force_fresh | {failed.segment}
@@ -367,7 +373,7 @@ class CachedEngine:
         return pre
 
     def _execute(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
-                 force_fresh: frozenset[int] = frozenset()):
+                 force_fresh: frozenset[int] = frozenset(), between_layers=None):
         runner = self.runner
         device = runner.device
         total = plan.total_tokens
@@ -466,12 +472,20 @@ class CachedEngine:
                 counts = allocate_by_need([deferred[i] for i in seg], [float(question_scores[i].sum()) for i in seg],
                                           [plan.segments[i].n_tokens for i in seg], cfg.need_weight)
                 deferred = dict(zip(seg, counts))
+            if choice == "question+inter":  # fused with the variant's own inter-attention fractions (free)
+                w = cfg.question_weight
+                for i in deferred:
+                    meta = plan.segments[i].variant.meta if plan.segments[i].variant is not None else None
+                    inter = list(meta.token_inter) if meta is not None else []
+                    if len(inter) == plan.segments[i].n_tokens:
+                        inter_t = torch.tensor(inter, dtype=torch.float32, device=device)  # [T_i]
+                        question_scores[i] = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(inter_t)  # [T_i]
             if not by_deviation:
                 two_stage = cfg.refine_layer is not None and cfg.refine_layer < runner.n_layers
                 for i, n in deferred.items():
                     sp = plan.segments[i]
                     keep = min(sp.n_tokens, math.ceil(cfg.refine_factor * n)) if two_stage else n
-                    top = torch.topk(question_scores[i], min(keep, sp.n_tokens)).indices.tolist()
+                    top = _pick(question_scores[i], keep, cfg.sink_tokens)
                     recompute_pos[i] = sorted(sp.start + j for j in top)
                     if two_stage and keep > n:
                         refine[i] = n
@@ -503,6 +517,7 @@ class CachedEngine:
 
         # 3. partial prefill, layer by layer
         t_prefill = time.perf_counter()
+        paused = 0.0  # spent in between_layers (other requests' decode steps), not in this prefill
         hidden = runner.embed(ids[positions])  # [Tc, Dm]
         token_layers = 0
         focus_layer = None
@@ -543,6 +558,10 @@ class CachedEngine:
                             keep = torch.tensor([p not in drop for p in positions.tolist()], device=device)
                             positions, hidden = positions[keep], hidden[keep]
                             rope = (rope[0][keep], rope[1][keep])
+                if between_layers is not None and layer + 1 < runner.n_layers:  # chunked prefill: others decode
+                    t_pause = time.perf_counter()
+                    between_layers(layer, int(positions.shape[0]))
+                    paused += time.perf_counter() - t_pause
             for loader in loaders.values():
                 self._observe_load(loader)
         finally:
@@ -554,7 +573,7 @@ class CachedEngine:
         else:
             logits = runner.logits(hidden[-1:])[0]  # [V]
         kv.length = total
-        prefill_s = time.perf_counter() - t_prefill
+        prefill_s = time.perf_counter() - t_prefill - paused
         self._observe_prefill(prefill_s, token_layers)
 
         # 4. what to store: raw K + V of fresh segments, metadata for fresh chunks
@@ -626,7 +645,7 @@ class CachedEngine:
             if question_scores:
                 w = self.config.cache.question_weight
                 seg_dev = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(seg_dev)  # [T_i]
-            top = torch.topk(seg_dev, min(count, sp.n_tokens)).indices.tolist()
+            top = _pick(seg_dev, count, self.config.cache.sink_tokens)
             recompute_pos[i] = sorted(sp.start + j for j in top)
             chosen.update(recompute_pos[i])
         drop = set(probe_pos) - chosen
@@ -686,6 +705,7 @@ class CachedEngine:
             first = question_scores[i][idx - start]  # [C]
             second = late[idx]  # [C]
             fused = first / first.sum().clamp_min(1e-12) + second / second.sum().clamp_min(1e-12)  # [C]
+            fused[idx - start < self.config.cache.sink_tokens] = math.inf  # sink tokens stay
             kept = set(idx[torch.topk(fused, n).indices].tolist())
             recompute_pos[i] = sorted(kept)
             drop.update(p for p in cand if p not in kept)
@@ -803,8 +823,23 @@ class CachedEngine:
         )
 
 
+def _pick(scores: torch.Tensor, count: int, sink: int) -> list[int]:
+    """Indices of the ``count`` tokens to recompute in one chunk: its first ``sink`` tokens
+    (``CacheConfig.sink_tokens``, as far as ``count`` allows), then the highest ``scores [T]``."""
+    n = scores.shape[0]
+    count = min(count, n)
+    lead = min(sink, count)
+    if lead == 0:
+        return torch.topk(scores, count).indices.tolist()
+    rest = torch.topk(scores[lead:], count - lead).indices + lead  # [count - lead]
+    return list(range(lead)) + rest.tolist()
+
+
 def _rank01(x: torch.Tensor) -> torch.Tensor:
-    """Ranks of ``x`` scaled to [0, 1] (0 = smallest), float32 ``[T]``: a scale-free score for fusing rankings."""
+    """Ranks of ``x`` scaled to [0, 1] (0 = smallest), float32 ``[T]``: a scale-free score for fusing rankings.
+    Ties rank the earlier position higher (as ``select_tokens`` breaks them: by position)."""
+    n = x.shape[0]
     r = torch.empty_like(x, dtype=torch.float32)  # [T]
-    r[torch.argsort(x)] = torch.arange(x.shape[0], dtype=torch.float32, device=x.device)
+    order = (n - 1) - torch.argsort(x.flip(0), stable=True)  # [T] ascending; among ties, later positions first
+    r[order] = torch.arange(n, dtype=torch.float32, device=x.device)
     return r / max(1, x.shape[0] - 1)

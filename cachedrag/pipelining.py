@@ -35,9 +35,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from cachedrag.executor import TransientThreadExecutor
 from cachedrag.kvcache.keys import path_key
@@ -48,18 +50,23 @@ from cachedrag.retrieval.policy import speculation_stages
 
 @dataclass(frozen=True)
 class StageTopK:
-    """The running top-k of one search stage, as chunk texts (best first)."""
+    """The running top-k of one search stage, as chunk texts (best first).
+
+    ``payload``: anything the search wants back with the final stage (e.g. the hits of every
+    query of a batch, with ids and scores); the driver only reads ``chunks``.
+    """
 
     index: int
     chunks: tuple[str, ...]
     final: bool
+    payload: Any = field(default=None, compare=False, repr=False)
 
 
 StageSearch = Callable[[int], Iterable[StageTopK]]
 
 
 class EngineLoad:
-    """Requests in flight on one engine (shared by every driver that uses it)."""
+    """Requests in flight on one engine (shared by every driver that uses it: ``engine_load``)."""
 
     def __init__(self):
         self._active = 0
@@ -79,6 +86,51 @@ class EngineLoad:
         finally:
             with self._lock:
                 self._active -= 1
+
+
+_LOADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOADS_LOCK = threading.Lock()
+
+
+def engine_load(engine) -> EngineLoad:
+    """The process-wide ``EngineLoad`` of ``engine``: generators that run requests on it count
+    them here (``pipelines.generators.EngineGenerator``, ``integrations.generator``), so every
+    speculation over the engine sees the same load."""
+    with _LOADS_LOCK:
+        load = _LOADS.get(engine)
+        if load is None:
+            load = _LOADS[engine] = EngineLoad()
+        return load
+
+
+@dataclass
+class Speculation:
+    """What a staged search and its speculative prefill left for the final request.
+
+    The final request is the caller's (``SpeculativePipeline.generate`` makes it; a retriever
+    returns ``final`` and the LLM call that follows makes it): its prompt's leading chunks that
+    equal ``chunks[:kept_chunks]`` in the speculated layout are tree hits.
+    """
+
+    final: StageTopK  # the last stage (the search's result)
+    chunks: list[str]  # the final top-k, cut to ``prompt_chunks``
+    stages: int  # search stages used (1: no speculation)
+    search_s: float  # from the request start to the final top-k
+    speculative_steps: int = 0
+    speculative_tokens: int = 0  # tokens the speculative prefills computed
+    useful_tokens: int = 0  # of those, chunk tokens on the final top-k's prefix
+    kept_chunks: int = 0  # leading final chunks the speculation prefilled
+    restarts: int = 0  # times a newer stage changed the speculated prompt
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+
+    @property
+    def wasted_tokens(self) -> int:
+        return self.speculative_tokens - self.useful_tokens
+
+    def stats(self) -> dict:
+        return {"stages": self.stages, "search_s": self.search_s, "speculative_steps": self.speculative_steps,
+                "speculative_tokens": self.speculative_tokens, "wasted_tokens": self.wasted_tokens,
+                "kept_chunks": self.kept_chunks, "restarts": self.restarts}
 
 
 @dataclass
@@ -116,19 +168,25 @@ class _Step:
     tail: int  # of which the template tail
 
 
+Layout = Callable[[Sequence[str]], list]
+
+
 class SpeculativePipeline:
     """Staged search + speculative prefill around one engine.
 
     >>> pipe = SpeculativePipeline(engine)                                   # doctest: +SKIP
     >>> out = pipe.generate("what does heapq do?", index_stages(index, "what does heapq do?"))
     >>> out.result.text, out.ttft_s, out.wasted_fraction                     # doctest: +SKIP
+
+    ``speculate`` is the same without the final request: a retrieval step (a pipeline's, an
+    integration retriever's) calls it with the layout of the LLM call that will follow.
     """
 
     def __init__(self, engine, config: PipeliningConfig | None = None, load: EngineLoad | None = None):
         self.engine = engine
         self.config = config or PipeliningConfig()
-        self.load = load or EngineLoad()
-        self._pool = TransientThreadExecutor(1, thread_name_prefix="cachedrag-staged-search")
+        self.load = load or engine_load(engine)
+        self._pool = TransientThreadExecutor(4, thread_name_prefix="cachedrag-staged-search")  # one per request in flight
         self.expected_search_s: float | None = None  # EMA of this pipeline's search times
 
     def stages_for_load(self) -> int:
@@ -142,7 +200,7 @@ class SpeculativePipeline:
         self.expected_search_s = seconds if prev is None else (1 - w) * prev + w * seconds
 
     def generate(self, question: str, search: StageSearch, *, system_prompt: str | None = None,
-                 layout: Callable[[Sequence[str]], list] | None = None, max_new_tokens: int = 64,
+                 layout: Layout | None = None, max_new_tokens: int = 64,
                  temperature: float = 0.0, seed: int | None = None, mode: str | None = None,
                  n_stages: int | None = None, start: float | None = None) -> PipelineResult:
         """Answer ``question`` over the final top-k of ``search``, speculating on earlier stages.
@@ -155,15 +213,42 @@ class SpeculativePipeline:
         if layout is None:
             layout = lambda chunks: self.engine.prompts.chat(list(chunks), question, system_prompt)  # noqa: E731
         with self.load.request():
-            stages = n_stages or self.stages_for_load()
+            spec = self._speculation(search, layout, self._tail(system_prompt), mode, n_stages, start)
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-            if stages == 1:
-                final = _last(search(1))
-                search_s = time.perf_counter() - start
-                return self._final(layout, final.chunks, [], params, mode, start, 1, search_s, 0, [])
-            return self._speculate(layout, search, stages, params, mode, system_prompt, start)
+            result = self.engine.generate_segments(layout(spec.chunks), params, mode=mode, start=start)
+        return PipelineResult(result=result, chunks=spec.chunks, stages=spec.stages, search_s=spec.search_s,
+                              ttft_s=result.ttft_s, speculative_steps=spec.speculative_steps,
+                              speculative_tokens=spec.speculative_tokens, wasted_tokens=spec.wasted_tokens,
+                              kept_chunks=spec.kept_chunks, restarts=spec.restarts, timeline=spec.timeline)
 
-    def _speculate(self, layout, search, stages, params, mode, system_prompt, start) -> PipelineResult:
+    def speculate(self, search: StageSearch, layout: Layout, *, tail: str | None = None, mode: str | None = None,
+                  n_stages: int | None = None, start: float | None = None,
+                  prompt_chunks: int | None = None) -> Speculation:
+        """Run ``search``, prefilling ``layout`` of its intermediate top-k meanwhile; no final request.
+
+        ``layout(chunks) -> segments`` must be the layout of the request that will follow (its
+        segments up to the last chunk); each speculative step ends with ``tail`` (default: the
+        chat template's text after the user message). When this returns, the chunks of
+        ``layout(result.chunks)`` up to ``kept_chunks`` sit in the engine's knowledge tree.
+        ``prompt_chunks`` overrides the config's (the chunks the following request will use).
+        """
+        start = time.perf_counter() if start is None else start
+        with self.load.request():
+            return self._speculation(search, layout, tail if tail is not None else self._tail(None), mode, n_stages,
+                                     start, prompt_chunks)
+
+    def _tail(self, system_prompt: str | None) -> str:
+        _, after = self.engine.prompts.template_split(system_prompt)
+        return after or "\n"
+
+    def _speculation(self, search, layout, tail: str, mode, n_stages, start, prompt_chunks=None) -> Speculation:
+        stages = n_stages or self.stages_for_load()
+        width = prompt_chunks or self.config.prompt_chunks
+        if stages == 1:
+            final = _last(search(1))
+            search_s = time.perf_counter() - start
+            self._observe_search(search_s)
+            return Speculation(final, list(final.chunks[:width]), 1, search_s)
         posted: queue.Queue = queue.Queue()
         arrived: list[float] = []  # when the final stage was posted
 
@@ -189,7 +274,7 @@ class SpeculativePipeline:
                 if stage.final:
                     final = stage
                     break
-                target = list(stage.chunks[: self.config.prompt_chunks])
+                target = list(stage.chunks[:width])
                 keep = _common_prefix(spec, target)
                 if keep < len(spec):
                     restarts += 1
@@ -197,42 +282,34 @@ class SpeculativePipeline:
                 for j in range(keep, len(target)):
                     if not posted.empty():  # a newer top-k: re-plan before the next chunk
                         break
-                    steps.append(self._step(layout(target[: j + 1]), target[: j + 1], mode, system_prompt))
+                    steps.append(self._step(layout(target[: j + 1]), target[: j + 1], mode, tail))
                     spec.append(target[j])
                     timeline.append((time.perf_counter() - start, f"speculated chunk {j}"))
         finally:
             future.result()  # the search thread has ended (its errors were posted)
         search_s = arrived[0] if arrived else timeline[-1][0]
-        return self._final(layout, final.chunks, steps, params, mode, start, stages, search_s, restarts, timeline)
-
-    def _step(self, segments: list, chunks: list[str], mode, system_prompt) -> _Step:
-        """Prefill the prompt up to its last chunk + the chat template's tail; the engine stores the chunk KV."""
-        engine = self.engine
-        last = max(i for i, seg in enumerate(segments) if seg.kind == "chunk")
-        _, after = engine.prompts.template_split(system_prompt)
-        tail = engine.prompts.segment("text", after or "\n")
-        context = segments[: last + 1]
-        handle = path_key([seg.key for seg in context])
-        created = handle not in set(engine.manager.handles())
-        result = engine.generate_segments(context + [tail], SamplingParams(max_new_tokens=1), mode=mode)
-        return _Step(tuple(chunks), handle, created, result.computed_tokens, len(tail))
-
-    def _final(self, layout, chunks, steps: Sequence[_Step], params, mode, start, stages, search_s, restarts,
-               timeline) -> PipelineResult:
-        chunks = list(chunks[: self.config.prompt_chunks])
+        self._observe_search(search_s)
+        chunks = list(final.chunks[:width])
         used = [s for s in steps if list(s.chunks) == chunks[: len(s.chunks)]]
         for s in steps:  # abandoned speculation must not be reused approximately by the final request
             if s not in used and s.created:
                 self.engine.manager.invalidate(s.handle)
-        self._observe_search(search_s)
-        result = self.engine.generate_segments(layout(chunks), params, mode=mode, start=start)
-        spec_tokens = sum(s.computed for s in steps)
-        useful = sum(s.computed - s.tail for s in used)
-        kept = max((len(s.chunks) for s in used), default=0)
-        return PipelineResult(result=result, chunks=chunks, stages=stages, search_s=search_s, ttft_s=result.ttft_s,
-                              speculative_steps=len(steps), speculative_tokens=spec_tokens,
-                              wasted_tokens=spec_tokens - useful, kept_chunks=kept, restarts=restarts,
-                              timeline=timeline)
+        return Speculation(final, chunks, stages, search_s, speculative_steps=len(steps),
+                           speculative_tokens=sum(s.computed for s in steps),
+                           useful_tokens=sum(s.computed - s.tail for s in used),
+                           kept_chunks=max((len(s.chunks) for s in used), default=0), restarts=restarts,
+                           timeline=timeline)
+
+    def _step(self, segments: list, chunks: list[str], mode, tail: str) -> _Step:
+        """Prefill the prompt up to its last chunk + ``tail``; the engine stores the chunk KV."""
+        engine = self.engine
+        last = max(i for i, seg in enumerate(segments) if seg.kind == "chunk")
+        tail_segment = engine.prompts.segment("text", tail)
+        context = segments[: last + 1]
+        handle = path_key([seg.key for seg in context])
+        created = handle not in set(engine.manager.handles())
+        result = engine.generate_segments(context + [tail_segment], SamplingParams(max_new_tokens=1), mode=mode)
+        return _Step(tuple(chunks), handle, created, result.computed_tokens, len(tail_segment))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -51,12 +51,12 @@ def main() -> None:
             for question in QUESTIONS:
                 t = time.perf_counter()
                 response = engine.query(question)
-                stats = llm.last_stats
+                stats = response.metadata["cachedrag"]  # this query's cache stats (summed over its LLM calls)
                 print(f"[{attempt}] {question}\n  -> {str(response).strip()[:160]!r}")
                 print(f"  {time.perf_counter() - t:.2f} s total, TTFT {stats['ttft_s'] * 1000:.0f} ms, "
                       f"{stats['registered_chunks']} retrieved chunks in the prompt, "
                       f"{stats['registered_chunks_cached']} of them from the cache, "
-                      f"{stats['computed_tokens']}/{stats['prompt_tokens']} prompt tokens computed")
+                      f"{stats['cached_tokens']}/{stats['prompt_tokens']} prompt tokens served from cache")
                 print(f"  sources: {[n.node.node_id for n in response.source_nodes]}")
 
         # HyDE: the LLM writes a hypothetical answer first; the retriever starts prefetching the

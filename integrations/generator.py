@@ -25,7 +25,9 @@ from cachedrag.integrations.template import (
     render_completion,
     render_messages,
 )
+from cachedrag.integrations.speculation import remember_shape
 from cachedrag.model.generation import SamplingParams
+from cachedrag.pipelining import engine_load
 
 
 @dataclass
@@ -178,13 +180,31 @@ class ChunkAwareGenerator:
                timeout: float | None = None) -> AnswerStream:
         start = time.perf_counter()
         split = split_prompt(prompt, self.registry)
+        remember_shape(self.registry, split, self.engine, mode)  # retrievers' speculative pipelining
         segments = self.engine.prompts.text_segments(split.parts)
-        generation = self.engine.generate_segments(segments, params, mode=mode, stream=True, start=start)
+        generation = _Counted(self.engine.generate_segments(segments, params, mode=mode, stream=True, start=start),
+                              engine_load(self.engine))
         deadline = start + timeout if timeout else None
         layout = [(seg.kind, len(seg)) for seg in segments]
         stream = AnswerStream(generation, split, list(prompt.notes), deadline, timeout, layout)
         stream.tokenizer = self.tokenizer
         return stream
+
+
+class _Counted:
+    """A ``GenerationStream`` counted in its engine's load while it runs (speculation reads the load)."""
+
+    def __init__(self, generation, load):
+        self._generation = generation
+        self._load = load
+
+    def __iter__(self):
+        with self._load.request():
+            yield from self._generation
+
+    @property
+    def result(self):
+        return self._generation.result
 
 
 def sampling_params(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

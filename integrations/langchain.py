@@ -43,9 +43,11 @@ from cachedrag.integrations.chunks import chunk_registry as _default_registry
 from cachedrag.integrations.engines import engine_name, load_engine, shared_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
 from cachedrag.integrations.search import shared_searcher
+from cachedrag.integrations.speculation import pipelining_option
 from cachedrag.integrations.template import Message
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
 from cachedrag.model.loader import DEFAULT_MODEL
+from cachedrag.retrieval.config import PipeliningConfig
 
 __all__ = ["ChatCachedRAG", "CachedRAGRetriever"]
 
@@ -121,8 +123,18 @@ class ChatCachedRAG(BaseChatModel):
         return "cachedrag"
 
     @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """``dumpd``/``dumps`` write the constructor arguments; ``load`` rebuilds the model (its
+        engine comes from the process-wide registry again, so the cache is shared, not copied)."""
+        return True
+
+    @classmethod
     def get_lc_namespace(cls) -> list[str]:
         return ["cachedrag", "integrations", "langchain"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "CACHEDRAG_API_KEY"}  # never written out; read back from the environment
 
     def get_num_tokens(self, text: str) -> int:
         """Tokens of ``text`` under the model's own tokenizer (never LangChain's GPT-2 fallback)."""
@@ -261,17 +273,29 @@ class CachedRAGRetriever(BaseRetriever):
 
     ``invoke(query, k=...)`` overrides ``k`` per call; ``prefetch(original_query)`` starts the
     lookahead prefetch before a query transformation (HyDE, multi-query...) runs.
+    ``pipelining=True``: speculative pipelining (``integrations.speculation``).
     """
 
     index_dir: str = Field(description="index directory written by `cachedrag index build`")
     k: int = Field(default=4, ge=1, description="documents returned per query")
     nprobe: int | None = Field(default=None, ge=1, description="IVF clusters probed (None = 16, capped at nlist)")
+    pipelining: bool | PipeliningConfig = Field(
+        default=False, description="speculative pipelining: staged search while the chat model's engine prefills "
+        "the intermediate top-k in the shape of its previous prompt (same documents and answers)")
 
     _searcher: Any = PrivateAttr(default=None)
+    _pipelining: Any = PrivateAttr(default=None)
+    _last_speculation: dict | None = PrivateAttr(default=None)
 
     def __init__(self, *, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self._searcher = shared_searcher(self.index_dir, chunk_registry)
+        self._pipelining = pipelining_option(self.pipelining)
+
+    @property
+    def last_speculation(self) -> dict | None:
+        """What the latest pipelined retrieval speculated (stages, kept chunks, wasted tokens)."""
+        return self._last_speculation
 
     def prefetch(self, original_query: str) -> bool:
         """Start moving the IVF clusters nearest ``original_query`` to the fast tier; returns at once."""
@@ -280,7 +304,10 @@ class CachedRAGRetriever(BaseRetriever):
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 **kwargs: Any) -> list[Document]:
         k = int(kwargs.get("k", self.k))
-        hits = self._searcher.search(query, k=k, nprobe=self.nprobe)
+        if self._pipelining is None:
+            hits = self._searcher.search(query, k=k, nprobe=self.nprobe)
+        else:
+            hits, self._last_speculation = self._pipelining.search(self._searcher, query, k, self.nprobe)
         return [Document(id=h.chunk_id, page_content=h.text, metadata=h.metadata()) for h in hits]
 
     async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,

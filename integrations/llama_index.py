@@ -15,16 +15,22 @@ Owns the LlamaIndex adapters (thin: the work is in ``generator``, ``search``, ``
 - ``CachedRAGNodePostprocessor``: registers the texts of nodes from any other retriever or
   vector store (nodes pass through unchanged), so an app keeps its own index and still gets
   chunk reuse.
+- Query-level stats: a span handler on LlamaIndex's dispatcher follows each query engine
+  ``query``/``aquery`` span; every ``CachedRAGLLM`` call inside it (nested sub-queries included)
+  is summed into ``Response.metadata["cachedrag"]`` (``query_stats.QueryStats``).
 
 Does not own: generation, search or the registries (the shared helper modules).
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -42,6 +48,8 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.query import QueryStartEvent
+from llama_index.core.instrumentation.span import SimpleSpan, active_span_id
+from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
@@ -59,10 +67,13 @@ from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.chunks import chunk_registry as _default_registry
 from cachedrag.integrations.engines import engine_name, load_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
+from cachedrag.integrations.query_stats import QueryStats
 from cachedrag.integrations.search import SearchHit, shared_searcher
+from cachedrag.integrations.speculation import pipelining_option
 from cachedrag.integrations.template import Message, RenderedPrompt
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
 from cachedrag.model.loader import DEFAULT_MODEL
+from cachedrag.retrieval.config import PipeliningConfig
 
 __all__ = ["CachedRAGLLM", "CachedRAGRetriever", "CachedRAGNodePostprocessor"]
 
@@ -169,7 +180,7 @@ class CachedRAGLLM(CustomLLM):
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        return self._stream_complete(prompt, formatted, **kwargs)
+        return self._stream_complete(prompt, formatted, _sinks=_query_spans.sinks(), **kwargs)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -177,7 +188,8 @@ class CachedRAGLLM(CustomLLM):
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return stream_in_worker(lambda: self._stream_complete(prompt, formatted, **kwargs))
+        sinks = _query_spans.sinks()
+        return stream_in_worker(lambda: self._stream_complete(prompt, formatted, _sinks=sinks, **kwargs))
 
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
@@ -186,7 +198,7 @@ class CachedRAGLLM(CustomLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._stream_chat(messages, **kwargs)
+        return self._stream_chat(messages, _sinks=_query_spans.sinks(), **kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -194,16 +206,17 @@ class CachedRAGLLM(CustomLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return stream_in_worker(lambda: self._stream_chat(messages, **kwargs))
+        sinks = _query_spans.sinks()
+        return stream_in_worker(lambda: self._stream_chat(messages, _sinks=sinks, **kwargs))
 
     # ------------------------------------------------------------------ helpers (blocking; any thread)
     def _complete(self, prompt: str, formatted: bool, **kwargs: Any) -> CompletionResponse:
         answer = self._answer(self._completion_prompt(prompt, formatted), kwargs)
         return CompletionResponse(text=answer.text, raw=answer.stats(), additional_kwargs=_usage(answer))
 
-    def _stream_complete(self, prompt: str, formatted: bool, **kwargs: Any) -> CompletionResponseGen:
+    def _stream_complete(self, prompt: str, formatted: bool, _sinks=(), **kwargs: Any) -> CompletionResponseGen:
         rendered = self._completion_prompt(prompt, formatted)
-        for text, delta, answer in self._deltas(rendered, kwargs):
+        for text, delta, answer in self._deltas(rendered, kwargs, _sinks):
             if answer is None:
                 yield CompletionResponse(text=text, delta=delta)
             else:
@@ -214,9 +227,9 @@ class CachedRAGLLM(CustomLLM):
         message = ChatMessage(role=MessageRole.ASSISTANT, content=answer.text)
         return ChatResponse(message=message, raw=answer.stats(), additional_kwargs=_usage(answer))
 
-    def _stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+    def _stream_chat(self, messages: Sequence[ChatMessage], _sinks=(), **kwargs: Any) -> ChatResponseGen:
         rendered = self._generator.render_messages(_messages(messages))
-        for text, delta, answer in self._deltas(rendered, kwargs):
+        for text, delta, answer in self._deltas(rendered, kwargs, _sinks):
             message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
             if answer is None:
                 yield ChatResponse(message=message, delta=delta)
@@ -232,11 +245,14 @@ class CachedRAGLLM(CustomLLM):
         answer = self._generator.generate(rendered, self._params(kwargs), mode=kwargs.get("mode", self.reuse_mode),
                                           timeout=self.timeout)
         self._last_stats = answer.stats()
+        for sink in _query_spans.sinks():
+            sink.add(self._last_stats)
         return answer
 
-    def _deltas(self, rendered: RenderedPrompt, kwargs: dict):
+    def _deltas(self, rendered: RenderedPrompt, kwargs: dict, sinks=()):
         """``(text so far, delta, None)`` per delta as it comes, then ``(text, "", Answer)``: a final
-        empty-delta response carries the stats (nothing is held back from the stream)."""
+        empty-delta response carries the stats (nothing is held back from the stream). ``sinks``: the
+        queries this stream belongs to, taken when the stream was requested (it is consumed later)."""
         stream = self._generator.stream(rendered, self._params(kwargs), mode=kwargs.get("mode", self.reuse_mode),
                                         timeout=self.timeout)
         text = ""
@@ -247,6 +263,8 @@ class CachedRAGLLM(CustomLLM):
         finally:
             stream.close()
         self._last_stats = stream.answer.stats()
+        for sink in sinks:
+            sink.add(self._last_stats)
         yield text, "", stream.answer
 
     def _params(self, kwargs: dict):
@@ -271,11 +289,17 @@ class CachedRAGRetriever(BaseRetriever):
     Several ``embedding_strs`` (HyDE with ``include_original=True``) are searched as the
     renormalised mean of their normalised embeddings. ``query_bundle.embedding`` is ignored:
     it comes from ``Settings.embed_model``, not necessarily the index's embedder.
+
+    ``pipelining=True`` (or a ``PipeliningConfig``): speculative pipelining; the search runs in
+    stages while the LLM's engine prefills the intermediate top-k in the shape of its previous
+    prompt (``integrations.speculation``); same nodes and answers, ``last_speculation`` says
+    what it did.
     """
 
     def __init__(self, index_dir: str, similarity_top_k: int = 4, nprobe: int | None = None,
                  auto_prefetch: bool = True, chunk_registry: ChunkRegistry | None = None,
-                 callback_manager: CallbackManager | None = None, verbose: bool = False):
+                 callback_manager: CallbackManager | None = None, verbose: bool = False,
+                 pipelining: bool | PipeliningConfig | dict = False):
         if similarity_top_k < 1:
             raise ValueError("similarity_top_k must be at least 1")
         super().__init__(callback_manager=callback_manager, verbose=verbose)
@@ -283,6 +307,8 @@ class CachedRAGRetriever(BaseRetriever):
         self.similarity_top_k = similarity_top_k
         self.nprobe = nprobe
         self._searcher = shared_searcher(index_dir, chunk_registry)
+        self._pipelining = pipelining_option(pipelining)
+        self.last_speculation: dict | None = None  # what the latest pipelined retrieval speculated
         self._handler = None
         if auto_prefetch:
             self._handler = _PrefetchOnQueryStart()
@@ -301,7 +327,11 @@ class CachedRAGRetriever(BaseRetriever):
             self._handler = None
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        hits = self._searcher.search(query_bundle.embedding_strs, k=self.similarity_top_k, nprobe=self.nprobe)
+        if self._pipelining is None:
+            hits = self._searcher.search(query_bundle.embedding_strs, k=self.similarity_top_k, nprobe=self.nprobe)
+        else:
+            hits, self.last_speculation = self._pipelining.search(self._searcher, query_bundle.embedding_strs,
+                                                                  self.similarity_top_k, self.nprobe)
         return [NodeWithScore(node=_node(h), score=h.score) for h in hits]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
@@ -373,6 +403,101 @@ class _PrefetchOnQueryStart(BaseEventHandler):
             return
         query = event.query.query_str if isinstance(event.query, QueryBundle) else str(event.query)
         retriever.prefetch(query)
+
+
+class _QuerySpans(BaseSpanHandler[SimpleSpan]):
+    """Follows LlamaIndex spans to tell which open queries an LLM call belongs to.
+
+    A query engine's ``query``/``aquery`` span gets a ``QueryStats``; at its exit the summary goes
+    on the response's ``metadata["cachedrag"]`` (the same dict keeps filling for a stream consumed
+    later). Only span ids and parent links are kept, and only while spans are open.
+    """
+
+    _queries: dict = PrivateAttr(default_factory=dict)  # open query span id -> QueryStats
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CachedRAGQuerySpans"
+
+    def new_span(self, id_: str, bound_args, instance=None, parent_span_id: str | None = None, tags=None, **kwargs):
+        if isinstance(instance, BaseQueryEngine) and id_.split("-", 1)[0].rsplit(".", 1)[-1] in ("query", "aquery"):
+            with self.lock:
+                self._queries[id_] = QueryStats()
+        return SimpleSpan(id_=id_, parent_id=parent_span_id)
+
+    def prepare_to_exit_span(self, id_: str, bound_args, instance=None, result=None, **kwargs):
+        with self.lock:
+            stats = self._queries.pop(id_, None)
+        if stats is not None and result is not None and hasattr(result, "metadata"):
+            if result.metadata is None:
+                result.metadata = {}
+            result.metadata["cachedrag"] = stats.summary
+            # a streaming response generates after its query span ended: attribute its calls explicitly
+            gen = getattr(result, "response_gen", None)
+            if inspect.isgenerator(gen):
+                result.response_gen = _attributed(gen, stats)
+            elif inspect.isasyncgen(gen):
+                result.response_gen = _attributed_async(gen, stats)
+        return self.open_spans.get(id_)
+
+    def prepare_to_drop_span(self, id_: str, bound_args, instance=None, err=None, **kwargs):
+        with self.lock:
+            self._queries.pop(id_, None)
+        return self.open_spans.get(id_)
+
+    def sinks(self) -> list[QueryStats]:
+        """The ``QueryStats`` of every open query enclosing the current span (innermost first), and
+        of the streaming responses being consumed right now."""
+        out = list(_streaming_queries.get())
+        span_id = active_span_id.get()
+        with self.lock:
+            while span_id is not None:
+                if span_id in self._queries:
+                    out.append(self._queries[span_id])
+                span = self.open_spans.get(span_id)
+                span_id = span.parent_id if span is not None else None
+        return out
+
+
+# queries whose streaming response is being advanced in this context (set only around each step)
+_streaming_queries: contextvars.ContextVar[tuple[QueryStats, ...]] = contextvars.ContextVar(
+    "cachedrag_streaming_queries", default=())
+
+
+def _attributed(gen, stats: QueryStats):
+    """``gen``'s items; while it computes each one, LLM calls count for ``stats``."""
+    try:
+        while True:
+            token = _streaming_queries.set(_streaming_queries.get() + (stats,))
+            try:
+                item = next(gen)
+            except StopIteration:
+                return
+            finally:
+                _streaming_queries.reset(token)
+            yield item
+    finally:
+        gen.close()  # a consumer that stops early stops the generation too
+
+
+async def _attributed_async(gen, stats: QueryStats):
+    """The async twin of ``_attributed``."""
+    try:
+        while True:
+            token = _streaming_queries.set(_streaming_queries.get() + (stats,))
+            try:
+                item = await gen.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                _streaming_queries.reset(token)
+            yield item
+    finally:
+        await gen.aclose()
+
+
+_query_spans = _QuerySpans()
+get_dispatcher().add_span_handler(_query_spans)
 
 
 def _add_handler(handler: BaseEventHandler) -> None:

@@ -74,22 +74,39 @@ class IndexSearcher:
 
     def search(self, texts: str | Sequence[str], k: int, nprobe: int | None = None) -> list[SearchHit]:
         """Top-``k`` chunks for the combined query ``texts`` (see the module docstring)."""
+        query, nprobe = self._query(texts, nprobe)  # [1, d]
+        result = self.lookahead.search(query, k=k, nprobe=nprobe)
+        hits = self._hits(result.scores, result.ids)
+        self.registry.register(h.text for h in hits)
+        return hits
+
+    def search_stages(self, texts: str | Sequence[str], k: int, n_stages: int, nprobe: int | None = None):
+        """``(stage index, hits, final)`` after each stage of a staged search (speculative
+        pipelining); the final hits equal ``search``'s and are registered like them."""
+        query, nprobe = self._query(texts, nprobe)  # [1, d]
+        for stage in self.lookahead.search_stages(query, n_stages, k=k, nprobe=nprobe):
+            hits = self._hits(stage.scores, stage.ids)
+            if stage.final:
+                self.registry.register(h.text for h in hits)
+            yield stage.index, hits, stage.final
+
+    def _query(self, texts: str | Sequence[str], nprobe: int | None) -> tuple[torch.Tensor, int]:
+        """The query vector ``[1, d]`` of ``texts`` and the nprobe to search with."""
         if isinstance(texts, str):
             texts = [texts]
         texts = [t for t in texts if t and t.strip()]
         if not texts:
             raise ValueError("the query is empty")
-        query = self.query_vector(texts)  # [1, d]
-        nprobe = min(nprobe or self.lookahead.search_config.nprobe, self.nlist)
-        result = self.lookahead.search(query, k=k, nprobe=nprobe)
-        hits = [
+        return self.query_vector(texts), min(nprobe or self.lookahead.search_config.nprobe, self.nlist)
+
+    def _hits(self, scores: torch.Tensor, ids: torch.Tensor) -> list[SearchHit]:
+        """Hits of the first query of ``scores``/``ids`` ``[B, k]``."""
+        return [
             SearchHit(rank=h.rank, score=float(h.score), chunk_id=h.chunk.id, doc_id=h.chunk.doc_id,
                       chunk_index=h.chunk.index, text=h.chunk.text, char_start=h.chunk.char_start,
                       char_end=h.chunk.char_end)
-            for h in self.index.hits(result.scores, result.ids)[0]
+            for h in self.index.hits(scores, ids)[0]
         ]
-        self.registry.register(h.text for h in hits)
-        return hits
 
     def query_vector(self, texts: Sequence[str]) -> torch.Tensor:
         """``[1, d]``: the embedding of one text, or the renormalised mean of several normalised ones."""

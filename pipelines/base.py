@@ -30,6 +30,7 @@ from cachedrag.errors import ConfigError, EmptyInputError
 from cachedrag.pipelines.generators import Generation, GenerationRequest, as_generator
 from cachedrag.pipelines.prompts import ANSWER, PromptTemplate
 from cachedrag.pipelines.retrievers import SearchResult, as_retriever
+from cachedrag.retrieval.config import PipeliningConfig
 
 StepKind = Literal["pre_retrieval", "retrieval", "post_retrieval", "judgment"]
 GENERATION_KINDS: tuple[str, ...] = ("pre_retrieval", "post_retrieval")
@@ -148,6 +149,9 @@ class PipelineConfig(BaseModel):
     seed: int | None = Field(None, description="sampling seed (temperature > 0)")
     answer: PromptTemplate = Field(ANSWER, description="prompt of the answer over retrieved chunks; fields: question")
     prefetch: bool = Field(True, description="call the retriever's prefetch(original question) before the first LLM call")
+    pipelining: bool | PipeliningConfig = Field(
+        False, description="speculative pipelining (RAGCache): retrieval steps search in stages and prefill the "
+        "answer prompt's chunks on each intermediate top-k while the search goes on; True = default settings")
 
 
 class _Recorder:
@@ -194,6 +198,7 @@ class Pipeline(ABC):
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
         self.config = config
+        self._speculator = None  # the SpeculativePipeline of ``pipelining`` (made on first use)
 
     # ------------------------------------------------------------------ public API
     def run(self, question: str) -> PipelineRun:
@@ -256,11 +261,49 @@ class Pipeline(ABC):
         started = rec.now()
         if rec.prefetch_at is not None and rec.first_search_after_prefetch is None:
             rec.first_search_after_prefetch = started
-        result = self.retriever.search(queries, k or self.config.top_k)
+        k = k or self.config.top_k
+        speculator = self._pipelining(rec)
+        if speculator is None:
+            result, info = self.retriever.search(queries, k), {}
+        else:
+            result, info = self._speculative_search(speculator, queries, k)
         rec.add(Step(name=name, kind="retrieval", input=list(queries), output=[list(r) for r in result.chunk_ids],
-                     started_s=started, seconds=rec.now() - started, retrieval=dict(result.info),
+                     started_s=started, seconds=rec.now() - started, retrieval={**result.info, **info},
                      documents=[list(zip(ids, texts)) for ids, texts in zip(result.chunk_ids, result.chunks)]))
         return result
+
+    def _pipelining(self, rec: _Recorder):
+        """The ``SpeculativePipeline`` of retrieval steps, or None (pipelining off or not possible:
+        then a note says why and the search is plain)."""
+        option = self.config.pipelining
+        if option is False:
+            return None
+        if self._speculator is None:
+            engine = getattr(self.generator, "engine", None)
+            if engine is None or not callable(getattr(self.generator, "chunk_layout", None)):
+                reason = f"the generator {type(self.generator).__name__} has no chunk-cache engine"
+            elif not callable(getattr(self.retriever, "stage_search", None)):
+                reason = f"the retriever {type(self.retriever).__name__} has no staged search"
+            else:
+                from cachedrag.pipelining import SpeculativePipeline
+
+                config = option if isinstance(option, PipeliningConfig) else PipeliningConfig()
+                self._speculator = SpeculativePipeline(engine, config)
+                return self._speculator
+            note = f"pipelining is off: {reason}"
+            if note not in rec.notes:
+                rec.notes.append(note)
+            return None
+        return self._speculator
+
+    def _speculative_search(self, speculator, queries: Sequence[str], k: int) -> tuple[SearchResult, dict]:
+        """Staged search of ``queries``; the first query's intermediate top-k is prefilled in the
+        layout of the answer prompt (``config.answer`` over the chunks, what every pipeline's
+        post-retrieval generation uses), so that generation finds those chunks in the tree."""
+        layout, tail = self.generator.chunk_layout(self.config.answer.system)
+        spec = speculator.speculate(self.retriever.stage_search(queries, k), layout, tail=tail,
+                                    mode=getattr(self.generator, "mode", None), prompt_chunks=k)
+        return spec.final.payload, {"speculation": spec.stats()}
 
     def _judge(self, rec: _Recorder, name: str, judged: str, decision: str, started: float, details: dict) -> None:
         """A decision taken without the LLM (e.g. FLARE's confidence check), recorded as a step."""

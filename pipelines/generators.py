@@ -26,6 +26,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from cachedrag.errors import ConfigError
 from cachedrag.model.generation import stop_index
+from cachedrag.pipelining import engine_load
 from cachedrag.prompt import CHUNK_SEPARATOR, template_split  # chunk segments must match other engine users' (same cache keys)
 
 
@@ -100,7 +101,8 @@ class EngineGenerator:
         segments = prompts.text_segments(layout(before, request.chunks, request.user, after, request.assistant_prefix))
         params = SamplingParams(max_new_tokens=request.max_new_tokens, temperature=request.temperature,
                                 stop=request.stop, seed=request.seed)
-        r = self.engine.generate_segments(segments, params, mode=self.mode, start=start)
+        with engine_load(self.engine).request():  # speculative pipelining reads the engine's load
+            r = self.engine.generate_segments(segments, params, mode=self.mode, start=start)
         cache = {"mode": r.mode, "chunks_hit": r.chunks_hit, "chunks_missed": r.chunks_missed,
                  "prefix_hit_tokens": r.prefix_hit_tokens, "recomputed_tokens": r.recomputed_tokens,
                  "cached_tokens": r.cached_tokens, "checked_tokens": r.checked_tokens,
@@ -110,6 +112,15 @@ class EngineGenerator:
                           finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
                           computed_tokens=r.computed_tokens, seconds=time.perf_counter() - start, ttft_s=r.ttft_s,
                           cache=cache, notes=list(r.notes))
+
+
+    def chunk_layout(self, system: str | None):
+        """``(layout, tail)`` for speculative pipelining: ``layout(chunks)`` is this generator's
+        segments of a request with ``system`` over ``chunks`` (up to the last chunk, the rest
+        empty), ``tail`` the chat template's text after the user message."""
+        prompts = self.engine.prompts
+        before, after = prompts.template_split(system)
+        return (lambda chunks: prompts.text_segments(layout(before, chunks, "", after))), (after or "\n")
 
 
 class TransformersGenerator:

@@ -90,6 +90,26 @@ class LookaheadSearch:
         return SearchResult([[h.chunk.text for h in row] for row in hits], [[h.chunk.id for h in row] for row in hits],
                             time.perf_counter() - start, info)
 
+    def stage_search(self, queries: Sequence[str], k: int):
+        """A ``cachedrag.pipelining.StageSearch`` of ``queries`` (staged search, fast tier first):
+        each stage's chunk texts of the first query; the final stage's ``payload`` is the
+        ``SearchResult`` of every query (the same top-k as ``search``)."""
+        from cachedrag.pipelining import StageTopK
+
+        def run(n_stages: int):
+            start = time.perf_counter()
+            for stage in self.retriever.search_stages(list(queries), n_stages, k=k, nprobe=self.nprobe):
+                hits = self.index.hits(stage.scores, stage.ids)
+                texts = [[h.chunk.text for h in row] for row in hits]
+                payload = None
+                if stage.final:
+                    seconds = time.perf_counter() - start
+                    payload = SearchResult(texts, [[h.chunk.id for h in row] for row in hits], seconds,
+                                           {"search_ms": seconds * 1e3, "stages": stage.index + 1})
+                yield StageTopK(stage.index, tuple(texts[0]), stage.final, payload)
+
+        return run
+
     def prefetch_report(self) -> dict | None:
         """What the last prefetch did (waits for it to end); ``error`` when it failed."""
         handle = self._handle

@@ -203,6 +203,7 @@ def test_fidelity_levels_set_mode_policy_and_order(level):
     cfg = EngineConfig(fidelity=level, cache={"alpha": 2.0})
     preset = FIDELITY_PRESETS[level]
     assert cfg.mode == preset["mode"] and cfg.order_aware == preset["order_aware"]
+    assert cfg.early_termination is preset["early_termination"] is False  # it costs fidelity (docs/fidelity.md)
     assert cfg.cache.alpha == 2.0  # fields the preset does not own are kept
     for name, value in preset["cache"].items():
         assert getattr(cfg.cache, name) == value
@@ -233,3 +234,54 @@ def test_score_equals_teacher_forced_generation(runner):
     torch.testing.assert_close(engine.score(segs, full.token_ids, mode="full"), tf.teacher_logits, atol=1e-5, rtol=0)
     with pytest.raises(ConfigError):
         engine.score(segs, [])
+
+
+def test_question_inter_fuses_the_question_ranking_with_token_inter(runner):
+    picks = {}
+    for name, cache in {"question": {"token_choice": "question"}, "inter": {"token_choice": "inter"},
+                        "w1": {"token_choice": "question+inter", "question_weight": 1.0},
+                        "w0": {"token_choice": "question+inter", "question_weight": 0.0},
+                        "half": {"token_choice": "question+inter"}}.items():
+        engine = _engine(runner, cache={"recompute_ratio": 0.2, **cache})
+        engine.generate([CHUNKS[1], CHUNKS[0], CHUNKS[2]], "warm", SYSTEM, max_new_tokens=1)  # behind others
+        r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+        assert r.chunks_hit == 3
+        picks[name] = r.chunk_recompute
+    assert picks["w1"] == picks["question"] and picks["w0"] == picks["inter"]
+    assert picks["question"] != picks["inter"]  # the two rankings differ on this request
+    assert [len(c) for c in picks["half"]] == [len(c) for c in picks["inter"]]
+    assert r.token_choice == "question+inter" and r.checked_tokens == 0  # free: no probe of reused tokens
+
+
+@pytest.mark.parametrize("choice", ["question", "deviation", "question+deviation"])
+def test_sink_tokens_are_always_recomputed_within_the_count(runner, choice):
+    counts = {}
+    for sink in (0, 3):
+        engine = _engine(runner, cache={"recompute_ratio": 0.1, "token_choice": choice, "sink_tokens": sink})
+        _warm(engine)
+        r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+        assert r.chunks_hit == 3
+        counts[sink] = [len(c) for c in r.chunk_recompute]
+        if sink:
+            assert all(c[:3] == [0, 1, 2] for c in r.chunk_recompute)
+    assert counts[3] == counts[0]  # the sinks take part of the budget, never add to it
+
+
+def test_sink_tokens_leave_the_rest_to_the_question_ranking(runner):
+    engine = _engine(runner, cache={"recompute_ratio": 0.05, "token_choice": "question", "sink_tokens": 2})
+    _warm(engine)
+    _plant_question_key(engine, runner, 30)
+    picked = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1).chunk_recompute[1]
+    assert picked[:2] == [0, 1] and 30 in picked
+
+
+@pytest.mark.parametrize("count, sink, expected", [
+    (2, 0, [3, 1]),  # top scores
+    (3, 2, [0, 1, 3]),  # sinks first, then the best of the rest
+    (2, 5, [0, 1]),  # sinks capped by the count
+    (9, 1, [0, 3, 1, 2]),  # count capped by the length
+])
+def test_pick_sinks_then_top_scores(count, sink, expected):
+    from cachedrag.engine import _pick
+
+    assert _pick(torch.tensor([0.0, 5.0, 1.0, 9.0]), count, sink) == expected

@@ -17,11 +17,18 @@ chunk holding the answer is always among them) runs on a fresh cache:
    match, first token vs ``A``; gold accuracy) and teacher-forced logits over ``A`` (top-1
    agreement with the reference per position, KL(full || reuse) per position).
 
+Teacher-forced top-1 is also split by full prefill's own margin (``tf_top1_decisive``: positions
+whose top-1 leads top-2 by >= ``DECISIVE_MARGIN``; ``tf_top1_tied``: the near ties), which tells
+a shifted distribution from flipped near ties. Early termination is off in every row unless
+``--early-termination``; ``--et-choices`` adds ``<choice>/et@<ratio>`` rows with it on. Seeds ask
+disjoint slices of one permutation of the questions (``_picks``).
+
 Rows share one loaded model; within a request they run back to back, so TTFT ratios (``x_full``,
 ``x_prefix``) are measured side by side. ``oracle`` chooses the tokens whose true V (every layer)
 deviates most from full prefill's: a ceiling no real choice can see. Prints a table; ``--json OUT``
 writes ``{"config", "rows": {row: metrics}, "by_corpus", "by_seed", "noise", "requests"}``;
-``--plot PNG`` draws fidelity vs TTFT speedup per choice (matplotlib, the ``bench`` extra).
+``--plot PNG`` draws fidelity vs TTFT speedup per choice (matplotlib, the ``bench`` extra);
+``--replot JSON`` prints and plots an earlier run's JSON without running anything.
 
 Does not own the engine, the metrics' definitions (``bench.metrics``) or the gold set (``bench.gold``).
 """
@@ -38,7 +45,7 @@ import time
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l
 
-ALL_CHOICES = ("deviation", "question", "question+deviation", "leading", "inter", "random", "oracle")
+ALL_CHOICES = ("deviation", "question", "question+deviation", "question+inter", "leading", "inter", "random", "oracle")
 FULL_RATIOS = "0,0.05,0.1,0.15,0.2,0.3,0.5"
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
@@ -63,12 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--question-layers", default=None, help="CacheConfig.question_layers, e.g. 1 or 1,2")
     parser.add_argument("--need-weight", type=float, default=None, help="CacheConfig.need_weight (budget by need)")
+    parser.add_argument("--sink-tokens", type=int, default=None,
+                        help="CacheConfig.sink_tokens (each reused chunk's first tokens always recomputed)")
     parser.add_argument("--refine-layer", type=int, default=None, help="CacheConfig.refine_layer (second stage)")
-    parser.add_argument("--no-early-termination", action="store_true", help="disable focused-chunk early termination")
+    parser.add_argument("--early-termination", action="store_true",
+                        help="focused-chunk early termination in every row (default: off; it trades fidelity for "
+                             "compute, see --et-choices)")
+    parser.add_argument("--et-choices", default="question",
+                        help="token choices that also get rows with early termination on, named '<choice>/et@<ratio>' "
+                             "('' = none)")
     parser.add_argument("--corpus", help="an extra corpus (directory or JSONL) run as 'custom' with --questions")
     parser.add_argument("--questions", help="questions for --corpus, one per line")
     parser.add_argument("--plot", help="write a PNG of fidelity vs TTFT speedup here (needs matplotlib)")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="run nothing: print the table of an earlier run's --json output (and --plot it)")
 
 
 def _floats(text: str) -> list[float]:
@@ -79,11 +95,14 @@ def _floats(text: str) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        return _replot(args)
     ratios = _floats(args.ratios)
     seeds = [int(x) for x in _floats(args.seeds)]
     choices = [c.strip() for c in args.choices.split(",") if c.strip()]
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
-    bad = [c for c in choices if c not in ALL_CHOICES] + [c for c in corpora if c not in ("stdlib", "info")]
+    bad = [c for c in choices + _et_choices(args) if c not in ALL_CHOICES] + [
+        c for c in corpora if c not in ("stdlib", "info")]
     if bad:
         raise SystemExit(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
     if any(not 0 <= r <= 1 for r in ratios) or not seeds or args.requests < 1:
@@ -116,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     for corpus_name, (texts, items, system) in sets:
         for seed in seeds:
             rng = random.Random(f"{seed}:{corpus_name}")
-            picks = rng.sample(items, min(args.requests, len(items)))
+            picks = _picks(items, corpus_name, seed, args.requests)
             for item in picks:
                 records.append(_request(runner, rows, item, system, corpus_name, seed, rng, args))
                 done += 1
@@ -131,7 +150,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replot(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        with open(args.replot, encoding="utf-8") as f:
+            results = json.load(f)
+        results["rows"], results["noise"], results["config"]  # noqa: B018 (shape check)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--replot: not a bench fidelity JSON file: {args.replot} ({exc})") from None
+    _print_table(results)
+    if args.plot:
+        plot_frontier(results, args.plot)
+    return 0
+
+
 # ---------------------------------------------------------------------------------- setup
+
+def _picks(items: list, corpus: str, seed: int, n: int) -> list:
+    """The questions of one (corpus, seed) stream: a slice of one fixed permutation of the corpus's
+    items, seed s taking items ``s*n .. s*n+n-1`` (wrapping), so seeds 0 and 1 with ``n`` <= half
+    the set ask disjoint questions, and a run per seed asks what the joint run asks."""
+    perm = list(items)
+    random.Random(f"picks:{corpus}").shuffle(perm)
+    n = min(n, len(perm))
+    return [perm[(seed * n + j) % len(perm)] for j in range(n)]
+
 
 def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
     """Row name -> (engine, mode). Each engine gets a fresh manager per request (``_bind``)."""
@@ -146,10 +190,11 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
         base["need_weight"] = args.need_weight
     if args.refine_layer is not None:
         base["refine_layer"] = args.refine_layer
-    et = not args.no_early_termination
+    if args.sink_tokens is not None:
+        base["sink_tokens"] = args.sink_tokens
     oracle = _oracle_class()
 
-    def engine(cls=CachedEngine, order_aware=False, **cache):
+    def engine(cls=CachedEngine, order_aware=False, et=args.early_termination, **cache):
         return cls(runner, config=EngineConfig(cache=CacheConfig(**{**base, **cache}), early_termination=et,
                                                order_aware=order_aware))
 
@@ -159,18 +204,23 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
             "order_aware": (engine(order_aware=True), "prefix")}
     if 0 in ratios:
         rows["naive"] = (engine(), "naive")
-    for choice in choices:
+    et_choices = [] if args.early_termination else _et_choices(args)
+    for choice, et in [(c, args.early_termination) for c in choices] + [(c, True) for c in et_choices]:
         for ratio in (r for r in ratios if r > 0):
-            name = f"{choice}@{ratio:g}"
+            name = f"{choice}{'/et' if et and not args.early_termination else ''}@{ratio:g}"
             if choice == "oracle":
-                rows[name] = (engine(oracle, token_choice="question", need_weight=0.0, recompute_ratio=ratio),
-                              "cachedrag")
+                rows[name] = (engine(oracle, et=et, token_choice="question", need_weight=0.0, sink_tokens=0,
+                                     recompute_ratio=ratio), "cachedrag")
             elif choice == "random":
-                rows[name] = (engine(recompute_ratio=ratio), "random")
+                rows[name] = (engine(et=et, recompute_ratio=ratio), "random")
             else:
-                rows[name] = (engine(token_choice=choice, recompute_ratio=ratio), "cachedrag")
+                rows[name] = (engine(et=et, token_choice=choice, recompute_ratio=ratio), "cachedrag")
     rows["prefix"] = (engine(), "prefix")
     return rows
+
+
+def _et_choices(args) -> list[str]:
+    return [c.strip() for c in args.et_choices.split(",") if c.strip()]
 
 
 def _corpus(runner, name: str, args):
@@ -281,6 +331,8 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
     ref_logits = full_engine.score(segs, answer, mode="full")  # [A, V]
     ref_logp = ref_logits.log_softmax(-1)
     ref_top = ref_logits.argmax(-1)  # [A]
+    top2 = ref_logp.exp().topk(2, dim=-1).values  # [A, 2]
+    decisive = (top2[:, 0] - top2[:, 1]) >= DECISIVE_MARGIN  # [A] full prefill's choice is not a near tie
     order = list(range(len(chunks)))
     while len(chunks) > 1 and order[0] == 0:
         rng.shuffle(order)
@@ -290,13 +342,19 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
     def measure(r) -> dict:
         logits = r.teacher_logits  # [A, V]
         kl = (ref_logp.exp() * (ref_logp - logits.log_softmax(-1))).sum(-1)  # [A]
+        agree = logits.argmax(-1) == ref_top  # [A]
         return {"ttft_s": r.ttft_s, "computed_fraction": r.computed_fraction,
-                "tf_top1": float((logits.argmax(-1) == ref_top).float().mean()), "tf_kl": float(kl.mean()),
+                "tf_top1": float(agree.float().mean()), "tf_kl": float(kl.mean()),
+                "tf_top1_decisive": float(agree[decisive].float().mean()) if decisive.any() else None,
+                "tf_top1_tied": float(agree[~decisive].float().mean()) if (~decisive).any() else None,
                 "first_token": float(r.token_ids[:1] == answer[:1]), "rouge_l": rouge_l(r.text, ref.text),
                 "exact": float(r.token_ids == answer), "gold": None if gold is None else float(gold_match(r.text, gold)),
                 "approximations": r.approximations, "chunks_hit": r.chunks_hit}
 
+    record["decisive_share"] = float(decisive.float().mean())
     record["rows"]["full"] = {"ttft_s": ref.ttft_s, "computed_fraction": 1.0, "tf_top1": 1.0, "tf_kl": 0.0,
+                              "tf_top1_decisive": 1.0 if decisive.any() else None,
+                              "tf_top1_tied": 1.0 if (~decisive).any() else None,
                               "first_token": 1.0, "rouge_l": 1.0, "exact": 1.0,
                               "gold": None if gold is None else float(gold_match(ref.text, gold)),
                               "approximations": [], "chunks_hit": 0}
@@ -315,7 +373,11 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
 
 # ---------------------------------------------------------------------------------- summary
 
-METRICS = ("tf_top1", "tf_kl", "first_token", "rouge_l", "exact", "gold", "computed_fraction")
+METRICS = ("tf_top1", "tf_kl", "tf_top1_decisive", "tf_top1_tied", "first_token", "rouge_l", "exact", "gold",
+           "computed_fraction")
+#: full prefill's top-1 probability minus its top-2 at an answer position: below this it is a near
+#: tie (tf_top1_tied), at or above it a decisive choice (tf_top1_decisive)
+DECISIVE_MARGIN = 0.2
 
 
 def _aggregate(recs: list[dict], row: str) -> dict:
@@ -323,6 +385,7 @@ def _aggregate(recs: list[dict], row: str) -> dict:
     for m in METRICS:
         vals = [r["rows"][row][m] for r in recs if r["rows"][row][m] is not None]
         out[m] = statistics.fmean(vals) if vals else None
+    out["gold_n"] = sum(r["rows"][row]["gold"] is not None for r in recs)
     out["ttft_median_s"] = statistics.median(r["rows"][row]["ttft_s"] for r in recs)
     out["n"] = len(recs)
     return out
@@ -335,21 +398,29 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
         "model": args.model or "SmolLM2-135M-Instruct", "corpora": sorted({r["corpus"] for r in records}),
         "seeds": sorted({r["seed"] for r in records}), "requests_per_corpus_seed": args.requests,
         "ratios": ratios, "choices": choices, "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
-        "max_new_tokens": args.max_new_tokens, "early_termination": not args.no_early_termination,
+        "max_new_tokens": args.max_new_tokens, "early_termination": args.early_termination,
+        "et_choices": [] if args.early_termination else _et_choices(args),
         "question_layers": args.question_layers, "need_weight": args.need_weight, "refine_layer": args.refine_layer,
+        "sink_tokens": args.sink_tokens,
         "torch_threads": torch.get_num_threads(), "seconds": round(seconds, 1),
-    }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {}}
+    }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {},
+        "decisive_margin": DECISIVE_MARGIN,
+        "decisive_share": statistics.fmean(r["decisive_share"] for r in records) if records else None}
     rows = [n for n in row_names if n != "noise"]
     for name in rows:
         results["rows"][name] = _aggregate(records, name)
     full_t = results["rows"]["full"]["ttft_median_s"]
     prefix_t = results["rows"]["prefix"]["ttft_median_s"]
+    full_gold = results["rows"]["full"]["gold"]
     for row in results["rows"].values():
         row["x_full"] = full_t / row["ttft_median_s"]
         row["x_prefix"] = prefix_t / row["ttft_median_s"]
+        # task accuracy vs full prefill, in points (the target: within 1 point)
+        row["gold_delta_pts"] = None if row["gold"] is None else 100.0 * (row["gold"] - full_gold)
     noise = _aggregate(records, "noise")
     results["noise"] = {"order_noise_rouge_l": noise["rouge_l"], "order_noise_top1": noise["tf_top1"],
                         "order_noise_kl": noise["tf_kl"], "order_noise_first_token": noise["first_token"],
+                        "order_noise_top1_decisive": noise["tf_top1_decisive"],
                         "order_noise_exact": noise["exact"], "order_noise_gold": noise["gold"]}
     for key, field in (("by_corpus", "corpus"), ("by_seed", "seed")):
         for value in sorted({r[field] for r in records}):
@@ -360,9 +431,10 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
 
 
 def _print_table(results: dict) -> None:
-    cols = ("computed_fraction", "ttft_median_s", "x_full", "x_prefix", "tf_top1", "tf_kl", "first_token", "rouge_l",
+    cols = ("computed_fraction", "ttft_median_s", "x_full", "x_prefix", "tf_top1", "tf_kl", "tf_top1_decisive",
+            "first_token", "rouge_l", "exact", "gold")
+    head = ("row", "computed", "ttft_med", "x_full", "x_prefix", "tf_top1", "tf_kl", "tf_decis", "tok1", "rougeL",
             "exact", "gold")
-    head = ("row", "computed", "ttft_med", "x_full", "x_prefix", "tf_top1", "tf_kl", "tok1", "rougeL", "exact", "gold")
     cfg = results["config"]
     print(f"\nFidelity vs full prefill over {results['n_requests']} requests (corpora {','.join(cfg['corpora'])}, "
           f"seeds {cfg['seeds']}, {cfg['max_new_tokens']} greedy tokens)")
@@ -376,7 +448,19 @@ def _print_table(results: dict) -> None:
     n = results["noise"]
     print(f"order-noise floor (full prefill, chunks shuffled): rougeL {fmt(n['order_noise_rouge_l'])}, "
           f"tf_top1 {fmt(n['order_noise_top1'])}, tf_kl {fmt(n['order_noise_kl'])}, "
-          f"tok1 {fmt(n['order_noise_first_token'])}, gold {fmt(n['order_noise_gold'])}")
+          f"tf_decis {fmt(n.get('order_noise_top1_decisive'))}, tok1 {fmt(n['order_noise_first_token'])}, "
+          f"gold {fmt(n['order_noise_gold'])}")
+    print(f"tf_decis: teacher-forced top-1 on positions where full prefill's top-1 leads its top-2 by >= "
+          f"{DECISIVE_MARGIN} probability ({fmt(results.get('decisive_share'))} of positions); the rest are near ties")
+    corpora = list(results["by_corpus"])
+    if len(corpora) > 1:
+        print("per corpus (tf_top1 / tf_kl / tok1 / rougeL / gold):")
+        for c in corpora:
+            sub = results["by_corpus"][c]
+            n_c = sub["full"]["n"]
+            print(f"  {c} ({n_c} requests): " + "; ".join(
+                f"{name} {fmt(sub[name]['tf_top1'])}/{fmt(sub[name]['tf_kl'])}/{fmt(sub[name]['first_token'])}/"
+                f"{fmt(sub[name]['rouge_l'])}/{fmt(sub[name]['gold'])}" for name in sub))
     seeds = list(results["by_seed"])
     if len(seeds) > 1:
         print("per seed (tf_kl / rougeL): " + "; ".join(
@@ -386,8 +470,9 @@ def _print_table(results: dict) -> None:
 
 
 def plot_frontier(results: dict, path: str) -> None:
-    """Two panels, teacher-forced top-1 and ROUGE-L vs TTFT speedup over full prefill; one line
-    per token choice over its recompute ratios, the order-noise floor as a dashed line."""
+    """Three panels vs TTFT speedup over full prefill: teacher-forced KL (log scale), teacher-forced
+    top-1 and free-running ROUGE-L; one line per token choice over its recompute ratios (ratio
+    labels on the ``question`` line), the order-noise floor dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -399,28 +484,35 @@ def plot_frontier(results: dict, path: str) -> None:
         if "@" in name:
             choice, ratio = name.split("@")
             by_choice.setdefault(choice, []).append((float(ratio), row))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, metric, label, floor in ((axes[0], "tf_top1", "teacher-forced top-1 agreement", "order_noise_top1"),
-                                     (axes[1], "rouge_l", "ROUGE-L vs full (free-running)", "order_noise_rouge_l")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    panels = ((axes[0], "tf_kl", "teacher-forced KL(full || reuse), lower is better", "order_noise_kl"),
+              (axes[1], "tf_top1", "teacher-forced top-1 agreement", "order_noise_top1"),
+              (axes[2], "rouge_l", "ROUGE-L vs full (free-running)", "order_noise_rouge_l"))
+    for ax, metric, label, floor in panels:
         for choice, pts in sorted(by_choice.items()):
             pts.sort()
-            style = "--" if choice == "oracle" else "-"
-            ax.plot([p[1]["x_full"] for p in pts], [p[1][metric] for p in pts], style, marker="o", label=choice)
-            for ratio, p in pts:
-                ax.annotate(f"{ratio:g}", (p["x_full"], p[metric]), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
+            style = "--" if choice == "oracle" or "/" in choice else "-"
+            width = 2.5 if choice == "question" else 1.2
+            ax.plot([p[1]["x_full"] for p in pts], [p[1][metric] for p in pts], style, marker="o", markersize=3.5,
+                    linewidth=width, label=choice)
+            if choice == "question":
+                for ratio, p in pts:
+                    ax.annotate(f"{ratio:g}", (p["x_full"], p[metric]), fontsize=7, xytext=(3, 3),
+                                textcoords="offset points")
         for name, marker in (("naive", "x"), ("prefix", "s"), ("order_aware", "^")):
             if name in rows:
                 ax.plot([rows[name]["x_full"]], [rows[name][metric]], marker, color="black", label=name)
-        if results["noise"][floor] is not None:
+        if results["noise"].get(floor) is not None:
             ax.axhline(results["noise"][floor], color="grey", linestyle=":", label="order-noise floor")
+        if metric == "tf_kl":
+            ax.set_yscale("log")
         ax.set_xlabel("TTFT speedup vs full prefill (x)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower left")
+    axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     cfg = results["config"]
     fig.suptitle(f"{cfg['model']}: {results['n_requests']} requests, corpora {', '.join(cfg['corpora'])}, "
-                 f"seeds {cfg['seeds']} (labels: recompute ratio)", fontsize=9)
+                 f"seeds {cfg['seeds']} (labels on the question line: recompute ratio)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

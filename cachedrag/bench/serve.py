@@ -186,7 +186,14 @@ async def _replay(url: str, bodies: list[dict], concurrency: int, rate: float, s
         return list(results), time.perf_counter() - start
 
 
-def _level_stats(results: list[dict], wall: float, hits: float, misses: float) -> dict:
+def _level_stats(results: list[dict], wall: float, before: str, after: str) -> dict:
+    """One level's figures from the clients' results and the server's /metrics before and after it."""
+
+    def grew(name: str) -> float:
+        return _metric_sum(after, name) - _metric_sum(before, name)
+
+    hits, misses = grew("cachedrag_chunk_hits_total"), grew("cachedrag_chunk_misses_total")
+    steps = grew("cachedrag_decode_batch_size_count")
     ok = [r for r in results if r["status"] == 200 and r["usage"]]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     tpot = [(r["total_s"] - r["ttft_s"]) / (r["usage"]["completion_tokens"] - 1) for r in ok
@@ -200,6 +207,10 @@ def _level_stats(results: list[dict], wall: float, hits: float, misses: float) -
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
         "tpot_p50_s": percentile(tpot, 50) if tpot else None,
         "chunk_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        # the server's own view: time of the decode forward each output token came from, batch size of a step
+        "decode_step_s_mean": (grew("cachedrag_time_per_output_token_seconds_sum")
+                               / max(1.0, grew("cachedrag_time_per_output_token_seconds_count"))) if steps else None,
+        "decode_batch_mean": (grew("cachedrag_decode_batch_size_sum") / steps) if steps else None,
         "cached_tokens_share": cached / prompt if prompt else 0.0,
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
         "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
@@ -262,10 +273,7 @@ def run(args: argparse.Namespace) -> int:
                 res, wall = asyncio.run(_replay(server.url, bodies(explicit, lo, lo + args.requests, args.max_tokens),
                                                 level, args.rate, args.seed + level))
                 after = httpx.get(server.url + "/metrics").text
-                hits = _metric_sum(after, "cachedrag_chunk_hits_total") - _metric_sum(before, "cachedrag_chunk_hits_total")
-                misses = (_metric_sum(after, "cachedrag_chunk_misses_total")
-                          - _metric_sum(before, "cachedrag_chunk_misses_total"))
-                row = _level_stats(res, wall, hits, misses)
+                row = _level_stats(res, wall, before, after)
                 results["configs"][name][str(level)] = row
                 texts[name][level] = [r["text"] for r in res]
                 print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "

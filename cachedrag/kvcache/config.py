@@ -19,9 +19,9 @@ from cachedrag.errors import ConfigError
 from cachedrag.kvcache.policy import POLICY_NAMES, canonical_policy_name
 
 
-TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation")
+TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation", "question+inter")
 #: token choices that rank reused tokens by the question's attention (a pre-pass of the question)
-QUESTION_CHOICES = ("question", "question+deviation")
+QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -75,6 +75,8 @@ class CacheConfig:
           "question+deviation"  both rankings fused: weighted rank
                        ``question_weight x rank(question) + (1 - question_weight) x rank(deviation)``
                        (costs the deviation probe plus the question pre-pass).
+          "question+inter"  weighted rank of the question ranking and the variant's
+                       ``token_inter`` (free: no probe), ``question_weight`` as above.
         Measured on SmolLM2-135M (docs/engine.md): deviation and leading roughly halve
         KL(full || reuse) against naive reuse at 15%; inter barely moves it. The question
         choices are compared in docs/fidelity.md.
@@ -84,11 +86,17 @@ class CacheConfig:
         or "kv" (both). On SmolLM2-135M V ranked best (KL 0.087 at 15% vs 0.102 for K and K+V).
       question_layers: layers whose question attention ranks reused tokens (question choices),
         each >= 0; summed after normalising each layer's mass over the reused tokens.
-      question_weight: weight of the question ranking in ``question+deviation``. In [0, 1].
+      question_weight: weight of the question ranking in ``question+deviation`` and
+        ``question+inter``. In [0, 1].
       need_weight: budget by need (question choices): this share of the request's recompute
         budget (the sum of the per-chunk counts) is redistributed over the reused chunks in
         proportion to the question's attention mass on each (capped at the chunk's length);
         the rest follows the per-chunk counts. 0 = counts as planned. In [0, 1].
+      sink_tokens: choices measured while running (deviation, question, question+deviation): the
+        first ``sink_tokens`` tokens of every reused chunk are always among its recomputed tokens
+        (within its count), the rest ranked as the choice says (EPIC / attention-sink idea: a
+        chunk's opening tokens are where a new left context changes the cache most). 0 = off
+        (on SmolLM2-135M 4 or 16 sink tokens did not help the question choice, docs/fidelity.md). >= 0.
       refine_layer: second stage (question choice): None = off; else the first stage keeps
         ``refine_factor`` x the budget as candidates, computes them through ``refine_layer``,
         and keeps the budget's worth ranked by first-stage + ``refine_layer`` question attention
@@ -121,6 +129,7 @@ class CacheConfig:
     question_layers: tuple[int, ...] = (4, 8, 12, 16)
     question_weight: float = 0.5
     need_weight: float = 0.0
+    sink_tokens: int = 0
     refine_layer: int | None = None
     refine_factor: float = 2.0
     penalize_novel_prefix: bool = False
@@ -155,6 +164,7 @@ class CacheConfig:
         object.__setattr__(self, "question_layers", tuple(sorted(set(layers))))
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
         _check_number("need_weight", self.need_weight, 0.0, 1.0)
+        _check_int("sink_tokens", self.sink_tokens, 0)
         if self.refine_layer is not None:
             _check_int("refine_layer", self.refine_layer, 1)
             if self.refine_layer <= max(self.question_layers):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cachedrag.errors import ModelNotFoundError, UnsupportedModelError
+from cachedrag.hub import local_snapshot
 from cachedrag.paths import cache_home
 
 log = logging.getLogger(__name__)
@@ -128,11 +129,23 @@ def resolve_model_path(name_or_path: str | None) -> str:
     return name_or_path
 
 
+def local_model_dir(name_or_path: str | None) -> str:
+    """The local directory holding a model (see ``cachedrag.hub``); ``ModelNotFoundError`` at once,
+    with nothing downloaded or tried, when it is not on disk."""
+    path = resolve_model_path(name_or_path)
+    found = local_snapshot(path)
+    if found is None:
+        raise ModelNotFoundError(f"cannot load model {path!r} (local files only: a directory or a Hugging Face id "
+                                 f"already in the local cache; the default needs `{_DEFAULT_INSTALL_HINT}`): "
+                                 f"{_first_line(FileNotFoundError(path), path)}")
+    return found
+
+
 def load_tokenizer(name_or_path: str | None = None):
     """The tokenizer of a model (default model when ``None``)."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(name_or_path)
+    path = local_model_dir(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)  # offline by construction
     except (OSError, ValueError) as exc:
@@ -153,7 +166,7 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = resolve_model_path(name_or_path)
+    path = local_model_dir(name_or_path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)  # offline by construction: no hub calls
     except (OSError, ValueError) as exc:

@@ -180,24 +180,11 @@ def _encode(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[tuple[int,
 
 
 def load_tokenizer(name_or_path: str | None = None):
-    """An LLM tokenizer: the default model's (``None``/``"default"``) or a local HF name/path.
+    """An LLM tokenizer: the default model's (``None``/``"default"``) or a local directory / cached HF id.
 
-    The default comes from ``cachedrag.model.loader.load_default_tokenizer``, imported at
-    call time.
+    Delegates to ``cachedrag.model.loader.load_tokenizer`` (imported at call time): local files only,
+    ``ModelNotFoundError`` at once when the model is not on disk.
     """
-    from cachedrag.errors import ConfigError, ModelNotFoundError
+    from cachedrag.model.loader import load_tokenizer as load_model_tokenizer
 
-    if name_or_path is None or name_or_path.lower() == "default":
-        try:
-            from cachedrag.model.loader import load_default_tokenizer
-        except ImportError as exc:
-            raise ConfigError(
-                f"the default LLM tokenizer is unavailable ({exc}); pass a tokenizer name or path"
-            ) from exc
-        return load_default_tokenizer()
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
-    except OSError as exc:
-        raise ModelNotFoundError(f"cannot load a tokenizer from {name_or_path!r} (local files only): {exc}") from exc
+    return load_model_tokenizer(name_or_path)

@@ -115,7 +115,30 @@ class MemoryClusterStore(ClusterStore):
         return moved
 
 
-class DiskClusterStore(ClusterStore):
+class OffsetClusterStore(ClusterStore):
+    """A store of every cluster of a cluster-contiguous file pair: cluster ``c`` is rows
+    ``offsets[c]:offsets[c + 1]`` of ``dim`` float32 vectors and int64 ids (``DiskClusterStore``
+    reads them, ``disk_ivf.MmapClusterStore`` maps them)."""
+
+    offsets: Sequence[int]
+    dim: int
+
+    @property
+    def nlist(self) -> int:
+        return len(self.offsets) - 1
+
+    def contains(self, cid: int) -> bool:
+        return 0 <= cid < self.nlist
+
+    def cluster_ids(self) -> list[int]:
+        return list(range(self.nlist))
+
+    def cluster_nbytes(self) -> list[int]:
+        row = self.dim * _VECTOR_ITEM_BYTES + _ID_BYTES
+        return [int(stop - start) * row for start, stop in zip(self.offsets[:-1], self.offsets[1:])]
+
+
+class DiskClusterStore(OffsetClusterStore):
     """Every cluster, read from disk on each ``get`` (the slow tier on CPU-only machines).
 
     ``vectors.npy [N, d] float32`` and ``ids.npy [N] int64`` are cluster-contiguous (the
@@ -146,20 +169,6 @@ class DiskClusterStore(ClusterStore):
         if random_access and hasattr(os, "posix_fadvise"):
             for fd in (self._vfd, self._ifd):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-
-    @property
-    def nlist(self) -> int:
-        return len(self.offsets) - 1
-
-    def contains(self, cid: int) -> bool:
-        return 0 <= cid < self.nlist
-
-    def cluster_ids(self) -> list[int]:
-        return list(range(self.nlist))
-
-    def cluster_nbytes(self) -> list[int]:
-        row = self.dim * _VECTOR_ITEM_BYTES + _ID_BYTES
-        return [(self.offsets[c + 1] - self.offsets[c]) * row for c in range(self.nlist)]
 
     def get(self, cluster_ids: Sequence[int]) -> dict[int, ClusterBlock]:
         return {int(c): self._read(int(c)) for c in cluster_ids if self.contains(int(c))}

@@ -32,7 +32,6 @@ the first unfinished block, and the directory is renamed into place when complet
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -47,9 +46,10 @@ from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
 from cachedrag.errors import ConfigError, CorruptCacheError
-from cachedrag.retrieval.cluster_store import ClusterStore
+from cachedrag.retrieval.cluster_store import OffsetClusterStore
 from cachedrag.retrieval.config import DiskIndexConfig, Metric
 from cachedrag.retrieval.ivf import ClusterBlock, Quantizer, Stage, check_nprobe, merge_topk, search_blocks
+from cachedrag.retrieval.index import file_sha256
 from cachedrag.retrieval.ivf import similarity, staged_search, topk
 
 MANIFEST = "disk_ivf.json"
@@ -177,7 +177,7 @@ def build_disk_ivf(source: VectorSource, out: str | Path, config: DiskIndexConfi
         save_state()
     files = {}
     for name in ["centroids.npy", "offsets.npy", "vectors.npy", "ids.npy"] + (["pq.faiss"] if config.pq_m else []):
-        files[name] = {"bytes": (work / name).stat().st_size, "sha256": _sha256(work / name)}
+        files[name] = {"bytes": (work / name).stat().st_size, "sha256": file_sha256(work / name)}
     manifest = DiskIVFManifest(dim=d, metric=config.metric, nlist=nlist, ntotal=n, config=config,
                                source=source_info or {}, files=files)
     (work / "assign.npy").unlink()
@@ -229,16 +229,8 @@ def _open_rows(path: Path, shape: tuple[int, ...], dtype) -> np.memmap:
     return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # ---------------------------------------------------------------------------------- the tier
-class MmapClusterStore(ClusterStore):
+class MmapClusterStore(OffsetClusterStore):
     """Every cluster as a zero-copy view of the memory-mapped ``vectors.npy``/``ids.npy``.
 
     ``get`` first tells the kernel to read all requested clusters (``MADV_WILLNEED``: large
@@ -275,20 +267,6 @@ class MmapClusterStore(ClusterStore):
         self._maps.append((mm, str(path), start))
         count = int(np.prod(shape))
         return np.frombuffer(mm, dtype=dtype, count=count, offset=start).reshape(shape)
-
-    @property
-    def nlist(self) -> int:
-        return len(self.offsets) - 1
-
-    def contains(self, cid: int) -> bool:
-        return 0 <= cid < self.nlist
-
-    def cluster_ids(self) -> list[int]:
-        return list(range(self.nlist))
-
-    def cluster_nbytes(self) -> list[int]:
-        row = self.dim * 4 + 8
-        return ((self.offsets[1:] - self.offsets[:-1]) * row).tolist()
 
     def get(self, cluster_ids: Sequence[int]) -> dict[int, ClusterBlock]:
         wanted = [int(c) for c in cluster_ids if self.contains(int(c))]
@@ -376,7 +354,7 @@ class DiskIVF:
             raise CorruptCacheError(f"{path / MANIFEST} is not a valid manifest: {exc}") from exc
         for name, meta in manifest.files.items():
             f = path / name
-            if not f.is_file() or f.stat().st_size != meta["bytes"] or (verify and _sha256(f) != meta["sha256"]):
+            if not f.is_file() or f.stat().st_size != meta["bytes"] or (verify and file_sha256(f) != meta["sha256"]):
                 raise CorruptCacheError(f"index file {f} is missing or damaged; rebuild the index")
         return cls(path, manifest)
 

@@ -95,6 +95,15 @@ def _load_sentence_transformer(location: str, config: EmbedderConfig):
     from sentence_transformers import SentenceTransformer
     from transformers.utils import logging as hf_logging
 
+    if config.local_files_only:
+        from cachedrag.hub import local_snapshot
+
+        found = local_snapshot(location, marker="modules.json") or local_snapshot(location)
+        if found is None:
+            raise ModelNotFoundError(f"cannot load sentence-transformers model {location!r} (local files only): no "
+                                     "such directory, and no model of that name in the local Hugging Face cache "
+                                     "(nothing is downloaded)")
+        location = found
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Loading weights" bar for a 90 MB model on every CLI call
     try:

@@ -259,7 +259,7 @@ def load_index(path: str | Path, embedder: Embedder | None = None, verify: bool 
         embedder.check_compatible(manifest.embedder, manifest.dim)
     if verify:
         for name, digest in manifest.files.items():
-            if _sha256(path / name) != digest:
+            if file_sha256(path / name) != digest:
                 raise CorruptCacheError(f"index file {path / name} fails its checksum; rebuild the index")
     try:
         arrays = {name: np.load(path / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
@@ -455,10 +455,10 @@ def _write(path: Path, write) -> str:
         write(fh)
         fh.flush()
         os.fsync(fh.fileno())
-    return _sha256(path)
+    return file_sha256(path)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):

@@ -23,6 +23,7 @@ distinct chunk of realistic length for the LLM (its own chunk-cache key and pref
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +130,24 @@ class ScaleIndex:
 
     def embed(self, queries):
         return self.base.embed(queries)
+
+    def hits(self, scores, ids) -> list:
+        """``(scores [B, k], ids [B, k])`` -> ranked ``Hit`` lists, as ``RetrievalIndex.hits``
+        (so pipeline retrievers run over this index); a distractor's chunk is its parent's
+        record with id ``scale/<row>`` and the marked text of ``text(row)``."""
+        from cachedrag.retrieval.index import Hit
+
+        out = []
+        for row_scores, row_ids in zip(scores.tolist(), ids.tolist()):
+            out.append([Hit(rank=r, score=sc, row=i, chunk=self._chunk(i))
+                        for r, (sc, i) in enumerate(zip(row_scores, row_ids)) if i >= 0])
+        return out
+
+    def _chunk(self, row: int):
+        if row < self.n_real:
+            return self.base.chunks[row]
+        parent = self.base.chunks[int(self.source.parents([row])[0])]
+        return replace(parent, id=f"scale/{row}", text=self.text(row))
 
 
 def stdlib_base_index(progress: bool = True):

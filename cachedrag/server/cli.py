@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", default="cache_aware", choices=("cache_aware", "fifo"), help="prefill admission order")
     parser.add_argument("--starvation-s", type=float, default=10.0, help="cache-aware order: max wait before a request goes first")
     parser.add_argument("--prefills-per-step", type=int, default=1, help="prefills admitted between decode steps")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=256,
+                        help="chunked prefill: running requests decode after every this many prompt tokens of "
+                             "prefill compute (0 = off)")
     parser.add_argument("--no-auto-chunks", action="store_true", help="no automatic passage detection (explicit chunks only)")
     parser.add_argument("--passage-chars", type=int, default=200, help="shortest paragraph treated as a passage (auto mode)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     try:
         scheduler = SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
-                                    starvation_s=args.starvation_s, prefills_per_step=args.prefills_per_step)
+                                    starvation_s=args.starvation_s, prefills_per_step=args.prefills_per_step,
+                                    prefill_chunk_tokens=args.prefill_chunk_tokens)
         passages = PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars)
     except ValueError as exc:
         raise ConfigError(f"bad server setting: {_first_error(exc)}") from None

@@ -26,6 +26,10 @@ class SchedulerConfig(BaseModel):
     prefills_per_step: int = Field(
         1, ge=1, description="prefills admitted between two decode steps (more: better TTFT under bursts, "
                              "longer stalls of the running requests)")
+    prefill_chunk_tokens: int = Field(
+        256, ge=0, description="chunked prefill: after this many prompt tokens' worth of prefill compute (counted "
+                               "per layer), the running requests get a decode step before the prefill goes on; "
+                               "0 = a prefill runs to its end first")
 
 
 class PassageConfig(BaseModel):

@@ -11,8 +11,13 @@ hands in: prompt segments, sampling parameters, an ``emit`` callback) and the ev
 3. ONE batched decode forward (``cachedrag.server.batch``) gives every running request its next
    token; finished requests (EOS, stop string, ``max_tokens``) leave.
 
-So requests join and leave between steps (continuous batching), and a long prefill delays the
-running requests' next token by that prefill only. Sampling is per request (its own seeded
+So requests join and leave between steps (continuous batching). Chunked prefill: while a
+prefill runs, the engine calls back between its layers, and after every
+``prefill_chunk_tokens`` tokens' worth of prefill compute the running requests get a decode
+step there, so a long prefill delays their next token by one piece, not by the whole prefill
+(Sarathi-Serve / vLLM cut prefills along tokens to share a GPU forward with decode rows; on the
+CPU the pieces run one after the other, and cutting between layers needs no change to the
+engine's selective-recompute pass, which decides per layer which tokens go on). Sampling is per request (its own seeded
 generator), and text deltas go through ``TextStream`` (stop strings, whole characters), the
 same as ``CachedEngine.generate``; decoding here is plain one-token-per-step (no prompt-lookup
 drafts), and greedy output equals ``generate`` with ``lookup.max_draft=0`` token for token.
@@ -118,7 +123,9 @@ class EngineLoop:
         self._cancel: set[int] = set()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.steps = 0
+        self._prefill_work = 0.0  # prompt tokens' worth of prefill compute since the last decode step
+        self.steps = 0  # batched decode steps run
+        self.interleaved_steps = 0  # of which inside a prefill (chunked prefill)
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: ServeRequest) -> int:
@@ -200,27 +207,60 @@ class EngineLoop:
             self._running = [r for r in self._running if r.request.id not in cancel]
         for ticket in admitted:
             self._prefill(ticket.payload)
-        live = [r for r in self._running if r.last is not None]
-        if live:
-            self.steps += 1
-            if self.observer is not None:
-                self.observer.on_step(len(live), len(self.policy))
-            t0 = time.perf_counter()
-            logits = batched_decode_step(self.engine.runner, [r.last for r in live], [r.position for r in live],
-                                         [r.kv for r in live])  # [B, V]
-            dt = time.perf_counter() - t0
-            for b, r in enumerate(live):
-                r.position += 1
-                if self.observer is not None:
-                    self.observer.on_token(dt)
-                self._advance(r, logits[b])
+        self._decode()
         self._running = [r for r in self._running if r.last is not None]
+
+    def _decode(self) -> None:
+        """ONE batched decode forward for every running request that has a token to feed."""
+        live = [r for r in self._running if r.last is not None]
+        if not live:
+            return
+        self.steps += 1
+        if self.observer is not None:
+            self.observer.on_step(len(live), len(self.policy))
+        t0 = time.perf_counter()
+        logits = batched_decode_step(self.engine.runner, [r.last for r in live], [r.position for r in live],
+                                     [r.kv for r in live])  # [B, V]
+        dt = time.perf_counter() - t0
+        for b, r in enumerate(live):
+            r.position += 1
+            if self.observer is not None:
+                self.observer.on_token(dt)
+            self._advance(r, logits[b])
+
+    def _between_layers(self, layer: int, tokens: int) -> None:
+        """Chunked prefill: called by the engine after each layer of a prefill. Once
+        ``prefill_chunk_tokens`` tokens' worth of prefill compute has run since the running
+        requests' last decode step, they get one now, so a long prefill delays their next token
+        by one piece, not by the whole prefill."""
+        self._prefill_work += tokens / self.engine.runner.n_layers
+        if self._prefill_work < self.config.prefill_chunk_tokens:
+            return
+        self._prefill_work = 0.0
+        with self._lock:
+            gone = {r.request.id for r in self._running} & self._cancel
+            self._cancel -= gone
+        if gone:
+            self._running = [r for r in self._running if r.request.id not in gone]
+        try:
+            self._decode()
+        except Exception as exc:  # fail the running requests, not the prefill that hosts this step
+            log.exception("decode step between prefill layers failed")
+            for r in self._running:
+                if r.last is not None:
+                    r.request.emit(Failed(exc))
+                    r.last = None
+        self._running = [r for r in self._running if r.last is not None]
+        self.interleaved_steps += 1
 
     # ------------------------------------------------------------------ helpers
     def _prefill(self, request: ServeRequest) -> None:
         engine = self.engine
+        chunked = self.config.prefill_chunk_tokens > 0 and any(r.last is not None for r in self._running)
+        self._prefill_work = 0.0
         try:
-            pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=request.mode)
+            pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=request.mode,
+                                 between_layers=self._between_layers if chunked else None)
         except Exception as exc:  # bad request content the HTTP side could not see (handed back, not raised)
             request.emit(Failed(exc))
             return

@@ -22,7 +22,9 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
     data = json.loads(out.read_text())
     assert data["n_requests"] == 4 and set(data["by_seed"]) == {"0", "1"}
     rows = data["rows"]
-    assert set(rows) == {"full", "prefix", "order_aware", "naive", "question@0.2", "deviation@0.2", "oracle@0.2"}
+    assert set(rows) == {"full", "prefix", "order_aware", "naive", "question@0.2", "deviation@0.2", "oracle@0.2",
+                         "question/et@0.2"}
+    assert data["config"]["early_termination"] is False and data["config"]["et_choices"] == ["question"]
     assert rows["full"]["tf_top1"] == 1.0 and rows["full"]["rouge_l"] == 1.0
     # exact prefix reuse changes nothing; order-aware reuse serves the shuffled order: = the noise floor
     assert rows["prefix"]["tf_top1"] == 1.0 and rows["prefix"]["exact"] == 1.0
@@ -35,8 +37,27 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
     for name in ("naive", "question@0.2", "oracle@0.2"):
         assert 0.0 <= rows[name]["tf_top1"] <= 1.0 and rows[name]["tf_kl"] >= 0.0
         assert rows[name]["computed_fraction"] < 1.0
+    for record in data["requests"]:  # early termination only in the /et rows
+        assert "early_termination" not in record["rows"]["question@0.2"]["approximations"]
+    assert all(row["gold_n"] == 0 and row["gold_delta_pts"] is None for row in rows.values())
     assert png.stat().st_size > 0
     assert "order-noise floor" in capsys.readouterr().out
+    # --replot: the same table and a plot from the JSON alone, nothing run
+    again = tmp_path / "again.png"
+    assert main(["bench", "fidelity", "--replot", str(out), "--plot", str(again)]) == 0
+    assert again.stat().st_size > 0 and "question/et@0.2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a bench fidelity JSON"):
+        main(["bench", "fidelity", "--replot", str(png)])
+
+
+def test_seeds_ask_disjoint_questions_and_a_run_per_seed_asks_the_same():
+    from cachedrag.bench.fidelity import _picks
+
+    items = list(range(50))
+    s0, s1 = _picks(items, "stdlib", 0, 25), _picks(items, "stdlib", 1, 25)
+    assert len(set(s0)) == 25 and not set(s0) & set(s1)
+    assert _picks(items, "stdlib", 1, 25) == s1 and _picks(items, "info", 0, 25) != s0
+    assert sorted(_picks(items[:18], "info", 0, 40)) == items[:18]  # capped at the set
 
 
 def test_bench_fidelity_refuses_bad_arguments(capsys):

@@ -72,3 +72,20 @@ def test_llama_index_structured_predict(tiny_engine):
     llm = CachedRAGLLM(model=TINY, max_new_tokens=120, top_k=5, repetition_penalty=1.1)
     got = llm.structured_predict(Verdict, PromptTemplate("Is {thing} sorted? Answer as JSON."), thing="a heap")
     assert isinstance(got, Verdict) and got.label in ("yes", "no")
+
+
+def test_langchain_serialisation_round_trips_without_secrets(tiny_engine, monkeypatch):
+    from langchain_core.load import dumpd, dumps, load, loads
+
+    chat = ChatCachedRAG(model=TINY, temperature=0.7, top_k=5, stop=["\n\n"], max_tokens=12, api_key="sk-secret")
+    text = dumps(chat)
+    assert "sk-secret" not in text and "CACHEDRAG_API_KEY" in text
+    assert dumpd(chat)["id"] == ["cachedrag", "integrations", "langchain", "ChatCachedRAG"]
+    monkeypatch.setenv("CACHEDRAG_API_KEY", "sk-secret")
+    # langchain-core admits only its own mapping's classes by default (even with "all"): allow ours by name
+    again = loads(text, valid_namespaces=["cachedrag"], secrets_from_env=True, allowed_objects=[ChatCachedRAG])
+    assert isinstance(again, ChatCachedRAG) and again.model_dump() == chat.model_dump()
+    assert again.engine is chat.engine  # the shared engine (and its cache), not a copy
+    assert again.invoke("hi").content == chat.invoke("hi").content or chat.temperature > 0
+    assert load(dumpd(ChatCachedRAG(model=TINY)), valid_namespaces=["cachedrag"],
+                allowed_objects=[ChatCachedRAG]).model_dump() == ChatCachedRAG(model=TINY).model_dump()

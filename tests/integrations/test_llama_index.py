@@ -152,3 +152,88 @@ def test_postprocessor_registers_foreign_nodes_unchanged():
     assert A in reg
     CachedRAGNodePostprocessor().postprocess_nodes([NodeWithScore(node=TextNode(text=A + " (global)"))])
     assert A + " (global)" in chunk_registry()
+
+
+@pytest.fixture
+def query_engine_parts(tiny_index_dir, tiny_engine):
+    llm = CachedRAGLLM(model=TINY, max_new_tokens=4)
+    retriever = CachedRAGRetriever(index_dir=str(tiny_index_dir), similarity_top_k=2)
+    yield llm, retriever
+    retriever.close()
+
+
+def test_query_engine_response_metadata_carries_the_cache_stats(query_engine_parts):
+    from cachedrag.integrations.llama_index import _query_spans
+
+    llm, retriever = query_engine_parts
+    engine = RetrieverQueryEngine.from_args(retriever, llm=llm)
+    question = "What does hashlib.sha256 do?"
+    first = engine.query(question)
+    stats = first.metadata["cachedrag"]
+    assert stats["llm_calls"] == 1 and stats["calls"] == [llm.last_stats]
+    for name in ("prompt_tokens", "cached_tokens", "recomputed_tokens", "checked_tokens", "chunks_hit"):
+        assert stats[name] == llm.last_stats[name]
+    assert all(n.node.node_id in first.metadata for n in first.source_nodes)  # LlamaIndex's own entries stay
+    second = engine.query(question).metadata["cachedrag"]
+    assert second["llm_calls"] == 1 and second["registered_chunks_cached"] == 2
+    assert second["cached_tokens"] > 0 and second["cached_fraction"] == second["cached_tokens"] / second["prompt_tokens"]
+    assert not _query_spans._queries  # nothing kept once the queries ended
+
+
+def test_nested_queries_sum_their_llm_calls(query_engine_parts):
+    from llama_index.core.indices.query.query_transform import HyDEQueryTransform
+    from llama_index.core.query_engine import TransformQueryEngine
+
+    llm, retriever = query_engine_parts
+    inner = RetrieverQueryEngine.from_args(retriever, llm=llm)
+    outer = TransformQueryEngine(inner, HyDEQueryTransform(llm=llm, include_original=True))
+    stats = outer.query("What does uuid4 do?").metadata["cachedrag"]
+    assert stats["llm_calls"] == 2  # the hypothetical document, then the answer (the inner query's call)
+    assert stats["prompt_tokens"] == sum(c["prompt_tokens"] for c in stats["calls"])
+    assert stats["calls"][-1] == llm.last_stats
+
+
+def test_streaming_and_async_queries_get_their_stats(query_engine_parts):
+    import asyncio
+
+    llm, retriever = query_engine_parts
+    streaming = RetrieverQueryEngine.from_args(retriever, llm=llm, streaming=True).query("What does uuid4 do?")
+    assert streaming.metadata["cachedrag"]["llm_calls"] == 0  # the answer has not been generated yet
+    "".join(streaming.response_gen)
+    assert streaming.metadata["cachedrag"]["llm_calls"] == 1
+    assert streaming.metadata["cachedrag"]["calls"] == [llm.last_stats]
+    response = asyncio.run(RetrieverQueryEngine.from_args(retriever, llm=llm).aquery("What does uuid4 do?"))
+    assert response.metadata["cachedrag"]["calls"] == [llm.last_stats]
+
+
+def test_a_failed_query_leaves_nothing_behind(query_engine_parts):
+    from cachedrag.integrations.llama_index import _query_spans
+
+    llm, retriever = query_engine_parts
+
+    class Broken(RetrieverQueryEngine):
+        def _query(self, query_bundle):
+            llm.complete("hi")
+            raise RuntimeError("boom")
+
+    engine = Broken.from_args(retriever, llm=llm)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.query("anything")
+    assert not _query_spans._queries
+    assert llm.complete("hi").raw == llm.last_stats  # a call outside any query still works
+
+
+def test_async_streaming_query_gets_its_stats(query_engine_parts):
+    import asyncio
+
+    llm, retriever = query_engine_parts
+    engine = RetrieverQueryEngine.from_args(retriever, llm=llm, streaming=True, use_async=True)
+
+    async def run():
+        response = await engine.aquery("What does uuid4 do?")
+        text = "".join([t async for t in response.async_response_gen()])
+        return response, text
+
+    response, text = asyncio.run(run())
+    assert response.metadata["cachedrag"]["llm_calls"] == 1
+    assert response.metadata["cachedrag"]["calls"] == [llm.last_stats]

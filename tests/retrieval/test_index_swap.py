@@ -139,7 +139,7 @@ def test_out_of_range_ids_are_refused_at_load_not_crashing_a_search(saved):
     ids = np.load(out / "ids.npy")
     ids[0] = len(ids) + 5
     np.save(out / "ids.npy", ids)
-    digest = index_mod._sha256(out / "ids.npy")
+    digest = index_mod.file_sha256(out / "ids.npy")
     edit_manifest(out, lambda m: m["files"].update({"ids.npy": digest}), reseal=True)  # a thorough forger
     with pytest.raises(CorruptCacheError, match="permutation"):
         load_index(out)

@@ -59,3 +59,20 @@ def test_scale_index_texts_and_lookahead_over_mmap_tier(tmp_path):
     expected = ivf.search(q, 5, 4)
     assert torch.equal(result.ids, expected[1])
     retriever.close()
+
+
+def test_scale_index_hits_name_every_row(tmp_path):
+    from cachedrag.retrieval.chunker import Chunk
+
+    src = _source(3000)
+    chunks = [Chunk(f"doc#{i}", "doc", i, f"chunk text {i}", (i,), 0, 1, 0, 12) for i in range(50)]
+    out = build_disk_ivf(src, tmp_path / "ivf", DiskIndexConfig(nlist=8, train_size=3000), progress=False)
+    index = ScaleIndex(tmp_path, SimpleNamespace(chunks=chunks), DiskIVF.open(out), src)
+    scores, ids = index.ivf.search(torch.from_numpy(src.block(2000, 2002)), 5, 8)  # distractor queries
+    hits = index.hits(scores, ids)
+    assert [[h.row for h in row] for row in hits] == ids.tolist()
+    for row in hits:
+        for h in row:
+            assert h.chunk.text == index.text(h.row)
+            assert h.chunk.id == (f"doc#{h.row}" if h.row < 50 else f"scale/{h.row}")
+    assert any(h.row >= 50 for row in hits for h in row)  # distractors were found and named

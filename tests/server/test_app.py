@@ -148,18 +148,46 @@ def test_full_queue_answers_503(live_server):
     assert sorted(r.status_code for r in results) == [200, 200]
 
 
+class _HoldDecoding:
+    """Loop observer that holds decode steps from step 2 on until ``release`` is set (waits up to
+    10 s once, then 20 ms per step), so a streaming request cannot finish by itself before its
+    client has gone and the server has noticed, however loaded the machine is."""
+
+    def __init__(self, loop):
+        self.inner, self.loop = loop.observer, loop
+        self.held, self.release, self.waited = threading.Event(), threading.Event(), False
+        loop.observer = self
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def on_step(self, batch_size, waiting):
+        if self.loop.steps >= 2 and not self.release.is_set():
+            self.held.set()
+            self.release.wait(0.02 if self.waited else 10.0)
+            self.waited = True
+        self.inner.on_step(batch_size, waiting)
+
+
 def test_client_disconnect_mid_stream_frees_the_slot(live_server):
     s = live_server(scheduler={"max_batch": 1})
-    body = {"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 150, "stream": True}
+    hold = _HoldDecoding(s.loop)
+    body = {"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 180, "stream": True}
     with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
-        assert next(lines).startswith("data: ")  # the role chunk: the request is running
-        while s.loop.steps < 2:
-            time.sleep(0.01)
+        assert next(lines).startswith("data: ")  # the role chunk: the request is in
+        assert hold.held.wait(30)  # it is decoding, and held: it cannot finish before the client goes
     deadline = time.monotonic() + 30
+    while ("cachedrag_client_disconnects_total 1.0" not in httpx.get(s.url + "/metrics").text
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    hold.release.set()
     while (s.loop.running or s.loop.waiting) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert s.loop.running == 0 and s.loop.waiting == 0
+    metrics = httpx.get(s.url + "/metrics").text
+    assert "cachedrag_client_disconnects_total 1.0" in metrics
+    assert "cachedrag_completion_tokens_total 0.0" in metrics  # it left early: never ran to max_tokens
     # the freed slot serves the next request (max_batch=1: a leaked slot would block it)
     r = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=60)
     assert r.status_code == 200

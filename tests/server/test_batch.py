@@ -26,9 +26,11 @@ def _chunks(i):
     return [docs[i % len(docs)], docs[(i + 2) % len(docs)]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])  # mistral: sliding window of 24 < prompt
-def test_batched_step_equals_decode_step_per_request(arch):
+@pytest.mark.parametrize("arch,fast", [("llama", True), ("llama", False), ("mistral", True), ("mistral", False),
+                                       ("qwen3", None)])  # mistral: sliding window of 24 < prompt; qwen3: q/k norms
+def test_batched_step_equals_decode_step_per_request(arch, fast):
     runner = tiny_runner(arch)
+    assert runner._decode_fast == (fast is not None)  # the fast path applies to llama/mistral, not qwen3
     prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 31, 17)]
     kv_a = [runner.new_kv(len(p) + 4) for p in prompts]
     kv_b = [runner.new_kv(len(p) + 4) for p in prompts]
@@ -39,7 +41,7 @@ def test_batched_step_equals_decode_step_per_request(arch):
         first.append(int(logits.argmax()))
     tokens, positions = list(first), [len(p) for p in prompts]
     for _ in range(3):
-        batched = batched_decode_step(runner, tokens, positions, kv_a)  # [B, V]
+        batched = batched_decode_step(runner, tokens, positions, kv_a, fast=fast)  # [B, V]
         single = torch.stack([runner.decode_step(t, pos, kv) for t, pos, kv in zip(tokens, positions, kv_b)])
         torch.testing.assert_close(batched, single, rtol=1e-4, atol=1e-4)
         assert batched.argmax(-1).tolist() == single.argmax(-1).tolist()
@@ -147,3 +149,44 @@ def test_cancelled_request_leaves_and_frees_its_slot():
     loop.stop()
     assert not any(isinstance(e, Finished) for who, e in events if who == "a")
     assert loop.running == 0 and loop.waiting == 0
+
+
+def test_chunked_prefill_interleaves_decode_steps_and_keeps_the_tokens():
+    """A long prefill admitted while another request decodes is cut between layers: the running
+    request gets decode steps inside it, and every token equals the run without chunking."""
+    outputs = {}
+    for chunk in (0, 1):
+        engine = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+        loop = EngineLoop(engine, SchedulerConfig(max_batch=2, order="fifo", prefill_chunk_tokens=chunk))
+        events: dict[str, list] = {"a": [], "b": []}
+        done = threading.Event()
+
+        def emitter(name):
+            def emit(event):
+                events[name].append((loop.steps, event))
+                if name == "b" and isinstance(event, (Finished, Failed)):
+                    done.set()
+            return emit
+
+        loop.submit(ServeRequest(engine.prompts.chat(_chunks(0)[:1], QUESTIONS[0]), SamplingParams(max_new_tokens=30),
+                                 emitter("a")))
+        loop.start()
+        deadline = time.monotonic() + 30
+        while loop.steps < 2 and time.monotonic() < deadline:  # a is decoding
+            time.sleep(0.001)
+        loop.submit(ServeRequest(engine.prompts.chat(_chunks(1), QUESTIONS[1]),
+                                 SamplingParams(max_new_tokens=4), emitter("b")))
+        assert done.wait(30)
+        deadline = time.monotonic() + 30
+        while loop.running and time.monotonic() < deadline:
+            time.sleep(0.001)
+        loop.stop()
+        finals = {k: [e for _, e in v if isinstance(e, (Finished, Failed))] for k, v in events.items()}
+        assert all(len(f) == 1 and isinstance(f[0], Finished) for f in finals.values()), finals
+        outputs[chunk] = (finals["a"][0].token_ids, finals["b"][0].token_ids, loop.interleaved_steps)
+    assert outputs[0][:2] == outputs[1][:2]  # chunking changes when tokens come, never which
+    assert outputs[0][2] == 0
+    n_layers = tiny_runner().n_layers
+    assert len(outputs[1][0]) == 30  # a (random tiny model: no EOS) was still decoding while b prefilled
+    # a's decode steps ran inside b's prefill: one after each layer but the last (budget 1 token)
+    assert outputs[1][2] == n_layers - 1
