@@ -69,6 +69,9 @@ class ClusterConfig(BaseModel):
                        description="affinity: queued requests beyond the least-loaded replica still routed by affinity")
     load_factor: float = Field(AffinityConfig.model_fields["load_factor"].default, ge=1.0,
                                description="affinity: bounded-load factor over the mean queue length after placing")
+    prefill_slack: int = Field(AffinityConfig.model_fields["prefill_slack"].default, ge=0,
+                               description="affinity: requests before their first token a replica may hold beyond "
+                                           "the replica with the fewest and still be a candidate")
     retries: int = Field(2, ge=0, description="re-sends of a request whose replica died before answering")
     replica_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per replica")
     max_ongoing_requests: int = Field(32, ge=1, description="requests Serve sends one replica at once")
@@ -307,7 +310,8 @@ def build_app(config: ClusterConfig):
     """The Serve application (``serve.run(build_app(config))``)."""
     router = RequestRouterConfig(
         request_router_class=ROUTERS[config.router],
-        request_router_kwargs={"slack": config.slack, "load_factor": config.load_factor}
+        request_router_kwargs={"slack": config.slack, "load_factor": config.load_factor,
+                               "prefill_slack": config.prefill_slack}
         if config.router == "affinity" else {},
     )
     engines = EngineReplica.options(

@@ -21,7 +21,7 @@ Configure on the deployment (``serve.yaml`` or Python):
 
     request_router_config:
       request_router_class: cachedrag.cluster.router:ChunkAffinityRouter
-      request_router_kwargs: {slack: 0, load_factor: 1.0}
+      request_router_kwargs: {slack: 0, load_factor: 1.0, prefill_slack: 0}
 """
 
 from __future__ import annotations

@@ -50,3 +50,15 @@ def test_cli_arguments():
     assert config.replicas == 3 and config.router == "round_robin" and config.replica.redis_url == "redis://h:1/0"
     with pytest.raises(ConfigError, match="cache_gb"):
         cluster_config(_args("--replicas", "2", "--backend", "ray", "--cache-gb", "-1"), None)
+
+
+def test_router_settings_reach_the_affinity_policy():
+    from cachedrag.cluster.affinity import AffinityConfig
+    from cachedrag.cluster.router import ChunkAffinityRouter
+
+    defaults = ClusterConfig()
+    assert (defaults.slack, defaults.load_factor, defaults.prefill_slack) == (
+        AffinityConfig().slack, AffinityConfig().load_factor, AffinityConfig().prefill_slack)
+    router = ChunkAffinityRouter.__new__(ChunkAffinityRouter)  # Serve constructs it; the state is ours
+    router.initialize_state(slack=1, load_factor=1.5, prefill_slack=2, unrelated="ignored")
+    assert router.policy.config == AffinityConfig(slack=1, load_factor=1.5, prefill_slack=2)
