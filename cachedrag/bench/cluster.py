@@ -9,16 +9,24 @@ the same Zipf RAG stream (retrieval as ``bench ttft`` does; explicit ``cachedrag
   b  round-robin routing + the shared Redis tier
   c  chunk-affinity routing + the shared Redis tier
 
+  one  ONE replica with all the replicas' CPU-tier budget, all their CPUs and torch threads, and
+       the same shared Redis tier, same stream, same concurrency, same serving path: the
+       reference of the issue's hit-rate target (one replica with the same total cache)
+  frontier  c again with a larger affinity ``slack`` (``--frontier``): locality traded for balance
+
 Per config: chunk hit rate (hits / (hits + misses), summed over the replicas' counters), TTFT
-p50/p95 (client side: request sent -> first content token of the SSE stream), requests/s.
-Then, in this process: ``one`` — a single engine holding all replicas' cache budget, fed the
-same stream sequentially (the reference of the hit-rate target); ``redis_reuse`` — the cost of
-serving a chunk another engine computed from Redis, vs recomputing it and vs the local CPU tier;
-and ``estimate`` — the simulator's paper estimate over replicas x corpus size
-(``cachedrag.cluster.estimate``), its cost shares taken from ``redis_reuse``.
+p50/p95 (client side: request sent -> first content token of the SSE stream), requests/s, and
+where the TTFT went (``parts``, ``cachedrag.cluster.timeline``: server-side wait for a prefill
+slot, loading cached chunks (CPU tier or Redis), computing; and how unbalanced the replicas
+were: the share of time a replica had a request waiting while another one idled). Then, in
+this process: ``redis_reuse`` — the cost of serving a chunk another engine computed from
+Redis, vs recomputing it and vs the local CPU tier; and ``estimate`` — the simulator's paper
+estimate over replicas x corpus size (``cachedrag.cluster.estimate``), its cost shares taken
+from ``redis_reuse``.
 
 JSON (``--json OUT``): ``configs: {"a"|"b"|"c": {"hit_rate", "ttft_p50_s", "requests_per_s", ...}}``
-plus ``one``, ``redis_reuse``, ``estimate`` and ``setup``.
+plus ``one``, ``frontier``, ``redis_reuse``, ``estimate`` and ``setup``. The defaults fit one
+``cpu-exclusive`` run of about 10 minutes with SmolLM2-135M on 2 cores.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ APP = "cachedrag-bench"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny random model (smoke run) instead of SmolLM2-135M")
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
-    parser.add_argument("--requests", type=int, default=40, help="requests of the stream per config")
+    parser.add_argument("--requests", type=int, default=60, help="requests of the stream per config")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--top-k", type=int, default=3, help="chunks per request")
     parser.add_argument("--chunk-tokens", type=int, default=128, help="tokens per corpus chunk")
@@ -50,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-mb", type=float, default=40.0, help="each replica's CPU-tier budget (MB)")
     parser.add_argument("--configs", default="a,b,c", help="comma list of a, b, c")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-one", action="store_true", help="skip the single-engine reference")
+    parser.add_argument("--skip-one", action="store_true", help="skip the one-replica reference")
+    parser.add_argument("--slack", type=int, default=None, help="affinity slack of config c (default: the router's)")
+    parser.add_argument("--frontier", default="2", help="comma list of further affinity slacks to run c with ('' = none)")
     parser.add_argument("--skip-reuse", action="store_true", help="skip the Redis load-vs-recompute measurement")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
 
@@ -88,9 +98,10 @@ def _one_request(client, payload: dict) -> dict:
     return {"ok": True, "ttft_s": ttft if ttft is not None else total, "total_s": total, "replica": replica}
 
 
-def _counters(client) -> dict:
-    stats = client.get("/cluster/stats").json()["replicas"]
-    out = {"hits": 0.0, "misses": 0.0, "prompt": 0.0, "cached": 0.0}
+def _counters(client, records: bool = False) -> dict:
+    stats = client.get("/cluster/stats", params={"records": records}).json()["replicas"]
+    out = {"hits": 0.0, "misses": 0.0, "prompt": 0.0, "cached": 0.0, "redis_hits": 0.0, "records": [],
+           "replicas": sorted(stats)}
     for v in stats.values():
         if "error" in v:
             continue
@@ -98,33 +109,44 @@ def _counters(client) -> dict:
         out["misses"] += v["chunk_misses"]
         out["prompt"] += v["prompt_tokens"]
         out["cached"] += v["cached_prompt_tokens"]
+        out["redis_hits"] += v.get("tiers", {}).get("redis", {}).get("hits", 0)
+        out["records"] += v.get("records", [])
     return out
 
 
-def _run_config(name: str, args, stream, redis_url: str | None, port: int, model_name: str) -> dict:
+def _run_config(name: str, args, stream, redis_url: str | None, port: int, model_name: str,
+                slack: int | None = None) -> dict:
+    """One deployment, the stream through it. ``name``: a, b, c, or ``one`` (a single replica
+    with all the replicas' cache, CPUs and threads, and the shared tier)."""
     import httpx
     from ray import serve
 
     from cachedrag.cluster.deployment import ClusterConfig, build_app
     from cachedrag.cluster.replica import ReplicaSettings
+    from cachedrag.cluster.timeline import RequestRecord, summarize
 
-    router, shared = CONFIGS[name]
-    settings = ReplicaSettings(tiny=args.tiny, served_model_name=model_name, cache_gb=args.cache_mb / 1024,
+    single = name == "one"
+    router, shared = ("round_robin", True) if single else CONFIGS[name]
+    n = 1 if single else args.replicas
+    scale = args.replicas if single else 1  # the one replica gets every replica's budget, CPUs and threads
+    settings = ReplicaSettings(tiny=args.tiny, served_model_name=model_name, cache_gb=scale * args.cache_mb / 1024,
                                redis_url=redis_url if shared else None, redis_gb=2.0,
                                redis_prefix=f"bench{name}{uuid.uuid4().hex[:6]}", refresh_s=0.5,
-                               max_tokens=args.max_tokens, threads=1, max_batch=8)
+                               max_tokens=args.max_tokens, threads=scale, max_batch=8)
+    extra = {} if slack is None else {"slack": slack}
     t_deploy = time.perf_counter()
-    serve.run(build_app(ClusterConfig(replicas=args.replicas, router=router, replica_cpus=1.0, replica=settings)),
+    serve.run(build_app(ClusterConfig(replicas=n, router=router, replica_cpus=float(scale), replica=settings,
+                                      **extra)),
               name=APP, route_prefix="/")
     deploy_s = time.perf_counter() - t_deploy
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
         before = _counters(client)
         payloads = [_payload(model_name, chunks, q, args.max_tokens) for q, chunks in stream]
-        t0 = time.perf_counter()
+        t0, t0_wall = time.perf_counter(), time.time()
         with ThreadPoolExecutor(args.concurrency) as pool:
             results = list(pool.map(lambda p: _one_request(client, p), payloads))
         wall = time.perf_counter() - t0
-        after = _counters(client)
+        after = _counters(client, records=True)
     serve.delete(APP)
     ok = [r for r in results if r["ok"]]
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
@@ -132,33 +154,24 @@ def _run_config(name: str, args, stream, redis_url: str | None, port: int, model
     replicas = {}
     for r in ok:
         replicas[r["replica"]] = replicas.get(r["replica"], 0) + 1
+    records = [RequestRecord.from_dict(d) for d in after["records"] if d["arrival"] >= t0_wall - 1.0]
+    parts = summarize(records, after["replicas"])
+    client_p50 = percentile(ttfts, 50) if ttfts else None
+    if client_p50 is not None and parts["server_ttft_p50_s"] is not None:
+        parts["overhead_p50_s"] = round(client_p50 - parts["server_ttft_p50_s"], 4)  # ingress, routing, HTTP
     return {
-        "router": router, "shared_redis": shared,
+        "router": router, "shared_redis": shared, "replicas": n,
+        **({"slack": slack if slack is not None else ClusterConfig().slack} if router == "affinity" else {}),
         "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
         "ttft_p50_s": round(percentile(ttfts, 50), 4) if ttfts else None,
         "ttft_p95_s": round(percentile(ttfts, 95), 4) if ttfts else None,
         "requests_per_s": round(len(ok) / wall, 4),
         "cached_token_share": round((after["cached"] - before["cached"]) / max(1.0, after["prompt"] - before["prompt"]), 4),
+        "redis_hit_share": round((after["redis_hits"] - before["redis_hits"]) / hits, 4) if hits else None,
         "requests": len(results), "errors": len(results) - len(ok), "per_replica": sorted(replicas.values()),
-        "deploy_s": round(deploy_s, 1), "wall_s": round(wall, 2),
+        "deploy_s": round(deploy_s, 1), "wall_s": round(wall, 2), "parts": parts,
+        "records": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.to_dict().items()} for r in records],
     }
-
-
-def _one_engine(args, runner, stream) -> dict:
-    """A single engine with all replicas' cache budget, the same stream, sequential."""
-    from cachedrag.cluster.replica import ReplicaSettings, build_replica_engine
-
-    engine = build_replica_engine(ReplicaSettings(tiny=args.tiny, cache_gb=args.replicas * args.cache_mb / 1024),
-                                  runner=runner)
-    hits = misses = 0
-    ttfts = []
-    for q, chunks in stream:
-        r = engine.generate(chunks, f"Question: {q}", "Answer from the documents.", max_new_tokens=1)
-        hits += r.chunks_hit
-        misses += r.chunks_missed
-        ttfts.append(r.ttft_s)
-    return {"hit_rate": round(hits / max(1, hits + misses), 4), "ttft_p50_s_sequential": round(statistics.median(ttfts), 4),
-            "cache_mb": args.replicas * args.cache_mb}
 
 
 def _redis_reuse(args, runner, redis_url: str, stream) -> dict:
@@ -210,6 +223,12 @@ def run(args: argparse.Namespace) -> int:
     bad = [c for c in names if c not in CONFIGS]
     if bad or args.replicas < 1 or args.requests < 1 or args.concurrency < 1:
         raise ConfigError(f"bad arguments: configs must be among a, b, c (got {bad}); replicas, requests, concurrency >= 1")
+    try:
+        slacks = [int(x) for x in args.frontier.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"bad --frontier {args.frontier!r}: a comma list of integer slacks") from None
+    if any(x < 0 for x in slacks) or (args.slack is not None and args.slack < 0):
+        raise ConfigError("affinity slacks must be >= 0")
     if args.tiny:
         from cachedrag.testing import tiny_runner
 
@@ -229,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
                                "concurrency": args.concurrency, "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
                                "max_tokens": args.max_tokens, "cache_mb_per_replica": args.cache_mb,
                                "unique_chunks": unique_chunks, "stream": wl.question_source},
-                     "configs": {}}
+                     "configs": {}, "frontier": []}
     redis = start_redis_server()
     try:
         ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, log_to_driver=False)
@@ -237,12 +256,19 @@ def run(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name in names:
             print(f"config {name}: {CONFIGS[name][0]}{' + redis' if CONFIGS[name][1] else ''} ...", flush=True)
-            results["configs"][name] = _run_config(name, args, stream, redis.url, port, model_name)
-            print(f"  {results['configs'][name]}", flush=True)
+            results["configs"][name] = _run_config(name, args, stream, redis.url, port, model_name,
+                                                   slack=args.slack if name == "c" else None)
+            _progress(results["configs"][name])
+        if not args.skip_one:
+            print("one replica, same total CPU tier, CPUs and Redis ...", flush=True)
+            results["one"] = _run_config("one", args, stream, redis.url, port, model_name)
+            _progress(results["one"])
+        for slack in slacks:
+            print(f"frontier: c with slack {slack} ...", flush=True)
+            results["frontier"].append(_run_config("c", args, stream, redis.url, port, model_name, slack=slack))
+            _progress(results["frontier"][-1])
         serve.shutdown()
         ray.shutdown()
-        if not args.skip_one:
-            results["one"] = _one_engine(args, runner, stream)
         if not args.skip_reuse:
             results["redis_reuse"] = _redis_reuse(args, runner, redis.url, stream)
     finally:
@@ -261,19 +287,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(result: dict) -> None:
+    print(f"  {({k: v for k, v in result.items() if k != 'records'})}", flush=True)
+
+
+def _rows(results: dict) -> list[tuple[str, dict]]:
+    labels = {"a": "a round-robin", "b": "b round-robin + redis", "c": "c affinity + redis"}
+    rows = [(labels[n] + (f" (slack {r['slack']})" if "slack" in r else ""), r) for n, r in results["configs"].items()]
+    if "one" in results:
+        rows.append(("one replica, same total cache", results["one"]))
+    rows += [(f"c affinity + redis (slack {r['slack']})", r) for r in results.get("frontier", [])]
+    return rows
+
+
 def _print(results: dict) -> None:
     print(f"\ncachedrag bench cluster ({results['setup']['model']}, {results['setup']['replicas']} replicas, "
           f"{results['setup']['requests']} requests at concurrency {results['setup']['concurrency']})")
-    print(f"{'config':<28} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'errors':>6}")
-    labels = {"a": "a round-robin", "b": "b round-robin + redis", "c": "c affinity + redis"}
-    for name, r in results["configs"].items():
-        print(f"{labels[name]:<28} {r['hit_rate'] or 0:>8.3f} {r['ttft_p50_s'] or 0:>9.3f} {r['ttft_p95_s'] or 0:>9.3f} "
-              f"{r['requests_per_s']:>7.3f} {r['errors']:>6}")
-    if "one" in results:
-        print(f"{'one engine, same total cache':<28} {results['one']['hit_rate']:>8.3f}")
-    c, a = results["configs"].get("c"), results["configs"].get("a")
+    print(f"{'config':<36} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'errors':>6} "
+          f"{'wait':>6} {'load':>6} {'compute':>7} {'store':>6} {'other':>6} {'stranded':>8} {'spread':>6} {'longer':>6}")
+    for label, r in _rows(results):
+        p = r.get("parts", {})
+        f = lambda k: f"{p[k]:.3f}" if p.get(k) is not None else "-"  # noqa: E731
+        print(f"{label:<36} {r['hit_rate'] or 0:>8.3f} {r['ttft_p50_s'] or 0:>9.3f} {r['ttft_p95_s'] or 0:>9.3f} "
+              f"{r['requests_per_s']:>7.3f} {r['errors']:>6} {f('wait_p50_s'):>6} {f('load_p50_s'):>6} "
+              f"{f('compute_p50_s'):>7} {f('store_p50_s'):>6} {f('overhead_p50_s'):>6} {f('stranded_share'):>8} {f('spread_mean'):>6} "
+              f"{f('joined_longer_share'):>6}")
+    print("(wait / load / compute / store: medians of the server-side TTFT parts (store: planning and storing new "
+          "chunk caches); other: client TTFT p50 minus server "
+          "TTFT p50; stranded: share of time a replica had a request waiting while another idled; spread: mean "
+          "most - fewest requests in flight; longer: share of requests that joined a longer queue)")
+    a, b, c = (results["configs"].get(k) for k in "abc")
     if c and a and a["ttft_p50_s"] and c["ttft_p50_s"]:
-        print(f"TTFT p50 c/a = {c['ttft_p50_s'] / a['ttft_p50_s']:.3f}")
+        print(f"TTFT p50 c/a = {c['ttft_p50_s'] / a['ttft_p50_s']:.3f}" +
+              (f"   c/b = {c['ttft_p50_s'] / b['ttft_p50_s']:.3f}" if b and b["ttft_p50_s"] else ""))
     if c and "one" in results and results["one"]["hit_rate"]:
         print(f"hit rate c/one = {(c['hit_rate'] or 0) / results['one']['hit_rate']:.3f}")
     if "redis_reuse" in results:

@@ -17,11 +17,18 @@ chunk holding the answer is always among them) runs on a fresh cache:
    match, first token vs ``A``; gold accuracy) and teacher-forced logits over ``A`` (top-1
    agreement with the reference per position, KL(full || reuse) per position).
 
+Teacher-forced top-1 is also split by full prefill's own margin (``tf_top1_decisive``: positions
+whose top-1 leads top-2 by >= ``DECISIVE_MARGIN``; ``tf_top1_tied``: the near ties), which tells
+a shifted distribution from flipped near ties. Early termination is off in every row unless
+``--early-termination``; ``--et-choices`` adds ``<choice>/et@<ratio>`` rows with it on. Seeds ask
+disjoint slices of one permutation of the questions (``_picks``).
+
 Rows share one loaded model; within a request they run back to back, so TTFT ratios (``x_full``,
 ``x_prefix``) are measured side by side. ``oracle`` chooses the tokens whose true V (every layer)
 deviates most from full prefill's: a ceiling no real choice can see. Prints a table; ``--json OUT``
 writes ``{"config", "rows": {row: metrics}, "by_corpus", "by_seed", "noise", "requests"}``;
-``--plot PNG`` draws fidelity vs TTFT speedup per choice (matplotlib, the ``bench`` extra).
+``--plot PNG`` draws fidelity vs TTFT speedup per choice (matplotlib, the ``bench`` extra);
+``--replot JSON`` prints and plots an earlier run's JSON without running anything.
 
 Does not own the engine, the metrics' definitions (``bench.metrics``) or the gold set (``bench.gold``).
 """
@@ -76,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", help="questions for --corpus, one per line")
     parser.add_argument("--plot", help="write a PNG of fidelity vs TTFT speedup here (needs matplotlib)")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="run nothing: print the table of an earlier run's --json output (and --plot it)")
 
 
 def _floats(text: str) -> list[float]:
@@ -86,6 +95,8 @@ def _floats(text: str) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        return _replot(args)
     ratios = _floats(args.ratios)
     seeds = [int(x) for x in _floats(args.seeds)]
     choices = [c.strip() for c in args.choices.split(",") if c.strip()]
@@ -134,6 +145,21 @@ def run(args: argparse.Namespace) -> int:
     _print_table(results)
     if args.json_out:
         write_json(results, args.json_out)
+    if args.plot:
+        plot_frontier(results, args.plot)
+    return 0
+
+
+def _replot(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        with open(args.replot, encoding="utf-8") as f:
+            results = json.load(f)
+        results["rows"], results["noise"], results["config"]  # noqa: B018 (shape check)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--replot: not a bench fidelity JSON file: {args.replot} ({exc})") from None
+    _print_table(results)
     if args.plot:
         plot_frontier(results, args.plot)
     return 0
@@ -422,10 +448,10 @@ def _print_table(results: dict) -> None:
     n = results["noise"]
     print(f"order-noise floor (full prefill, chunks shuffled): rougeL {fmt(n['order_noise_rouge_l'])}, "
           f"tf_top1 {fmt(n['order_noise_top1'])}, tf_kl {fmt(n['order_noise_kl'])}, "
-          f"tf_decis {fmt(n['order_noise_top1_decisive'])}, tok1 {fmt(n['order_noise_first_token'])}, "
+          f"tf_decis {fmt(n.get('order_noise_top1_decisive'))}, tok1 {fmt(n['order_noise_first_token'])}, "
           f"gold {fmt(n['order_noise_gold'])}")
     print(f"tf_decis: teacher-forced top-1 on positions where full prefill's top-1 leads its top-2 by >= "
-          f"{DECISIVE_MARGIN} probability ({fmt(results['decisive_share'])} of positions); the rest are near ties")
+          f"{DECISIVE_MARGIN} probability ({fmt(results.get('decisive_share'))} of positions); the rest are near ties")
     corpora = list(results["by_corpus"])
     if len(corpora) > 1:
         print("per corpus (tf_top1 / tf_kl / tok1 / rougeL / gold):")
@@ -444,8 +470,9 @@ def _print_table(results: dict) -> None:
 
 
 def plot_frontier(results: dict, path: str) -> None:
-    """Two panels, teacher-forced top-1 and ROUGE-L vs TTFT speedup over full prefill; one line
-    per token choice over its recompute ratios, the order-noise floor as a dashed line."""
+    """Three panels vs TTFT speedup over full prefill: teacher-forced KL (log scale), teacher-forced
+    top-1 and free-running ROUGE-L; one line per token choice over its recompute ratios (ratio
+    labels on the ``question`` line), the order-noise floor dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -457,28 +484,35 @@ def plot_frontier(results: dict, path: str) -> None:
         if "@" in name:
             choice, ratio = name.split("@")
             by_choice.setdefault(choice, []).append((float(ratio), row))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, metric, label, floor in ((axes[0], "tf_top1", "teacher-forced top-1 agreement", "order_noise_top1"),
-                                     (axes[1], "rouge_l", "ROUGE-L vs full (free-running)", "order_noise_rouge_l")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    panels = ((axes[0], "tf_kl", "teacher-forced KL(full || reuse), lower is better", "order_noise_kl"),
+              (axes[1], "tf_top1", "teacher-forced top-1 agreement", "order_noise_top1"),
+              (axes[2], "rouge_l", "ROUGE-L vs full (free-running)", "order_noise_rouge_l"))
+    for ax, metric, label, floor in panels:
         for choice, pts in sorted(by_choice.items()):
             pts.sort()
-            style = "--" if choice == "oracle" else "-"
-            ax.plot([p[1]["x_full"] for p in pts], [p[1][metric] for p in pts], style, marker="o", label=choice)
-            for ratio, p in pts:
-                ax.annotate(f"{ratio:g}", (p["x_full"], p[metric]), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
+            style = "--" if choice == "oracle" or "/" in choice else "-"
+            width = 2.5 if choice == "question" else 1.2
+            ax.plot([p[1]["x_full"] for p in pts], [p[1][metric] for p in pts], style, marker="o", markersize=3.5,
+                    linewidth=width, label=choice)
+            if choice == "question":
+                for ratio, p in pts:
+                    ax.annotate(f"{ratio:g}", (p["x_full"], p[metric]), fontsize=7, xytext=(3, 3),
+                                textcoords="offset points")
         for name, marker in (("naive", "x"), ("prefix", "s"), ("order_aware", "^")):
             if name in rows:
                 ax.plot([rows[name]["x_full"]], [rows[name][metric]], marker, color="black", label=name)
-        if results["noise"][floor] is not None:
+        if results["noise"].get(floor) is not None:
             ax.axhline(results["noise"][floor], color="grey", linestyle=":", label="order-noise floor")
+        if metric == "tf_kl":
+            ax.set_yscale("log")
         ax.set_xlabel("TTFT speedup vs full prefill (x)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower left")
+    axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     cfg = results["config"]
     fig.suptitle(f"{cfg['model']}: {results['n_requests']} requests, corpora {', '.join(cfg['corpora'])}, "
-                 f"seeds {cfg['seeds']} (labels: recompute ratio)", fontsize=9)
+                 f"seeds {cfg['seeds']} (labels on the question line: recompute ratio)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -16,7 +16,8 @@ Names carry no suffix at the default thread count and ``@<n>t`` at others. Also:
 the median of later ones), ``miss_ratio`` (``cachedrag`` mode on a cold cache / ``full``, TTFT
 medians, interleaved) and ``end_to_end`` (median TTFT of the ``bench ttft`` stream in
 ``cachedrag`` mode + 128 x decode ms/token, per dtype, against llama.cpp Q4_1's full prefill +
-128 x its decode). ``--json OUT`` writes ``{"systems": {name: {"dtype", "threads",
+128 x its decode) and ``fidelity`` (bf16 and int8 against fp32, teacher-forced on fp32's greedy
+continuation of a few prompts: top-1 agreement and KL per next token). ``--json OUT`` writes ``{"systems": {name: {"dtype", "threads",
 "prefill_tokens_per_s", "decode_ms_per_token"}}, "first_request_ratio", "miss_ratio", ...}``.
 """
 
@@ -49,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per thread count (medians)")
     parser.add_argument("--new-tokens", type=int, default=24, help="decode steps timed per round")
     parser.add_argument("--stream", type=int, default=14, help="requests of the ttft stream for end_to_end and miss_ratio")
+    parser.add_argument("--fidelity-prompts", type=int, default=3, help="prompts of the per-dtype fidelity check (0: skip)")
+    parser.add_argument("--fidelity-tokens", type=int, default=32, help="teacher-forced tokens per fidelity prompt")
     parser.add_argument("--skip-first-request", action="store_true", help="skip the fresh-process first-request probe")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
 
@@ -175,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
             a.close()
     set_threads(threads[0])
 
+    if args.fidelity_prompts > 0:
+        prompts = [[t for seg in probe.prompts.chat(work.retrieved[i], work.questions[i], SYSTEM_PROMPT) for t in seg.ids]
+                   for i in range(min(args.fidelity_prompts, len(work.questions)))]
+        results["fidelity"] = dtype_fidelity(runners, prompts, args.fidelity_tokens)
     results["miss_ratio"], miss_detail = _miss_ratio(runners["cachedrag-fp32"], work, args.rounds + 2)
     results["miss"] = miss_detail
     results["end_to_end"] = _end_to_end(runners, work, results["systems"], args.stream)
@@ -186,6 +193,50 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json(results, args.json_out)
     return 0
+
+
+def dtype_fidelity(runners: dict, prompts: list[list[int]], tokens: int) -> dict:
+    """Each dtype against fp32, teacher-forced: fp32's greedy continuation of ``tokens`` tokens is
+    the teacher; every runner scores prompt + teacher in one prefill plus one all-logits pass, so
+    each of the ``tokens`` next-token distributions is compared at the same context. Per runner:
+    ``top1_agreement`` (argmax equal to fp32's), ``kl_mean`` / ``kl_max`` (KL(fp32 || dtype) in
+    nats), ``first_token_agreement`` (over prompts)."""
+    import torch
+
+    ref = runners["cachedrag-fp32"]
+
+    def score(runner, ids: list[int], teacher: list[int]) -> torch.Tensor:
+        kv = runner.new_kv(len(ids) + len(teacher) + 1)
+        first = runner.prefill(torch.tensor(ids), kv=kv)  # [V]
+        rest = runner.prefill(torch.tensor(teacher[:-1]), positions=torch.arange(len(ids), len(ids) + len(teacher) - 1),
+                              kv=kv, all_logits=True)  # [m-1, V]
+        return torch.cat([first[None], rest]).float().log_softmax(-1)  # [m, V]
+
+    teachers = []
+    for ids in prompts:
+        kv = ref.new_kv(len(ids) + tokens + 1)
+        token = int(ref.prefill(torch.tensor(ids), kv=kv).argmax())
+        teacher = [token]
+        for step in range(tokens - 1):
+            token = int(ref.decode_step(token, len(ids) + step, kv).argmax())
+            teacher.append(token)
+        teachers.append(teacher)
+    ref_logp = [score(ref, ids, t) for ids, t in zip(prompts, teachers)]
+    out = {}
+    for name, runner in runners.items():
+        if name == "cachedrag-fp32":
+            continue
+        agree, kls, first = [], [], []
+        for ids, teacher, lp32 in zip(prompts, teachers, ref_logp):
+            lp = score(runner, ids, teacher)  # [m, V]
+            same = (lp.argmax(-1) == lp32.argmax(-1)).float()  # [m]
+            agree.append(float(same.mean()))
+            first.append(float(same[0]))
+            kls.append((lp32.exp() * (lp32 - lp)).sum(-1))  # [m]
+        kl = torch.cat(kls)
+        out[name] = {"top1_agreement": statistics.mean(agree), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                     "first_token_agreement": statistics.mean(first), "prompts": len(prompts), "tokens": tokens}
+    return out
 
 
 def _miss_ratio(runner, work, n: int):
@@ -311,6 +362,10 @@ def _print(results: dict) -> None:
         print(f"first request: {results['first_request']} -> first_request_ratio {results['first_request_ratio']}")
     for name, row in results["end_to_end"].items():
         print(f"end to end (TTFT + {E2E_TOKENS} tokens) {name:<18} {row['seconds']:.2f}s (TTFT {row['ttft_s']:.2f}s)")
+    for name, row in results.get("fidelity", {}).items():
+        print(f"fidelity vs fp32 (teacher-forced, {row['prompts']} prompts x {row['tokens']} tokens) {name:<16} "
+              f"top-1 agreement {row['top1_agreement']:.3f}, KL mean {row['kl_mean']:.4f} max {row['kl_max']:.3f}, "
+              f"first token {row['first_token_agreement']:.2f}")
     for note in results["notes"]:
         print(f"note: {note}")
     print("\ntargets:")

@@ -26,6 +26,9 @@ Does not own: the HTTP routes of the API itself (the server's app), the routing 
 import asyncio
 import json
 import logging
+import time
+import uuid
+from collections import deque
 from typing import Literal
 
 import ray
@@ -36,9 +39,13 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
+from cachedrag.cluster.affinity import AffinityConfig
 from cachedrag.cluster.asgi import ForwardedRequest, ResponseStart, call_app
+from cachedrag.cluster import board  # board.BOARD at call time: Ray pickles these classes by value, which
+#                                     would copy a global imported by name (and split the router's board from ours)
 from cachedrag.cluster.fingerprints import Fingerprints, request_fingerprints
 from cachedrag.cluster.replica import ReplicaSettings, SharedCacheSync, build_replica_engine
+from cachedrag.cluster.timeline import RequestRecord
 
 log = logging.getLogger("cachedrag.cluster")
 
@@ -58,8 +65,10 @@ class ClusterConfig(BaseModel):
 
     replicas: int = Field(2, ge=1, description="engine replicas")
     router: Literal["affinity", "round_robin"] = Field("affinity", description="request router of the replicas")
-    slack: int = Field(2, ge=0, description="affinity: queued requests beyond the least-loaded replica still routed by affinity")
-    load_factor: float = Field(1.5, ge=1.0, description="affinity: bounded-load factor over the mean queue length")
+    slack: int = Field(AffinityConfig.model_fields["slack"].default, ge=0,
+                       description="affinity: queued requests beyond the least-loaded replica still routed by affinity")
+    load_factor: float = Field(AffinityConfig.model_fields["load_factor"].default, ge=1.0,
+                               description="affinity: bounded-load factor over the mean queue length after placing")
     retries: int = Field(2, ge=0, description="re-sends of a request whose replica died before answering")
     replica_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per replica")
     max_ongoing_requests: int = Field(32, ge=1, description="requests Serve sends one replica at once")
@@ -90,6 +99,56 @@ def _replica_ids(app_name: str | None = None) -> list[str]:
     return sorted(out)
 
 
+class _Recorder:
+    """The engine loop's observer: forwards to the server's metrics and keeps a bounded log of
+    finished requests (``RequestRecord``: arrival, TTFT, load and compute time) for
+    ``cachedrag.cluster.timeline``."""
+
+    def __init__(self, metrics, replica: str, keep: int = 10_000):
+        self.metrics = metrics
+        self.replica = replica
+        self.records: deque[RequestRecord] = deque(maxlen=keep)
+
+    def on_step(self, batch_size: int, waiting: int) -> None:
+        self.metrics.on_step(batch_size, waiting)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.metrics.on_first_token(seconds)
+
+    def on_token(self, seconds: float) -> None:
+        self.metrics.on_token(seconds)
+
+    def on_finished(self, done) -> None:
+        self.metrics.on_finished(done)
+        s = done.stats
+        self.records.append(RequestRecord(
+            replica=self.replica, arrival=time.time() - done.total_s, ttft_s=done.ttft_s, total_s=done.total_s,
+            load_s=float(s.get("load_s", 0.0)), prefill_s=float(s.get("prefill_s", 0.0)),
+            chunks_hit=int(s.get("chunks_hit", 0)), chunks_missed=int(s.get("chunks_missed", 0)),
+            call_s=float(s.get(_CALL_S, 0.0))))
+
+
+_CALL_S = "replica_prefill_call_s"
+
+
+class _TimedEngine:
+    """The replica's engine as the server's app sees it: the same object, except that each
+    ``prefill`` call's whole duration (plan, load, compute, storing new caches) is added to its
+    stats (``replica_prefill_call_s``), so a request's TTFT splits into wait and service."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def prefill(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        pre = self._engine.prefill(*args, **kwargs)
+        pre.info[_CALL_S] = time.perf_counter() - t0
+        return pre
+
+
 @serve.deployment(name=REPLICA_DEPLOYMENT, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
     """One engine + the server's app; requests arrive as ``ForwardedRequest``s."""
@@ -106,7 +165,7 @@ class EngineReplica:
                                                         order=settings.order),
                               passages=PassageConfig(enabled=settings.auto_chunks),
                               default_max_tokens=settings.max_tokens)
-        self.app = create_app(self.engine, config)
+        self.app = create_app(_TimedEngine(self.engine), config)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the engine loop
         try:
@@ -114,9 +173,12 @@ class EngineReplica:
         except Exception:  # constructed outside Serve (tests of the class itself)
             self.replica_id = "local"
         self._header = [(b"x-cachedrag-replica", self.replica_id.encode())]
+        self.recorder = _Recorder(self.app.state.metrics, self.replica_id)
+        self.app.state.loop.observer = self.recorder
         self.served = 0
 
-    async def handle(self, request: ForwardedRequest, route: Fingerprints | None = None, replica: str | None = None):
+    async def handle(self, request: ForwardedRequest, route: Fingerprints | None = None, replica: str | None = None,
+                     ticket: str | None = None):
         """Stream the app's response: ``ResponseStart``, then body chunks."""
         self.sync.poke()  # adopt what other replicas wrote meanwhile (background, rate-limited)
         self.served += 1
@@ -128,8 +190,9 @@ class EngineReplica:
         if thread is None or not thread.is_alive():
             raise RuntimeError("the engine loop is not running")
 
-    def stats(self, replica: str | None = None) -> dict:
-        """This replica's counters: requests, chunk hits/misses, shared-tier refreshes, tiers."""
+    def stats(self, replica: str | None = None, records: bool = False) -> dict:
+        """This replica's counters: requests, chunk hits/misses, shared-tier refreshes, tiers;
+        ``records``: also its finished requests' ``RequestRecord`` dicts."""
         manager = self.engine.manager
         registry = self.app.state.metrics.registry  # the server's Prometheus counters
         counts = {name: registry.get_sample_value(f"cachedrag_{name}_total") or 0.0
@@ -141,6 +204,8 @@ class EngineReplica:
         if tiers is not None:
             out["tiers"] = {t.name: {"used_bytes": t.used_bytes, "hits": t.stats.hits, "misses": t.stats.misses}
                             for t in tiers}
+        if records:
+            out["records"] = [r.to_dict() for r in list(self.recorder.records)]
         return out
 
     async def __del__(self):
@@ -165,15 +230,16 @@ class Ingress:
         self.counters = {"requests": 0, "retried": 0, "failed_mid_stream": 0, "failed": 0}
 
     @ingress_app.get("/cluster/stats")
-    async def cluster_stats(self):
-        """Counters of every live replica (and the ingress's own)."""
+    async def cluster_stats(self, records: bool = False):
+        """Counters of every live replica (and the ingress's own); ``?records=true``: also each
+        replica's finished requests (``cachedrag.cluster.timeline.RequestRecord``)."""
         out = {}
         for r in _replica_ids():  # one at a time: Serve matches concurrent sub-requests of one request by its id
             try:
-                out[r] = await asyncio.wait_for(self.engines.stats.remote(replica=r), timeout=5)
+                out[r] = await asyncio.wait_for(self.engines.stats.remote(replica=r, records=records), timeout=5)
             except (asyncio.TimeoutError, *_REPLICA_ERRORS) as exc:
                 out[r] = {"error": _short(exc)}
-        return {"ingress": self.counters, "replicas": out}
+        return {"ingress": {**self.counters, "before_first_token": len(board.BOARD)}, "replicas": out}
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request):
@@ -188,39 +254,53 @@ class Ingress:
             except (ValueError, UnicodeDecodeError):
                 pass  # not JSON: the replica's app answers with its 400
         self.counters["requests"] += 1
-        last: BaseException | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                self.counters["retried"] += 1
-            stream = self.engines.options(stream=True).handle.remote(fwd, route=route)
-            try:
-                start = await stream.__anext__()
-            except _REPLICA_ERRORS as exc:
-                last = exc
-                continue
-            assert isinstance(start, ResponseStart)
-            headers = {k.decode(): v.decode() for k, v in start.headers if k.lower() not in _HOP_HEADERS}
-            if (start.header("content-type") or "").startswith("text/event-stream"):
-                return StreamingResponse(self._relay(stream), status_code=start.status, headers=headers)
-            try:
-                chunks = [c async for c in stream]
-            except _REPLICA_ERRORS as exc:  # nothing was sent to the client yet: retry
-                last = exc
-                continue
-            return Response(b"".join(chunks), status_code=start.status, headers=headers)
+        ticket = uuid.uuid4().hex  # this request on the prefill board (cachedrag.cluster.board)
+        streaming = False
+        try:
+            last: BaseException | None = None
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    self.counters["retried"] += 1
+                stream = self.engines.options(stream=True).handle.remote(fwd, route=route, ticket=ticket)
+                try:
+                    start = await stream.__anext__()
+                except _REPLICA_ERRORS as exc:
+                    last = exc
+                    continue
+                assert isinstance(start, ResponseStart)
+                answering = start.header("x-cachedrag-replica")
+                if answering:
+                    board.BOARD.routed(ticket, answering)
+                headers = {k.decode(): v.decode() for k, v in start.headers if k.lower() not in _HOP_HEADERS}
+                if (start.header("content-type") or "").startswith("text/event-stream"):
+                    streaming = True  # the relay clears the ticket at the first content event
+                    return StreamingResponse(self._relay(stream, ticket), status_code=start.status, headers=headers)
+                try:
+                    chunks = [c async for c in stream]
+                except _REPLICA_ERRORS as exc:  # nothing was sent to the client yet: retry
+                    last = exc
+                    continue
+                return Response(b"".join(chunks), status_code=start.status, headers=headers)
+        finally:
+            if not streaming:
+                board.BOARD.started(ticket)
         self.counters["failed"] += 1
         message = f"no replica could serve the request after {self.retries + 1} attempts: {_short(last)}"
         return JSONResponse(_error(503, message, "service_unavailable", "replica_failed"), status_code=503)
 
-    async def _relay(self, stream):
+    async def _relay(self, stream, ticket: str):
         try:
             async for chunk in stream:
+                if b'"role"' not in chunk:  # past the chat role event: the first token (or the end) arrived
+                    board.BOARD.started(ticket)
                 yield chunk
         except _REPLICA_ERRORS as exc:
             self.counters["failed_mid_stream"] += 1
             message = f"the replica serving this stream failed mid-answer ({_short(exc)}); the answer is incomplete, retry the request"
             yield f"data: {json.dumps(_error(503, message, 'service_unavailable', 'replica_failed'))}\n\n".encode()
             yield b"data: [DONE]\n\n"
+        finally:
+            board.BOARD.started(ticket)
 
 
 def build_app(config: ClusterConfig):

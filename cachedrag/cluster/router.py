@@ -12,14 +12,16 @@ parses bodies), queue-length probing and backoff (Serve's ``RequestRouter`` base
 returned tier Serve picks the replica with the shortest queue that accepts the request, and
 moves to the next tier when all refuse).
 
-Queue lengths come from Serve's replica queue-length cache; when an entry is missing or stale,
-the router's own count of requests it sent and that have not completed stands in.
+Load: Serve's replica queue lengths (when an entry is missing or stale, the router's own count
+of requests it sent and that have not completed stands in) and, for the affinity router, the
+requests of each replica still before their first token (``cachedrag.cluster.board``, kept
+with the ingress; a call passes its ``ticket=`` keyword).
 
 Configure on the deployment (``serve.yaml`` or Python):
 
     request_router_config:
       request_router_class: cachedrag.cluster.router:ChunkAffinityRouter
-      request_router_kwargs: {slack: 2, load_factor: 1.5}
+      request_router_kwargs: {slack: 0, load_factor: 1.0}
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from collections import Counter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cachedrag.cluster.affinity import AffinityConfig, AffinityPolicy
+from cachedrag.cluster import board  # board.BOARD at call time: Serve ships this class pickled by value,
+#                                     which would copy a global imported by name (not the ingress's board)
 from cachedrag.cluster.fingerprints import Fingerprints
 
 log = logging.getLogger("cachedrag.cluster")
@@ -82,29 +86,41 @@ class _CountingRouter(RequestRouter):
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         return cached if cached is not None else self._inflight[replica.replica_id]
 
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """Serve's entry point: a pinned replica, else the subclass's ``rank`` tiers."""
+        _backoff_after(pending_request)
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        if not candidate_replicas:
+            return []
+        return self.rank(candidate_replicas, pending_request)
+
+    def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
+        raise NotImplementedError
+
 
 class ChunkAffinityRouter(_CountingRouter):
     """Sends a request to the replica that owns most of its chunks (rendezvous hashing),
     unless that replica's queue is over the load bound; no chunks: least-loaded."""
 
-    def initialize_state(self, slack: int = 2, load_factor: float = 1.5, max_fingerprints: int = 64, **_: object):
+    def initialize_state(self, **kwargs: object):
         self._ensure()
-        self.policy = AffinityPolicy(AffinityConfig(slack=slack, load_factor=load_factor,
-                                                    max_fingerprints=max_fingerprints))
+        fields = {k: v for k, v in kwargs.items() if k in AffinityConfig.model_fields}
+        self.policy = AffinityPolicy(AffinityConfig(**fields))
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        _backoff_after(pending_request)
-        pinned = _pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
+    def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
         if not hasattr(self, "policy"):
             self.initialize_state()
-        route = None if pending_request is None else pending_request.kwargs.get("route")
+        route = None if pending is None else pending.kwargs.get("route")
         fps = route if isinstance(route, Fingerprints) else Fingerprints()
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_id = {r.replica_id.unique_id: r for r in candidates}
         queues = {rid: self.queue_len(r) for rid, r in by_id.items()}
-        tiers = self.policy.rank(fps.digests, queues, fps.weights or None)
+        tiers = self.policy.rank(fps.digests, queues, fps.weights or None, board.BOARD.pending(by_id))
+        ticket = None if pending is None else pending.kwargs.get("ticket")
+        if ticket is not None and tiers:
+            board.BOARD.routed(ticket, tiers[0][0])  # at once: a request routed next must see it (the ingress corrects it)
         self.decisions["affinity" if fps.digests else "least_loaded"] += 1
         return [[by_id[rid] for rid in tier] for tier in tiers if tier]
 
@@ -116,17 +132,11 @@ class RoundRobinRouter(_CountingRouter):
         self._ensure()
         self._turn = itertools.count()
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        _backoff_after(pending_request)
-        pinned = _pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
+    def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
         if not hasattr(self, "_turn"):
             self.initialize_state()
-        if not candidate_replicas:
-            return []
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-        i = next(self._turn) % len(ordered)
-        first = ordered[i]
+        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
+        first = ordered[next(self._turn) % len(ordered)]
         return [[first], [r for r in ordered if r is not first]]
+
+

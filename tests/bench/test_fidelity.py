@@ -42,6 +42,12 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
     assert all(row["gold_n"] == 0 and row["gold_delta_pts"] is None for row in rows.values())
     assert png.stat().st_size > 0
     assert "order-noise floor" in capsys.readouterr().out
+    # --replot: the same table and a plot from the JSON alone, nothing run
+    again = tmp_path / "again.png"
+    assert main(["bench", "fidelity", "--replot", str(out), "--plot", str(again)]) == 0
+    assert again.stat().st_size > 0 and "question/et@0.2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a bench fidelity JSON"):
+        main(["bench", "fidelity", "--replot", str(png)])
 
 
 def test_seeds_ask_disjoint_questions_and_a_run_per_seed_asks_the_same():

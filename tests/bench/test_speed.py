@@ -76,3 +76,20 @@ def test_unknown_system_is_a_clear_error(capsys):
     speed.add_arguments(parser)
     assert speed.run(parser.parse_args(["--systems", "cachedrag-fp64"])) == 2
     assert "unknown systems" in capsys.readouterr().err
+
+
+def test_fidelity_compares_each_dtype_with_fp32_teacher_forced():
+    from cachedrag.model.runner import ModelRunner
+    from cachedrag.testing import tiny_model
+
+    runners = {"cachedrag-fp32": ModelRunner(tiny_model("llama")),
+               "cachedrag-same": ModelRunner(tiny_model("llama")),  # the same weights and dtype: agrees exactly
+               "cachedrag-int8": ModelRunner(tiny_model("llama"), dtype="bfloat16", weights="int8")}
+    prompts = [list(range(5, 40)), list(range(60, 81))]
+    out = speed.dtype_fidelity(runners, prompts, tokens=6)
+    assert set(out) == {"cachedrag-same", "cachedrag-int8"}
+    same, int8 = out["cachedrag-same"], out["cachedrag-int8"]
+    assert same["top1_agreement"] == 1.0 and same["first_token_agreement"] == 1.0
+    assert same["kl_mean"] < 1e-6 and same["prompts"] == 2 and same["tokens"] == 6
+    assert 0.0 <= int8["top1_agreement"] <= 1.0
+    assert int8["kl_max"] >= int8["kl_mean"] > 1e-6  # int8 weights move the distribution

@@ -60,7 +60,7 @@ def test_losing_a_replica_moves_only_its_chunks():
     assert len(moved) == sum(1 for f in fps if before[f] == "r3")
 
 
-@pytest.mark.parametrize("queues,bound", [([0, 0, 0, 0], 2), ([0, 4, 4, 4], 5), ([3, 3, 3, 3], 5), ([10, 0], 8)])
+@pytest.mark.parametrize("queues,bound", [([0, 0, 0, 0], 2), ([0, 4, 4, 4], 4), ([3, 3, 3, 3], 5), ([10, 0], 8)])
 def test_load_bound(queues, bound):
     assert AffinityPolicy(AffinityConfig(slack=2, load_factor=1.5)).load_bound(queues) == bound
 
@@ -92,6 +92,28 @@ def test_a_hot_chunk_set_cannot_overload_one_replica():
     assert max(q.values()) <= config.load_factor * 200 / len(q) + 1  # never above the bounded-load cap
 
 
+@pytest.mark.parametrize("queues,eligible", [
+    ({"r0": 1, "r1": 2}, {"r0"}),          # the default never queues behind a busier replica
+    ({"r0": 2, "r1": 2}, {"r0", "r1"}),    # equal loads: affinity decides
+    ({"r0": 0, "r1": 0}, {"r0", "r1"}),
+    ({"r0": 3, "r1": 1, "r2": 1}, {"r1", "r2"}),
+])
+def test_default_bound_is_least_loaded_with_affinity_among_ties(queues, eligible):
+    policy = AffinityPolicy()
+    bound = policy.load_bound(list(queues.values()))
+    assert {r for r, q in queues.items() if q <= bound} == eligible
+    for i in range(200):  # whatever the chunks, the choice is one of the eligible replicas
+        assert policy.choose([f"c{i}", f"d{i}"], queues) in eligible
+
+
+def test_slack_lets_the_owner_take_more_before_spilling():
+    fp = next(f"k{i}" for i in range(1000) if owner(f"k{i}", ["r0", "r1"]) == "r1")
+    assert AffinityPolicy().choose([fp], {"r0": 1, "r1": 2}) == "r0"
+    assert AffinityPolicy(AffinityConfig(slack=1)).choose([fp], {"r0": 1, "r1": 2}) == "r1"
+    assert AffinityPolicy(AffinityConfig(slack=1)).choose([fp], {"r0": 1, "r1": 3}) == "r0"
+    assert AffinityPolicy(AffinityConfig(load_factor=1.5)).choose([fp], {"r0": 1, "r1": 2}) == "r1"
+
+
 def test_no_chunks_falls_back_to_least_loaded():
     policy = AffinityPolicy()
     q = {"r0": 3, "r1": 1, "r2": 2}
@@ -121,7 +143,24 @@ def test_fingerprints_beyond_the_cap_are_ignored_and_bad_weights_refused():
 
 
 def test_policy_imports_neither_torch_nor_ray():
-    code = ("import sys, cachedrag.cluster.affinity, cachedrag.cluster.fingerprints; "
+    code = ("import sys, cachedrag.cluster.affinity, cachedrag.cluster.board, cachedrag.cluster.fingerprints, cachedrag.cluster.timeline; "
             "bad = [m for m in ('torch', 'ray', 'numpy') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_requests_before_their_first_token_outweigh_decoding_ones():
+    """The convoy case measured on 2 replicas: r0 just took a request (pending its prefill),
+    r1 holds two decoding requests. By count r0 is less loaded; by pending prefills it is not."""
+    policy = AffinityPolicy()
+    queues = {"r0": 1, "r1": 2}
+    for i in range(100):
+        fps = [f"c{i}", f"d{i}"]
+        assert policy.choose(fps, queues) == "r0"  # queue lengths alone
+        assert policy.choose(fps, queues, pending={"r0": 1, "r1": 0}) == "r1"
+        assert policy.rank(fps, queues, pending={"r0": 1})[0] == ["r1"]
+    assert policy.rank([], queues, pending={"r0": 1, "r1": 0}) == [["r1"], ["r0"]]  # least-loaded fallback too
+    # equal pending counts: the queue bound decides; prefill_slack widens the candidates
+    assert policy.candidates({"r0": 1, "r1": 2}, {"r0": 1, "r1": 1}) == ["r0"]
+    loose = AffinityPolicy(AffinityConfig(prefill_slack=1, slack=5))
+    assert sorted(loose.candidates({"r0": 1, "r1": 2}, {"r0": 1, "r1": 0})) == ["r0", "r1"]

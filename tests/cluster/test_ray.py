@@ -167,6 +167,24 @@ def test_chunks_computed_on_one_replica_are_served_to_the_other_from_redis(clust
     assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_replicas_record_where_each_requests_ttft_went(cluster):
+    from cachedrag.cluster.timeline import RequestRecord, summarize
+
+    for i in range(3):
+        assert cluster.post("/v1/chat/completions", json=body(DOCS[10 + i:12 + i], max_tokens=2)).status_code == 200
+    assert all("records" not in v for v in stats(cluster)["replicas"].values())
+    replicas = cluster.get("/cluster/stats", params={"records": True}).json()["replicas"]
+    records = [RequestRecord.from_dict(d) for v in replicas.values() for d in v["records"]]
+    assert len(records) >= 3 and {r.replica for r in records} <= set(replicas)
+    for r in records:
+        assert 0 < r.ttft_s <= r.total_s and r.prefill_s > 0 and r.arrival > 1e9  # wall-clock seconds
+    summary = summarize(records, list(replicas))
+    assert summary["requests"] == len(records) and 0.0 <= summary["stranded_share"] <= 1.0
+    text, _, _ = stream_text(cluster, body(DOCS[14:16], max_tokens=2, stream=True))
+    assert text
+    assert stats(cluster)["ingress"]["before_first_token"] == 0  # every ticket left the prefill board
+
+
 @pytest.mark.slow
 def test_a_killed_replica_is_replaced_and_nothing_wrong_is_served(cluster, reference):
     chunks = DOCS[28:30]

@@ -108,6 +108,55 @@ def test_segment_attention_mass_matches_dense_softmax():
     torch.testing.assert_close(mass.sum(-1), torch.ones(30), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_segment_mass_equals_reference(arch, dtype):
+    """The fused (attention over segment indicators) path equals the blockwise softmax, at query
+    subsets (fresh rows), beyond a sliding window (mistral: 24) and with one segment per column."""
+    model = tiny_model(arch, vocab_size=260)
+    runner = ModelRunner(model, dtype=dtype)
+    n = 70
+    ids = _ids(n)
+    kv = runner.new_kv(n)
+    runner.prefill(ids, kv=kv)
+    hidden = runner.embed(ids)
+    raw = {}
+    runner.forward_layer(0, hidden, torch.arange(n), kv, n, raw_out=raw)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == "float32" else dict(atol=1.5e-2, rtol=0)
+    cases = [(rows, bounds) for rows in (torch.tensor([3, 10, 11, 40, 41, 42, 69]), torch.arange(50))  # subset, leading
+             for bounds in ([0, 4, 17, 30, 55, n], [0, n], list(range(0, n + 1, 5)))]
+    for rows, bounds in cases:
+        assert len(bounds) - 1 <= runner.head_dim  # takes the fused path
+        fused = runner.segment_attention_mass(0, raw["q"][:, rows], rows, kv, n, bounds)  # [R, S]
+        ref = runner.segment_attention_mass(0, raw["q"][:, rows], rows, kv, n, bounds, reference=True)  # [R, S]
+        assert fused.shape == ref.shape == (len(rows), len(bounds) - 1)
+        torch.testing.assert_close(fused, ref, **tol)
+        torch.testing.assert_close(fused.sum(-1), torch.ones(len(rows)), atol=tol["atol"] * 2, rtol=0)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("length", [2, 20, 61])
+def test_leading_causal_attention_equals_masked(arch, length):
+    """Queries at 0..T-1 take SDPA's causal mode (block-sparse); it equals the absolute-position
+    mask, with longer buffers and with a sliding window (mistral: 24) that forces the mask."""
+    runner = tiny_runner(arch)
+    ids = _ids(length)
+    kv = runner.new_kv(length + 9)
+    runner.prefill(ids, kv=kv)
+    raw = {}
+    pos = torch.arange(length)
+    runner.forward_layer(1, runner.embed(ids), pos, kv, length + 9, raw_out=raw)
+    window = runner.windows[1]
+    assert runner._leading_causal(1, pos, length + 9) == (length >= 2 and (window is None or window >= length))
+    got = runner.attend(1, raw["q"], pos, kv, length + 9)  # [T, H_q*D]
+    mask = runner.attention_mask(1, pos, length + 9)  # [T, T_k]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        raw["q"][None], kv.k[1, :, :length + 9][None], kv.v[1, :, :length + 9][None], attn_mask=mask,
+        scale=runner.scaling, enable_gqa=True)[0].transpose(0, 1).reshape(length, -1)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    assert not runner._leading_causal(1, pos + 1, length + 9)  # shifted queries keep the mask
+
+
 def test_unknown_architecture_is_refused_with_supported_list():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -145,3 +194,17 @@ def test_kv_deviation_is_zero_on_exact_rows_and_finds_a_changed_row():
         assert int(runner.kv_deviation(1, hidden, pos, kv, on="k").argmax()) == 4
         with pytest.raises(ValueError, match="on must be"):
             runner.kv_deviation(1, hidden, pos, kv, on="q")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_decode_rms_norm_equals_hf(dtype, rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from cachedrag.model.runner import _rms_norm
+
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(rows, 96, dtype=dtype) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(_rms_norm(x, norm.weight, norm.variance_epsilon), norm(x), atol=1e-6, rtol=1e-6)

@@ -1,0 +1,89 @@
+"""The runnable ```python blocks of Markdown documentation: extraction and a page runner.
+
+Owns ``blocks_of`` (a page's python blocks with their ``<!-- doc-test: skip (reason) -->``
+markers) and ``run_page`` (a page's blocks in order in one namespace, as a reader follows it).
+The test suite runs every page on the tiny model (tests/test_docs.py); ``make wheel-check`` runs
+the integration tutorials with ``python -m cachedrag.docblocks PAGE...`` in a venv holding only
+the built wheel, on the real default model. Does not own the pages or what they need on disk
+(``my-index``): the caller prepares the working directory.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SKIP = re.compile(r"^<!--\s*doc-test:\s*skip\s*\((?P<reason>.+)\)\s*-->\s*$")
+FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,})(?P<info>.*)$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int  # 1-based line of the opening fence
+    code: str
+    skip: str | None  # the skip reason, or None
+
+
+def blocks_of(path: Path) -> list[Block]:
+    """The ```python blocks of a Markdown page, with their skip markers."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        info, ticks, indent = m["info"].strip(), m["ticks"], len(m["indent"])
+        end = i + 1
+        while end < len(lines) and not lines[end].strip().startswith(ticks):
+            end += 1
+        if info.split(" ")[0].lower() in ("python", "py"):
+            prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            skip = SKIP.match(prev.strip())
+            code = "\n".join(line[indent:] for line in lines[i + 1:end])
+            out.append(Block(Path(path).name, i + 1, code, skip["reason"].strip() if skip else None))
+        i = end + 1
+    return out
+
+
+def run_block(block: Block, namespace: dict) -> None:
+    """Execute one block in ``namespace`` (the page's), in the current directory."""
+    code = compile(block.code, f"{block.page}:{block.line}", "exec", dont_inherit=True)
+    exec(code, namespace)  # noqa: S102 - executing our own documentation is the point
+
+
+def run_page(path: Path, log=print) -> int:
+    """Run a page's non-skipped blocks in order in one namespace; the number of blocks run.
+    The first failing block's exception propagates."""
+    namespace: dict = {"__name__": "__docs__"}
+    ran = 0
+    for block in blocks_of(path):
+        if block.skip is not None:
+            log(f"{block.page}:{block.line}: skipped ({block.skip})")
+            continue
+        start = time.perf_counter()
+        run_block(block, namespace)
+        ran += 1
+        log(f"{block.page}:{block.line}: ok ({time.perf_counter() - start:.1f} s)")
+    return ran
+
+
+def main(argv: list[str] | None = None) -> int:
+    pages = sys.argv[1:] if argv is None else argv
+    if not pages:
+        print("usage: python -m cachedrag.docblocks PAGE.md...", file=sys.stderr)
+        return 2
+    for page in pages:
+        if run_page(Path(page), log=lambda line: print(line, file=sys.stderr)) == 0:
+            print(f"{page}: no runnable python blocks", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
