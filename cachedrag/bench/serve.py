@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny random model (a smoke run of the suite, seconds)")
     parser.add_argument("--configs", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
     parser.add_argument("--levels", default="1,2,4,8", help="concurrency levels")
-    parser.add_argument("--requests", type=int, default=8, help="requests per level (default 8: fits one 15-min run)")
+    parser.add_argument("--requests", type=int, default=10, help="requests per level (default 10: fits one 15-min run)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server before the levels")
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate (requests/s) of every level")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -93,6 +93,25 @@ class ServerProcess:
             lines.append(line)
             m = re.search(r"listening on (http://[\d.]+:\d+)", line)
             self.url = m.group(1) if m else None
+        self._wait_healthy(deadline, lines)
+
+    def _wait_healthy(self, deadline: float, lines: list[str]) -> None:
+        """Until ``/health`` answers 200 (the engine loop runs); the child's log if it exits first."""
+        import httpx
+
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("cachedrag serve exited after listening:\n" + "".join(lines[-20:])
+                                   + self.proc.stderr.read()[-4000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("cachedrag serve did not become healthy within 300 s")
+            time.sleep(0.2)
 
     def rss_bytes(self) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:

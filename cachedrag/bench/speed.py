@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fidelity_prompts > 0:
         prompts = [[t for seg in probe.prompts.chat(work.retrieved[i], work.questions[i], SYSTEM_PROMPT) for t in seg.ids]
                    for i in range(min(args.fidelity_prompts, len(work.questions)))]
-        results["fidelity"] = _fidelity(runners, prompts, args.fidelity_tokens)
+        results["fidelity"] = dtype_fidelity(runners, prompts, args.fidelity_tokens)
     results["miss_ratio"], miss_detail = _miss_ratio(runners["cachedrag-fp32"], work, args.rounds + 2)
     results["miss"] = miss_detail
     results["end_to_end"] = _end_to_end(runners, work, results["systems"], args.stream)
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fidelity(runners: dict, prompts: list[list[int]], tokens: int) -> dict:
+def dtype_fidelity(runners: dict, prompts: list[list[int]], tokens: int) -> dict:
     """Each dtype against fp32, teacher-forced: fp32's greedy continuation of ``tokens`` tokens is
     the teacher; every runner scores prompt + teacher in one prefill plus one all-logits pass, so
     each of the ``tokens`` next-token distributions is compared at the same context. Per runner:

@@ -86,7 +86,7 @@ def test_fidelity_compares_each_dtype_with_fp32_teacher_forced():
                "cachedrag-same": ModelRunner(tiny_model("llama")),  # the same weights and dtype: agrees exactly
                "cachedrag-int8": ModelRunner(tiny_model("llama"), dtype="bfloat16", weights="int8")}
     prompts = [list(range(5, 40)), list(range(60, 81))]
-    out = speed._fidelity(runners, prompts, tokens=6)
+    out = speed.dtype_fidelity(runners, prompts, tokens=6)
     assert set(out) == {"cachedrag-same", "cachedrag-int8"}
     same, int8 = out["cachedrag-same"], out["cachedrag-int8"]
     assert same["top1_agreement"] == 1.0 and same["first_token_agreement"] == 1.0

@@ -194,3 +194,17 @@ def test_kv_deviation_is_zero_on_exact_rows_and_finds_a_changed_row():
         assert int(runner.kv_deviation(1, hidden, pos, kv, on="k").argmax()) == 4
         with pytest.raises(ValueError, match="on must be"):
             runner.kv_deviation(1, hidden, pos, kv, on="q")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_decode_rms_norm_equals_hf(dtype, rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from cachedrag.model.runner import _rms_norm
+
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(rows, 96, dtype=dtype) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(_rms_norm(x, norm.weight, norm.variance_epsilon), norm(x), atol=1e-6, rtol=1e-6)

@@ -1,0 +1,57 @@
+"""Choose a dtype: prefill and decode speed of the runner per numerics, and how far each moves
+the answer from float32.
+
+Loads the default model once per dtype (float32, bfloat16, bfloat16 + int8 weights), builds one
+RAG prompt (system prompt + stdlib chunks + a question), and for each runner times a full
+prefill and greedy decode steps, then scores float32's greedy continuation teacher-forced in
+every runner (top-1 agreement and KL against float32, as `cachedrag bench speed` reports).
+For the side-by-side figures with transformers and llama.cpp, run `cachedrag bench speed`.
+
+Run: .venv/bin/python examples/speed.py [--threads 2] [--tokens 24]
+"""
+
+import argparse
+import time
+
+import torch
+
+from cachedrag.bench.speed import dtype_fidelity
+from cachedrag.corpus import stdlib_corpus
+from cachedrag.engine import CachedEngine
+from cachedrag.model.runner import ModelRunner
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
+parser.add_argument("--tokens", type=int, default=24, help="decode steps timed, and teacher-forced tokens scored")
+args = parser.parse_args()
+
+runners = {
+    "cachedrag-fp32": ModelRunner.from_pretrained(dtype="float32", threads=args.threads),
+    "cachedrag-bf16": ModelRunner.from_pretrained(dtype="bfloat16", threads=args.threads),
+    "cachedrag-int8": ModelRunner.from_pretrained(dtype="bfloat16", weights="int8", threads=args.threads),
+}
+tokenizer = runners["cachedrag-fp32"].tokenizer
+docs = [d.text for d in stdlib_corpus(("json", "heapq", "bisect", "functools", "csv"))]
+chunks = [tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)[:256]) for t in docs]
+segments = CachedEngine(runners["cachedrag-fp32"]).prompts.chat(chunks, "How do I pretty-print JSON?",
+                                                                "Answer from the excerpts. Be brief.")
+ids = [t for s in segments for t in s.ids]
+
+print(f"{len(ids)}-token prompt, {runners['cachedrag-fp32'].threads} threads")
+print(f"{'runner':<16} {'numerics':<16} {'weights MB':>10} {'prefill tok/s':>14} {'decode ms/token':>16}")
+for name, runner in runners.items():
+    kv = runner.new_kv(len(ids) + args.tokens + 1)
+    t0 = time.perf_counter()
+    token = int(runner.prefill(torch.tensor(ids), kv=kv).argmax())
+    prefill_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for step in range(args.tokens):
+        token = int(runner.decode_step(token, len(ids) + step, kv).argmax())
+    decode_ms = (time.perf_counter() - t1) / args.tokens * 1000
+    print(f"{name:<16} {runner.numerics.tag:<16} {runner.weight_bytes / 1e6:>10.0f} {len(ids) / prefill_s:>14.0f} "
+          f"{decode_ms:>16.1f}")
+
+print("\nagainst float32, teacher-forced on its greedy continuation:")
+for name, row in dtype_fidelity(runners, [ids], args.tokens).items():
+    print(f"{name:<16} top-1 agreement {row['top1_agreement']:.2f}, KL mean {row['kl_mean']:.4f} "
+          f"(max {row['kl_max']:.3f}), same first token: {bool(row['first_token_agreement'])}")
