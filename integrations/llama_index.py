@@ -428,12 +428,14 @@ class _QuerySpans(BaseSpanHandler[SimpleSpan]):
     def prepare_to_exit_span(self, id_: str, bound_args, instance=None, result=None, **kwargs):
         with self.lock:
             stats = self._queries.pop(id_, None)
-        if stats is not None and result is not None and hasattr(result, "metadata"):
+        gen = getattr(result, "response_gen", None)
+        streaming = inspect.isgenerator(gen) or inspect.isasyncgen(gen)
+        # only queries that called a CachedRAGLLM get stats (a stream's calls come later, as it is consumed)
+        if stats is not None and hasattr(result, "metadata") and (stats.summary["llm_calls"] or streaming):
             if result.metadata is None:
                 result.metadata = {}
             result.metadata["cachedrag"] = stats.summary
             # a streaming response generates after its query span ended: attribute its calls explicitly
-            gen = getattr(result, "response_gen", None)
             if inspect.isgenerator(gen):
                 result.response_gen = _attributed(gen, stats)
             elif inspect.isasyncgen(gen):

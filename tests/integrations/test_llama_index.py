@@ -223,6 +223,14 @@ def test_a_failed_query_leaves_nothing_behind(query_engine_parts):
     assert llm.complete("hi").raw == llm.last_stats  # a call outside any query still works
 
 
+def test_a_query_without_our_llm_gets_no_stats(query_engine_parts):
+    from llama_index.core.llms import MockLLM
+
+    _, retriever = query_engine_parts
+    response = RetrieverQueryEngine.from_args(retriever, llm=MockLLM(max_tokens=4)).query("What does uuid4 do?")
+    assert "cachedrag" not in (response.metadata or {})
+
+
 def test_async_streaming_query_gets_its_stats(query_engine_parts):
     import asyncio
 
