@@ -429,17 +429,15 @@ class _QuerySpans(BaseSpanHandler[SimpleSpan]):
         with self.lock:
             stats = self._queries.pop(id_, None)
         gen = getattr(result, "response_gen", None)
-        streaming = inspect.isgenerator(gen) or inspect.isasyncgen(gen)
+        # a streaming response generates after its query span ended: its calls are attributed explicitly
+        wrap = _attributed if inspect.isgenerator(gen) else _attributed_async if inspect.isasyncgen(gen) else None
         # only queries that called a CachedRAGLLM get stats (a stream's calls come later, as it is consumed)
-        if stats is not None and hasattr(result, "metadata") and (stats.summary["llm_calls"] or streaming):
+        if stats is not None and hasattr(result, "metadata") and (stats.summary["llm_calls"] or wrap is not None):
             if result.metadata is None:
                 result.metadata = {}
             result.metadata["cachedrag"] = stats.summary
-            # a streaming response generates after its query span ended: attribute its calls explicitly
-            if inspect.isgenerator(gen):
-                result.response_gen = _attributed(gen, stats)
-            elif inspect.isasyncgen(gen):
-                result.response_gen = _attributed_async(gen, stats)
+            if wrap is not None:
+                result.response_gen = wrap(gen, stats)
         return self.open_spans.get(id_)
 
     def prepare_to_drop_span(self, id_: str, bound_args, instance=None, err=None, **kwargs):
