@@ -149,11 +149,21 @@ def test_chunks_computed_on_one_replica_are_served_to_the_other_from_redis(clust
     fwd = ForwardedRequest("POST", "/v1/chat/completions", json.dumps(payload).encode(),
                            [(b"content-type", b"application/json")])
 
-    def ask_other() -> tuple[int, bytes]:
-        parts = list(handle.options(stream=True).handle.remote(fwd, replica=other))
+    def ask_other(request=fwd) -> tuple[int, bytes]:
+        parts = list(handle.options(stream=True).handle.remote(request, replica=other))
         assert isinstance(parts[0], ResponseStart) and parts[0].header("x-cachedrag-replica") == other
         return parts[0].status, b"".join(parts[1:])
 
+    # Let the other replica adopt the new entries first (a request triggers its background refresh):
+    # asked before that, it would compute the chunks itself and then keep hitting its own CPU tier.
+    unrelated = ForwardedRequest("POST", "/v1/chat/completions", json.dumps(body([DOCS[29]], max_tokens=1)).encode(),
+                                 [(b"content-type", b"application/json")])
+    adopted = stats(cluster)["replicas"][other]["sync"]["adopted"]
+    for _ in range(20):
+        assert ask_other(unrelated)[0] == 200
+        if stats(cluster)["replicas"][other]["sync"]["adopted"] > adopted:
+            break
+        time.sleep(0.2)
     before = stats(cluster)["replicas"][other]["tiers"]["redis"]["hits"]
     for _ in range(20):  # the other replica adopts the new entries in the background (refresh_s=0)
         status, raw = ask_other()
