@@ -156,7 +156,7 @@ def test_chunks_computed_on_one_replica_are_served_to_the_other_from_redis(clust
 
     # Let the other replica adopt the new entries first (a request triggers its background refresh):
     # asked before that, it would compute the chunks itself and then keep hitting its own CPU tier.
-    unrelated = ForwardedRequest("POST", "/v1/chat/completions", json.dumps(body([DOCS[29]], max_tokens=1)).encode(),
+    unrelated = ForwardedRequest("POST", "/v1/chat/completions", json.dumps(body(["A passage no other test sends."], max_tokens=1)).encode(),
                                  [(b"content-type", b"application/json")])
     adopted = stats(cluster)["replicas"][other]["sync"]["adopted"]
     for _ in range(20):
