@@ -7,6 +7,8 @@ choice and ignored by ``deviation`` (which looks at V); a V outlier the other wa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -97,7 +99,7 @@ def test_question_choice_recomputes_the_token_the_question_attends_to(runner, to
 
 
 def test_deviation_choice_ignores_a_question_key_plant(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 0.01})
+    engine = _engine(runner, cache={"recompute_ratio": 0.01, "token_choice": "deviation"})
     _warm(engine)
     _plant_question_key(engine, runner, 30)
     assert 30 not in engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1).chunk_recompute[1]
@@ -116,7 +118,7 @@ def test_question_choice_ignores_a_value_outlier(runner):
 
 def test_weighted_rank_spans_question_and_deviation(runner):
     picks = {}
-    for name, cache in {"question": {"token_choice": "question"}, "deviation": {},
+    for name, cache in {"question": {"token_choice": "question"}, "deviation": {"token_choice": "deviation"},
                         "w1": {"token_choice": "question+deviation", "question_weight": 1.0},
                         "w0": {"token_choice": "question+deviation", "question_weight": 0.0},
                         "half": {"token_choice": "question+deviation"}}.items():
@@ -207,6 +209,26 @@ def test_fidelity_levels_set_mode_policy_and_order(level):
     assert cfg.cache.alpha == 2.0  # fields the preset does not own are kept
     for name, value in preset["cache"].items():
         assert getattr(cfg.cache, name) == value
+
+
+def test_default_settings_are_the_balanced_level():
+    """The default engine is what the measured frontier picks (docs/fidelity.md): the 'balanced' level."""
+    default, balanced = EngineConfig(), EngineConfig(fidelity="balanced")
+    assert default.fidelity is None and balanced.fidelity == "balanced"
+    assert default.model_dump(exclude={"fidelity"}) == balanced.model_dump(exclude={"fidelity"})
+    assert default.cache.token_choice == "question+inter" and default.cache.recompute_ratio == 0.3
+    assert default.early_termination is False and default.mode == "cachedrag" and default.order_aware is False
+
+
+def test_default_engine_reports_its_approximations(runner):
+    engine = CachedEngine(runner)
+    engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+    assert r.chunks_hit == 3 and r.token_choice == "question+inter"
+    assert r.approximations == ["chunk_reuse", "partial_recompute:question+inter"]
+    assert r.focus_layer is None and r.checked_tokens == 0  # no early termination, no probe of reused tokens
+    sizes = [len(s.ids) for s in engine.prompts.chat(ORDER, QUESTION, SYSTEM)[1:4]]
+    assert [len(c) for c in r.chunk_recompute] == [math.ceil(0.3 * n) for n in sizes]  # 30% of each reused chunk
 
 
 def test_unknown_fidelity_level_is_refused():

@@ -49,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which tokens of a reused chunk cachedrag recomputes (default: the CacheConfig default)")
     parser.add_argument("--choices", default="", help="also run cachedrag with these other token choices, e.g. "
                         "inter,leading (rows 'cachedrag:CHOICE', same recompute counts)")
-    parser.add_argument("--no-early-termination", action="store_true", help="disable focused-chunk early termination")
+    parser.add_argument("--early-termination", dest="early_termination", action="store_true", default=None,
+                        help="focused-chunk early termination on (default: the EngineConfig default, off)")
+    parser.add_argument("--no-early-termination", dest="early_termination", action="store_false",
+                        help="focused-chunk early termination off")
     parser.add_argument("--no-teacher-forced", action="store_true",
                         help="skip teacher-forced agreement (saves one full-prefill scoring pass per request)")
     parser.add_argument("--order-aware", action="store_true", help="EngineConfig.order_aware for every mode")
@@ -89,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         cache_kwargs["recompute_ratio"] = args.recompute_ratio
     if args.token_choice is not None:
         cache_kwargs["token_choice"] = args.token_choice
-    config = EngineConfig(cache=CacheConfig(**cache_kwargs), early_termination=not args.no_early_termination,
-                          order_aware=args.order_aware)
+    engine_kwargs = {} if args.early_termination is None else {"early_termination": args.early_termination}
+    config = EngineConfig(cache=CacheConfig(**cache_kwargs), order_aware=args.order_aware, **engine_kwargs)
     engines = {m: CachedEngine(runner, config=config.model_copy(update={"mode": m})) for m in modes}
     for ratio in [float(x) for x in args.ratios.split(",") if x.strip()]:
         name = f"cachedrag@{ratio:g}"
