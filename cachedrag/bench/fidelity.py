@@ -44,9 +44,20 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l
+from cachedrag.kvcache.config import QUESTION_CHOICES
 
 ALL_CHOICES = ("deviation", "question", "question+deviation", "question+inter", "leading", "inter", "random", "oracle")
 FULL_RATIOS = "0,0.05,0.1,0.15,0.2,0.3,0.5"
+#: strategies beyond token selection, as ``--variants CHOICE/NAME`` rows ``CHOICE/NAME@RATIO``
+#: (same recompute budget as ``CHOICE@RATIO``): the CacheConfig fields each sets
+VARIANTS = {
+    "need1": {"full_chunks": 1, "full_chunk_pick": "need"},  # the chunk the question attends to most, whole
+    "last1": {"full_chunks": 1, "full_chunk_pick": "last"},  # the chunk next to the question, whole
+    "byneed": {"need_weight": 1.0},  # per-chunk counts by the question's attention mass
+    "refine": {"refine_layer": 20, "refine_factor": 2.0},  # second stage at layer 20 (2x candidates below it)
+    "dense2": {"dense_layers": 2},  # every reused token through layers 0-1, the chosen ones through all
+    "dense6": {"dense_layers": 6},
+}
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
                "given by the user. Be brief."),
@@ -64,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"recompute ratios of the frontier (0 = the naive row); the full one: {FULL_RATIOS}")
     parser.add_argument("--choices", default="deviation,question,question+deviation,oracle",
                         help="token choices, subset of " + ",".join(ALL_CHOICES))
+    parser.add_argument("--variants", default="",
+                        help="strategy rows CHOICE/NAME (e.g. question+inter/need1) at every ratio; CHOICE a question "
+                             "choice, NAME one of " + ",".join(VARIANTS))
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=256)
@@ -102,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     choices = [c.strip() for c in args.choices.split(",") if c.strip()]
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
     bad = [c for c in choices + _et_choices(args) if c not in ALL_CHOICES] + [
-        c for c in corpora if c not in ("stdlib", "info")]
+        c for c in corpora if c not in ("stdlib", "info")] + [
+        v for v in _variants(args) if v.partition("/")[0] not in QUESTION_CHOICES or v.partition("/")[2] not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
     if any(not 0 <= r <= 1 for r in ratios) or not seeds or args.requests < 1:
@@ -215,12 +230,21 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
                 rows[name] = (engine(et=et, recompute_ratio=ratio), "random")
             else:
                 rows[name] = (engine(et=et, token_choice=choice, recompute_ratio=ratio), "cachedrag")
+    for spec in _variants(args):
+        choice, _, variant = spec.partition("/")
+        for ratio in (r for r in ratios if r > 0):
+            rows[f"{spec}@{ratio:g}"] = (engine(token_choice=choice, recompute_ratio=ratio, **VARIANTS[variant]),
+                                         "cachedrag")
     rows["prefix"] = (engine(), "prefix")
     return rows
 
 
 def _et_choices(args) -> list[str]:
     return [c.strip() for c in args.et_choices.split(",") if c.strip()]
+
+
+def _variants(args) -> list[str]:
+    return [c.strip() for c in getattr(args, "variants", "").split(",") if c.strip()]
 
 
 def _corpus(runner, name: str, args):
@@ -401,7 +425,7 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
         "max_new_tokens": args.max_new_tokens, "early_termination": args.early_termination,
         "et_choices": [] if args.early_termination else _et_choices(args),
         "question_layers": args.question_layers, "need_weight": args.need_weight, "refine_layer": args.refine_layer,
-        "sink_tokens": args.sink_tokens,
+        "sink_tokens": args.sink_tokens, "variants": {v: VARIANTS[v.partition("/")[2]] for v in _variants(args)},
         "torch_threads": torch.get_num_threads(), "seconds": round(seconds, 1),
     }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {},
         "decisive_margin": DECISIVE_MARGIN,
