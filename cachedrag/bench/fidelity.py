@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpora", default="stdlib,info",
                         help="comma-separated: stdlib (embedded pydoc corpus + gold QA), info (GNU info manuals)")
     parser.add_argument("--seeds", default="0,1", help="stream seeds (which questions, which shuffled orders)")
-    parser.add_argument("--requests", type=int, default=4, help="requests per corpus and seed")
+    parser.add_argument("--requests", default="4",
+                        help="requests per corpus and seed: N, or per corpus as CORPUS=N,... (e.g. stdlib=21,info=2)")
     parser.add_argument("--ratios", default="0,0.1,0.3",
                         help=f"recompute ratios of the frontier (0 = the naive row); the full one: {FULL_RATIOS}")
     parser.add_argument("--choices", default="deviation,question,question+deviation,oracle",
@@ -120,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
         v for v in _variants(args) if v.partition("/")[0] not in QUESTION_CHOICES or v.partition("/")[2] not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
-    if any(not 0 <= r <= 1 for r in ratios) or not seeds or args.requests < 1:
-        raise SystemExit("ratios must be in [0, 1], --seeds non-empty, --requests >= 1")
+    per_corpus = _requests(args.requests, corpora + (["custom"] if args.corpus else []))
+    if any(not 0 <= r <= 1 for r in ratios) or not seeds:
+        raise SystemExit("ratios must be in [0, 1], --seeds non-empty")
     if bool(args.corpus) != bool(args.questions):
         raise SystemExit("--corpus and --questions go together")
     if args.plot:
@@ -145,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
     for name in corpora:
         sets.append((name, _corpus(runner, name, args)))
     records: list[dict] = []
-    total = len(sets) * len(seeds) * args.requests
+    total = sum(per_corpus[name] for name, _ in sets) * len(seeds)
     done = 0
     for corpus_name, (texts, items, system) in sets:
         for seed in seeds:
             rng = random.Random(f"{seed}:{corpus_name}")
-            picks = _picks(items, corpus_name, seed, args.requests)
+            picks = _picks(items, corpus_name, seed, per_corpus[corpus_name])
             for item in picks:
                 records.append(_request(runner, rows, item, system, corpus_name, seed, rng, args))
                 done += 1
@@ -163,6 +165,27 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_frontier(results, args.plot)
     return 0
+
+
+def _requests(text, corpora: list[str]) -> dict[str, int]:
+    """``--requests``: one count for every corpus (``4``) or per corpus (``stdlib=21,info=2``; a corpus
+    not named gets none)."""
+    text = str(text).strip()
+    try:
+        if "=" not in text:
+            counts = dict.fromkeys(corpora, int(text))
+        else:
+            pairs = [part.split("=") for part in text.split(",") if part.strip()]
+            counts = {name.strip(): int(n) for name, n in pairs}
+            unknown = sorted(set(counts) - set(corpora))
+            if unknown:
+                raise SystemExit(f"--requests names corpora not run: {unknown}")
+            counts = {c: counts.get(c, 0) for c in corpora}
+    except ValueError:
+        raise SystemExit(f"--requests: not N or CORPUS=N,...: {text!r}") from None
+    if any(n < 0 for n in counts.values()) or not any(counts.values()):
+        raise SystemExit("--requests: counts must be >= 0 and at least one > 0")
+    return counts
 
 
 def _replot(args: argparse.Namespace) -> int:
@@ -420,7 +443,7 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
 
     results = {"config": {
         "model": args.model or "SmolLM2-135M-Instruct", "corpora": sorted({r["corpus"] for r in records}),
-        "seeds": sorted({r["seed"] for r in records}), "requests_per_corpus_seed": args.requests,
+        "seeds": sorted({r["seed"] for r in records}), "requests_per_corpus_seed": _requests(args.requests, sorted({r["corpus"] for r in records})),
         "ratios": ratios, "choices": choices, "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
         "max_new_tokens": args.max_new_tokens, "early_termination": args.early_termination,
         "et_choices": [] if args.early_termination else _et_choices(args),

@@ -87,3 +87,22 @@ def test_every_gold_answer_is_in_its_document():
 ])
 def test_gold_match_is_a_whole_word_match(answer, gold, expected):
     assert gold_match(answer, gold) is expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4", {"stdlib": 4, "info": 4}),
+    ("stdlib=21,info=2", {"stdlib": 21, "info": 2}),
+    ("stdlib=21", {"stdlib": 21, "info": 0}),
+])
+def test_requests_per_corpus(text, expected):
+    from cachedrag.bench.fidelity import _requests
+
+    assert _requests(text, ["stdlib", "info"]) == expected
+
+
+@pytest.mark.parametrize("text", ["x", "man=3", "stdlib=-1", "0", "stdlib=0,info=0"])
+def test_requests_per_corpus_refuses_bad_counts(text):
+    from cachedrag.bench.fidelity import _requests
+
+    with pytest.raises(SystemExit):
+        _requests(text, ["stdlib", "info"])
