@@ -45,6 +45,7 @@ CONFIGS = {
     "d": ("cachedrag, batched, cache-aware", ["--mode", "cachedrag", "--order", "cache_aware"], True),
     "e": ("cachedrag, cache-aware, automatic chunks", ["--mode", "cachedrag", "--order", "cache_aware"], False),
 }
+WARM_C1_CONFIGS = ("d", "e")  # the pair whose concurrency-1 comparison depends on what the server has seen
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
                  "given by the user. Be brief.")
 
@@ -54,10 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny random model (a smoke run of the suite, seconds)")
     parser.add_argument("--configs", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
     parser.add_argument("--levels", default="1,2,4,8", help="concurrency levels")
-    parser.add_argument("--requests", type=int, default=10, help="requests per level (default 10: fits one 15-min run)")
+    parser.add_argument("--requests", type=int, default=12, help="requests per level (default 12: fits one 15-min run)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server before the levels")
+    parser.add_argument("--warmup-max-tokens", type=int, default=8, help="max_tokens of the warm-up requests")
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate (requests/s) of every level")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="answer length cap (64: a short RAG answer; decode, which batching shares, is then "
+                             "a real part of each request, as in a service)")
+    parser.add_argument("--warm-c1", action=argparse.BooleanOptionalAction, default=True,
+                        help="after the levels, configs d and e replay concurrency 1 again on the stream's next "
+                             "requests, with the passages seen so far (the steady state of a running service); "
+                             "the cold concurrency-1 level stays in the table")
     parser.add_argument("--max-batch", type=int, default=8, help="batch size of the batched configurations")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
@@ -212,6 +220,7 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str) -> d
         return _metric_sum(after, name) - _metric_sum(before, name)
 
     hits, misses = grew("cachedrag_chunk_hits_total"), grew("cachedrag_chunk_misses_total")
+    admitted = grew("cachedrag_admissions_total")
     steps = grew("cachedrag_decode_batch_size_count")
     ok = [r for r in results if r["status"] == 200 and r["usage"]]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -231,6 +240,10 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str) -> d
                                / max(1.0, grew("cachedrag_time_per_output_token_seconds_count"))) if steps else None,
         "decode_batch_mean": (grew("cachedrag_decode_batch_size_sum") / steps) if steps else None,
         "cached_tokens_share": cached / prompt if prompt else 0.0,
+        "completion_tokens_mean": out_tokens / len(ok) if ok else 0.0,
+        # how much the admission order could matter: admissions made with a choice, and ahead of an older request
+        "contested_share": grew("cachedrag_contested_admissions_total") / admitted if admitted else 0.0,
+        "reordered_share": grew("cachedrag_reordered_admissions_total") / admitted if admitted else 0.0,
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
         "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
     }
@@ -247,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from {','.join(CONFIGS)}")
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    n_total = args.warmup + args.requests * len(levels)
+    n_total = args.warmup + args.requests * (len(levels) + 1)
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
     if args.tiny:
         from cachedrag.testing import TINY_DOCS
@@ -283,14 +296,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{name}] {label}: starting server", file=sys.stderr)
         server = ServerProcess(model_args + flags + batch)
         try:
-            asyncio.run(_replay(server.url, bodies(explicit, 0, args.warmup, args.max_tokens), 1, args.rate, 0))
+            asyncio.run(_replay(server.url, bodies(explicit, 0, args.warmup, args.warmup_max_tokens), 1, args.rate, 0))
             results["configs"][name] = {}
             texts[name] = {}
-            for j, level in enumerate(levels):
+            runs = list(enumerate(levels))
+            if args.warm_c1 and name in WARM_C1_CONFIGS and 1 in levels:
+                runs.append((len(levels), "1w"))  # concurrency 1 again, on new requests of the same stream
+            for j, level in runs:
                 lo = args.warmup + j * args.requests
                 before = httpx.get(server.url + "/metrics").text
+                conc = 1 if level == "1w" else level
                 res, wall = asyncio.run(_replay(server.url, bodies(explicit, lo, lo + args.requests, args.max_tokens),
-                                                level, args.rate, args.seed + level))
+                                                conc, args.rate, args.seed + conc))
                 after = httpx.get(server.url + "/metrics").text
                 row = _level_stats(res, wall, before, after)
                 results["configs"][name][str(level)] = row
@@ -307,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         for name in texts:
             if name == "b":
                 continue
-            pairs = [(x, y) for lv in levels for x, y in zip(texts[name][lv], texts["b"][lv])]
+            pairs = [(x, y) for lv in levels for x, y in zip(texts[name][lv], texts["b"][lv])]  # same requests
             results["answers"][name] = {"rouge_l_vs_b": sum(rouge_l(x, y) for x, y in pairs) / len(pairs),
                                         "exact_match_vs_b": sum(x == y for x, y in pairs) / len(pairs)}
     _ratios(results)
@@ -374,10 +391,20 @@ def _ratios(results: dict) -> None:
         if name in c and "8" in c[name] and "1" in c[name]:
             out[f"{name}_output_tokens_per_s_c8_vs_c1"] = (c[name]["8"]["output_tokens_per_s"]
                                                           / c[name]["1"]["output_tokens_per_s"])
+    if "d" in c and "8" in c["d"] and "1w" in c["d"]:  # against the warm concurrency-1 level (a stricter base)
+        out["d_output_tokens_per_s_c8_vs_c1w"] = c["d"]["8"]["output_tokens_per_s"] / c["d"]["1w"]["output_tokens_per_s"]
+    if "c" in c and "d" in c:
+        for lv in c["c"]:
+            if lv in c["d"]:
+                out[f"c_vs_d_ttft_p50_c{lv}"] = c["c"][lv]["ttft_p50_s"] / c["d"][lv]["ttft_p50_s"]
+                out[f"d_p95_le_c_p95_c{lv}"] = c["d"][lv]["ttft_p95_s"] <= c["c"][lv]["ttft_p95_s"]
     if all(k in c for k in "ade"):
-        for lv in c["a"]:
-            gain_d = c["a"][lv]["ttft_p50_s"] - c["d"][lv]["ttft_p50_s"]
-            gain_e = c["a"][lv]["ttft_p50_s"] - c["e"][lv]["ttft_p50_s"]
+        for lv in c["e"]:
+            base = c["a"].get("1" if lv == "1w" else lv)  # full mode has no warm state: c1 is its c1w
+            if base is None or lv not in c["d"]:
+                continue
+            gain_d = base["ttft_p50_s"] - c["d"][lv]["ttft_p50_s"]
+            gain_e = base["ttft_p50_s"] - c["e"][lv]["ttft_p50_s"]
             out[f"e_keeps_of_d_ttft_gain_c{lv}"] = gain_e / gain_d if gain_d > 0 else None
     results["ratios"] = out
 
@@ -385,7 +412,8 @@ def _ratios(results: dict) -> None:
 def _print(results: dict) -> None:
     cols = [("requests_per_s", "req/s"), ("output_tokens_per_s", "tok/s"), ("ttft_p50_s", "ttft50"),
             ("ttft_p95_s", "ttft95"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
-            ("cached_tokens_share", "cached")]
+            ("cached_tokens_share", "cached"), ("completion_tokens_mean", "tok/req"), ("decode_batch_mean", "batch"),
+            ("decode_step_s_mean", "step"), ("contested_share", "contest"), ("reordered_share", "reorder")]
     print(f"\nserve: {results['config']['requests_per_level']} requests per level, max_tokens "
           f"{results['config']['max_tokens']}, {results['config']['model']}")
     print(f"{'config':>8} {'conc':>5} " + " ".join(f"{h:>8}" for _, h in cols))
@@ -396,7 +424,7 @@ def _print(results: dict) -> None:
     for name, a in results.get("answers", {}).items():
         print(f"answers {name} vs b: ROUGE-L {a['rouge_l_vs_b']:.3f}, exact {a['exact_match_vs_b']:.2f}")
     for k, v in results.get("ratios", {}).items():
-        print(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}")
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
     if "soak" in results:
         s = results["soak"]
         print(f"soak: {s['requests']} requests at concurrency {s['concurrency']}, {s['disconnected']} disconnected, "
