@@ -22,6 +22,8 @@ from cachedrag.kvcache.policy import POLICY_NAMES, canonical_policy_name
 TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation", "question+inter")
 #: token choices that rank reused tokens by the question's attention (a pre-pass of the question)
 QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
+#: how ``full_chunks`` picks the chunks recomputed whole
+FULL_CHUNK_PICKS = ("need", "last")
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -100,6 +102,17 @@ class CacheConfig:
         (within its count), the rest ranked as the choice says (EPIC / attention-sink idea: a
         chunk's opening tokens are where a new left context changes the cache most). 0 = off
         (on SmolLM2-135M 4 or 16 sink tokens did not help the question choice, docs/fidelity.md). >= 0.
+      full_chunks: chunk-level recompute (question choices): the ``full_chunks`` reused chunks first
+        in ``full_chunk_pick`` order are recomputed whole, within the request's budget (the sum
+        of the per-chunk counts); the rest of the budget goes to the other chunks in proportion
+        to their counts, ranked by the token choice (``planner.allocate_full_chunks``). 0 = off. >= 0.
+      full_chunk_pick: which chunks ``full_chunks`` recomputes whole: "need" (the most question
+        attention mass: the chunk the answer likely comes from) or "last" (nearest the question).
+      dense_layers: CacheBlend-style gradual filtering in its simplest form: every reused token is
+        computed through the first ``dense_layers`` layers (fresh K/V there for all of them), and
+        only the chosen ones beyond. Costs dense_layers / L of a full pass over the unchosen
+        tokens. Not with the deviation choices (their probe at ``check_layer`` is the filter).
+        0 = off. >= 0.
       refine_layer: second stage (question choice): None = off; else the first stage keeps
         ``refine_factor`` x the budget as candidates, computes them through ``refine_layer``,
         and keeps the budget's worth ranked by first-stage + ``refine_layer`` question attention
@@ -133,6 +146,9 @@ class CacheConfig:
     question_weight: float = 0.5
     need_weight: float = 0.0
     sink_tokens: int = 0
+    full_chunks: int = 0
+    dense_layers: int = 0
+    full_chunk_pick: str = "need"
     refine_layer: int | None = None
     refine_factor: float = 2.0
     penalize_novel_prefix: bool = False
@@ -168,6 +184,14 @@ class CacheConfig:
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
         _check_number("need_weight", self.need_weight, 0.0, 1.0)
         _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("full_chunks", self.full_chunks, 0)
+        _check_int("dense_layers", self.dense_layers, 0)
+        if self.dense_layers and self.token_choice in ("deviation", "question+deviation"):
+            raise ConfigError(f"CacheConfig.dense_layers does not combine with token_choice "
+                              f"{self.token_choice!r} (its check_layer probe already filters)")
+        if self.full_chunk_pick not in FULL_CHUNK_PICKS:
+            raise ConfigError(f"CacheConfig.full_chunk_pick must be one of {list(FULL_CHUNK_PICKS)}, "
+                              f"got {self.full_chunk_pick!r}")
         if self.refine_layer is not None:
             _check_int("refine_layer", self.refine_layer, 1)
             if self.refine_layer <= max(self.question_layers):
