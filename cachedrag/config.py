@@ -43,12 +43,15 @@ class EngineConfig(BaseModel):
     fidelity: FidelityName | None = Field(
         None, description="'exact' | 'balanced' | 'fast': sets mode, the recompute policy, order_aware and "
                           "early_termination from "
-                          "FIDELITY_PRESETS (calibrated in docs/fidelity.md); None = the fields as given")
+                          "FIDELITY_PRESETS (calibrated in docs/fidelity.md); None = the fields as given (their "
+                          "defaults are the 'balanced' settings)")
     mode: ModeName = Field("cachedrag", description="default reuse mode of generate()")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="policy thresholds (alpha, N x M, focus...)")
     cache_bytes: int = Field(2 << 30, ge=0, description="byte budget of the default in-memory chunk-cache store")
     metadata_layers: int = Field(3, ge=1, description="layers sampled (evenly) to measure inter/intra attention of fresh chunks")
-    early_termination: bool = Field(True, description="stop recomputing unfocused chunks after the focus layer (Cache-Craft Alg. 1)")
+    early_termination: bool = Field(
+        False, description="stop recomputing unfocused chunks after the focus layer (Cache-Craft Alg. 1); off by "
+                           "default: it costs fidelity at equal computed fraction (docs/fidelity.md)")
     tenant_salt: str | None = Field(None, description="isolates this engine's caches from other tenants")
     layerwise_loading: bool = Field(
         True, description="with a store that supports it (TieredStore), load cached KV layer by layer during prefill")

@@ -34,7 +34,7 @@ from cachedrag.kvcache.config import QUESTION_CHOICES
 from cachedrag.kvcache.focus import FocusTracker
 from cachedrag.kvcache.keys import path_key
 from cachedrag.kvcache.manager import ChunkCacheManager, NewEntry
-from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest, allocate_by_need
+from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest, allocate_by_need, allocate_full_chunks
 from cachedrag.kvcache.planner import Segment as PlanSegment
 from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
@@ -502,6 +502,16 @@ class CachedEngine:
                 counts = allocate_by_need([deferred[i] for i in seg], [float(question_scores[i].sum()) for i in seg],
                                           [plan.segments[i].n_tokens for i in seg], cfg.need_weight)
                 deferred = dict(zip(seg, counts))
+            if cfg.full_chunks > 0:  # chunk-level: some chunks recomputed whole, within the request's total
+                seg = list(deferred)
+                if cfg.full_chunk_pick == "need":  # most question attention first
+                    key = [-float(question_scores[i].sum()) for i in seg]
+                else:  # "last": nearest the question first
+                    key = [-plan.segments[i].start for i in seg]
+                priority = sorted(range(len(seg)), key=lambda k: (key[k], k))
+                counts = allocate_full_chunks([deferred[i] for i in seg], [plan.segments[i].n_tokens for i in seg],
+                                              priority, cfg.full_chunks)
+                deferred = dict(zip(seg, counts))
             if choice == "question+inter":  # fused with the variant's own inter-attention fractions (free)
                 w = cfg.question_weight
                 for i in deferred:
@@ -521,8 +531,15 @@ class CachedEngine:
                         refine[i] = n
                 deferred = {}
         probe_pos = [p for i in deferred for p in range(plan.segments[i].start, plan.segments[i].end)]
+        # dense_layers: every reused token through the first layers, the chosen ones through all
+        dense_layers = min(cfg.dense_layers, runner.n_layers)
+        dense_pos: set[int] = set()
+        if mode is Mode.CACHEDRAG and dense_layers > 0 and not deferred:
+            chosen = {p for ps in recompute_pos.values() for p in ps}
+            dense_pos = {p for i, a in enumerate(actions) if a is Action.REUSE
+                         for p in range(plan.segments[i].start, plan.segments[i].end)} - chosen
         compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos)
-                         | set(probe_pos))
+                         | set(probe_pos) | dense_pos)
         positions = torch.tensor(compute, device=device)  # [Tc]
         fresh_t = torch.tensor(fresh_pos, device=device, dtype=torch.long)  # [Tf]
         bounds = [0]
@@ -568,6 +585,9 @@ class CachedEngine:
                 if refine and layer == cfg.refine_layer:
                     keep = self._refine(layer, raw["q"], positions, kv, total, plan, refine, recompute_pos,
                                         question_scores, len(question_pos))
+                    positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
+                if dense_pos and layer == dense_layers - 1 and layer + 1 < runner.n_layers:  # the unchosen stop here
+                    keep = torch.tensor([p not in dense_pos for p in positions.tolist()], device=device)  # [Tc]
                     positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
                 if raw_k is not None and rows_of is not positions:  # fresh tokens are never dropped
                     fresh_rows, rows_of = _rows(positions, fresh_t), positions
@@ -623,7 +643,7 @@ class CachedEngine:
         approximations = []  # empty: the prefill equals full prefill of the served order
         if reused:
             approximations.append("chunk_reuse")
-            if sum(len(recompute_pos.get(i, ())) for i in reused) < sum(plan.segments[i].n_tokens for i in reused):
+            if any(p not in full_depth for i in reused for p in range(plan.segments[i].start, plan.segments[i].end)):
                 approximations.append(f"partial_recompute:{used_choice}")
             if focus_layer is not None:
                 approximations.append("early_termination")

@@ -109,7 +109,7 @@ def test_early_termination_computes_less(runner):
     """Two-layer model, decision allowed after layer 0, focus = chunks holding 30% of the
     question's attention: the other chunks' recompute tokens are skipped in layer 1."""
     chunks = [c[:90] for c in CHUNKS]
-    on = _engine(runner, cache={"recompute_ratio": 0.5, "focus_min_layers": 1, "focus_window": 1,
+    on = _engine(runner, early_termination=True, cache={"recompute_ratio": 0.5, "focus_min_layers": 1, "focus_window": 1,
                                 "focus_mass_threshold": 0.3})
     off = _engine(runner, early_termination=False, cache={"recompute_ratio": 0.5})
     for e in (on, off):
@@ -126,6 +126,7 @@ def test_early_termination_computes_less(runner):
 
 def _planted(runner, token: int, **cache):
     """Warm, then plant an outlier in the cached V of chunk 1 at layer 1 (the check layer)."""
+    cache.setdefault("token_choice", "deviation")
     engine = _engine(runner, early_termination=False, cache={"recompute_ratio": 0.01, **cache})
     engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
     (variant,) = engine.manager.index.variants(engine.prompts.chat(CHUNKS[:3], "q", SYSTEM)[2].key)
@@ -149,7 +150,7 @@ def test_reuse_accounting_is_truthful(runner):
     """A new question over 3 cached chunks at new positions plus one new chunk: the reused chunks'
     tokens count as cached (not as computed) even though the deviation check probes them at layer 0."""
     chunks = [c[:90] for c in CHUNKS]
-    engine = _engine(runner, early_termination=False)
+    engine = _engine(runner, early_termination=False, cache={"token_choice": "deviation"})
     engine.generate(chunks[:3], "warm", SYSTEM, max_new_tokens=1)
     r = engine.generate([chunks[3], chunks[2], chunks[0], chunks[1]], "a new question", SYSTEM, max_new_tokens=1)
     assert r.chunks_hit == 3 and r.chunks_missed == 1
@@ -224,10 +225,12 @@ def _disk_engine(runner, tmp_path, mode="prefix", **cache):
     return CachedEngine(runner, config=config, store=store)
 
 
-def test_deviation_choice_is_the_same_with_layerwise_loading(runner, tmp_path):
-    """Layer-wise loads write the check layer before the choice is made: same tokens, same logits."""
-    disk = _disk_engine(runner, tmp_path, mode="cachedrag", recompute_ratio=0.2)
-    memory = _engine(runner, early_termination=False, cache={"recompute_ratio": 0.2})
+@pytest.mark.parametrize("choice", ["deviation", "question+inter"])
+def test_token_choice_is_the_same_with_layerwise_loading(runner, tmp_path, choice):
+    """Layer-wise loads write the check layer (deviation) or the question pre-pass's layers before the
+    choice is made: same tokens, same logits."""
+    disk = _disk_engine(runner, tmp_path, mode="cachedrag", recompute_ratio=0.2, token_choice=choice)
+    memory = _engine(runner, early_termination=False, cache={"recompute_ratio": 0.2, "token_choice": choice})
     reordered = [CHUNKS[2], CHUNKS[0], CHUNKS[1]]
     for e in (disk, memory):
         e.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)

@@ -7,6 +7,8 @@ choice and ignored by ``deviation`` (which looks at V); a V outlier the other wa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -97,7 +99,7 @@ def test_question_choice_recomputes_the_token_the_question_attends_to(runner, to
 
 
 def test_deviation_choice_ignores_a_question_key_plant(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 0.01})
+    engine = _engine(runner, cache={"recompute_ratio": 0.01, "token_choice": "deviation"})
     _warm(engine)
     _plant_question_key(engine, runner, 30)
     assert 30 not in engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1).chunk_recompute[1]
@@ -116,7 +118,7 @@ def test_question_choice_ignores_a_value_outlier(runner):
 
 def test_weighted_rank_spans_question_and_deviation(runner):
     picks = {}
-    for name, cache in {"question": {"token_choice": "question"}, "deviation": {},
+    for name, cache in {"question": {"token_choice": "question"}, "deviation": {"token_choice": "deviation"},
                         "w1": {"token_choice": "question+deviation", "question_weight": 1.0},
                         "w0": {"token_choice": "question+deviation", "question_weight": 0.0},
                         "half": {"token_choice": "question+deviation"}}.items():
@@ -141,6 +143,70 @@ def test_budget_by_need_moves_recompute_between_chunks_within_the_total(runner):
     assert sum(counts[1.0]) == sum(counts[0.0])
     assert counts[1.0][1] > counts[0.0][1]
     assert counts[1.0][0] < counts[0.0][0] and counts[1.0][2] < counts[0.0][2]
+
+
+@pytest.mark.parametrize("choice", ["question", "question+inter"])
+def test_full_chunk_by_need_recomputes_the_chunk_the_question_attends_to_whole(runner, choice):
+    """A planted key makes the question attend to chunk slot 1 most: full_chunks=1 ('need')
+    recomputes it whole, the others share what is left of the unchanged request budget."""
+    counts = {}
+    for n_full in (0, 1):
+        engine = _engine(runner, cache={"recompute_ratio": 0.5, "token_choice": choice, "full_chunks": n_full})
+        _warm(engine)
+        _plant_question_key(engine, runner, 30)
+        r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+        counts[n_full] = [len(c) for c in r.chunk_recompute]
+        if n_full:
+            assert "partial_recompute:" + choice in r.approximations
+    sizes = [len(s.ids) for s in _engine(runner).prompts.chat(ORDER, QUESTION, SYSTEM)[1:4]]
+    assert counts[0] == [math.ceil(0.5 * n) for n in sizes]
+    assert sum(counts[1]) == sum(counts[0]) and counts[1][1] == sizes[1]  # slot 1 whole, same total
+    assert counts[1][0] < counts[0][0] and counts[1][2] < counts[0][2]
+
+
+def test_full_chunk_last_recomputes_the_chunk_next_to_the_question(runner):
+    engine = _engine(runner, cache={"recompute_ratio": 0.5, "full_chunks": 1, "full_chunk_pick": "last"})
+    _warm(engine)
+    _plant_question_key(engine, runner, 30)  # need says slot 1; 'last' ignores it
+    r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+    sizes = [len(s.ids) for s in engine.prompts.chat(ORDER, QUESTION, SYSTEM)[1:4]]
+    assert r.chunk_recompute[2] == list(range(sizes[2]))  # the last reused chunk, every token
+    assert sum(len(c) for c in r.chunk_recompute) == sum(math.ceil(0.5 * n) for n in sizes)
+
+
+def test_full_chunks_of_every_chunk_equals_full_prefill(runner):
+    engine = _engine(runner, cache={"recompute_ratio": 1.0, "full_chunks": 3})
+    _warm(engine)
+    segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
+    torch.testing.assert_close(engine.prefill_logits(segs), engine.prefill_logits(segs, mode="full"),
+                               atol=1e-4, rtol=0)
+
+
+def test_dense_layers_compute_every_reused_token_through_the_first_layers(runner):
+    """Layer 0's K/V depend on the token and its position only, so computing every reused token
+    through layer 0 (dense_layers=1) changes no logit; through every layer it is full prefill."""
+    engines = {d: _engine(runner, cache={"recompute_ratio": 0.2, "dense_layers": d}) for d in (0, 1, 2)}
+    out = {}
+    for d, e in engines.items():
+        _warm(e)
+        segs = e.prompts.chat(ORDER, QUESTION, SYSTEM)
+        out[d] = (e.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1), e.prefill_logits(segs))
+    (r0, l0), (r1, l1), (r2, l2) = out[0], out[1], out[2]
+    assert r1.chunk_recompute == r0.chunk_recompute  # the choice is the same, the chosen ones reach the top
+    reused = sum(len(s.ids) for s in engines[1].prompts.chat(ORDER, QUESTION, SYSTEM)[1:4])
+    assert r0.checked_tokens == 0 and r1.checked_tokens == reused - r1.recomputed_tokens
+    assert r1.computed_tokens == r0.computed_tokens and r1.computed_fraction > r0.computed_fraction
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(l2, engines[2].prefill_logits(engines[2].prompts.chat(ORDER, QUESTION, SYSTEM),
+                                                             mode="full"), atol=1e-4, rtol=0)
+    assert r2.checked_tokens == 0 and r2.cached_tokens == r2.prefix_hit_tokens
+    assert r2.approximations == ["chunk_reuse"] and "partial_recompute:question+inter" in r1.approximations
+    assert not torch.allclose(l0, l2, atol=1e-4)  # partial recompute is an approximation here
+
+
+def test_dense_layers_refuse_the_deviation_choices():
+    with pytest.raises(ConfigError, match="dense_layers"):
+        CacheConfig(dense_layers=2, token_choice="deviation")
 
 
 def test_second_stage_keeps_the_budget_after_probing_candidates(runner):
@@ -207,6 +273,26 @@ def test_fidelity_levels_set_mode_policy_and_order(level):
     assert cfg.cache.alpha == 2.0  # fields the preset does not own are kept
     for name, value in preset["cache"].items():
         assert getattr(cfg.cache, name) == value
+
+
+def test_default_settings_are_the_balanced_level():
+    """The default engine is what the measured frontier picks (docs/fidelity.md): the 'balanced' level."""
+    default, balanced = EngineConfig(), EngineConfig(fidelity="balanced")
+    assert default.fidelity is None and balanced.fidelity == "balanced"
+    assert default.model_dump(exclude={"fidelity"}) == balanced.model_dump(exclude={"fidelity"})
+    assert default.cache.token_choice == "question+inter" and default.cache.recompute_ratio == 0.3
+    assert default.early_termination is False and default.mode == "cachedrag" and default.order_aware is False
+
+
+def test_default_engine_reports_its_approximations(runner):
+    engine = CachedEngine(runner)
+    engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+    assert r.chunks_hit == 3 and r.token_choice == "question+inter"
+    assert r.approximations == ["chunk_reuse", "partial_recompute:question+inter"]
+    assert r.focus_layer is None and r.checked_tokens == 0  # no early termination, no probe of reused tokens
+    sizes = [len(s.ids) for s in engine.prompts.chat(ORDER, QUESTION, SYSTEM)[1:4]]
+    assert [len(c) for c in r.chunk_recompute] == [math.ceil(0.3 * n) for n in sizes]  # 30% of each reused chunk
 
 
 def test_unknown_fidelity_level_is_refused():

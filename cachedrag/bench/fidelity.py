@@ -44,9 +44,20 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l
+from cachedrag.kvcache.config import QUESTION_CHOICES
 
 ALL_CHOICES = ("deviation", "question", "question+deviation", "question+inter", "leading", "inter", "random", "oracle")
 FULL_RATIOS = "0,0.05,0.1,0.15,0.2,0.3,0.5"
+#: strategies beyond token selection, as ``--variants CHOICE/NAME`` rows ``CHOICE/NAME@RATIO``
+#: (same recompute budget as ``CHOICE@RATIO``): the CacheConfig fields each sets
+VARIANTS = {
+    "need1": {"full_chunks": 1, "full_chunk_pick": "need"},  # the chunk the question attends to most, whole
+    "last1": {"full_chunks": 1, "full_chunk_pick": "last"},  # the chunk next to the question, whole
+    "byneed": {"need_weight": 1.0},  # per-chunk counts by the question's attention mass
+    "refine": {"refine_layer": 20, "refine_factor": 2.0},  # second stage at layer 20 (2x candidates below it)
+    "dense2": {"dense_layers": 2},  # every reused token through layers 0-1, the chosen ones through all
+    "dense6": {"dense_layers": 6},
+}
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
                "given by the user. Be brief."),
@@ -59,11 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpora", default="stdlib,info",
                         help="comma-separated: stdlib (embedded pydoc corpus + gold QA), info (GNU info manuals)")
     parser.add_argument("--seeds", default="0,1", help="stream seeds (which questions, which shuffled orders)")
-    parser.add_argument("--requests", type=int, default=4, help="requests per corpus and seed")
+    parser.add_argument("--requests", default="4",
+                        help="requests per corpus and seed: N, or per corpus as CORPUS=N,... (e.g. stdlib=21,info=2)")
     parser.add_argument("--ratios", default="0,0.1,0.3",
                         help=f"recompute ratios of the frontier (0 = the naive row); the full one: {FULL_RATIOS}")
     parser.add_argument("--choices", default="deviation,question,question+deviation,oracle",
                         help="token choices, subset of " + ",".join(ALL_CHOICES))
+    parser.add_argument("--variants", default="",
+                        help="strategy rows CHOICE/NAME (e.g. question+inter/need1) at every ratio; CHOICE a question "
+                             "choice, NAME one of " + ",".join(VARIANTS))
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=256)
@@ -102,11 +117,13 @@ def run(args: argparse.Namespace) -> int:
     choices = [c.strip() for c in args.choices.split(",") if c.strip()]
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
     bad = [c for c in choices + _et_choices(args) if c not in ALL_CHOICES] + [
-        c for c in corpora if c not in ("stdlib", "info")]
+        c for c in corpora if c not in ("stdlib", "info")] + [
+        v for v in _variants(args) if v.partition("/")[0] not in QUESTION_CHOICES or v.partition("/")[2] not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
-    if any(not 0 <= r <= 1 for r in ratios) or not seeds or args.requests < 1:
-        raise SystemExit("ratios must be in [0, 1], --seeds non-empty, --requests >= 1")
+    per_corpus = _requests(args.requests, corpora + (["custom"] if args.corpus else []))
+    if any(not 0 <= r <= 1 for r in ratios) or not seeds:
+        raise SystemExit("ratios must be in [0, 1], --seeds non-empty")
     if bool(args.corpus) != bool(args.questions):
         raise SystemExit("--corpus and --questions go together")
     if args.plot:
@@ -130,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
     for name in corpora:
         sets.append((name, _corpus(runner, name, args)))
     records: list[dict] = []
-    total = len(sets) * len(seeds) * args.requests
+    total = sum(per_corpus[name] for name, _ in sets) * len(seeds)
     done = 0
     for corpus_name, (texts, items, system) in sets:
         for seed in seeds:
             rng = random.Random(f"{seed}:{corpus_name}")
-            picks = _picks(items, corpus_name, seed, args.requests)
+            picks = _picks(items, corpus_name, seed, per_corpus[corpus_name])
             for item in picks:
                 records.append(_request(runner, rows, item, system, corpus_name, seed, rng, args))
                 done += 1
@@ -148,6 +165,27 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_frontier(results, args.plot)
     return 0
+
+
+def _requests(text, corpora: list[str]) -> dict[str, int]:
+    """``--requests``: one count for every corpus (``4``) or per corpus (``stdlib=21,info=2``; a corpus
+    not named gets none)."""
+    text = str(text).strip()
+    try:
+        if "=" not in text:
+            counts = dict.fromkeys(corpora, int(text))
+        else:
+            pairs = [part.split("=") for part in text.split(",") if part.strip()]
+            counts = {name.strip(): int(n) for name, n in pairs}
+            unknown = sorted(set(counts) - set(corpora))
+            if unknown:
+                raise SystemExit(f"--requests names corpora not run: {unknown}")
+            counts = {c: counts.get(c, 0) for c in corpora}
+    except ValueError:
+        raise SystemExit(f"--requests: not N or CORPUS=N,...: {text!r}") from None
+    if any(n < 0 for n in counts.values()) or not any(counts.values()):
+        raise SystemExit("--requests: counts must be >= 0 and at least one > 0")
+    return counts
 
 
 def _replot(args: argparse.Namespace) -> int:
@@ -215,12 +253,21 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
                 rows[name] = (engine(et=et, recompute_ratio=ratio), "random")
             else:
                 rows[name] = (engine(et=et, token_choice=choice, recompute_ratio=ratio), "cachedrag")
+    for spec in _variants(args):
+        choice, _, variant = spec.partition("/")
+        for ratio in (r for r in ratios if r > 0):
+            rows[f"{spec}@{ratio:g}"] = (engine(token_choice=choice, recompute_ratio=ratio, **VARIANTS[variant]),
+                                         "cachedrag")
     rows["prefix"] = (engine(), "prefix")
     return rows
 
 
 def _et_choices(args) -> list[str]:
     return [c.strip() for c in args.et_choices.split(",") if c.strip()]
+
+
+def _variants(args) -> list[str]:
+    return [c.strip() for c in getattr(args, "variants", "").split(",") if c.strip()]
 
 
 def _corpus(runner, name: str, args):
@@ -396,12 +443,12 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
 
     results = {"config": {
         "model": args.model or "SmolLM2-135M-Instruct", "corpora": sorted({r["corpus"] for r in records}),
-        "seeds": sorted({r["seed"] for r in records}), "requests_per_corpus_seed": args.requests,
+        "seeds": sorted({r["seed"] for r in records}), "requests_per_corpus_seed": _requests(args.requests, sorted({r["corpus"] for r in records})),
         "ratios": ratios, "choices": choices, "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
         "max_new_tokens": args.max_new_tokens, "early_termination": args.early_termination,
         "et_choices": [] if args.early_termination else _et_choices(args),
         "question_layers": args.question_layers, "need_weight": args.need_weight, "refine_layer": args.refine_layer,
-        "sink_tokens": args.sink_tokens,
+        "sink_tokens": args.sink_tokens, "variants": {v: VARIANTS[v.partition("/")[2]] for v in _variants(args)},
         "torch_threads": torch.get_num_threads(), "seconds": round(seconds, 1),
     }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {},
         "decisive_margin": DECISIVE_MARGIN,

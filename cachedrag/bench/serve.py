@@ -45,6 +45,7 @@ CONFIGS = {
     "d": ("cachedrag, batched, cache-aware", ["--mode", "cachedrag", "--order", "cache_aware"], True),
     "e": ("cachedrag, cache-aware, automatic chunks", ["--mode", "cachedrag", "--order", "cache_aware"], False),
 }
+WARM_C1_CONFIGS = ("d", "e")  # the pair whose concurrency-1 comparison depends on what the server has seen
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
                  "given by the user. Be brief.")
 
@@ -54,10 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny random model (a smoke run of the suite, seconds)")
     parser.add_argument("--configs", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
     parser.add_argument("--levels", default="1,2,4,8", help="concurrency levels")
-    parser.add_argument("--requests", type=int, default=10, help="requests per level (default 10: fits one 15-min run)")
+    parser.add_argument("--requests", type=int, default=12, help="requests per level (default 12: fits one 15-min run)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server before the levels")
+    parser.add_argument("--warmup-max-tokens", type=int, default=8, help="max_tokens of the warm-up requests")
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate (requests/s) of every level")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="answer length cap (64: a short RAG answer; decode, which batching shares, is then "
+                             "a real part of each request, as in a service)")
+    parser.add_argument("--warm-c1", action=argparse.BooleanOptionalAction, default=True,
+                        help="after the levels, configs d and e replay concurrency 1 again on the stream's next "
+                             "requests, with the passages seen so far (the steady state of a running service); "
+                             "the cold concurrency-1 level stays in the table")
     parser.add_argument("--max-batch", type=int, default=8, help="batch size of the batched configurations")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
@@ -152,7 +160,8 @@ def _body(model: str, chunks: list[str], question: str, explicit: bool, max_toke
 async def _one(client, url: str, body: dict, disconnect_after: int | None = None) -> dict:
     """Stream one request; returns timings, text, usage (or what happened)."""
     t0 = time.perf_counter()
-    out = {"ttft_s": None, "text": "", "usage": None, "status": None, "disconnected": False}
+    out = {"ttft_s": None, "text": "", "usage": None, "status": None, "disconnected": False, "t_start": t0,
+           "delta_times": []}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
@@ -171,8 +180,10 @@ async def _one(client, url: str, body: dict, disconnect_after: int | None = None
             for choice in event.get("choices", ()):
                 piece = choice.get("delta", {}).get("content")
                 if piece:
+                    now = time.perf_counter()
+                    out["delta_times"].append(now)
                     if out["ttft_s"] is None:
-                        out["ttft_s"] = time.perf_counter() - t0
+                        out["ttft_s"] = now - t0
                     out["text"] += piece
                     deltas += 1
             if disconnect_after is not None and deltas >= disconnect_after:
@@ -205,13 +216,39 @@ async def _replay(url: str, bodies: list[dict], concurrency: int, rate: float, s
         return list(results), time.perf_counter() - start
 
 
-def _level_stats(results: list[dict], wall: float, before: str, after: str) -> dict:
+def _busy_window(results: list[dict], level: int) -> dict:
+    """Throughput while all ``level`` slots were busy: from the start of the ``level``-th request
+    (every slot filled) to the start of the last one (a slot is refilled as soon as a request
+    ends while others wait, so in between exactly ``level`` are in flight; after it the level
+    drains with fewer). With a dozen requests per level the drain is a large part of a high
+    level's wall time, so the whole-level figures understate what that concurrency sustains.
+    Tokens are counted by the share of each request's streamed deltas inside the window."""
+    ok = [r for r in results if r["status"] == 200 and r["usage"]]
+    starts = sorted(r["t_start"] for r in results)
+    if len(starts) <= level:
+        return {"busy_window_s": None, "busy_output_tokens_per_s": None, "busy_requests_per_s": None}
+    lo, hi = starts[level - 1], starts[-1]
+    if hi - lo <= 0:
+        return {"busy_window_s": None, "busy_output_tokens_per_s": None, "busy_requests_per_s": None}
+    tokens = 0.0
+    for r in ok:
+        times = r["delta_times"]
+        if times:
+            inside = sum(lo <= t < hi for t in times)
+            tokens += r["usage"]["completion_tokens"] * inside / len(times)
+    ended = sum(1 for r in ok if lo < r["t_start"] + r["total_s"] <= hi)
+    return {"busy_window_s": hi - lo, "busy_output_tokens_per_s": tokens / (hi - lo),
+            "busy_requests_per_s": ended / (hi - lo)}
+
+
+def _level_stats(results: list[dict], wall: float, before: str, after: str, level: int = 1) -> dict:
     """One level's figures from the clients' results and the server's /metrics before and after it."""
 
     def grew(name: str) -> float:
         return _metric_sum(after, name) - _metric_sum(before, name)
 
     hits, misses = grew("cachedrag_chunk_hits_total"), grew("cachedrag_chunk_misses_total")
+    admitted = grew("cachedrag_admissions_total")
     steps = grew("cachedrag_decode_batch_size_count")
     ok = [r for r in results if r["status"] == 200 and r["usage"]]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -231,8 +268,13 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str) -> d
                                / max(1.0, grew("cachedrag_time_per_output_token_seconds_count"))) if steps else None,
         "decode_batch_mean": (grew("cachedrag_decode_batch_size_sum") / steps) if steps else None,
         "cached_tokens_share": cached / prompt if prompt else 0.0,
+        "completion_tokens_mean": out_tokens / len(ok) if ok else 0.0,
+        # how much the admission order could matter: admissions made with a choice, and ahead of an older request
+        "contested_share": grew("cachedrag_contested_admissions_total") / admitted if admitted else 0.0,
+        "reordered_share": grew("cachedrag_reordered_admissions_total") / admitted if admitted else 0.0,
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
         "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
+        **_busy_window(results, level),
     }
 
 
@@ -247,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from {','.join(CONFIGS)}")
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    n_total = args.warmup + args.requests * len(levels)
+    n_total = args.warmup + args.requests * (len(levels) + 1)
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
     if args.tiny:
         from cachedrag.testing import TINY_DOCS
@@ -283,16 +325,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{name}] {label}: starting server", file=sys.stderr)
         server = ServerProcess(model_args + flags + batch)
         try:
-            asyncio.run(_replay(server.url, bodies(explicit, 0, args.warmup, args.max_tokens), 1, args.rate, 0))
+            asyncio.run(_replay(server.url, bodies(explicit, 0, args.warmup, args.warmup_max_tokens), 1, args.rate, 0))
             results["configs"][name] = {}
             texts[name] = {}
-            for j, level in enumerate(levels):
+            runs = list(enumerate(levels))
+            if args.warm_c1 and name in WARM_C1_CONFIGS and 1 in levels:
+                runs.append((len(levels), "1w"))  # concurrency 1 again, on new requests of the same stream
+            for j, level in runs:
                 lo = args.warmup + j * args.requests
                 before = httpx.get(server.url + "/metrics").text
+                conc = 1 if level == "1w" else level
                 res, wall = asyncio.run(_replay(server.url, bodies(explicit, lo, lo + args.requests, args.max_tokens),
-                                                level, args.rate, args.seed + level))
+                                                conc, args.rate, args.seed + conc))
                 after = httpx.get(server.url + "/metrics").text
-                row = _level_stats(res, wall, before, after)
+                row = _level_stats(res, wall, before, after, conc)
                 results["configs"][name][str(level)] = row
                 texts[name][level] = [r["text"] for r in res]
                 print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
@@ -307,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         for name in texts:
             if name == "b":
                 continue
-            pairs = [(x, y) for lv in levels for x, y in zip(texts[name][lv], texts["b"][lv])]
+            pairs = [(x, y) for lv in levels for x, y in zip(texts[name][lv], texts["b"][lv])]  # same requests
             results["answers"][name] = {"rouge_l_vs_b": sum(rouge_l(x, y) for x, y in pairs) / len(pairs),
                                         "exact_match_vs_b": sum(x == y for x, y in pairs) / len(pairs)}
     _ratios(results)
@@ -374,10 +420,26 @@ def _ratios(results: dict) -> None:
         if name in c and "8" in c[name] and "1" in c[name]:
             out[f"{name}_output_tokens_per_s_c8_vs_c1"] = (c[name]["8"]["output_tokens_per_s"]
                                                           / c[name]["1"]["output_tokens_per_s"])
+    for name in ("b", "d"):
+        if name in c and "8" in c[name] and "1" in c[name] and c[name]["8"].get("busy_output_tokens_per_s"):
+            out[f"{name}_busy_output_tokens_per_s_c8_vs_c1"] = (c[name]["8"]["busy_output_tokens_per_s"]
+                                                               / c[name]["1"]["busy_output_tokens_per_s"])
+    if "a" in c and "d" in c and "4" in c["a"] and "4" in c["d"] and c["d"]["4"].get("busy_requests_per_s"):
+        out["d_vs_a_busy_requests_per_s_c4"] = c["d"]["4"]["busy_requests_per_s"] / c["a"]["4"]["busy_requests_per_s"]
+    if "d" in c and "8" in c["d"] and "1w" in c["d"]:  # against the warm concurrency-1 level (a stricter base)
+        out["d_output_tokens_per_s_c8_vs_c1w"] = c["d"]["8"]["output_tokens_per_s"] / c["d"]["1w"]["output_tokens_per_s"]
+    if "c" in c and "d" in c:
+        for lv in c["c"]:
+            if lv in c["d"]:
+                out[f"c_vs_d_ttft_p50_c{lv}"] = c["c"][lv]["ttft_p50_s"] / c["d"][lv]["ttft_p50_s"]
+                out[f"d_p95_le_c_p95_c{lv}"] = c["d"][lv]["ttft_p95_s"] <= c["c"][lv]["ttft_p95_s"]
     if all(k in c for k in "ade"):
-        for lv in c["a"]:
-            gain_d = c["a"][lv]["ttft_p50_s"] - c["d"][lv]["ttft_p50_s"]
-            gain_e = c["a"][lv]["ttft_p50_s"] - c["e"][lv]["ttft_p50_s"]
+        for lv in c["e"]:
+            base = c["a"].get("1" if lv == "1w" else lv)  # full mode has no warm state: c1 is its c1w
+            if base is None or lv not in c["d"]:
+                continue
+            gain_d = base["ttft_p50_s"] - c["d"][lv]["ttft_p50_s"]
+            gain_e = base["ttft_p50_s"] - c["e"][lv]["ttft_p50_s"]
             out[f"e_keeps_of_d_ttft_gain_c{lv}"] = gain_e / gain_d if gain_d > 0 else None
     results["ratios"] = out
 
@@ -385,7 +447,9 @@ def _ratios(results: dict) -> None:
 def _print(results: dict) -> None:
     cols = [("requests_per_s", "req/s"), ("output_tokens_per_s", "tok/s"), ("ttft_p50_s", "ttft50"),
             ("ttft_p95_s", "ttft95"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
-            ("cached_tokens_share", "cached")]
+            ("cached_tokens_share", "cached"), ("completion_tokens_mean", "tok/req"), ("decode_batch_mean", "batch"),
+            ("decode_step_s_mean", "step"), ("contested_share", "contest"), ("reordered_share", "reorder"),
+            ("busy_requests_per_s", "busy r/s"), ("busy_output_tokens_per_s", "busy t/s")]
     print(f"\nserve: {results['config']['requests_per_level']} requests per level, max_tokens "
           f"{results['config']['max_tokens']}, {results['config']['model']}")
     print(f"{'config':>8} {'conc':>5} " + " ".join(f"{h:>8}" for _, h in cols))
@@ -396,7 +460,7 @@ def _print(results: dict) -> None:
     for name, a in results.get("answers", {}).items():
         print(f"answers {name} vs b: ROUGE-L {a['rouge_l_vs_b']:.3f}, exact {a['exact_match_vs_b']:.2f}")
     for k, v in results.get("ratios", {}).items():
-        print(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}")
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
     if "soak" in results:
         s = results["soak"]
         print(f"soak: {s['requests']} requests at concurrency {s['concurrency']}, {s['disconnected']} disconnected, "

@@ -6,7 +6,7 @@ question, ~1,300 tokens) is timed through every system, interleaved round by rou
 thread count (medians of the rounds): full-prefill seconds -> tokens/s, and greedy decode
 ms/token (one token per step, no speculation).
 
-- ``cachedrag-fp32`` / ``-bf16`` / ``-int8``: ``ModelRunner`` (fast path) ``prefill`` + ``decode_step``.
+- ``cachedrag-fp32`` / ``-bf16`` / ``-int8`` / ``-int4``: ``ModelRunner`` (fast path) ``prefill`` + ``decode_step``.
 - ``transformers-fp32`` / ``-bf16``: HF ``generate`` (sdpa) with 1 and 1 + N new tokens.
 - ``llamacpp-f32`` / ``llamacpp-q4_1``: llama.cpp through llama-cpp-python (only when importable),
   on an F32 GGUF dequantised from the shipped Q4_1 file and on that Q4_1 file.
@@ -16,7 +16,7 @@ Names carry no suffix at the default thread count and ``@<n>t`` at others. Also:
 the median of later ones), ``miss_ratio`` (``cachedrag`` mode on a cold cache / ``full``, TTFT
 medians, interleaved) and ``end_to_end`` (median TTFT of the ``bench ttft`` stream in
 ``cachedrag`` mode + 128 x decode ms/token, per dtype, against llama.cpp Q4_1's full prefill +
-128 x its decode) and ``fidelity`` (bf16 and int8 against fp32, teacher-forced on fp32's greedy
+128 x its decode) and ``fidelity`` (bf16, int8 and int4 against fp32, teacher-forced on fp32's greedy
 continuation of a few prompts: top-1 agreement and KL per next token). ``--json OUT`` writes ``{"systems": {name: {"dtype", "threads",
 "prefill_tokens_per_s", "decode_ms_per_token"}}, "first_request_ratio", "miss_ratio", ...}``.
 """
@@ -36,10 +36,10 @@ SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the Python documentation excerpts "
     "given by the user. Be brief."
 )
-ALL_SYSTEMS = ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8", "transformers-fp32", "transformers-bf16",
+ALL_SYSTEMS = ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8", "cachedrag-int4", "transformers-fp32", "transformers-bf16",
                "llamacpp-f32", "llamacpp-q4_1")
 _NUMERICS = {"cachedrag-fp32": ("float32", "dense"), "cachedrag-bf16": ("bfloat16", "dense"),
-             "cachedrag-int8": ("bfloat16", "int8")}
+             "cachedrag-int8": ("bfloat16", "int8"), "cachedrag-int4": ("bfloat16", "int4")}
 E2E_TOKENS = 128
 
 
@@ -123,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
     need = {"float32"} | {_NUMERICS[s][0] for s in systems if s in _NUMERICS}
     need |= {"bfloat16"} if "transformers-bf16" in systems else set()
     models = {d: load_model(None, dtype=getattr(torch, d)) for d in sorted(need)}
-    runners = {name: ModelRunner(*models[d], weights=w, threads=threads[0])
+    # int4 quantises the fp32 values (as from_pretrained does), so it gets its own fp32 copy, cast after packing
+    runners = {name: ModelRunner(*(load_model(None) if w == "int4" else models[d]), dtype=d, weights=w,
+                                 threads=threads[0])
                for name, (d, w) in _NUMERICS.items() if name in systems or name == "cachedrag-fp32"}
     tokenizer = runners["cachedrag-fp32"].tokenizer
     work = build_workload(tokenizer, top_k=5, chunk_tokens=256, n_requests=max(args.stream, args.rounds + 1), seed=0)
@@ -170,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             p, d = _median(samples[name][0]), _median(samples[name][1])
             key = name if n_threads == threads[0] else f"{name}@{n_threads}t"
             dtype = {"llamacpp-f32": "float32", "llamacpp-q4_1": "q4_1"}.get(name) or (
-                _NUMERICS[name][0] + ("+int8w" if _NUMERICS[name][1] == "int8" else "") if name in _NUMERICS
+                runners[name].numerics.tag if name in _NUMERICS
                 else ("float32" if name.endswith("fp32") else "bfloat16"))
             results["systems"][key] = {"dtype": dtype, "threads": n_threads, "prefill_tokens_per_s": len(ids) / p,
                                        "decode_ms_per_token": d * 1000, "prefill_s": p}
@@ -339,6 +341,9 @@ def _targets(results: dict) -> dict:
     i8, q4 = get("cachedrag-int8", "decode_ms_per_token"), get("llamacpp-q4_1", "decode_ms_per_token")
     if i8 and q4:
         out["int8 decode <= llama.cpp Q4_1"] = {"ratio": i8 / q4, "met": i8 <= q4}
+    i4 = get("cachedrag-int4", "decode_ms_per_token")
+    if i4 and q4:
+        out["int4 decode <= llama.cpp Q4_1"] = {"ratio": i4 / q4, "met": i4 <= q4}
     p32, lp32 = get("cachedrag-fp32", "prefill_tokens_per_s"), get("llamacpp-f32", "prefill_tokens_per_s")
     if p32 and lp32:
         out["fp32 prefill >= llama.cpp F32"] = {"ratio": p32 / lp32, "met": p32 >= lp32}
@@ -347,7 +352,7 @@ def _targets(results: dict) -> dict:
         out["bf16 prefill >= 1.5x fp32"] = {"ratio": pbf / p32, "met": pbf >= 1.5 * p32}
     e2e = results.get("end_to_end", {})
     if "llamacpp-q4_1" in e2e:
-        for name in ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8"):
+        for name in ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8", "cachedrag-int4"):
             if name in e2e:
                 ratio = e2e["llamacpp-q4_1"]["seconds"] / e2e[name]["seconds"]
                 out[f"end to end {name} >= 1.5x llama.cpp Q4_1"] = {"ratio": ratio, "met": ratio >= 1.5}

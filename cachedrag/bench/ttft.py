@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections import Counter
 import sys
 import time
 
@@ -28,6 +29,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "given by the user. Be brief."
 )
 ALL_MODES = ("full", "prefix", "naive", "random", "cachedrag")
+#: the engine default until the measured frontier chose one (docs/fidelity.md), for before/after rows
+PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None}, "early_termination": True}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which tokens of a reused chunk cachedrag recomputes (default: the CacheConfig default)")
     parser.add_argument("--choices", default="", help="also run cachedrag with these other token choices, e.g. "
                         "inter,leading (rows 'cachedrag:CHOICE', same recompute counts)")
-    parser.add_argument("--no-early-termination", action="store_true", help="disable focused-chunk early termination")
+    parser.add_argument("--early-termination", dest="early_termination", action="store_true", default=None,
+                        help="focused-chunk early termination on (default: the EngineConfig default, off)")
+    parser.add_argument("--no-early-termination", dest="early_termination", action="store_false",
+                        help="focused-chunk early termination off")
+    parser.add_argument("--previous-default", action="store_true",
+                        help="also run the engine default before the frontier picked one (row 'cachedrag:previous': "
+                             "deviation choice, per-chunk CFO counts, early termination on), for a before/after")
     parser.add_argument("--no-teacher-forced", action="store_true",
                         help="skip teacher-forced agreement (saves one full-prefill scoring pass per request)")
     parser.add_argument("--order-aware", action="store_true", help="EngineConfig.order_aware for every mode")
@@ -89,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         cache_kwargs["recompute_ratio"] = args.recompute_ratio
     if args.token_choice is not None:
         cache_kwargs["token_choice"] = args.token_choice
-    config = EngineConfig(cache=CacheConfig(**cache_kwargs), early_termination=not args.no_early_termination,
-                          order_aware=args.order_aware)
+    engine_kwargs = {} if args.early_termination is None else {"early_termination": args.early_termination}
+    config = EngineConfig(cache=CacheConfig(**cache_kwargs), order_aware=args.order_aware, **engine_kwargs)
     engines = {m: CachedEngine(runner, config=config.model_copy(update={"mode": m})) for m in modes}
     for ratio in [float(x) for x in args.ratios.split(",") if x.strip()]:
         name = f"cachedrag@{ratio:g}"
@@ -102,6 +111,12 @@ def run(args: argparse.Namespace) -> int:
         cache = CacheConfig(**{**cache_kwargs, "token_choice": choice})
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
+
+    if args.previous_default:
+        cache = CacheConfig(**{**cache_kwargs, **PREVIOUS_DEFAULT["cache"]})
+        engines["cachedrag:previous"] = CachedEngine(runner, config=config.model_copy(update={
+            "mode": "cachedrag", "cache": cache, "early_termination": PREVIOUS_DEFAULT["early_termination"]}))
+        modes.append("cachedrag:previous")
 
     from cachedrag.model.generation import SamplingParams
 
@@ -148,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
             "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rs),
             "teacher_forced_top1": statistics.fmean(t[0] for t in teacher[m]) if teacher[m] else None,
             "teacher_forced_kl": statistics.fmean(t[1] for t in teacher[m]) if teacher[m] else None,
+            "token_choices": sorted({r.token_choice for r in rs if r.token_choice}),
+            # how many responses named each approximation (EngineResult.approximations)
+            "approximations": dict(sorted(Counter(a for r in rs for a in r.approximations).items())),
         }
         approx = [(r, f) for r, f in zip(rs, full) if r.prefix_hit_tokens + r.question_tokens < r.prompt_tokens
                   and r.chunks_hit > 0]  # served partly from non-prefix reuse: where fidelity can move

@@ -22,6 +22,8 @@ from cachedrag.kvcache.policy import POLICY_NAMES, canonical_policy_name
 TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation", "question+inter")
 #: token choices that rank reused tokens by the question's attention (a pre-pass of the question)
 QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
+#: how ``full_chunks`` picks the chunks recomputed whole
+FULL_CHUNK_PICKS = ("need", "last")
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -54,8 +56,11 @@ class CacheConfig:
         non-first chunk cut KL(full || reuse) from 0.082 to 0.025. In [0, 1].
       reuse_cfo_limit: a chunk whose best CFO is >= this is computed fresh instead of reused
         (loading a cache and recomputing all of it is slower than computing it). In (0, 1].
-      recompute_ratio: None = per-chunk ceil(CFO x len) recompute; a number = fixed global
-        ratio, ceil(ratio x len) tokens of every reused chunk (token choice unchanged). [0, 1].
+      recompute_ratio: None = per-chunk ceil(CFO x len) recompute (Cache-Craft); a number = fixed
+        global ratio, ceil(ratio x len) tokens of every reused chunk (token choice unchanged).
+        [0, 1]. Default 0.3: the measured frontier's pick (docs/fidelity.md): the highest ratio
+        that keeps x_prefix >= 2 on ``bench ttft``, at teacher-forced KL a third to a sixth of the
+        model's own order noise.
       token_choice: which tokens of a reused chunk are recomputed (the count is always
         ceil(CFO x len), or the fixed ratio):
           "deviation"  CacheBlend's selection: the engine computes the layers below
@@ -77,9 +82,9 @@ class CacheConfig:
                        (costs the deviation probe plus the question pre-pass).
           "question+inter"  weighted rank of the question ranking and the variant's
                        ``token_inter`` (free: no probe), ``question_weight`` as above.
-        Measured on SmolLM2-135M (docs/engine.md): deviation and leading roughly halve
-        KL(full || reuse) against naive reuse at 15%; inter barely moves it. The question
-        choices are compared in docs/fidelity.md.
+        Default ``question+inter``: the lowest teacher-forced KL of every real choice at 20-50%
+        recompute on the measured frontier (SmolLM2-135M, stdlib + GNU info, 2 seeds,
+        docs/fidelity.md).
       check_layer: the layer whose K/V deviation picks the tokens (``token_choice="deviation"``),
         >= 1; a model with no more layers than this recomputes by ``leading`` instead.
       deviation_on: what the deviation measures: "v" (default), "k" (rotated K, as CacheBlend)
@@ -97,6 +102,17 @@ class CacheConfig:
         (within its count), the rest ranked as the choice says (EPIC / attention-sink idea: a
         chunk's opening tokens are where a new left context changes the cache most). 0 = off
         (on SmolLM2-135M 4 or 16 sink tokens did not help the question choice, docs/fidelity.md). >= 0.
+      full_chunks: chunk-level recompute (question choices): the ``full_chunks`` reused chunks first
+        in ``full_chunk_pick`` order are recomputed whole, within the request's budget (the sum
+        of the per-chunk counts); the rest of the budget goes to the other chunks in proportion
+        to their counts, ranked by the token choice (``planner.allocate_full_chunks``). 0 = off. >= 0.
+      full_chunk_pick: which chunks ``full_chunks`` recomputes whole: "need" (the most question
+        attention mass: the chunk the answer likely comes from) or "last" (nearest the question).
+      dense_layers: CacheBlend-style gradual filtering in its simplest form: every reused token is
+        computed through the first ``dense_layers`` layers (fresh K/V there for all of them), and
+        only the chosen ones beyond. Costs dense_layers / L of a full pass over the unchosen
+        tokens. Not with the deviation choices (their probe at ``check_layer`` is the filter).
+        0 = off. >= 0.
       refine_layer: second stage (question choice): None = off; else the first stage keeps
         ``refine_factor`` x the budget as candidates, computes them through ``refine_layer``,
         and keeps the budget's worth ranked by first-stage + ``refine_layer`` question attention
@@ -122,14 +138,17 @@ class CacheConfig:
     alpha: float = 1.0
     cold_cci: float = 0.15
     reuse_cfo_limit: float = 1.0
-    recompute_ratio: float | None = None
-    token_choice: str = "deviation"
+    recompute_ratio: float | None = 0.3
+    token_choice: str = "question+inter"
     check_layer: int = 1
     deviation_on: str = "v"
     question_layers: tuple[int, ...] = (4, 8, 12, 16)
     question_weight: float = 0.5
     need_weight: float = 0.0
     sink_tokens: int = 0
+    full_chunks: int = 0
+    dense_layers: int = 0
+    full_chunk_pick: str = "need"
     refine_layer: int | None = None
     refine_factor: float = 2.0
     penalize_novel_prefix: bool = False
@@ -165,6 +184,14 @@ class CacheConfig:
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
         _check_number("need_weight", self.need_weight, 0.0, 1.0)
         _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("full_chunks", self.full_chunks, 0)
+        _check_int("dense_layers", self.dense_layers, 0)
+        if self.dense_layers and self.token_choice in ("deviation", "question+deviation"):
+            raise ConfigError(f"CacheConfig.dense_layers does not combine with token_choice "
+                              f"{self.token_choice!r} (its check_layer probe already filters)")
+        if self.full_chunk_pick not in FULL_CHUNK_PICKS:
+            raise ConfigError(f"CacheConfig.full_chunk_pick must be one of {list(FULL_CHUNK_PICKS)}, "
+                              f"got {self.full_chunk_pick!r}")
         if self.refine_layer is not None:
             _check_int("refine_layer", self.refine_layer, 1)
             if self.refine_layer <= max(self.question_layers):

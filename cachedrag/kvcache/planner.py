@@ -472,6 +472,60 @@ def allocate_by_need(counts: Sequence[int], needs: Sequence[float], sizes: Seque
     return out
 
 
+def allocate_full_chunks(counts: Sequence[int], sizes: Sequence[int], priority: Sequence[int],
+                         n_full: int) -> list[int]:
+    """Chunk-level recompute: the first ``n_full`` chunks of ``priority`` recomputed whole, within the budget.
+
+    ``counts``: the planned per-chunk counts (their sum is the request's budget, kept);
+    ``sizes``: chunk lengths; ``priority``: chunk indices, the first to be recomputed whole
+    first (e.g. by the question's attention mass, or nearest the question first). Each of the
+    first ``n_full`` gets its whole length while the budget lasts (the last one what is left);
+    the rest of the budget goes to the other chunks in proportion to their planned counts
+    (largest remainder, capped at their length), for the token choice to spend.
+
+    >>> allocate_full_chunks([30, 30, 30], [100, 100, 100], [1, 0, 2], 1)
+    [0, 90, 0]
+    >>> allocate_full_chunks([30, 30, 30, 30], [100, 100, 100, 100], [3, 0, 1, 2], 1)
+    [7, 7, 6, 100]
+    >>> allocate_full_chunks([10, 10, 10], [100, 100, 100], [2, 1, 0], 1)
+    [0, 0, 30]
+    >>> allocate_full_chunks([10, 10, 10], [100, 100, 100], [2, 1, 0], 0)
+    [10, 10, 10]
+    """
+    n = len(counts)
+    if len(sizes) != n or sorted(priority) != list(range(n)):
+        raise ValueError("allocate_full_chunks: counts and sizes need one entry per chunk, priority a permutation")
+    if n_full < 0:
+        raise ValueError(f"allocate_full_chunks: n_full must be >= 0, got {n_full}")
+    out = [min(c, s) for c, s in zip(counts, sizes)]
+    if n_full == 0 or n == 0:
+        return out
+    budget = min(sum(counts), sum(sizes))
+    out = [0] * n
+    left = budget
+    full = list(priority[:n_full])
+    for i in full:
+        out[i] = min(sizes[i], left)
+        left -= out[i]
+    rest = [i for i in range(n) if i not in full]
+    while left > 0 and rest:
+        weight = sum(counts[i] for i in rest)
+        share = {i: (counts[i] / weight if weight > 0 else 1.0 / len(rest)) * left for i in rest}
+        floors = {i: min(sizes[i] - out[i], math.floor(share[i])) for i in rest}
+        for i, f in floors.items():
+            out[i] += f
+        spare = left - sum(floors.values())
+        for i in sorted(rest, key=lambda j: (-(share[j] - floors[j]), j)):
+            if spare <= 0:
+                break
+            if out[i] < sizes[i]:
+                out[i] += 1
+                spare -= 1
+        left = budget - sum(out)
+        rest = [i for i in rest if out[i] < sizes[i]]
+    return out
+
+
 def cached_order(tree: KnowledgeTree, system_keys: Sequence[str], chunk_keys: Sequence[str]) -> list[int] | None:
     """Order-aware exact reuse: a permutation of ``chunk_keys`` (indices) whose leading part is
     the longest knowledge-tree path below the system segments made only of these chunks (as a

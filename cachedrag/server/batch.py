@@ -5,7 +5,8 @@ token and that token's absolute position, go through the model as ONE forward. T
 projections, norms, MLPs and the LM head (the weight-bound part of a decode step) run once
 over the B rows, so B requests cost little more than one on a CPU; only attention is per
 request (each buffer has its own length), and each request's fresh K/V lands in its own
-buffer. Requests join and leave between calls: nothing here persists across steps.
+buffer. Requests join and leave between calls: nothing here persists across steps but the
+packed weights below (built once per runner).
 
 Two paths, chosen per runner:
 
@@ -19,16 +20,31 @@ Two paths, chosen per runner:
 - general (``_general_layer``): the runner's public per-layer pieces (``qkv`` with q/k norms,
   ``rotary.apply``, ``finish_layer``) for every other supported model (Qwen3, Triton backend).
 
+Few-row float32 projections (``BatchWeights``): a decode step reads every weight once, so B
+rows should cost about what one row costs. With dense float32 weights ``F.linear`` (MKL sgemm)
+does not get there: over all 211 projections and the LM head of SmolLM2-135M (2-core Xeon,
+torch 2.13, one exclusive run) it takes 23 / 26 / 29 / 43 / 55 ms for 1 / 2 / 3 / 4 / 8 rows,
+while oneDNN's packed float32 matmul (``mkldnn._reorder_linear_weight``, the layout inductor's
+CPU backend uses after freezing) takes 30 / 31 / 31 / 30 / 36 ms: flat in the row count but
+slower for one row. So from ``PACKED_ROWS`` rows on, the batched step runs a packed copy of the
+runner's fused weights (built once per runner, ~0.2 s, as many bytes as the weights), and below
+it the runner's own ``F.linear`` weights, as the one-token path does. MKL's own packed sgemm
+(``mkl._mkl_linear``) was measured too: as fast at the row count it was packed for, but it
+falls back to ``F.linear`` at any other count. Weights already in a row-flexible layout
+(bfloat16 oneDNN, int8) are used as they are.
+
 Why our own: the model runner's ``decode_step`` is single-request (its attention reads one
 buffer); vLLM's paged-attention kernels are GPU-only. Reference path: ``ModelRunner.decode_step``
 per request, which both paths equal to float rounding and token for token under greedy
 decoding (``tests/server/test_batch.py``).
 
-Does not own: sampling, scheduling, or which requests are running (``cachedrag.server.loop``).
+Does not own: sampling, scheduling, or which requests are running (``cachedrag.server.loop``),
+the runner's own decode step (``ModelRunner._decode_layer``).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -38,15 +54,81 @@ from cachedrag.errors import ContextWindowError
 from cachedrag.model.rope import rotate_half
 from cachedrag.model.runner import KVBuffer, ModelRunner, _rms_norm
 
+PACKED_ROWS = 4  # from this many rows, the packed oneDNN float32 matmul (table in the module docstring)
+
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> BatchWeights | None
+
+
+class _Packed:
+    """``x @ W^T + b`` through oneDNN's packed float32 layout (any row count)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # oneDNN blocked [O, I]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # [B, O]
+
+
+class BatchWeights:
+    """Row-flexible projections of a runner with dense float32 fused weights: per layer
+    ``qkv``, ``o``, ``gate_up``, ``down`` and the LM ``head``, as packed oneDNN copies."""
+
+    def __init__(self, runner: ModelRunner):
+        self.layers = [tuple(_Packed(p.weight, p.bias) for p in (lw.qkv, lw.o, lw.gate_up, lw.down))
+                       for lw in runner.fast_layers]
+        self.head = _Packed(runner.fast_head.weight, runner.fast_head.bias)
+
+    @staticmethod
+    def applies(runner: ModelRunner) -> bool:
+        """Dense float32 fused weights on the CPU with oneDNN present (other formats already are
+        row-flexible, or are not fused)."""
+        if runner.fast_layers is None or runner.fast_head is None or runner.device.type != "cpu":
+            return False
+        if runner.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return False
+        return all(p.kind == "dense" for lw in runner.fast_layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.packed.numel() * 4 for layer in self.layers for p in layer) + self.head.packed.numel() * 4
+
+
+def batch_weights(runner: ModelRunner, build: bool = True) -> BatchWeights | None:
+    """The runner's ``BatchWeights`` (built on first use, then kept while the runner lives), or
+    None where they do not apply. Call it once on the thread that runs the steps, before the
+    first one (``EngineLoop`` does), so no request pays the build."""
+    if runner not in _PACKED:
+        if not build:
+            return None
+        _PACKED[runner] = BatchWeights(runner) if BatchWeights.applies(runner) else None
+    return _PACKED[runner]
+
+
+def prepare(runner: ModelRunner, max_batch: int) -> None:
+    """Build the packed weights and run each batch size from ``PACKED_ROWS`` to ``max_batch``
+    once, so oneDNN's per-shape kernel setup happens now, not inside a request."""
+    if max_batch < PACKED_ROWS or batch_weights(runner) is None:
+        return
+    bw = batch_weights(runner)
+    with torch.inference_mode():
+        for b in range(PACKED_ROWS, max_batch + 1):
+            x = torch.zeros(b, runner.fast_layers[0].qkv.in_features, dtype=runner.dtype)  # [B, Dm]
+            qkv, o, gate_up, down = bw.layers[0]
+            qkv(x), o(x), bw.head(x)
+            down(gate_up(x)[:, : runner.fast_layers[0].ff])
+
 
 @torch.inference_mode()
 def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: Sequence[int],
-                        kvs: Sequence[KVBuffer], fast: bool | None = None) -> torch.Tensor:
+                        kvs: Sequence[KVBuffer], fast: bool | None = None, packed: bool | None = None) -> torch.Tensor:
     """Feed ``tokens[b]`` at ``positions[b]`` into ``kvs[b]`` for every b; returns logits ``[B, V]``.
 
     Each request's query attends to its buffer rows ``[0, positions[b]]`` (within the layer's
     sliding window), as ``runner.decode_step`` does for one request. ``fast``: force the path
     (None: the fast one where the runner supports it; False: the general one, for tests).
+    ``packed``: force the packed float32 weights on or off (None: from ``PACKED_ROWS`` rows on,
+    where they apply; tests force them to compare the layouts).
     """
     n = len(tokens)
     assert n == len(positions) == len(kvs) and n > 0, "one token, position and buffer per request"
@@ -60,12 +142,43 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
     hidden = runner.embed(ids)  # [B, Dm]
     rope = runner.rotary.cos_sin(pos, runner.dtype, device)  # [B, D] each, shared by all layers
     use_fast = runner._decode_fast if fast is None else (fast and runner._decode_fast)
-    layer = _fast_layer if use_fast else _general_layer
-    for i in range(runner.n_layers):
-        hidden = layer(runner, i, hidden, pos, positions, kvs, rope)  # [B, Dm]
+    if use_fast:
+        bw = batch_weights(runner) if (packed if packed is not None else n >= PACKED_ROWS) else None
+        views = _Views(runner, positions, kvs)
+        for i in range(runner.n_layers):
+            hidden = _fast_layer(runner, i, hidden, views, rope, bw)  # [B, Dm]
+    else:
+        bw = None
+        for i in range(runner.n_layers):
+            hidden = _general_layer(runner, i, hidden, pos, positions, kvs, rope)  # [B, Dm]
     for p, kv in zip(positions, kvs):
         kv.length = max(kv.length, p + 1)
-    return runner.logits(hidden)  # [B, V]
+    if bw is None:
+        return runner.logits(hidden)  # [B, V]
+    norm = runner.model.model.norm
+    return bw.head(_rms_norm(hidden, norm.weight, norm.variance_epsilon)).float()  # [B, V]
+
+
+class _Views:
+    """Per step, per request: views of the buffer rows the step writes (``[L, H_kv, D]``) and
+    reads (``[L, 1, H_kv, T, D]`` per sliding window), taken once for all layers instead of
+    indexing the buffers again in every layer (per-op overhead dominates a small model's step)."""
+
+    def __init__(self, runner: ModelRunner, positions: list[int], kvs: Sequence[KVBuffer]):
+        self.runner, self.positions, self.kvs = runner, positions, kvs
+        self.k_rows = [kv.k[:, :, p] for p, kv in zip(positions, kvs)]  # B x [L, H_kv, D]
+        self.v_rows = [kv.v[:, :, p] for p, kv in zip(positions, kvs)]  # B x [L, H_kv, D]
+        self._spans: dict[int | None, list] = {}
+
+    def spans(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per request, K and V ``[L, 1, H_kv, T, D]`` over keys ``p - window < j <= p``."""
+        if window not in self._spans:
+            out = []
+            for p, kv in zip(self.positions, self.kvs):
+                lo = 0 if window is None else max(0, p + 1 - window)
+                out.append((kv.k[:, None, :, lo:p + 1], kv.v[:, None, :, lo:p + 1]))  # [L, 1, H_kv, T, D] each
+            self._spans[window] = out
+        return self._spans[window]
 
 
 def _attend(runner: ModelRunner, i: int, q: torch.Tensor, positions: list[int], kvs: Sequence[KVBuffer]) -> torch.Tensor:
@@ -84,24 +197,32 @@ def _attend(runner: ModelRunner, i: int, q: torch.Tensor, positions: list[int], 
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [B, H_q*D]
 
 
-def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, pos: torch.Tensor, positions: list[int],
-                kvs: Sequence[KVBuffer], rope) -> torch.Tensor:
-    """``ModelRunner._decode_layer`` over B rows (fused weights, RMSNorm, no q/k norms)."""
+def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, views: _Views, rope,
+                bw: BatchWeights | None) -> torch.Tensor:
+    """``ModelRunner._decode_layer`` over B rows (fused weights, RMSNorm, no q/k norms); the
+    projections through ``bw`` (packed float32) when given, else the runner's own weights."""
     layer, lw = runner.layers[i], runner.fast_layers[i]
+    qkv_w, o_w, gate_up_w, down_w = bw.layers[i] if bw is not None else (lw.qkv, lw.o, lw.gate_up, lw.down)
     b = hidden.shape[0]
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     h_q, h_kv, d = runner.n_heads, runner.n_kv_heads, runner.head_dim
     x = _rms_norm(hidden, ln1.weight, ln1.variance_epsilon)  # [B, Dm]
-    qkv = lw.qkv(x)  # [B, Oq + 2*Okv]
+    qkv = qkv_w(x)  # [B, Oq + 2*Okv]
     qk = qkv[:, : lw.q_out + lw.kv_out].view(b, h_q + h_kv, d).transpose(0, 1)  # [H_q + H_kv, B, D]
     qk = qk * rope[0] + rotate_half(qk) * rope[1]  # [H_q + H_kv, B, D] RoPE at each row's position
     v = qkv[:, lw.q_out + lw.kv_out:].view(b, h_kv, d)  # [B, H_kv, D]
-    for r, (p, kv) in enumerate(zip(positions, kvs)):
-        kv.k[i, :, p] = qk[h_q:, r]  # [H_kv, D] into row p
-        kv.v[i, :, p] = v[r]  # [H_kv, D]
-    out = _attend(runner, i, qk[:h_q], positions, kvs)  # [B, H_q*D]
-    h = hidden + lw.o(out)  # [B, Dm]
-    return h + lw.mlp(_rms_norm(h, ln2.weight, ln2.variance_epsilon))  # [B, Dm]
+    for r in range(b):
+        views.k_rows[r][i].copy_(qk[h_q:, r])  # [H_kv, D] into row p of request r
+        views.v_rows[r][i].copy_(v[r])  # [H_kv, D]
+    gqa = h_q != h_kv
+    spans = views.spans(runner.windows[i])
+    outs = [F.scaled_dot_product_attention(qk[None, :h_q, r:r + 1], k[i], v_[i], scale=runner.scaling, enable_gqa=gqa)
+            for r, (k, v_) in enumerate(spans)]  # B x [1, H_q, 1, D]; no mask: every key up to p is visible
+    out = outs[0].reshape(1, -1) if b == 1 else torch.cat(outs, 0).reshape(b, -1)  # [B, H_q*D]
+    h = hidden + o_w(out)  # [B, Dm]
+    y = _rms_norm(h, ln2.weight, ln2.variance_epsilon)  # [B, Dm]
+    gate, up = gate_up_w(y).split(lw.ff, dim=-1)  # [B, Dff] each
+    return h + down_w(lw.act(gate) * up)  # [B, Dm]
 
 
 def _general_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, pos: torch.Tensor, positions: list[int],

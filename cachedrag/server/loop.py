@@ -45,7 +45,7 @@ from cachedrag.executor import release_openmp_threads
 from cachedrag.kvcache.planner import Mode
 from cachedrag.model.generation import SamplingParams, TextStream, make_generator, next_token
 from cachedrag.prompt import Segment
-from cachedrag.server.batch import batched_decode_step
+from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
 from cachedrag.server.policy import QueueFullError, SchedulerPolicy, Ticket
 
@@ -168,6 +168,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the loop
     def _serve(self) -> None:
+        prepare(self.engine.runner, self.config.max_batch)  # the batched step's packed weights, on this thread
         while True:
             with self._lock:
                 while not self._stop and not len(self.policy) and not self._running:

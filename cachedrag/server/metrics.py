@@ -3,7 +3,7 @@
 Owns: ``ServerMetrics``, a private ``CollectorRegistry`` (so several apps in one process, as
 in tests, never collide) with request counts by endpoint and status, TTFT and per-output-token
 latency histograms, decode batch sizes, queue length and running requests, prompt / cached /
-completion token counters, chunk hits and misses, and the chunk cache's entries and bytes per
+completion token counters, chunk hits and misses, admissions (contested, reordered), and the chunk cache's entries and bytes per
 store tier (read from the store when scraped). It is the engine loop's observer
 (``on_step``, ``on_first_token``, ``on_token``, ``on_finished``).
 
@@ -13,7 +13,7 @@ Does not own: what is measured (the loop and app report it).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 _TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.25, 0.5, 1.0, 2.0, 5.0)
@@ -41,6 +41,25 @@ class _CacheCollector:
         yield tier_bytes
 
 
+class _OrderCollector:
+    """What the admission order did (``SchedulerPolicy`` counters, read at scrape time)."""
+
+    def __init__(self, loop):
+        self.loop = loop
+
+    def collect(self):
+        policy = self.loop.policy
+        for name, value, help_ in (
+            ("cachedrag_admissions", policy.admitted, "requests admitted to prefill"),
+            ("cachedrag_contested_admissions", policy.contested,
+             "admissions made while more requests waited than were admitted (the order had a choice)"),
+            ("cachedrag_reordered_admissions", policy.reordered, "admissions ahead of an older waiting request"),
+        ):
+            family = CounterMetricFamily(name, help_)
+            family.add_metric([], float(value))
+            yield family
+
+
 class ServerMetrics:
     def __init__(self, engine=None, loop=None):
         self.registry = CollectorRegistry()
@@ -65,6 +84,7 @@ class ServerMetrics:
         if loop is not None:
             self.queue.set_function(lambda: loop.waiting)
             self.running.set_function(lambda: loop.running)
+            r.register(_OrderCollector(loop))
         if engine is not None:
             r.register(_CacheCollector(engine))
 

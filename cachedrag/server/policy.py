@@ -9,8 +9,15 @@ step given the free batch slots. Two orders:
   compute_len`` first (requests whose context is mostly cached cost little prefill and free
   their slot sooner, and requests sharing what another request just cached get served while it
   is still cached), with a starvation bound: a request that has waited ``starvation_s`` or longer
-  goes before any younger one, oldest first, so no request waits more than about that window
-  plus the work already admitted.
+  goes before any younger one, oldest first. So a request is passed by younger ones only while
+  it has waited less than the window: no request waits longer than ``starvation_s`` behind
+  reordered ones (beyond it, only behind older requests and the work already admitted, which
+  is never preempted).
+
+Counters ``admitted`` / ``contested`` (admitted while more requests waited than there were
+slots, i.e. the order had a choice) / ``reordered`` (admitted ahead of an older waiting
+request) tell how much the order can matter under a given load: with few requests in flight
+and free batch slots, most admissions have no choice to make.
 
 ``cached_len`` / ``compute_len`` are estimates the executor refreshes before each decision
 (``estimate`` callback): the cache changes while a request waits. Pure Python, no torch;
@@ -63,6 +70,11 @@ class SchedulerPolicy:
         self.max_waiting = max_waiting
         self.starvation_s = starvation_s
         self._waiting: list[Ticket] = []  # arrival order
+        # what the order did (the server exports these): admissions, those made with a choice (more
+        # requests waiting than were admitted), and those that went ahead of an older waiting request
+        self.admitted = 0
+        self.contested = 0
+        self.reordered = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -96,6 +108,11 @@ class SchedulerPolicy:
             return []
         ranked = self.ranked(now, estimate)[:n]
         chosen = {t.id for t in ranked}
+        oldest = {t.id for t in self._waiting[:n]}
+        self.admitted += n
+        if len(self._waiting) > n:
+            self.contested += n
+        self.reordered += len(chosen - oldest)
         self._waiting = [t for t in self._waiting if t.id not in chosen]
         return ranked
 
@@ -106,7 +123,8 @@ class SchedulerPolicy:
         if estimate is not None:
             for t in self._waiting:
                 t.cached_len = min(t.prompt_tokens, max(0, int(estimate(t))))
-        starved = [t for t in self._waiting if now - t.arrival >= self.starvation_s]
+        starved = sorted((t for t in self._waiting if now - t.arrival >= self.starvation_s),
+                         key=lambda t: t.arrival)  # oldest first, also when pushes came out of arrival order
         rest = [t for t in self._waiting if now - t.arrival < self.starvation_s]
         rest.sort(key=lambda t: (-t.priority, t.arrival))  # stable: ties keep arrival order
         return starved + rest

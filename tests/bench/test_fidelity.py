@@ -17,13 +17,16 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
     rc = main(["bench", "fidelity", "--corpora", "", "--corpus", corpus, "--questions", questions,
                "--model", tiny_model_dir, "--top-k", "3", "--chunk-tokens", "48", "--max-new-tokens", "3",
                "--seeds", "0,1", "--requests", "2", "--ratios", "0,0.2", "--choices", "question,deviation,oracle",
-               "--json", str(out), "--plot", str(png)])
+               "--variants", "question/need1", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["n_requests"] == 4 and set(data["by_seed"]) == {"0", "1"}
     rows = data["rows"]
     assert set(rows) == {"full", "prefix", "order_aware", "naive", "question@0.2", "deviation@0.2", "oracle@0.2",
-                         "question/et@0.2"}
+                         "question/et@0.2", "question/need1@0.2"}
+    assert data["config"]["variants"] == {"question/need1": {"full_chunks": 1, "full_chunk_pick": "need"}}
+    # chunk-level recompute moves the budget between chunks, it does not add to it
+    assert rows["question/need1@0.2"]["computed_fraction"] == pytest.approx(rows["question@0.2"]["computed_fraction"])
     assert data["config"]["early_termination"] is False and data["config"]["et_choices"] == ["question"]
     assert rows["full"]["tf_top1"] == 1.0 and rows["full"]["rouge_l"] == 1.0
     # exact prefix reuse changes nothing; order-aware reuse serves the shuffled order: = the noise floor
@@ -60,9 +63,11 @@ def test_seeds_ask_disjoint_questions_and_a_run_per_seed_asks_the_same():
     assert sorted(_picks(items[:18], "info", 0, 40)) == items[:18]  # capped at the set
 
 
-def test_bench_fidelity_refuses_bad_arguments(capsys):
+@pytest.mark.parametrize("args", [["--choices", "psychic"], ["--variants", "question/bogus"],
+                                  ["--variants", "deviation/need1"]])
+def test_bench_fidelity_refuses_bad_arguments(args):
     with pytest.raises(SystemExit):
-        main(["bench", "fidelity", "--choices", "psychic"])
+        main(["bench", "fidelity", *args])
 
 
 def test_every_gold_answer_is_in_its_document():
@@ -82,3 +87,22 @@ def test_every_gold_answer_is_in_its_document():
 ])
 def test_gold_match_is_a_whole_word_match(answer, gold, expected):
     assert gold_match(answer, gold) is expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4", {"stdlib": 4, "info": 4}),
+    ("stdlib=21,info=2", {"stdlib": 21, "info": 2}),
+    ("stdlib=21", {"stdlib": 21, "info": 0}),
+])
+def test_requests_per_corpus(text, expected):
+    from cachedrag.bench.fidelity import _requests
+
+    assert _requests(text, ["stdlib", "info"]) == expected
+
+
+@pytest.mark.parametrize("text", ["x", "man=3", "stdlib=-1", "0", "stdlib=0,info=0"])
+def test_requests_per_corpus_refuses_bad_counts(text):
+    from cachedrag.bench.fidelity import _requests
+
+    with pytest.raises(SystemExit):
+        _requests(text, ["stdlib", "info"])

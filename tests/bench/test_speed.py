@@ -67,6 +67,15 @@ def test_targets_compare_the_measured_rows():
     assert t["first request <= 1.1x"]["met"] is False
     assert t["miss <= 1.05x full"]["met"] is True
     assert "int8 decode <= llama.cpp Q4_1" not in t  # no int8 row measured: no claim
+    assert "int4 decode <= llama.cpp Q4_1" not in t
+
+
+def test_int4_row_is_compared_with_llama_cpp_q4_1():
+    res = _results()
+    res["systems"]["cachedrag-int4"] = {"dtype": "bfloat16+int4w-g32", "threads": 2, "prefill_tokens_per_s": 1900.0,
+                                        "decode_ms_per_token": 16.0, "prefill_s": 0.7}
+    t = speed._targets(res)
+    assert t["int4 decode <= llama.cpp Q4_1"] == {"ratio": 16.0 / 20.0, "met": True}
 
 
 def test_unknown_system_is_a_clear_error(capsys):

@@ -30,3 +30,22 @@ def test_bench_ttft_reports_every_mode(tiny_model_dir, tiny_corpus, tmp_path, ca
         assert row["ttft_median_s"] > 0 and row["speedup_vs_full"] > 0
     assert data["planning"]["n_chunks"] == 200
     assert "TTFT over 5 requests" in capsys.readouterr().out
+
+
+def test_bench_ttft_runs_the_default_beside_the_previous_one(tiny_model_dir, tiny_corpus, tmp_path):
+    corpus, questions = tiny_corpus
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--corpus", corpus, "--questions", questions, "--model", tiny_model_dir,
+                 "--top-k", "4", "--chunk-tokens", "48", "--max-new-tokens", "2", "--warmup", "1",
+                 "--modes", "full,prefix,cachedrag", "--previous-default", "--planning-chunks", "50",
+                 "--skip-simulation", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["early_termination"] is False and data["config"]["cache"]["token_choice"] == "question+inter"
+    assert data["config"]["cache"]["recompute_ratio"] == 0.3
+    modes = data["modes"]
+    assert set(modes) == {"full", "prefix", "cachedrag", "cachedrag:previous"}
+    assert modes["cachedrag"]["token_choices"] == ["question+inter"]
+    assert modes["cachedrag:previous"]["token_choices"] == ["deviation"]
+    assert modes["full"]["approximations"] == {} and modes["prefix"]["approximations"] == {}
+    reused = modes["cachedrag"]["approximations"].get("chunk_reuse", 0)
+    assert reused > 0 and modes["cachedrag"]["approximations"]["partial_recompute:question+inter"] == reused

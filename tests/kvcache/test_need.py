@@ -6,7 +6,7 @@ import pytest
 
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import CacheConfig
-from cachedrag.kvcache.planner import allocate_by_need, cached_order
+from cachedrag.kvcache.planner import allocate_by_need, allocate_full_chunks, cached_order
 from cachedrag.kvcache.tree import KnowledgeTree
 
 
@@ -61,6 +61,9 @@ def test_cached_order(paths, chunks, expected):
     ({"need_weight": -0.1}, "need_weight"),
     ({"refine_layer": 1, "question_layers": (1,)}, "refine_layer"),
     ({"refine_factor": 0.5}, "refine_factor"),
+    ({"full_chunks": -1}, "full_chunks"),
+    ({"full_chunks": 1.5}, "full_chunks"),
+    ({"full_chunk_pick": "first"}, "full_chunk_pick"),
 ])
 def test_question_settings_are_validated(kwargs, field):
     with pytest.raises(ConfigError, match=field):
@@ -69,3 +72,26 @@ def test_question_settings_are_validated(kwargs, field):
 
 def test_question_layers_are_normalised():
     assert CacheConfig(question_layers=[2, 1, 2]).question_layers == (1, 2)
+
+
+@pytest.mark.parametrize("counts, sizes, priority, n_full, expected", [
+    ([30, 30, 30], [100, 100, 100], [1, 0, 2], 1, [0, 90, 0]),  # the budget is less than a chunk
+    ([30, 30, 30, 30], [100, 100, 100, 100], [3, 0, 1, 2], 1, [7, 7, 6, 100]),
+    ([40, 40, 40], [50, 100, 100], [0, 1, 2], 1, [50, 35, 35]),
+    ([40, 40, 40], [50, 60, 100], [0, 1, 2], 2, [50, 60, 10]),
+    ([10, 0, 10], [100, 100, 100], [1, 0, 2], 1, [0, 20, 0]),  # a chunk planned at 0 can still be picked
+    ([20, 20], [10, 100], [1, 0], 1, [0, 40]),
+    ([20, 20], [10, 15], [1, 0], 1, [10, 15]),  # more budget than tokens: everything
+    ([5, 5, 5], [10, 10, 10], [0, 1, 2], 0, [5, 5, 5]),
+])
+def test_allocate_full_chunks(counts, sizes, priority, n_full, expected):
+    out = allocate_full_chunks(counts, sizes, priority, n_full)
+    assert out == expected
+    assert sum(out) == min(sum(counts), sum(sizes)) and all(0 <= o <= s for o, s in zip(out, sizes))
+
+
+def test_allocate_full_chunks_refuses_bad_input():
+    with pytest.raises(ValueError):
+        allocate_full_chunks([1, 2], [3, 4], [0, 0], 1)
+    with pytest.raises(ValueError):
+        allocate_full_chunks([1, 2], [3, 4], [0, 1], -1)

@@ -27,6 +27,7 @@ C_TOKEN_INTER[7] = 4.0
 
 def setup(**cfg):
     cfg.setdefault("token_choice", "inter")  # Cache-Craft's planner-side choice; others tested below
+    cfg.setdefault("recompute_ratio", None)  # Cache-Craft's per-chunk ceil(CFO x len) counts; fixed ratios below
     config = CacheConfig(**cfg)
     tree = KnowledgeTree.from_config(config)
     tree.insert(["S", "A"], ["tS", "tA"], [8, 10], [80, 100])

@@ -37,6 +37,9 @@ def test_health_models_and_metrics(live_server):
                  "cachedrag_cache_bytes"):
         assert name in text, name
     assert 'cachedrag_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+    # one request alone: admitted without a choice to make
+    assert "cachedrag_admissions_total 1.0" in text and "cachedrag_contested_admissions_total 0.0" in text
+    assert "cachedrag_reordered_admissions_total 0.0" in text
 
 
 def test_chat_non_stream_and_stream_agree_and_count_cached_tokens(live_server):

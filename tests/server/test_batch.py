@@ -12,10 +12,11 @@ from cachedrag.config import EngineConfig
 from cachedrag.engine import CachedEngine
 from cachedrag.model.generation import SamplingParams
 from cachedrag.model.lookup import LookupConfig
-from cachedrag.server.batch import batched_decode_step
+from cachedrag.server.batch import PACKED_ROWS, batch_weights, batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
 from cachedrag.server.loop import EngineLoop, Failed, Finished, ServeRequest
-from cachedrag.testing import TINY_DOCS, tiny_runner
+from cachedrag.model.runner import ModelRunner
+from cachedrag.testing import TINY_DOCS, byte_tokenizer, tiny_model, tiny_runner
 
 QUESTIONS = ["What does heapq do?", "How do I parse JSON?", "Explain itertools.chain briefly.", "What is a deque?"]
 NO_DRAFTS = EngineConfig(lookup=LookupConfig(max_draft=0))
@@ -26,12 +27,16 @@ def _chunks(i):
     return [docs[i % len(docs)], docs[(i + 2) % len(docs)]]
 
 
-@pytest.mark.parametrize("arch,fast", [("llama", True), ("llama", False), ("mistral", True), ("mistral", False),
-                                       ("qwen3", None)])  # mistral: sliding window of 24 < prompt; qwen3: q/k norms
-def test_batched_step_equals_decode_step_per_request(arch, fast):
+@pytest.mark.parametrize("arch,fast,packed", [
+    ("llama", True, False), ("llama", True, True), ("llama", False, None), ("mistral", True, False),
+    ("mistral", True, True), ("mistral", False, None), ("qwen3", None, None),
+])  # mistral: sliding window of 24 < prompt; qwen3: q/k norms; packed: the oneDNN float32 copies of the weights
+def test_batched_step_equals_decode_step_per_request(arch, fast, packed):
     runner = tiny_runner(arch)
     assert runner._decode_fast == (fast is not None)  # the fast path applies to llama/mistral, not qwen3
-    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 31, 17)]
+    if packed:
+        assert batch_weights(runner) is not None  # tiny float32 Llama/Mistral: the packed layout applies
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 31, 17, 40, 2)]
     kv_a = [runner.new_kv(len(p) + 4) for p in prompts]
     kv_b = [runner.new_kv(len(p) + 4) for p in prompts]
     first = []
@@ -41,7 +46,7 @@ def test_batched_step_equals_decode_step_per_request(arch, fast):
         first.append(int(logits.argmax()))
     tokens, positions = list(first), [len(p) for p in prompts]
     for _ in range(3):
-        batched = batched_decode_step(runner, tokens, positions, kv_a, fast=fast)  # [B, V]
+        batched = batched_decode_step(runner, tokens, positions, kv_a, fast=fast, packed=packed)  # [B, V]
         single = torch.stack([runner.decode_step(t, pos, kv) for t, pos, kv in zip(tokens, positions, kv_b)])
         torch.testing.assert_close(batched, single, rtol=1e-4, atol=1e-4)
         assert batched.argmax(-1).tolist() == single.argmax(-1).tolist()
@@ -49,6 +54,26 @@ def test_batched_step_equals_decode_step_per_request(arch, fast):
         positions = [p + 1 for p in positions]
     for a, b, p in zip(kv_a, kv_b, positions):
         torch.testing.assert_close(a.k[:, :, :p], b.k[:, :, :p], rtol=1e-4, atol=1e-5)
+
+
+def test_packed_weights_from_packed_rows_on_and_only_for_dense_float32():
+    runner = tiny_runner()
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in range(3, 3 + PACKED_ROWS)]
+    kvs = [runner.new_kv(len(p) + 2) for p in prompts]
+    for p, kv in zip(prompts, kvs):
+        runner.prefill(p, kv=kv)
+    tokens, positions = [7] * len(prompts), [len(p) for p in prompts]
+    auto = batched_decode_step(runner, tokens, positions, kvs)  # [B, V] PACKED_ROWS rows: packed by default
+    forced = batched_decode_step(runner, tokens, positions, kvs, packed=True)
+    plain = batched_decode_step(runner, tokens, positions, kvs, packed=False)
+    assert torch.equal(auto, forced)
+    torch.testing.assert_close(auto, plain, rtol=1e-4, atol=1e-4)  # another kernel: equal to float rounding
+    one = batched_decode_step(runner, tokens[:1], positions[:1], kvs[:1])  # one row: the runner's own weights,
+    assert torch.equal(one[0], runner.decode_step(tokens[0], positions[0], kvs[0]))  # bit for bit its decode step
+    prepare(runner, 8)  # builds once, runs each row count once
+    assert batch_weights(runner) is batch_weights(runner)
+    bf16 = ModelRunner(tiny_model(vocab_size=len(byte_tokenizer())), byte_tokenizer(), dtype="bfloat16")
+    assert batch_weights(bf16) is None  # bf16 weights are oneDNN-packed already: any row count
 
 
 def _run_loop(engine, requests, max_batch):
@@ -95,6 +120,8 @@ def test_batched_greedy_equals_unbatched_greedy_and_requests_join_between_steps(
     batched, loop = _run_loop(engine_a, reqs_a, max_batch=3)
     single, loop1 = _run_loop(engine_b, reqs_b, max_batch=1)
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    wide, _ = _run_loop(engine_a, reqs_a, max_batch=len(lengths))  # all at once: the packed weights' row counts
+    assert len(lengths) >= PACKED_ROWS and [r.token_ids for r in wide] == [r.token_ids for r in single]
     assert [len(r.token_ids) for r in batched] == lengths  # random tiny model: no EOS this early
     assert loop.steps < loop1.steps  # the batch really shared decode steps
 
@@ -190,3 +217,24 @@ def test_chunked_prefill_interleaves_decode_steps_and_keeps_the_tokens():
     assert len(outputs[1][0]) == 30  # a (random tiny model: no EOS) was still decoding while b prefilled
     # a's decode steps ran inside b's prefill: one after each layer but the last (budget 1 token)
     assert outputs[1][2] == n_layers - 1
+
+
+@pytest.mark.slow
+def test_batched_step_on_the_default_model_equals_decode_step(default_runner):
+    """The real model through the packed float32 weights (5 rows) and the runner's own (2 rows)."""
+    runner = default_runner
+    prompts = [torch.randint(10, 40000, (n,), generator=torch.Generator().manual_seed(n)) for n in (40, 75, 9, 60, 23)]
+    for rows in (5, 2):
+        kv_a = [runner.new_kv(len(p) + 4) for p in prompts[:rows]]
+        kv_b = [runner.new_kv(len(p) + 4) for p in prompts[:rows]]
+        tokens = []
+        for p, a, b in zip(prompts, kv_a, kv_b):
+            tokens.append(int(runner.prefill(p, kv=a).argmax()))
+            runner.prefill(p, kv=b)
+        positions = [len(p) for p in prompts[:rows]]
+        for _ in range(3):
+            batched = batched_decode_step(runner, tokens, positions, kv_a)  # [B, V]
+            single = torch.stack([runner.decode_step(t, pos, kv) for t, pos, kv in zip(tokens, positions, kv_b)])
+            torch.testing.assert_close(batched, single, rtol=1e-3, atol=1e-3)
+            assert batched.argmax(-1).tolist() == single.argmax(-1).tolist()
+            tokens, positions = batched.argmax(-1).tolist(), [p + 1 for p in positions]

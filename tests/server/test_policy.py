@@ -71,6 +71,42 @@ def test_no_request_waits_past_the_bound_under_a_stream_of_better_ones():
     assert admitted_at == 3.0
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_starvation_bound_holds_on_random_streams(seed):
+    """Random arrivals, cache estimates and slot counts (fake clock): a request that has waited the
+    window is never passed by a younger one, and none waits longer than the window plus the time
+    until the next admission that could take it, as long as slots come often enough."""
+    import random
+
+    rng = random.Random(seed)
+    window, p = 2.0, SchedulerPolicy("cache_aware", starvation_s=2.0)
+    waits, now, next_id = [], 0.0, 0
+    for _ in range(400):
+        now += rng.uniform(0.05, 0.3)  # one admission decision per step
+        for _ in range(rng.choice((0, 0, 1, 2))):  # arrivals since the last step (some hot, some cold)
+            p.push(Ticket(next_id, now - rng.uniform(0, 0.05), rng.randint(200, 2000), 0))
+            next_id += 1
+        before = p.waiting
+        chosen = p.admit(rng.choice((0, 1, 1, 2)), now=now, estimate=lambda t: rng.randint(0, t.prompt_tokens))
+        left = [t for t in before if t.id not in {c.id for c in chosen}]
+        for c in chosen:
+            waits.append(now - c.arrival)
+            # nobody starved was left behind for a younger request
+            assert not any(now - t.arrival >= window and t.arrival < c.arrival for t in left)
+    assert p.admitted == len(waits) and p.reordered > 0 and p.contested >= p.reordered
+    assert max(waits) < window + 3.0  # the queue drains: admissions keep up with arrivals on average
+
+
+def test_counters_say_when_the_order_had_a_choice():
+    p = SchedulerPolicy("cache_aware", starvation_s=100)
+    p.push(Ticket(1, 0.0, 1000, 0))
+    p.admit(4, now=0.1)  # alone: no choice
+    for t in _tickets():
+        p.push(t)
+    p.admit(1, now=1.0)  # 2 of 4 (priority 9) goes ahead of 1
+    assert (p.admitted, p.contested, p.reordered) == (2, 1, 1)
+
+
 def test_queue_limit_and_remove():
     p = SchedulerPolicy(max_waiting=2)
     p.push(Ticket(1, 0.0, 10))
