@@ -1,7 +1,7 @@
 """Choose a dtype: prefill and decode speed of the runner per numerics, and how far each moves
 the answer from float32.
 
-Loads the default model once per dtype (float32, bfloat16, bfloat16 + int8 weights), builds one
+Loads the default model once per dtype (float32, bfloat16, bfloat16 + int8 or int4 weights), builds one
 RAG prompt (system prompt + stdlib chunks + a question), and for each runner times a full
 prefill and greedy decode steps, then scores float32's greedy continuation teacher-forced in
 every runner (top-1 agreement and KL against float32, as `cachedrag bench speed` reports).
@@ -29,6 +29,7 @@ runners = {
     "cachedrag-fp32": ModelRunner.from_pretrained(dtype="float32", threads=args.threads),
     "cachedrag-bf16": ModelRunner.from_pretrained(dtype="bfloat16", threads=args.threads),
     "cachedrag-int8": ModelRunner.from_pretrained(dtype="bfloat16", weights="int8", threads=args.threads),
+    "cachedrag-int4": ModelRunner.from_pretrained(weights="int4", threads=args.threads),
 }
 tokenizer = runners["cachedrag-fp32"].tokenizer
 docs = [d.text for d in stdlib_corpus(("json", "heapq", "bisect", "functools", "csv"))]
@@ -38,7 +39,7 @@ segments = CachedEngine(runners["cachedrag-fp32"]).prompts.chat(chunks, "How do 
 ids = [t for s in segments for t in s.ids]
 
 print(f"{len(ids)}-token prompt, {runners['cachedrag-fp32'].threads} threads")
-print(f"{'runner':<16} {'numerics':<16} {'weights MB':>10} {'prefill tok/s':>14} {'decode ms/token':>16}")
+print(f"{'runner':<16} {'numerics':<20} {'weights MB':>10} {'prefill tok/s':>14} {'decode ms/token':>16}")
 for name, runner in runners.items():
     kv = runner.new_kv(len(ids) + args.tokens + 1)
     t0 = time.perf_counter()
@@ -48,7 +49,7 @@ for name, runner in runners.items():
     for step in range(args.tokens):
         token = int(runner.decode_step(token, len(ids) + step, kv).argmax())
     decode_ms = (time.perf_counter() - t1) / args.tokens * 1000
-    print(f"{name:<16} {runner.numerics.tag:<16} {runner.weight_bytes / 1e6:>10.0f} {len(ids) / prefill_s:>14.0f} "
+    print(f"{name:<16} {runner.numerics.tag:<20} {runner.weight_bytes / 1e6:>10.0f} {len(ids) / prefill_s:>14.0f} "
           f"{decode_ms:>16.1f}")
 
 print("\nagainst float32, teacher-forced on its greedy continuation:")

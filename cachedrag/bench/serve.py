@@ -6,7 +6,11 @@ RAG stream (the ``bench ttft`` workload: stdlib-docs chunks, exact top-k retriev
 MiniLM embedder) at each concurrency level with Poisson arrivals (``--rate`` requests/s; at
 most ``level`` requests in flight), streaming every answer through SSE, and reports per level:
 requests/s, output tokens/s, TTFT p50/p95, time per output token p50, chunk hit rate (from the
-server's Prometheus counters) and the ``cached_tokens`` share of prompt tokens. Then the
+server's Prometheus counters), the ``cached_tokens`` share of prompt tokens, the admission
+counters' shares (contested: the order had a choice; reordered: it overtook an older request)
+and output tokens/s over the level's busy window (all slots in flight, before the level
+drains). Configs d and e replay concurrency 1 once more at the end ("1w", the passages seen so
+far: a running service's steady state), beside the cold first level. Then the
 configurations' answers are compared with (b) (ROUGE-L, exact match) and, with ``--soak``,
 config (d) takes ``--soak-requests`` at ``--soak-concurrency`` with random client disconnects.
 
@@ -160,7 +164,8 @@ def _body(model: str, chunks: list[str], question: str, explicit: bool, max_toke
 async def _one(client, url: str, body: dict, disconnect_after: int | None = None) -> dict:
     """Stream one request; returns timings, text, usage (or what happened)."""
     t0 = time.perf_counter()
-    out = {"ttft_s": None, "text": "", "usage": None, "status": None, "disconnected": False}
+    out = {"ttft_s": None, "text": "", "usage": None, "status": None, "disconnected": False, "t_start": t0,
+           "delta_times": []}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
@@ -179,8 +184,10 @@ async def _one(client, url: str, body: dict, disconnect_after: int | None = None
             for choice in event.get("choices", ()):
                 piece = choice.get("delta", {}).get("content")
                 if piece:
+                    now = time.perf_counter()
+                    out["delta_times"].append(now)
                     if out["ttft_s"] is None:
-                        out["ttft_s"] = time.perf_counter() - t0
+                        out["ttft_s"] = now - t0
                     out["text"] += piece
                     deltas += 1
             if disconnect_after is not None and deltas >= disconnect_after:
@@ -213,7 +220,32 @@ async def _replay(url: str, bodies: list[dict], concurrency: int, rate: float, s
         return list(results), time.perf_counter() - start
 
 
-def _level_stats(results: list[dict], wall: float, before: str, after: str) -> dict:
+def _busy_window(results: list[dict], level: int) -> dict:
+    """Throughput while all ``level`` slots were busy: from the start of the ``level``-th request
+    (every slot filled) to the start of the last one (a slot is refilled as soon as a request
+    ends while others wait, so in between exactly ``level`` are in flight; after it the level
+    drains with fewer). With a dozen requests per level the drain is a large part of a high
+    level's wall time, so the whole-level figures understate what that concurrency sustains.
+    Tokens are counted by the share of each request's streamed deltas inside the window. (A
+    requests/s figure over the same window is biased low: the window opens when the level's
+    first requests start together, and none of them ends for a whole answer's time.)"""
+    ok = [r for r in results if r["status"] == 200 and r["usage"]]
+    starts = sorted(r["t_start"] for r in results)
+    if len(starts) <= level:
+        return {"busy_window_s": None, "busy_output_tokens_per_s": None}
+    lo, hi = starts[level - 1], starts[-1]
+    if hi - lo <= 0:
+        return {"busy_window_s": None, "busy_output_tokens_per_s": None}
+    tokens = 0.0
+    for r in ok:
+        times = r["delta_times"]
+        if times:
+            inside = sum(lo <= t < hi for t in times)
+            tokens += r["usage"]["completion_tokens"] * inside / len(times)
+    return {"busy_window_s": hi - lo, "busy_output_tokens_per_s": tokens / (hi - lo)}
+
+
+def _level_stats(results: list[dict], wall: float, before: str, after: str, level: int = 1) -> dict:
     """One level's figures from the clients' results and the server's /metrics before and after it."""
 
     def grew(name: str) -> float:
@@ -246,6 +278,7 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str) -> d
         "reordered_share": grew("cachedrag_reordered_admissions_total") / admitted if admitted else 0.0,
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
         "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
+        **_busy_window(results, level),
     }
 
 
@@ -309,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
                 res, wall = asyncio.run(_replay(server.url, bodies(explicit, lo, lo + args.requests, args.max_tokens),
                                                 conc, args.rate, args.seed + conc))
                 after = httpx.get(server.url + "/metrics").text
-                row = _level_stats(res, wall, before, after)
+                row = _level_stats(res, wall, before, after, conc)
                 results["configs"][name][str(level)] = row
                 texts[name][level] = [r["text"] for r in res]
                 print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
@@ -391,6 +424,10 @@ def _ratios(results: dict) -> None:
         if name in c and "8" in c[name] and "1" in c[name]:
             out[f"{name}_output_tokens_per_s_c8_vs_c1"] = (c[name]["8"]["output_tokens_per_s"]
                                                           / c[name]["1"]["output_tokens_per_s"])
+    for name in ("b", "d"):
+        if name in c and "8" in c[name] and "1" in c[name] and c[name]["8"].get("busy_output_tokens_per_s"):
+            out[f"{name}_busy_output_tokens_per_s_c8_vs_c1"] = (c[name]["8"]["busy_output_tokens_per_s"]
+                                                               / c[name]["1"]["busy_output_tokens_per_s"])
     if "d" in c and "8" in c["d"] and "1w" in c["d"]:  # against the warm concurrency-1 level (a stricter base)
         out["d_output_tokens_per_s_c8_vs_c1w"] = c["d"]["8"]["output_tokens_per_s"] / c["d"]["1w"]["output_tokens_per_s"]
     if "c" in c and "d" in c:
@@ -413,7 +450,8 @@ def _print(results: dict) -> None:
     cols = [("requests_per_s", "req/s"), ("output_tokens_per_s", "tok/s"), ("ttft_p50_s", "ttft50"),
             ("ttft_p95_s", "ttft95"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
             ("cached_tokens_share", "cached"), ("completion_tokens_mean", "tok/req"), ("decode_batch_mean", "batch"),
-            ("decode_step_s_mean", "step"), ("contested_share", "contest"), ("reordered_share", "reorder")]
+            ("decode_step_s_mean", "step"), ("contested_share", "contest"), ("reordered_share", "reorder"),
+            ("busy_output_tokens_per_s", "busy t/s")]
     print(f"\nserve: {results['config']['requests_per_level']} requests per level, max_tokens "
           f"{results['config']['max_tokens']}, {results['config']['model']}")
     print(f"{'config':>8} {'conc':>5} " + " ".join(f"{h:>8}" for _, h in cols))

@@ -27,7 +27,7 @@ from cachedrag.errors import ConfigError, ContextWindowError, UnsupportedModelEr
 from cachedrag.model.linear import gated_mlp, linear, reference_linear
 from cachedrag.model.loader import check_architecture
 from cachedrag.model.rope import Rotary, rotate_half
-from cachedrag.model.weights import DTYPES, LayerWeights, Numerics, PackedLinear, dtype_name, packable
+from cachedrag.model.weights import DTYPES, QUANTIZED, LayerWeights, Numerics, PackedLinear, dtype_name, packable
 
 _ATTN_BLOCK = 256  # query rows per block when attention weights are materialised for metadata
 
@@ -36,7 +36,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     """LlamaRMSNorm's arithmetic (float32 inside, weight applied in the input dtype). In float32
     ``F.rms_norm`` computes the same values in one fused op (bitwise equal, ~30% faster on one row,
     measured, torch 2.13); for bf16 it rounds differently from HF (weight applied in float32), so
-    the HF arithmetic is spelled out."""
+    the HF arithmetic is spelled out (``F.rms_norm`` without a weight on the float32 row, then
+    rounding and the weight, is bitwise equal with half the ops, but no faster inside a decode
+    step: measured, docs/speed.md)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # [T, Dm]
     xf = x.float()  # [T, Dm]
@@ -93,12 +95,12 @@ class ModelRunner:
         and torch elsewhere; ``"torch"`` / ``"triton"`` force one (``"triton"`` on CPU needs
         ``TRITON_INTERPRET=1``; used by the equivalence tests).
 
-        ``dtype`` (``"float32"``/``"bfloat16"``, default: the model's), ``weights`` (``"dense"`` or
-        ``"int8"`` weight-only, which computes in bfloat16) and ``kv_store_dtype`` (dtype of chunk
+        ``dtype`` (``"float32"``/``"bfloat16"``, default: the model's), ``weights`` (``"dense"``,
+        ``"int8"`` or ``"int4"`` weight-only, both computing in bfloat16) and ``kv_store_dtype`` (dtype of chunk
         caches handed to stores; default ``dtype``) form ``self.numerics`` (``model/weights.py``);
         the model is cast to ``dtype`` in place when it differs. ``fast``: projections run on fused
         weights in the fastest CPU layout of the format (``LayerWeights``); False runs the HF
-        modules' own weights (the reference path; int8 needs ``fast``). ``skinny_linear`` (only
+        modules' own weights (the reference path; int8/int4 need ``fast``). ``skinny_linear`` (only
         without ``fast``): few-row projections take the ``W @ x^T`` layout (``model/linear.py``).
         ``threads``: torch's intra-op thread count for this process (default: the cores this
         process may run on, see ``default_threads``); set once here, never more than the cores.
@@ -114,12 +116,15 @@ class ModelRunner:
             check_architecture([type(model).__name__], type(model).__name__)
         param = next(model.parameters())
         try:
-            self.numerics = Numerics(dtype=dtype if dtype is not None or weights == "int8" else param.dtype,
+            self.numerics = Numerics(dtype=dtype if dtype is not None or weights in QUANTIZED else param.dtype,
                                      weights=weights, kv_store_dtype=kv_store_dtype)
         except ValidationError as exc:
             raise ConfigError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from exc
-        if weights == "int8" and not fast:
-            raise ConfigError("int8 weights run on the fast path only (fast=True)")
+        if weights in QUANTIZED and not fast:
+            raise ConfigError(f"{weights} weights run on the fast path only (fast=True)")
+        fast_weights = None
+        if fast and packable(model) and self.numerics.weights == "int4":  # quantise the weights as loaded (fp32
+            fast_weights = self._fast_weights(model)  # from the GGUF: its Q4_1 levels), before the cast below
         if param.dtype != self.numerics.torch_dtype:
             model.to(self.numerics.torch_dtype)
         self.threads = set_threads(threads)
@@ -146,11 +151,24 @@ class ModelRunner:
         self.fast_layers: list[LayerWeights] | None = None
         self.fast_head: PackedLinear | None = None
         if fast and packable(model):
-            self.fast_layers = [LayerWeights(layer, self.numerics) for layer in self.layers]
+            self.fast_layers, self.fast_head = fast_weights or self._fast_weights(model)
+        elif weights in QUANTIZED:
+            raise UnsupportedModelError(f"{weights} weights need Llama-family linear projections in every layer")
+
+    def _fast_weights(self, model) -> tuple[list[LayerWeights], PackedLinear]:
+        """Every layer's fused projections and the LM head in the numerics' fast layout. With int4
+        weights the LM head stays bf16: the default GGUF keeps it (the tied embedding) at Q8_0, and
+        int4 there moved the next-token distribution ~25x more than int4 projections did
+        (teacher-forced KL vs fp32 0.045 vs 0.0018 nats, docs/speed.md) for 2.3 ms per token."""
+        try:
+            layers = [LayerWeights(layer, self.numerics) for layer in model.model.layers]
             head = model.lm_head
-            self.fast_head = PackedLinear(head.weight, getattr(head, "bias", None), self.numerics)
-        elif weights == "int8":
-            raise UnsupportedModelError("int8 weights need Llama-family linear projections in every layer")
+            head_numerics = self.numerics
+            if self.numerics.weights == "int4":
+                head_numerics = self.numerics.model_copy(update={"weights": "dense"})
+            return layers, PackedLinear(head.weight, getattr(head, "bias", None), head_numerics)
+        except ValueError as exc:  # a shape the weight format cannot take (int4 groups)
+            raise UnsupportedModelError(str(exc)) from exc
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype=None, weights: str = "dense",
@@ -160,8 +178,9 @@ class ModelRunner:
         run one representative prefill and decode now so the first request pays no one-time cost."""
         from cachedrag.model.loader import load_model
 
-        name = dtype_name(dtype) if dtype is not None else ("bfloat16" if weights == "int8" else "float32")
-        model, tokenizer = load_model(name_or_path, dtype=DTYPES[name], device=device)
+        name = dtype_name(dtype) if dtype is not None else ("bfloat16" if weights in QUANTIZED else "float32")
+        load_dtype = DTYPES["float32"] if weights == "int4" else DTYPES[name]  # int4 quantises the fp32 values
+        model, tokenizer = load_model(name_or_path, dtype=load_dtype, device=device)
         runner = cls(model, tokenizer, dtype=name, weights=weights, kv_store_dtype=kv_store_dtype, threads=threads,
                      **kwargs)
         if warmup:
@@ -453,9 +472,14 @@ class ModelRunner:
         """``forward_layer`` for one token at ``position`` with half the ops: fused RMSNorm, q and k
         rotated in one pass, the K/V row written by index, and no mask (every row ``<= position``
         is visible; a sliding window becomes a slice). Equal to ``forward_layer`` to float rounding
-        (tests); per-op overhead, not arithmetic, dominates a decode step of a small model."""
+        (tests); per-op overhead, not arithmetic, dominates a decode step of a small model.
+
+        Attention is SDPA with ``enable_gqa``. Grouping the G = H_q / H_kv query heads as G query
+        rows of one call against their KV head (each K/V row read once) is 1.8x faster in isolation
+        in fp32 but was slower inside a decode step (fp32 40.2 vs 39.2 ms, bf16 31.6 vs 30.5 ms:
+        3 heads split worse over 2 threads than 9); a roll+addcmul RoPE and a 4-op bf16 RMSNorm were
+        no faster either (exclusive probes, docs/speed.md)."""
         layer, lw = self.layers[i], self.fast_layers[i]
-        dm = hidden.shape[-1]
         ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
         x = _rms_norm(hidden, ln1.weight, ln1.variance_epsilon)  # [1, Dm]
         qkv = lw.qkv(x)[0]  # [Oq + 2*Okv]

@@ -18,6 +18,17 @@ projections of SmolLM2-135M for one token, ``docs/speed.md``):
   not used: on the CPU in eager mode it dequantises the whole weight on every call, so it reads
   more bytes than bf16, and its compiled form needs a minutes-long inductor compile per model.
   The quantisation itself is three lines (absmax per row / 127), kept here.
+- ``int4`` weight-only (group-wise asymmetric, groups of ``INT4_GROUP`` = 32 input columns, bf16
+  scale and zero per group): PyTorch's ``_weight_int4pack_mm_for_cpu`` kernel (what torchao's
+  Int4 CPU layout calls) for few rows: all 121 matmuls of one decode step in 4.9 ms against
+  11.4 ms for int8 and 15.5 ms for bf16 (2 threads). Its packed layout is private and the kernel
+  is ~13x slower than oneDNN for many rows, so prefill runs oneDNN's bf16 matmul on the
+  dequantised weights (kept packed beside the int4 ones: int4 is a decode-speed format, not a
+  memory saving). The default GGUF is Q4_1 (blocks of 32 with a scale and a minimum), so its
+  dequantised weights take at most 16 levels per group of 32: min/max quantisation recovers
+  them up to the rounding of scale and zero to bf16. The group quantisation is kept here (a few
+  lines); torchao's ``Int4WeightOnlyConfig`` wraps the same kernel in a tensor subclass. The
+  runner keeps the LM head in bf16 for int4 (``ModelRunner._fast_weights``).
 
 Does not own: which layers exist or the attention (``runner.py``).
 """
@@ -31,8 +42,12 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT8_KERNEL_ROWS = 16  # up to this many rows, the int8 kernel; above, dequantise + bf16 matmul
+INT4_KERNEL_ROWS = 16  # up to this many rows, the int4 kernel; above, oneDNN bf16 on the dequantised weight
+INT4_GROUP = 32  # input columns per int4 scale/zero group (= llama.cpp's Q4_1 block)
+_INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel wants a multiple of 16 output rows (padded with zero rows)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZED = ("int8", "int4")
 _ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "bf16": "bfloat16"}
 
 
@@ -55,8 +70,9 @@ class Numerics(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="activations, working KV and dense weights")
-    weights: Literal["dense", "int8"] = Field(
-        "dense", description="dense: weights in `dtype`; int8: int8 weight-only with per-channel scales (needs bfloat16)")
+    weights: Literal["dense", "int8", "int4"] = Field(
+        "dense", description="dense: weights in `dtype`; int8: int8 weight-only with per-channel scales; "
+        "int4: int4 weight-only, groups of 32 with scale and zero (both quantised formats need bfloat16)")
     kv_store_dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="dtype of chunk caches handed to the store (None: `dtype`); bfloat16 halves tier bytes")
 
@@ -66,7 +82,7 @@ class Numerics(BaseModel):
         if isinstance(data, dict):
             data = dict(data)
             if data.get("dtype") is None:
-                data["dtype"] = "bfloat16" if data.get("weights") == "int8" else "float32"
+                data["dtype"] = "bfloat16" if data.get("weights") in QUANTIZED else "float32"
             else:
                 data["dtype"] = dtype_name(data["dtype"])
             if data.get("kv_store_dtype") is not None:
@@ -74,10 +90,10 @@ class Numerics(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _int8_needs_bf16(self):
-        if self.weights == "int8" and self.dtype != "bfloat16":
-            raise ValueError("int8 weights compute with bfloat16 activations (the CPU int8 kernel is ~5x slower "
-                             "with float32 ones); use dtype='bfloat16'")
+    def _quantized_needs_bf16(self):
+        if self.weights in QUANTIZED and self.dtype != "bfloat16":
+            raise ValueError(f"{self.weights} weights compute with bfloat16 activations (the CPU {self.weights} kernel "
+                             "is 5-30x slower with float32 ones); use dtype='bfloat16'")
         return self
 
     @property
@@ -91,7 +107,7 @@ class Numerics(BaseModel):
     @property
     def tag(self) -> str:
         """The namespace's dtype field: caches of other numerics never serve this runner."""
-        tag = self.dtype + ("+int8w" if self.weights == "int8" else "")
+        tag = self.dtype + {"dense": "", "int8": "+int8w", "int4": f"+int4w-g{INT4_GROUP}"}[self.weights]
         if self.kv_store_dtype and self.kv_store_dtype != self.dtype:
             tag += f"+kv-{self.kv_store_dtype}"
         return tag
@@ -115,14 +131,40 @@ class PackedLinear:
             self.scale = scale.to(numerics.torch_dtype)  # [O]
             self.weight = None
             self.kind = "int8"
+        elif numerics.weights == "int4":
+            self._quantize_int4(weight)
         elif numerics.dtype == "bfloat16" and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)  # oneDNN blocked layout
             self.kind = "mkldnn"
 
+    def _quantize_int4(self, weight: torch.Tensor) -> None:
+        """Group-wise asymmetric int4: per group of ``INT4_GROUP`` input columns, ``w = (q - 8) * scale + zero``
+        with ``q`` in 0..15 (the kernel's convention); scale and zero are rounded to bf16 first and ``q``
+        chosen against the rounded values."""
+        out_f, in_f = weight.shape
+        if in_f % INT4_GROUP:
+            raise ValueError(f"int4 weights need input sizes divisible by {INT4_GROUP}, got a [{out_f}, {in_f}] weight")
+        pad = -out_f % _INT4_ROW_MULTIPLE
+        w = F.pad(weight.float(), (0, 0, 0, pad)).view(out_f + pad, in_f // INT4_GROUP, INT4_GROUP)  # [O', G, g]
+        lo, hi = w.amin(-1), w.amax(-1)  # [O', G]
+        scale = ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16).float()  # [O', G]
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()  # [O', G]
+        q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)  # [O', G, g]
+        self.int4_scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, O', 2]
+        self.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.view(out_f + pad, in_f).to(torch.int32), 1)  # [O', I/2] uint8, the kernel's private layout
+        self.weight = ((q - 8) * scale[..., None] + zero[..., None]).view(out_f + pad, in_f)[:out_f].to(
+            torch.bfloat16).contiguous()  # [O, I] dequantised: what the kernel computes with
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)  # prefill: oneDNN on the same values
+        self.kind = "int4"
+
     @property
     def nbytes(self) -> int:
+        """Bytes a few-row (decode) call reads."""
         if self.kind == "int8":
             return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+        if self.kind == "int4":
+            return self.int4_packed.numel() + self.int4_scale_zero.numel() * self.int4_scale_zero.element_size()
         return self.weight.numel() * self.weight.element_size()
 
     def dequantized(self) -> torch.Tensor:
@@ -143,6 +185,16 @@ class PackedLinear:
                     out = out + self.bias
                 return out.reshape(*x.shape[:-1], self.out_features)
             return F.linear(x, self.dequantized(), self.bias)
+        if self.kind == "int4":
+            rows = x.numel() // x.shape[-1]
+            if 0 < rows <= INT4_KERNEL_ROWS:
+                flat = x.reshape(rows, x.shape[-1])  # [N, I]
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.int4_packed, INT4_GROUP,
+                                                                 self.int4_scale_zero)[:, :self.out_features]  # [N, O]
+                if self.bias is not None:
+                    out = out + self.bias
+                return out.reshape(*x.shape[:-1], self.out_features)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cachedrag.errors import ConfigError
+from cachedrag.errors import ConfigError, UnsupportedModelError
 from cachedrag.model.runner import ModelRunner, default_threads, set_threads
 from cachedrag.model.weights import Numerics, PackedLinear
 from cachedrag.testing import TINY_ARCHITECTURES, byte_tokenizer, tiny_model
@@ -25,8 +25,12 @@ def test_numerics_names_and_validation():
     assert Numerics(weights="int8").dtype == "bfloat16"  # int8 computes in bf16 by default
     assert Numerics(weights="int8").tag == "bfloat16+int8w"
     assert Numerics(dtype="float32", kv_store_dtype="bf16").tag == "float32+kv-bfloat16"
+    assert Numerics(weights="int4").tag == "bfloat16+int4w-g32"  # the group size is part of the numerics
+    assert len({Numerics(weights=w).tag for w in ("dense", "int8", "int4")}) == 3
     with pytest.raises(ValueError, match="bfloat16"):
         Numerics(dtype="float32", weights="int8")
+    with pytest.raises(ValueError, match="bfloat16"):
+        Numerics(dtype="float32", weights="int4")
     with pytest.raises(ValueError, match="unsupported dtype"):
         Numerics(dtype="float16")
 
@@ -62,6 +66,48 @@ def test_packed_linear_formats_equal_f_linear(rows, bias):
     torch.testing.assert_close(int8(x.bfloat16()).float(), deq, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("out_features", [48, 40])  # 40: not a multiple of 16, the kernel's rows are padded
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_kernel_equals_its_dequantised_weight(rows, out_features, bias):
+    """The int4 kernel (decode rows) and the oneDNN path (prefill rows) compute with the same weight:
+    ``dequantized()``, within a group's half step of the original."""
+    torch.manual_seed(0)
+    w = torch.randn(out_features, 64) * 0.1  # [O, I]
+    b = torch.randn(out_features) if bias else None
+    x = torch.randn(rows, 64).bfloat16()
+    int4 = PackedLinear(w, b, Numerics(weights="int4"))
+    assert int4.kind == "int4" and int4.int4_packed.dtype == torch.uint8
+    assert int4.nbytes < w.numel()  # ~0.56 bytes per weight read per decode step
+    deq = int4.dequantized().float()  # [O, I]
+    step = (w.view(out_features, 2, 32).amax(-1) - w.view(out_features, 2, 32).amin(-1)) / 15  # [O, G]
+    assert ((deq - w).abs().view(out_features, 2, 32) <= step[..., None] * 0.52 + 1e-3).all()
+    want = F.linear(x.float(), deq, b.bfloat16().float() if bias else None)
+    got = int4(x).float()
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_int4_recovers_weights_that_have_16_levels_per_group():
+    """Weights dequantised from a Q4_1-like format (16 levels per group of 32) come back exactly
+    when scale and minimum are bf16 values: the default GGUF is Q4_1, so int4 loses ~nothing there."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (32, 4, 32), generator=g).float()  # [O, G, g]
+    q[..., 0], q[..., 1] = 0, 15  # every group spans its full range
+    scale = 2.0 ** torch.randint(-8, -3, (32, 4, 1), generator=g).float()  # [O, G, 1]
+    low = torch.randint(-64, 0, (32, 4, 1), generator=g).float() / 256  # [O, G, 1]
+    w = (q * scale + low).view(32, 128)  # [O, I]
+    int4 = PackedLinear(w, None, Numerics(weights="int4"))
+    assert torch.equal(int4.dequantized().float(), w)
+
+
+def test_int4_refuses_input_sizes_off_the_group():
+    tok = byte_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok), hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    with pytest.raises(UnsupportedModelError, match="divisible by 32"):
+        ModelRunner(model, tok, weights="int4")
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_fast_runner_equals_reference_prefill_and_decode(arch):
     """Fused fp32 weights and the one-token decode path equal the HF modules' forward (fp32 rounding)."""
@@ -83,7 +129,7 @@ def test_fused_dense_weights_share_storage_with_the_hf_modules():
     assert attn.q_proj.weight.data_ptr() == fast.fast_layers[0].qkv.weight.data_ptr()
 
 
-@pytest.mark.parametrize("weights", ["dense", "int8"])
+@pytest.mark.parametrize("weights", ["dense", "int8", "int4"])
 def test_bf16_and_int8_runners_track_the_fp32_reference(weights):
     """Same random model in bf16 (and int8 weights): logits close to fp32's, relative to their spread."""
     tok = byte_tokenizer()
@@ -100,6 +146,21 @@ def test_bf16_and_int8_runners_track_the_fp32_reference(weights):
     assert (step_l - step_r).abs().max() < 0.1 * step_r.std() + 0.05
 
 
+@pytest.mark.parametrize("weights", ["dense", "int8", "int4"])
+def test_low_precision_decode_equals_its_own_prefill(weights):
+    """Within one numerics, the one-token decode path (kernel rows) equals a prefill of the same tokens
+    (oneDNN rows on the same weights): decode adds no error of its own."""
+    tok = byte_tokenizer()
+    runner = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, dtype="bfloat16", weights=weights)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2))
+    want = runner.prefill(ids, kv=runner.new_kv(40), all_logits=True)  # [40, V]
+    kv = runner.new_kv(40)
+    runner.prefill(ids[:36], kv=kv)
+    for pos in range(36, 40):
+        got = runner.decode_step(int(ids[pos]), pos, kv)
+        assert (got - want[pos]).abs().max() < 0.05 * want[pos].std() + 0.05
+
+
 def test_threads_setting():
     before = torch.get_num_threads()
     try:
@@ -114,3 +175,25 @@ def test_warmup_runs_a_prefill_and_decode():
     fast, _ = _pair("llama")
     seconds = fast.warmup(prompt_tokens=32, decode_steps=2)
     assert seconds > 0
+
+
+def test_weight_format_is_part_of_the_chunk_cache_namespace():
+    """Caches computed with int4 (or int8) weights never serve a runner of another format of the same model."""
+    from cachedrag.engine import CachedEngine
+
+    tok = byte_tokenizer()
+    digests = {}
+    for weights in ("dense", "int8", "int4"):
+        engine = CachedEngine(ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, dtype="bfloat16", weights=weights))
+        assert engine.model_namespace.dtype == engine.runner.numerics.tag
+        digests[weights] = engine.model_namespace.digest
+    assert "int4w-g32" in Numerics(weights="int4").tag
+    assert len(set(digests.values())) == 3
+
+
+def test_int4_runner_keeps_the_lm_head_in_bf16():
+    tok = byte_tokenizer()
+    runner = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, weights="int4")
+    assert runner.numerics.tag == "bfloat16+int4w-g32"
+    assert {lw.qkv.kind for lw in runner.fast_layers} == {"int4"}
+    assert runner.fast_head.kind in ("mkldnn", "dense") and runner.fast_head.weight.dtype == torch.bfloat16

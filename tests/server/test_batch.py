@@ -217,3 +217,24 @@ def test_chunked_prefill_interleaves_decode_steps_and_keeps_the_tokens():
     assert len(outputs[1][0]) == 30  # a (random tiny model: no EOS) was still decoding while b prefilled
     # a's decode steps ran inside b's prefill: one after each layer but the last (budget 1 token)
     assert outputs[1][2] == n_layers - 1
+
+
+@pytest.mark.slow
+def test_batched_step_on_the_default_model_equals_decode_step(default_runner):
+    """The real model through the packed float32 weights (5 rows) and the runner's own (2 rows)."""
+    runner = default_runner
+    prompts = [torch.randint(10, 40000, (n,), generator=torch.Generator().manual_seed(n)) for n in (40, 75, 9, 60, 23)]
+    for rows in (5, 2):
+        kv_a = [runner.new_kv(len(p) + 4) for p in prompts[:rows]]
+        kv_b = [runner.new_kv(len(p) + 4) for p in prompts[:rows]]
+        tokens = []
+        for p, a, b in zip(prompts, kv_a, kv_b):
+            tokens.append(int(runner.prefill(p, kv=a).argmax()))
+            runner.prefill(p, kv=b)
+        positions = [len(p) for p in prompts[:rows]]
+        for _ in range(3):
+            batched = batched_decode_step(runner, tokens, positions, kv_a)  # [B, V]
+            single = torch.stack([runner.decode_step(t, pos, kv) for t, pos, kv in zip(tokens, positions, kv_b)])
+            torch.testing.assert_close(batched, single, rtol=1e-3, atol=1e-3)
+            assert batched.argmax(-1).tolist() == single.argmax(-1).tolist()
+            tokens, positions = batched.argmax(-1).tolist(), [p + 1 for p in positions]
