@@ -18,6 +18,7 @@ tiers (``cachedrag.store``), prompt layout (``cachedrag.prompt``), or sampling
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -96,6 +97,27 @@ class _Prefill:
     kv: KVBuffer
     logits: torch.Tensor  # [V]
     info: dict
+    hand_off: Callable[[], None] | None = None  # deferred store hand-off (``_prefill(defer_store=True)``)
+
+
+@dataclass
+class _HandOff:
+    """What a request computed fresh, kept until it is handed to the cache manager: raw K of the
+    fresh rows (captured during the prefill; it cannot be recovered exactly later) and, for the
+    chunks' attention metadata, the fresh rows' queries at the metadata layers. V and rotated K
+    are read from the request's KV buffer, whose prompt rows no later step writes."""
+
+    actions: list
+    fresh_pos: list[int]
+    fresh_t: torch.Tensor  # [Tf] absolute positions of the fresh tokens
+    raw_k: torch.Tensor  # [L, H_kv, Tf, D] pre-RoPE keys of the fresh tokens (store dtype)
+    kv: KVBuffer
+    total: int
+    meta_q: list[tuple[int, torch.Tensor]]  # (metadata layer, rotated queries [H_q, Tf, D] of the fresh rows)
+    bounds: list[int]
+    n_system: int
+    chunk_seg: list[int]
+    capture: bool
 
 
 @dataclass
@@ -289,11 +311,11 @@ class CachedEngine:
 
     def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder,
              teacher: Sequence[int] | None = None):
-        pre = self._prefill(segments, mode, params.max_new_tokens)
+        pre = self._prefill(segments, mode, params.max_new_tokens, defer_store=True)
         prompt_tokens = pre.info["prompt_tokens"]
         lookup = prompt_lookup(self.config.lookup, [t for s in segments for t in s.ids], params.temperature == 0.0)
         yield from stream_tokens(self.runner, pre.kv, pre.logits, prompt_tokens, params, self.eos_ids, start, holder,
-                                 lookup)
+                                 lookup, after_first=pre.hand_off)  # the store hand-off waits for the first token
         g = holder.last_result
         info = pre.info
         holder.result = EngineResult(
@@ -320,7 +342,11 @@ class CachedEngine:
 
     @torch.inference_mode()
     def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False,
-                 between_layers: Callable[[int, int], None] | None = None) -> _Prefill:
+                 between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False) -> _Prefill:
+        """Plan, load and prefill. What the request computed fresh is handed to the cache
+        manager (``_HandOff``: metadata, entry copies, store writes) before returning, or with
+        ``defer_store`` left in ``pre.hand_off`` for the caller to run once the first token is
+        out (``_run``): the KV rows and queries it reads stay untouched until then."""
         runner = self.runner
         first_chunk = next((i for i, s in enumerate(segments) if s.kind == "chunk"), None)
         last_chunk = max((i for i, s in enumerate(segments) if s.kind == "chunk"), default=None)
@@ -355,16 +381,20 @@ class CachedEngine:
             force_fresh: frozenset[int] = frozenset()
             while True:  # a cached entry that fails mid-load (corrupt, lost) is recomputed: restart once per failure
                 try:
-                    pre, new_entries = self._execute(plan, segments, context, mode, max_new_tokens, all_logits,
-                                                     force_fresh, between_layers)
+                    pre, hand_off = self._execute(plan, segments, context, mode, max_new_tokens, all_logits,
+                                                  force_fresh, between_layers)
                     break
                 except _LoadFailed as failed:
                     force_fresh = force_fresh | {failed.segment}
             used = True
         finally:
             self.manager.release(plan, used=used)
-        if new_entries:
-            self.manager.admit(plan, [s.key for s in context], new_entries)
+        if hand_off is not None:
+            run = functools.partial(self._hand_off, plan, [s.key for s in context], hand_off)
+            if defer_store:
+                pre.hand_off = run
+            else:
+                run()
         if self._layerwise:
             self.manager.prefetch(plan)  # promote what this request reused (background; layer loads do not promote)
         pre.info["chunk_order"] = chunk_order
@@ -524,9 +554,10 @@ class CachedEngine:
         if store_new and fresh_pos:
             raw_k = torch.empty(runner.n_layers, runner.n_kv_heads, len(fresh_pos), runner.head_dim,
                                 dtype=self._store_dtype, device=device)  # [L, H_kv, Tf, D]
-        fresh_mass = None
+        meta_q: list[tuple[int, torch.Tensor]] = []  # metadata layers' fresh queries, for the hand-off
         fresh_chunk_rows = capture and any(
             actions[i] is Action.FRESH for i in chunk_seg)
+        fresh_rows, rows_of = None, None  # rows of the fresh tokens in the compute set, for ``rows_of``
         tracker = None
         if (mode in (Mode.CACHEDRAG, Mode.RANDOM) and self.config.early_termination and (recompute_pos or deferred)
                 and len(chunk_seg) > 1):
@@ -558,13 +589,12 @@ class CachedEngine:
                 if dense_pos and layer == dense_layers - 1 and layer + 1 < runner.n_layers:  # the unchosen stop here
                     keep = torch.tensor([p not in dense_pos for p in positions.tolist()], device=device)  # [Tc]
                     positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
-                if raw_k is not None or fresh_chunk_rows:
-                    fresh_idx = torch.searchsorted(positions, fresh_t)  # [Tf] rows of fresh tokens in the compute set
+                if raw_k is not None and rows_of is not positions:  # fresh tokens are never dropped
+                    fresh_rows, rows_of = _rows(positions, fresh_t), positions
                 if raw_k is not None:
-                    raw_k[layer] = raw["k"][:, fresh_idx]  # [H_kv, Tf, D]
-                if fresh_chunk_rows and layer in self.metadata_layers:
-                    m = runner.segment_attention_mass(layer, raw["q"][:, fresh_idx], fresh_t, kv, total, bounds)  # [Tf, S]
-                    fresh_mass = m if fresh_mass is None else fresh_mass + m
+                    raw_k[layer] = raw["k"][:, fresh_rows]  # [H_kv, Tf, D]
+                if raw_k is not None and fresh_chunk_rows and layer in self.metadata_layers:
+                    meta_q.append((layer, raw["q"][:, fresh_rows]))  # [H_q, Tf, D] (a view when the rows are a range)
                 if tracker is not None and tracker.decision is None:
                     q_rows = torch.arange(positions.shape[0] - len(question_pos), positions.shape[0], device=device)
                     qm = runner.segment_attention_mass(layer, raw["q"][:, q_rows], positions[q_rows], kv, total, bounds)
@@ -596,11 +626,12 @@ class CachedEngine:
         prefill_s = time.perf_counter() - t_prefill - paused
         self._observe_prefill(prefill_s, token_layers)
 
-        # 4. what to store: raw K + V of fresh segments, metadata for fresh chunks
-        new_entries = []
+        # 4. what to store (raw K + V of fresh segments, metadata for fresh chunks): ``_hand_off``,
+        #    run by ``_prefill`` or, for a generation, once its first token is out
+        hand_off = None
         if raw_k is not None:
-            new_entries = self._new_entries(plan, actions, context, fresh_pos, raw_k, kv, fresh_mass, bounds,
-                                            n_system, chunk_seg, capture)
+            hand_off = _HandOff(actions, fresh_pos, fresh_t, raw_k, kv, total, meta_q, bounds, n_system, chunk_seg,
+                                capture)
         # truthful reuse: only tokens that reached the last layer were computed; the rest of the
         # prompt was served from cache (some of it probed at the lower layers: "checked")
         full_depth = set(positions.tolist())
@@ -637,7 +668,7 @@ class CachedEngine:
             "token_choice": used_choice,
             "approximations": approximations,
         }
-        return _Prefill(kv, logits, info), new_entries
+        return _Prefill(kv, logits, info), hand_off
 
     def _choose_deviating(self, layer: int, hidden, positions, rope, kv: KVBuffer, plan, deferred: dict[int, int],
                           probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int],
@@ -803,11 +834,24 @@ class CachedEngine:
         v = entry.tensors["v"].to(self.runner.device, non_blocking=True)  # [L, H_kv, T, D]
         self.runner.write_rotated(kv, k, v, start)
 
-    def _new_entries(self, plan, actions, context, fresh_pos, raw_k, kv, fresh_mass, bounds, n_system, chunk_seg,
+    def _hand_off(self, plan, keys: list[str], h: _HandOff) -> None:
+        """Store what the request computed fresh: the chunks' attention metadata (segment masses of
+        the fresh rows' queries at the metadata layers, against the buffer's keys: the same values
+        as inside the layer loop, since a layer's K rows are final once it ran), the entries' copies
+        and the manager's admission. Off the first token's path when deferred (``_run``)."""
+        fresh_mass = None
+        for layer, q in h.meta_q:
+            m = self.runner.segment_attention_mass(layer, q, h.fresh_t, h.kv, h.total, h.bounds)  # [Tf, S]
+            fresh_mass = m if fresh_mass is None else fresh_mass + m
+        new_entries = self._new_entries(plan, h.actions, keys, h.raw_k, h.kv, fresh_mass, h.n_system, h.chunk_seg,
+                                        h.capture)
+        if new_entries:
+            self.manager.admit(plan, keys, new_entries)
+
+    def _new_entries(self, plan, actions, keys, raw_k, kv, fresh_mass, n_system, chunk_seg,
                      capture) -> list[NewEntry]:
         from cachedrag.store.entry import KVEntry
 
-        keys = [s.key for s in context]
         offset = 0
         out = []
         row_of = {}
@@ -841,6 +885,17 @@ class CachedEngine:
             prefix_keys=tuple(keys[j] for j in prior), inter=inter, intra=float(intra_t.mean()),
             token_inter=token_inter,
         )
+
+
+def _rows(positions: torch.Tensor, wanted: torch.Tensor) -> slice | torch.Tensor:
+    """Rows of the sorted ``wanted`` positions ``[Tw]`` in the sorted ``positions`` ``[Tc]`` (all present):
+    a slice when they are consecutive rows (a miss: the fresh tokens lead the compute set), so
+    reading them is a view, not a gather; else the row indices ``[Tw]``."""
+    idx = torch.searchsorted(positions, wanted)  # [Tw]
+    n = idx.shape[0]
+    if n and int(idx[-1]) - int(idx[0]) == n - 1:
+        return slice(int(idx[0]), int(idx[0]) + n)
+    return idx
 
 
 def _pick(scores: torch.Tensor, count: int, sink: int) -> list[int]:

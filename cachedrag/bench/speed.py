@@ -184,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
         prompts = [[t for seg in probe.prompts.chat(work.retrieved[i], work.questions[i], SYSTEM_PROMPT) for t in seg.ids]
                    for i in range(min(args.fidelity_prompts, len(work.questions)))]
         results["fidelity"] = dtype_fidelity(runners, prompts, args.fidelity_tokens)
-    results["miss_ratio"], miss_detail = _miss_ratio(runners["cachedrag-fp32"], work, args.rounds + 2)
-    results["miss"] = miss_detail
+    misses = {name: _miss_ratio(r, work, 2 * args.rounds + 2)[1] for name, r in runners.items()
+              if name in systems or name == "cachedrag-fp32"}
+    results["miss_ratio"], results["miss"] = misses["cachedrag-fp32"]["ratio"], misses["cachedrag-fp32"]
+    results["miss_by_system"] = misses
     results["end_to_end"] = _end_to_end(runners, work, results["systems"], args.stream)
     results["first_request_ratio"] = None
     if not args.skip_first_request:
@@ -242,21 +244,29 @@ def dtype_fidelity(runners: dict, prompts: list[list[int]], tokens: int) -> dict
 
 
 def _miss_ratio(runner, work, n: int):
-    """TTFT of a request whose chunks are all new (a fresh engine: nothing cached) over ``full``."""
+    """TTFT of a request whose chunks are all new (a fresh engine: nothing cached) over ``full``'s
+    on the same prompt, ``n`` pairs, the order alternating within a pair (medians). Also the
+    medians of total time with one token (``total_ratio``): a generation hands its fresh chunks to
+    the store after the first token, so that work shows there, not in TTFT."""
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
 
     full = CachedEngine(runner, config=EngineConfig(mode="full"))
-    miss, base = [], []
+    miss, base, miss_total, base_total = [], [], [], []
+    hits = 0  # chunks a "miss" found cached: 0 unless the stream repeats a chunk within one prompt
     for i in range(n):
         chunks, q = work.retrieved[i % len(work.retrieved)], work.questions[i % len(work.questions)]
         cold = CachedEngine(runner, config=EngineConfig(mode="cachedrag"))
-        m = cold.generate(chunks, q, SYSTEM_PROMPT, max_new_tokens=1)
-        b = full.generate(chunks, q, SYSTEM_PROMPT, max_new_tokens=1)
-        miss.append(m.ttft_s)
-        base.append(b.ttft_s)
-    detail = {"miss_ttft_s": _median(miss), "full_ttft_s": _median(base), "requests": n}
-    return detail["miss_ttft_s"] / detail["full_ttft_s"], detail
+        for which in (("miss", "full") if i % 2 == 0 else ("full", "miss")):
+            r = (cold if which == "miss" else full).generate(chunks, q, SYSTEM_PROMPT, max_new_tokens=1)
+            hits += r.chunks_hit if which == "miss" else 0
+            (miss if which == "miss" else base).append(r.ttft_s)
+            (miss_total if which == "miss" else base_total).append(r.total_s)
+    detail = {"miss_ttft_s": _median(miss), "full_ttft_s": _median(base), "requests": n,
+              "miss_total_s": _median(miss_total), "full_total_s": _median(base_total), "chunks_hit": hits}
+    detail["ratio"] = detail["miss_ttft_s"] / detail["full_ttft_s"]
+    detail["total_ratio"] = detail["miss_total_s"] / detail["full_total_s"]
+    return detail["ratio"], detail
 
 
 def _end_to_end(runners, work, systems: dict, n: int) -> dict:
@@ -350,6 +360,9 @@ def _targets(results: dict) -> dict:
         out["first request <= 1.1x"] = {"ratio": results["first_request_ratio"],
                                         "met": results["first_request_ratio"] <= 1.1}
     out["miss <= 1.05x full"] = {"ratio": results["miss_ratio"], "met": results["miss_ratio"] <= 1.05}
+    for name, m in results.get("miss_by_system", {}).items():
+        if name != "cachedrag-fp32":
+            out[f"miss <= 1.05x full ({name})"] = {"ratio": m["ratio"], "met": m["ratio"] <= 1.05}
     return out
 
 
@@ -361,8 +374,11 @@ def _print(results: dict) -> None:
     for name, row in results["systems"].items():
         print(f"{name:<28} {row['dtype']:<16} {row['threads']:>7} {row['prefill_tokens_per_s']:>14.0f} "
               f"{row['prefill_s']:>10.2f} {row['decode_ms_per_token']:>14.1f}")
-    m = results["miss"]
-    print(f"\nmiss: {m['miss_ttft_s']:.2f}s vs full {m['full_ttft_s']:.2f}s -> miss_ratio {results['miss_ratio']:.3f}")
+    print()
+    for name, m in results.get("miss_by_system", {"cachedrag-fp32": results["miss"]}).items():
+        print(f"miss ({name}): TTFT {m['miss_ttft_s']:.3f}s vs full {m['full_ttft_s']:.3f}s -> {m['ratio']:.3f}; "
+              f"with the store hand-off (1 token) {m['miss_total_s']:.3f}s vs {m['full_total_s']:.3f}s -> "
+              f"{m['total_ratio']:.3f}")
     if results.get("first_request"):
         print(f"first request: {results['first_request']} -> first_request_ratio {results['first_request_ratio']}")
     for name, row in results["end_to_end"].items():

@@ -9,7 +9,7 @@ chunk-cache engine replaces only the prefill step.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,24 +93,36 @@ class TextGenerator:
 
 
 def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams, eos_ids: set[int],
-                  start: float, owner, lookup: PromptLookup | None = None) -> Iterator[str]:
+                  start: float, owner, lookup: PromptLookup | None = None,
+                  after_first: Callable[[], None] | None = None) -> Iterator[str]:
     """Shared decode tail: yields text deltas and sets ``owner.last_result`` at the end.
 
     TTFT is taken when the first token is chosen (prefill done + one argmax/sample). ``lookup``
-    (over the prompt ids) turns on speculative greedy decoding.
+    (over the prompt ids) turns on speculative greedy decoding. ``after_first`` runs once, after
+    the first token's text went out and before the first decode step (or when the stream ends
+    or is closed first): work the first token need not wait for (the engine's store hand-off).
     """
     text_stream = TextStream(runner.tokenizer, params.stop)
     ttft = None
     tokens: list[int] = []
     logprobs: list[float] = []
-    with torch.inference_mode():
-        for token in decode_loop(runner, kv, logits, prompt_tokens, params, eos_ids, text_stream, logprobs, lookup):
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            tokens.append(token)
-            delta = text_stream.push(token)
-            if delta:
-                yield delta
+    pending = [after_first] if after_first is not None else []
+    try:
+        with torch.inference_mode():
+            for token in decode_loop(runner, kv, logits, prompt_tokens, params, eos_ids, text_stream, logprobs,
+                                     lookup):
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                tokens.append(token)
+                delta = text_stream.push(token)
+                if delta:
+                    yield delta
+                while pending:
+                    pending.pop()()
+    finally:
+        while pending:  # no token (EOS first), or the consumer closed the stream early
+            with torch.inference_mode():
+                pending.pop()()
     tail = text_stream.flush()
     if tail:
         yield tail

@@ -102,3 +102,25 @@ def test_fidelity_compares_each_dtype_with_fp32_teacher_forced():
     assert same["kl_mean"] < 1e-6 and same["prompts"] == 2 and same["tokens"] == 6
     assert 0.0 <= int8["top1_agreement"] <= 1.0
     assert int8["kl_max"] >= int8["kl_mean"] > 1e-6  # int8 weights move the distribution
+
+
+def test_miss_rows_per_system_become_targets():
+    misses = {"cachedrag-fp32": {"ratio": 1.01}, "cachedrag-bf16": {"ratio": 1.08}}
+    t = speed._targets(_results(miss_ratio=1.01, miss_by_system=misses))
+    assert t["miss <= 1.05x full"] == {"ratio": 1.01, "met": True}
+    assert t["miss <= 1.05x full (cachedrag-bf16)"] == {"ratio": 1.08, "met": False}
+
+
+def test_miss_ratio_times_cold_engines_against_full_on_the_same_prompts():
+    from types import SimpleNamespace
+
+    from cachedrag.testing import tiny_runner
+
+    chunks = [["heapq pushes items onto a heap. " * 3, "bisect keeps a list sorted. " * 3],
+              ["textwrap fills paragraphs. " * 3, "functools caches calls. " * 3]]
+    work = SimpleNamespace(retrieved=chunks, questions=["what pushes?", "what caches?"])
+    ratio, d = speed._miss_ratio(tiny_runner("llama", seed=1), work, 4)
+    assert d["requests"] == 4 and d["chunks_hit"] == 0  # every miss found nothing cached
+    assert ratio == d["ratio"] == d["miss_ttft_s"] / d["full_ttft_s"] > 0
+    assert d["total_ratio"] == d["miss_total_s"] / d["full_total_s"] > 0
+    assert d["miss_total_s"] >= d["miss_ttft_s"]
