@@ -77,14 +77,15 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
     return model.eval()
 
 
-def tiny_runner(arch: str = "llama", seed: int = 0):
-    """``ModelRunner`` over ``tiny_model(arch)`` with the byte tokenizer (vocab sizes match)."""
+def tiny_runner(arch: str = "llama", seed: int = 0, **runner_kwargs):
+    """``ModelRunner`` over ``tiny_model(arch)`` with the byte tokenizer (vocab sizes match);
+    ``runner_kwargs`` go to ``ModelRunner`` (e.g. ``dtype``, ``weights``, ``threads``)."""
     from cachedrag.model.runner import ModelRunner
 
     tok = byte_tokenizer()
     model = tiny_model(arch, seed=seed, vocab_size=len(tok))
     model.generation_config.eos_token_id = tok.eos_token_id
-    return ModelRunner(model, tok)
+    return ModelRunner(model, tok, **runner_kwargs)
 
 
 TINY_DOCS = [

@@ -28,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: the model's name)")
     parser.add_argument("--tiny", action="store_true", help="serve a tiny random-weight model (tests, smoke checks)")
     parser.add_argument("--mode", default="cachedrag", choices=("cachedrag", "prefix", "full"), help="chunk reuse mode")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="activations, working KV and dense weights (default float32; bfloat16 with "
+                             "--weights int8/int4; docs/speed.md)")
+    parser.add_argument("--weights", default="dense", choices=("dense", "int8", "int4"),
+                        help="weight format: dense (in --dtype), int8 or int4 weight-only (default dense)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: the cores this process may use)")
     parser.add_argument("--max-batch", type=int, default=8, help="most requests decoding together (1 = no batching)")
     parser.add_argument("--max-waiting", type=int, default=256, help="waiting-queue limit; beyond it requests get 503")
     parser.add_argument("--order", default="cache_aware", choices=("cache_aware", "fifo"), help="prefill admission order")
@@ -53,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "backend", "local") == "ray" or getattr(args, "replicas", 1) != 1:
+        if args.dtype is not None or args.weights != "dense" or args.threads is not None:
+            raise ConfigError("--dtype, --weights and --threads apply to one server process; replicas "
+                              "(--replicas / --backend ray) run the model's float32 dense weights")
         from cachedrag.cluster.cli import run as run_cluster  # replicas on Ray Serve (docs/scale-out.md)
 
         return run_cluster(args)
@@ -109,14 +119,15 @@ def build_engine(args: argparse.Namespace):
     from cachedrag.fingerprint import namespace_for
     from cachedrag.model.runner import ModelRunner
 
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"bad server setting: --threads must be >= 1, got {args.threads}")
+    numerics = dict(dtype=args.dtype, weights=args.weights, threads=args.threads)
     if args.tiny:
         from cachedrag.testing import tiny_runner
 
-        runner = tiny_runner()
+        runner = tiny_runner(**numerics)
     else:
-        from cachedrag.model.loader import load_model
-
-        runner = ModelRunner(*load_model(args.model))
+        runner = ModelRunner.from_pretrained(args.model, **numerics)  # warmed up here, not on the first request
     gb = 1 << 30
     config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb))
     store = None

@@ -59,3 +59,28 @@ def test_bad_setting_exits_2_with_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("cachedrag: error:") and "max_batch" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--weights", "int8", "--dtype", "float32"], "bfloat16"),  # a quantised format computes in bf16
+    (["--threads", "0"], "--threads"),
+    (["--dtype", "bfloat16", "--replicas", "2"], "--replicas"),  # replicas would silently ignore it
+])
+def test_bad_numerics_exit_2_with_one_line(args, says):
+    proc = subprocess.run([sys.executable, "-m", "cachedrag.cli", "serve", "--tiny", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("cachedrag: error:") and says in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_build_engine_uses_the_requested_numerics():
+    from cachedrag.cli import build_parser
+    from cachedrag.server.cli import build_engine
+
+    args = build_parser().parse_args(["serve", "--tiny", "--dtype", "bfloat16", "--weights", "int8", "--threads", "1"])
+    engine = build_engine(args)
+    assert engine.runner.numerics.tag == "bfloat16+int8w" and engine.runner.threads == 1
+    assert engine.namespace.dtype == "bfloat16+int8w"  # its caches never serve a float32 engine
+    text = engine.generate(["heapq pushes items onto a heap."], "What does heapq do?", max_new_tokens=3).text
+    assert isinstance(text, str)
