@@ -114,7 +114,7 @@ class BudgetSampler:
 
     def __init__(self, interval_s: float = 0.02):
         self.stores: list = []
-        self.disk_dirs: dict[Path, int] = {}
+        self.disk_tiers: dict[Path, object] = {}  # directory -> its DiskTier
         self.samples = 0
         self.overruns: list[str] = []
         self._interval = interval_s
@@ -124,7 +124,7 @@ class BudgetSampler:
     def watch(self, store, disk_dir: Path | None = None) -> None:
         self.stores.append(store)
         if disk_dir is not None:
-            self.disk_dirs[disk_dir] = store.tier("disk").budget_bytes
+            self.disk_tiers[disk_dir] = store.tier("disk")
 
     def check(self) -> None:
         for store in list(self.stores):
@@ -132,8 +132,8 @@ class BudgetSampler:
                 used, budget = tier.used_bytes, tier.budget_bytes
                 if used > budget:
                     self.overruns.append(f"{tier.name}: {used} > {budget}")
-        for directory, budget in self.disk_dirs.items():
-            on_disk = _allocated_bytes(directory)
+        for directory, tier in self.disk_tiers.items():
+            on_disk, budget = tier.allocated_bytes(), tier.budget_bytes  # a consistent snapshot (tier's lock)
             if on_disk > budget:
                 self.overruns.append(f"{directory}: {on_disk} bytes on disk > {budget}")
         self.samples += 1
@@ -148,17 +148,6 @@ class BudgetSampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def _allocated_bytes(directory: Path) -> int:
-    total = 0
-    for root, _dirs, names in os.walk(directory):
-        for name in names:
-            try:
-                total += os.stat(os.path.join(root, name)).st_blocks * 512
-            except FileNotFoundError:  # removed between listing and stat
-                continue
-    return total
 
 
 # ---------------------------------------------------------------------------------- run

@@ -171,6 +171,20 @@ class DiskTier(HeaderTier):
         with self._lock:
             return self._used + self._reserved
 
+    def allocated_bytes(self) -> int:
+        """What the directory's files really take on disk (``st_blocks``), counted under the tier's
+        lock: a snapshot no write or eviction of this tier lands in the middle of (a walk without
+        it can count an entry evicted from one shard and its successor in a later shard)."""
+        total = 0
+        with self._lock:
+            for root, _dirs, names in os.walk(self.directory):
+                for name in names:
+                    try:
+                        total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                    except FileNotFoundError:  # a foreign file removed meanwhile
+                        continue
+        return total
+
     # ---- start-up ------------------------------------------------------------------------
     def _rebuild(self) -> None:
         """Index the directory: drop our temp files, charge real sizes, validate per ``validate``.

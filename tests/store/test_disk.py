@@ -115,6 +115,7 @@ def test_budget_is_real_bytes_on_disk_under_random_workload(tmp_path):
         on_disk, files = disk_bytes_on_disk(tmp_path)
         assert on_disk <= budget, f"step {step}: {on_disk} bytes on disk > {budget}"
         assert tier.used_bytes == on_disk and files == len(tier.keys())
+        assert tier.allocated_bytes() == on_disk  # the locked snapshot bench tiers samples
     assert tier.stats.evictions > 0
 
 
