@@ -108,7 +108,6 @@ class _HandOff:
     are read from the request's KV buffer, whose prompt rows no later step writes."""
 
     actions: list
-    fresh_pos: list[int]
     fresh_t: torch.Tensor  # [Tf] absolute positions of the fresh tokens
     raw_k: torch.Tensor  # [L, H_kv, Tf, D] pre-RoPE keys of the fresh tokens (store dtype)
     kv: KVBuffer
@@ -630,7 +629,7 @@ class CachedEngine:
         #    run by ``_prefill`` or, for a generation, once its first token is out
         hand_off = None
         if raw_k is not None:
-            hand_off = _HandOff(actions, fresh_pos, fresh_t, raw_k, kv, total, meta_q, bounds, n_system, chunk_seg,
+            hand_off = _HandOff(actions, fresh_t, raw_k, kv, total, meta_q, bounds, n_system, chunk_seg,
                                 capture)
         # truthful reuse: only tokens that reached the last layer were computed; the rest of the
         # prompt was served from cache (some of it probed at the lower layers: "checked")

@@ -108,9 +108,9 @@ def batch_weights(runner: ModelRunner, build: bool = True) -> BatchWeights | Non
 def prepare(runner: ModelRunner, max_batch: int) -> None:
     """Build the packed weights and run each batch size from ``PACKED_ROWS`` to ``max_batch``
     once, so oneDNN's per-shape kernel setup happens now, not inside a request."""
-    if max_batch < PACKED_ROWS or batch_weights(runner) is None:
+    bw = batch_weights(runner) if max_batch >= PACKED_ROWS else None
+    if bw is None:
         return
-    bw = batch_weights(runner)
     with torch.inference_mode():
         for b in range(PACKED_ROWS, max_batch + 1):
             x = torch.zeros(b, runner.fast_layers[0].qkv.in_features, dtype=runner.dtype)  # [B, Dm]
