@@ -9,8 +9,11 @@ requests/s, output tokens/s, TTFT p50/p95, time per output token p50, chunk hit 
 server's Prometheus counters), the ``cached_tokens`` share of prompt tokens, the admission
 counters' shares (contested: the order had a choice; reordered: it overtook an older request)
 and output tokens/s over the level's busy window (all slots in flight, before the level
-drains). Configs d and e replay concurrency 1 once more at the end ("1w", the passages seen so
-far: a running service's steady state), beside the cold first level. Then the
+drains). Configs c and d also replay ``--queue-level`` (default 16, above the batch limit of 8)
+on ``--queue-requests`` further requests ("16q"): there requests queue for batch slots, so
+the admission order has real choices to make, and FIFO and cache-aware order are compared
+where they can differ. Configs d and e replay concurrency 1 once more at the end ("1w", the
+passages seen so far: a running service's steady state), beside the cold first level. Then the
 configurations' answers are compared with (b) (ROUGE-L, exact match) and, with ``--soak``,
 config (d) takes ``--soak-requests`` at ``--soak-concurrency`` with random client disconnects.
 
@@ -21,6 +24,8 @@ Configurations (the issue's a..e):
   d  ``--mode cachedrag``, batched, cache-aware order, explicit chunks
   e  as (d), but the client sends no extension field (automatic passage detection)
 
+Every configuration runs the same numerics (``--dtype`` / ``--weights`` / ``--threads``, passed
+to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not number formats.
 Every level of one configuration replays the same requests as that level of every other, so
 answers compare request by request. Servers run one at a time (the CPU is shared).
 ``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}``.
@@ -50,6 +55,7 @@ CONFIGS = {
     "e": ("cachedrag, cache-aware, automatic chunks", ["--mode", "cachedrag", "--order", "cache_aware"], False),
 }
 WARM_C1_CONFIGS = ("d", "e")  # the pair whose concurrency-1 comparison depends on what the server has seen
+QUEUE_CONFIGS = ("c", "d")  # FIFO vs cache-aware order, side by side on a level where requests queue for slots
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
                  "given by the user. Be brief.")
 
@@ -71,6 +77,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests, with the passages seen so far (the steady state of a running service); "
                              "the cold concurrency-1 level stays in the table")
     parser.add_argument("--max-batch", type=int, default=8, help="batch size of the batched configurations")
+    parser.add_argument("--queue-level", type=int, default=16,
+                        help="the ordering comparison: configs c (FIFO) and d (cache-aware) also replay this "
+                             "concurrency, above --max-batch, so requests queue for slots and the admission order "
+                             "has choices to make (0 = skip)")
+    parser.add_argument("--queue-requests", type=int, default=24, help="requests of the queue level")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="the model's numerics in EVERY configuration (a..e run the same numerics; passed to "
+                             "`cachedrag serve --dtype`; default float32)")
+    parser.add_argument("--weights", default="dense", choices=("dense", "int8", "int4"),
+                        help="weight format of every configuration (`cachedrag serve --weights`; default dense)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of every server (`cachedrag serve --threads`; default: all cores)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
     parser.add_argument("--zipf", type=float, default=1.1)
@@ -82,6 +100,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-disconnect", type=float, default=0.3, help="share of soak requests that disconnect")
     parser.add_argument("--soak-max-tokens", type=int, default=6)
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+
+
+def numerics_args(args: argparse.Namespace) -> list[str]:
+    """The ``cachedrag serve`` flags that give every configuration the same numerics."""
+    out = [] if args.dtype is None else ["--dtype", args.dtype]
+    if args.weights != "dense":
+        out += ["--weights", args.weights]
+    if args.threads is not None:
+        out += ["--threads", str(args.threads)]
+    return out
 
 
 # ---------------------------------------------------------------------- server processes
@@ -265,6 +293,7 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         "requests": len(results), "completed": len(ok), "wall_s": round(wall, 3),
         "requests_per_s": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
         "tpot_p50_s": percentile(tpot, 50) if tpot else None,
         "chunk_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         # the server's own view: time of the decode forward each output token came from, batch size of a step
@@ -293,8 +322,9 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from {','.join(CONFIGS)}")
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    n_total = args.warmup + args.requests * (len(levels) + 1)
+    n_total = args.warmup + args.requests * (len(levels) + 1) + max(0, args.queue_requests)
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
+    model_args += numerics_args(args)
     if args.tiny:
         from cachedrag.testing import TINY_DOCS
 
@@ -319,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict = {"config": {
         "model": model_name, "levels": levels, "requests_per_level": args.requests, "warmup": args.warmup,
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
+        "dtype": args.dtype or "float32", "weights": args.weights, "threads": args.threads,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},
     }, "configs": {}, "answers": {}}
@@ -332,18 +363,22 @@ def run(args: argparse.Namespace) -> int:
             asyncio.run(_replay(server.url, bodies(explicit, 0, args.warmup, args.warmup_max_tokens), 1, args.rate, 0))
             results["configs"][name] = {}
             texts[name] = {}
-            runs = list(enumerate(levels))
+            # (label, concurrency, first request, requests): every config sees the same requests per level
+            runs = [(str(lv), lv, args.warmup + j * args.requests, args.requests) for j, lv in enumerate(levels)]
+            if args.queue_level > 0 and name in QUEUE_CONFIGS:
+                # before "1w", so c and d come to it with the same history (the same requests served)
+                runs.append((f"{args.queue_level}q", args.queue_level,
+                             args.warmup + (len(levels) + 1) * args.requests, args.queue_requests))
             if args.warm_c1 and name in WARM_C1_CONFIGS and 1 in levels:
-                runs.append((len(levels), "1w"))  # concurrency 1 again, on new requests of the same stream
-            for j, level in runs:
-                lo = args.warmup + j * args.requests
+                # concurrency 1 again, on new requests of the same stream
+                runs.append(("1w", 1, args.warmup + len(levels) * args.requests, args.requests))
+            for level, conc, lo, count in runs:
                 before = httpx.get(server.url + "/metrics").text
-                conc = 1 if level == "1w" else level
-                res, wall = asyncio.run(_replay(server.url, bodies(explicit, lo, lo + args.requests, args.max_tokens),
+                res, wall = asyncio.run(_replay(server.url, bodies(explicit, lo, lo + count, args.max_tokens),
                                                 conc, args.rate, args.seed + conc))
                 after = httpx.get(server.url + "/metrics").text
                 row = _level_stats(res, wall, before, after, conc)
-                results["configs"][name][str(level)] = row
+                results["configs"][name][level] = row
                 texts[name][level] = [r["text"] for r in res]
                 print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
                       f"{row['ttft_p50_s']:.2f} s, {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
@@ -357,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
         for name in texts:
             if name == "b":
                 continue
-            pairs = [(x, y) for lv in levels for x, y in zip(texts[name][lv], texts["b"][lv])]  # same requests
+            pairs = [(x, y) for lv in map(str, levels) for x, y in zip(texts[name][lv], texts["b"][lv])]  # same requests
             results["answers"][name] = {"rouge_l_vs_b": sum(rouge_l(x, y) for x, y in pairs) / len(pairs),
                                         "exact_match_vs_b": sum(x == y for x, y in pairs) / len(pairs)}
     _ratios(results)
@@ -434,6 +469,7 @@ def _ratios(results: dict) -> None:
         for lv in c["c"]:
             if lv in c["d"]:
                 out[f"c_vs_d_ttft_p50_c{lv}"] = c["c"][lv]["ttft_p50_s"] / c["d"][lv]["ttft_p50_s"]
+                out[f"c_vs_d_ttft_mean_c{lv}"] = c["c"][lv]["ttft_mean_s"] / c["d"][lv]["ttft_mean_s"]
                 out[f"d_p95_le_c_p95_c{lv}"] = c["d"][lv]["ttft_p95_s"] <= c["c"][lv]["ttft_p95_s"]
     if all(k in c for k in "ade"):
         for lv in c["e"]:
@@ -448,12 +484,14 @@ def _ratios(results: dict) -> None:
 
 def _print(results: dict) -> None:
     cols = [("requests_per_s", "req/s"), ("output_tokens_per_s", "tok/s"), ("ttft_p50_s", "ttft50"),
-            ("ttft_p95_s", "ttft95"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
+            ("ttft_p95_s", "ttft95"), ("ttft_mean_s", "ttftavg"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
             ("cached_tokens_share", "cached"), ("completion_tokens_mean", "tok/req"), ("decode_batch_mean", "batch"),
             ("decode_step_s_mean", "step"), ("contested_share", "contest"), ("reordered_share", "reorder"),
             ("busy_output_tokens_per_s", "busy t/s")]
-    print(f"\nserve: {results['config']['requests_per_level']} requests per level, max_tokens "
-          f"{results['config']['max_tokens']}, {results['config']['model']}")
+    cfg = results["config"]
+    numerics = cfg["dtype"] + ("" if cfg["weights"] == "dense" else f"+{cfg['weights']}")
+    print(f"\nserve: {cfg['requests_per_level']} requests per level, max_tokens {cfg['max_tokens']}, "
+          f"{cfg['model']} ({numerics})")
     print(f"{'config':>8} {'conc':>5} " + " ".join(f"{h:>8}" for _, h in cols))
     for name, levels in results["configs"].items():
         for lv, row in levels.items():

@@ -5,7 +5,8 @@ Owns: ``create_app(engine, config)`` with ``GET /health``, ``GET /v1/models``, `
 streaming, ``n=1``, temperature / top_p / max_tokens / stop / seed, ``usage`` with
 ``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
 longer than the context window, 404 unknown model, 503 queue full or shutting down), and
-freeing a request's batch slot when its client disconnects (streaming or not).
+freeing a request's batch slot when its client disconnects (streaming or not; ``_EventStream``
+closes the event generator however the response ends).
 
 The event-loop thread only parses, renders templates and tokenises (no torch ops: see
 ``cachedrag.server.loop`` on OpenMP threads); generation runs on the engine loop's thread and
@@ -132,8 +133,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         name = body.model
         oid = P.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
-            return StreamingResponse(_stream(queue, rid, oid, name, chat, body.include_usage),
-                                     media_type="text/event-stream")
+            return _EventStream(_stream(queue, rid, oid, name, chat, body.include_usage),
+                                media_type="text/event-stream")
         text: list[str] = []
         while True:
             try:
@@ -186,6 +187,21 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
 
 # ---------------------------------------------------------------------- helpers
+class _EventStream(StreamingResponse):
+    """A streaming response that closes its event generator when the response ends, however it
+    ends. When the client goes while a chunk is in flight, Starlette cancels the stream task
+    inside ``send``, not inside the generator: the generator stays suspended at its ``yield`` and
+    its ``finally`` (which frees the request's batch slot) would run only when it is garbage
+    collected, possibly after the request has decoded to ``max_tokens``. Closing it here runs
+    that ``finally`` at once (a no-op when the generator already finished)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _check_model(model: str, aliases: set[str]) -> None:
     if model not in aliases:
         raise P.APIError(404, f"the model {model!r} does not exist; this server serves {sorted(aliases)[-1]!r}",

@@ -240,3 +240,82 @@ def test_passages_split_at_blank_and_separator_lines():
 
     text = "Context:\n-----\n" + "a" * 50 + "\nsecond line\n\n" + "b" * 30 + "\n\n" + "c" * 60 + "\n-----\nQ?"
     assert passages(text, 40) == ["a" * 50 + "\nsecond line", "c" * 60]
+
+
+def test_disconnect_while_a_chunk_is_being_sent_frees_the_slot():
+    """The race behind a once-seen flake: the client goes while the stream task is inside
+    ``send`` (a chunk in flight), not waiting for the next event. Starlette then cancels the
+    task in ``send``, which leaves the event generator suspended at its ``yield`` (its
+    ``finally`` would run only when the generator is garbage-collected, with GC off here: never),
+    so the slot must be freed by the response itself. Driven at the ASGI level so the moment of
+    the disconnect is exact: the ``send`` of the first content chunk waits until decoding is held
+    with the next chunk queued behind it, then the client disconnects."""
+    import asyncio
+    import gc
+    import json
+
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.model.lookup import LookupConfig
+    from cachedrag.server.app import create_app
+    from cachedrag.server.config import ServerConfig
+    from cachedrag.testing import tiny_runner
+
+    engine = CachedEngine(tiny_runner(), config=EngineConfig(lookup=LookupConfig(max_draft=0)))
+    app = create_app(engine, ServerConfig(model_name="tiny", scheduler={"max_batch": 1}))
+    loop = app.state.loop
+    body = json.dumps({"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 180,
+                       "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def drive():
+        gone = asyncio.Event()
+        sent = []
+        requested = False
+
+        async def receive():
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if gone.is_set():
+                return  # the connection is closed: the server drops what it writes (as uvicorn does)
+            sent.append(message)
+            if message["type"] == "http.response.body" and b'"content": "' in message.get("body", b"") \
+                    and b'"content": ""' not in message["body"]:
+                while not hold.held.is_set():  # decoding reached step 2: the next chunk is queued
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # the stream task now waits to hand that chunk to this send
+                gone.set()
+                await asyncio.sleep(0.3)
+
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(app(scope, receive, send), 30)
+            deadline = time.monotonic() + 5  # decoding is still held (10 s): the request cannot finish by itself
+            while b"cachedrag_client_disconnects_total 1.0" not in app.state.metrics.render() \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            noticed = b"cachedrag_client_disconnects_total 1.0" in app.state.metrics.render()
+            hold.release.set()
+            while (loop.running or loop.waiting) and time.monotonic() < deadline + 25:
+                await asyncio.sleep(0.02)
+            return noticed, loop.running, app.state.metrics.render().decode()
+
+    hold = _HoldDecoding(loop)
+    gc.disable()
+    try:
+        noticed, running, metrics = asyncio.run(drive())
+    finally:
+        hold.release.set()
+        gc.enable()
+    assert noticed  # the server saw the client go while the request was still decoding
+    assert running == 0
+    assert "cachedrag_client_disconnects_total 1.0" in metrics
+    assert "cachedrag_completion_tokens_total 0.0" in metrics  # its slot was freed: it never ran to max_tokens

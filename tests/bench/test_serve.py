@@ -1,0 +1,44 @@
+"""``cachedrag bench serve``: the same numerics in every configuration, and the queue level."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from cachedrag.bench import serve
+from cachedrag.cli import main
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, flags", [
+    ((), []),
+    (("--dtype", "bfloat16"), ["--dtype", "bfloat16"]),
+    (("--dtype", "bfloat16", "--weights", "int4", "--threads", "1"),
+     ["--dtype", "bfloat16", "--weights", "int4", "--threads", "1"]),
+])
+def test_every_server_gets_the_requested_numerics(argv, flags):
+    assert serve.numerics_args(_args(*argv)) == flags
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--tiny", "--configs", "c,d", "--levels", "1", "--requests", "2", "--warmup", "1",
+               "--max-batch", "2", "--queue-level", "3", "--queue-requests", "4", "--max-tokens", "4",
+               "--dtype", "bfloat16", "--no-soak", "--no-warm-c1", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["dtype"] == "bfloat16" and data["config"]["weights"] == "dense"
+    for name in ("c", "d"):
+        assert set(data["configs"][name]) == {"1", "3q"}  # the queue level runs for the FIFO / cache-aware pair
+        row = data["configs"][name]["3q"]
+        assert row["requests"] == row["completed"] == 4
+        assert row["ttft_mean_s"] > 0 and 0.0 <= row["reordered_share"] <= row["contested_share"] <= 1.0
+    assert "c_vs_d_ttft_mean_c3q" in data["ratios"]
