@@ -569,25 +569,32 @@ class CachedEngine:
         token_layers = 0
         focus_layer = None
         rope = runner.rotary.cos_sin(positions, runner.dtype, device)  # [Tc, D] each, shared by all layers
+        blocks = runner.causal_blocks(positions, total)  # the attention's block-causal plan, shared likewise
+
+        def narrow(keep: torch.Tensor) -> None:  # the compute set shrinks: rows, rope and attention plan follow
+            nonlocal positions, hidden, rope, blocks
+            positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
+            blocks = runner.causal_blocks(positions, total)
+
         try:
             for layer in range(runner.n_layers):
                 load_layer(layer)
                 if deferred and layer == check_layer:
                     unfocused = set() if tracker is None or tracker.decision is None else {
                         i for c, i in enumerate(chunk_seg) if not tracker.decision.is_focused(c)}
-                    keep = self._choose_deviating(layer, hidden, positions, rope, kv, plan, deferred, probe_pos,
-                                                  recompute_pos, unfocused, question_scores)
-                    positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
+                    narrow(self._choose_deviating(layer, hidden, positions, rope, kv, plan, deferred, probe_pos,
+                                                  recompute_pos, unfocused, question_scores))
                 raw: dict = {}
-                hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope)
+                last = (layer + 1 == runner.n_layers and not all_logits  # only the last row's output is read
+                        and not (refine and layer == cfg.refine_layer))
+                hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope, blocks=blocks,
+                                              out_rows=slice(-1, None) if last else None)
                 token_layers += positions.shape[0]
                 if refine and layer == cfg.refine_layer:
-                    keep = self._refine(layer, raw["q"], positions, kv, total, plan, refine, recompute_pos,
-                                        question_scores, len(question_pos))
-                    positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
+                    narrow(self._refine(layer, raw["q"], positions, kv, total, plan, refine, recompute_pos,
+                                        question_scores, len(question_pos)))
                 if dense_pos and layer == dense_layers - 1 and layer + 1 < runner.n_layers:  # the unchosen stop here
-                    keep = torch.tensor([p not in dense_pos for p in positions.tolist()], device=device)  # [Tc]
-                    positions, hidden, rope = positions[keep], hidden[keep], (rope[0][keep], rope[1][keep])
+                    narrow(torch.tensor([p not in dense_pos for p in positions.tolist()], device=device))  # [Tc]
                 if raw_k is not None and rows_of is not positions:  # fresh tokens are never dropped
                     fresh_rows, rows_of = _rows(positions, fresh_t), positions
                 if raw_k is not None:
@@ -604,9 +611,7 @@ class CachedEngine:
                         drop = {p for c, i in enumerate(chunk_seg) if not decision.is_focused(c)
                                 for p in recompute_pos.get(i, ())}
                         if drop:
-                            keep = torch.tensor([p not in drop for p in positions.tolist()], device=device)
-                            positions, hidden = positions[keep], hidden[keep]
-                            rope = (rope[0][keep], rope[1][keep])
+                            narrow(torch.tensor([p not in drop for p in positions.tolist()], device=device))
                 if between_layers is not None and layer + 1 < runner.n_layers:  # chunked prefill: others decode
                     t_pause = time.perf_counter()
                     between_layers(layer, int(positions.shape[0]))
@@ -620,7 +625,7 @@ class CachedEngine:
         if all_logits:
             logits = runner.logits(hidden)  # [Tc, V]
         else:
-            logits = runner.logits(hidden[-1:])[0]  # [V]
+            logits = runner.logits(hidden[-1:])[0]  # [V] (the last layer computed only this row's output)
         kv.length = total
         prefill_s = time.perf_counter() - t_prefill - paused
         self._observe_prefill(prefill_s, token_layers)
@@ -721,11 +726,15 @@ class CachedEngine:
         every = list(range(total + 1))  # one segment per position
         hidden = runner.embed(ids[pos])  # [Tp, Dm]
         rope = runner.rotary.cos_sin(pos, runner.dtype, device)  # [Tp, D] each
+        blocks = runner.causal_blocks(pos, total)
         scores = torch.zeros(total, dtype=torch.float32, device=device)  # [T]
         for layer in range(max(layers) + 1):
             load_layer(layer)
             raw: dict = {}
-            hidden = runner.forward_layer(layer, hidden, pos, kv, total, raw_out=raw, rope=rope)
+            if layer == max(layers):  # the last scoring layer: its queries and K/V, not its output
+                runner.write_layer(layer, hidden, pos, kv, raw_out=raw, rope=rope)
+            else:
+                hidden = runner.forward_layer(layer, hidden, pos, kv, total, raw_out=raw, rope=rope, blocks=blocks)
             if layer in layers:
                 mass = runner.segment_attention_mass(layer, raw["q"][:, q_rows], pos[q_rows], kv, total, every)  # [Tq, T]
                 s = mass.sum(0).float()  # [T]

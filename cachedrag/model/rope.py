@@ -72,6 +72,17 @@ class Rotary:
         cos, sin = table if table is not None else self.cos_sin(positions, x.dtype, x.device)  # [T, D]
         return x * cos + rotate_half(x) * sin  # [H, T, D]
 
+    def apply_into(self, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+                   table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``apply`` written straight into ``out`` (same shape as ``x``; e.g. rows of a KV buffer):
+        the same ops in the same order, so bitwise equal (tests), with one temporary instead of
+        five and no copy of the result (cached chunks are re-rotated into the buffer this way)."""
+        assert out.shape == x.shape, f"out {tuple(out.shape)} != x {tuple(x.shape)}"
+        assert x.shape[-2] == positions.shape[0], f"x has {x.shape[-2]} rows, positions {positions.shape[0]}"
+        cos, sin = table if table is not None else self.cos_sin(positions, x.dtype, x.device)  # [T, D]
+        torch.mul(x, cos, out=out)  # [..., T, D]
+        return out.add_(rotate_half(x).mul_(sin))  # [..., T, D]
+
     def rerotate(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
         """Keys rotated at ``old_positions`` -> rotated at ``new_positions`` (``[H, T, D]``).
 

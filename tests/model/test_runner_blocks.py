@@ -1,0 +1,131 @@
+"""The reuse path's fast paths beside their references: block-causal attention of a partial
+prefill (``ModelRunner.causal_blocks`` + ``attend``) and in-place re-rotation (``Rotary.apply_into``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachedrag.config import EngineConfig
+from cachedrag.engine import CachedEngine
+from cachedrag.kvcache.config import CacheConfig
+from cachedrag.model.generation import SamplingParams
+from cachedrag.testing import TINY_ARCHITECTURES, tiny_runner
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g)
+
+
+def _scattered(n: int, keep: float, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.nonzero(torch.rand(n, generator=g) < keep).flatten()  # [T] sorted
+    return torch.cat([pos[pos < n - 8], torch.arange(n - 8, n)])  # scattered rows, then a "question" tail
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("keep", [0.3, 0.5, 0.7])
+def test_block_causal_attention_equals_one_masked_call(arch, keep):
+    runner = tiny_runner(arch)
+    n = 480
+    ids = _ids(n)
+    kv = runner.new_kv(n + 4)
+    runner.prefill(ids, kv=kv)  # every row valid
+    pos = _scattered(n, keep)
+    blocks = runner.causal_blocks(pos, n)
+    assert blocks is not None and blocks.bounds[0][2] < n  # it really cuts keys
+    assert [b[1] - b[0] for b in blocks.bounds] == [m.shape[0] for m in blocks.masks]
+    raw = {}
+    runner.forward_layer(1, runner.embed(ids[pos]), pos, kv, n, raw_out=raw)
+    for layer in range(runner.n_layers):
+        got = runner.attend(layer, raw["q"], pos, kv, n, blocks)  # [T, H_q*D]
+        expected = runner.attend(layer, raw["q"], pos, kv, n)  # the reference: one call, full mask
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_partial_prefill_with_blocks_equals_reference(arch):
+    fast, ref = tiny_runner(arch), tiny_runner(arch, block_causal=False)
+    n = 480
+    ids = _ids(n, seed=2)
+    pos = _scattered(n, 0.3, seed=3)
+    out = []
+    for runner in (fast, ref):
+        kv = runner.new_kv(n)
+        runner.prefill(ids, kv=kv)
+        out.append(runner.prefill(ids[pos], pos, kv=kv, kv_len=n, all_logits=True))  # [T, V]
+    assert fast.causal_blocks(pos, n) is not None and ref.causal_blocks(pos, n) is None
+    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=0)
+
+
+def test_causal_blocks_only_where_they_save():
+    runner = tiny_runner()
+    assert runner.causal_blocks(torch.arange(280, 300), 300) is None  # a tail: every block sees ~every key
+    assert runner.causal_blocks(torch.tensor([5]), 300) is None  # one row
+    assert tiny_runner(block_causal=False).causal_blocks(_scattered(300, 0.3), 300) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_apply_into_is_bitwise_apply(dtype):
+    runner = tiny_runner(dtype=dtype)
+    d = runner.head_dim
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(runner.n_layers, runner.n_kv_heads, 37, d, generator=g).to(runner.dtype)  # [L, H_kv, T, D]
+    pos = torch.arange(100, 137)
+    buf = torch.zeros(runner.n_layers, runner.n_kv_heads, 200, d, dtype=runner.dtype)  # strided target rows
+    runner.rotary.apply_into(raw, pos, buf[:, :, 100:137])
+    assert torch.equal(buf[:, :, 100:137], runner.rotary.apply(raw, pos))
+    assert not buf[:, :, :100].any() and not buf[:, :, 137:].any()
+
+
+def test_reuse_with_block_attention_equals_reference_engine():
+    """The engine's partial prefill (question pre-pass, recompute rows) through block-causal
+    attention gives the reference path's logits and the same recompute choice."""
+    chunks = [f"Chunk {i}: " + "the quick brown fox jumps over the lazy dog. " * 2 for i in range(4)]
+    out, planned = [], []
+    fast = tiny_runner("qwen2", seed=3)
+    plan = fast.causal_blocks
+    fast.causal_blocks = lambda *a: planned.append(plan(*a)) or planned[-1]
+    for runner in (fast, tiny_runner("qwen2", seed=3, block_causal=False)):
+        engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(recompute_ratio=0.27)))
+        engine.generate(chunks[:3], "warm up", "sys", max_new_tokens=1)
+        segs = engine.prompts.chat([chunks[2], chunks[3], chunks[0], chunks[1]], "which chunk?", "sys")
+        r = engine.generate_segments(segs, SamplingParams(max_new_tokens=1))
+        assert r.chunks_hit == 3 and r.chunks_missed == 1 and r.recomputed_tokens > 0
+        out.append((engine.prefill_logits(segs), r.chunk_recompute))
+    assert any(b is not None for b in planned)  # the fast engine did attend in blocks
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=0)
+    assert out[0][1] == out[1][1]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_last_row_only_layer_equals_full_layer(arch):
+    """``out_rows``: every row's K/V still written, the wanted rows' output as computed with all rows."""
+    runner = tiny_runner(arch)
+    n = 120
+    ids = _ids(n, seed=4)
+    pos = _scattered(n, 0.4, seed=5)
+    kvs, outs = [], []
+    for rows in (None, slice(-1, None)):
+        kv = runner.new_kv(n)
+        runner.prefill(ids, kv=kv)
+        hidden = runner.embed(ids[pos])
+        outs.append(runner.forward_layer(1, hidden, pos, kv, n, out_rows=rows))
+        kvs.append(kv)
+    assert outs[1].shape[0] == 1
+    torch.testing.assert_close(outs[1], outs[0][-1:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(kvs[0].k, kvs[1].k) and torch.equal(kvs[0].v, kvs[1].v)
+
+
+def test_engine_last_layer_trim_equals_every_row():
+    """The partial prefill's last layer computes only the last row's output; its logits equal the
+    last row of a pass that computes every row (``all_logits``)."""
+    runner = tiny_runner("qwen2", seed=3)
+    engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(recompute_ratio=0.27)))
+    chunks = [f"Chunk {i}: " + "the quick brown fox jumps over the lazy dog. " * 2 for i in range(3)]
+    engine.generate(chunks, "warm up", "sys", max_new_tokens=1)
+    segs = engine.prompts.chat(chunks[::-1], "which chunk?", "sys")
+    for mode in ("cachedrag", "full"):
+        torch.testing.assert_close(engine.prefill_logits(segs, mode=mode),
+                                   engine.prefill_logits(segs, mode=mode, all_logits=True)[-1], atol=1e-5, rtol=0)
