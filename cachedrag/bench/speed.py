@@ -6,7 +6,8 @@ question, ~1,300 tokens) is timed through every system, interleaved round by rou
 thread count (medians of the rounds): full-prefill seconds -> tokens/s, and greedy decode
 ms/token (one token per step, no speculation).
 
-- ``cachedrag-fp32`` / ``-bf16`` / ``-int8`` / ``-int4``: ``ModelRunner`` (fast path) ``prefill`` + ``decode_step``.
+- ``cachedrag-fp32`` / ``-bf16`` / ``-int8`` / ``-int8-dynamic`` / ``-int4``: ``ModelRunner`` (fast path)
+  ``prefill`` + ``decode_step`` (``-int8-dynamic`` only where its VNNI kernel runs).
 - ``transformers-fp32`` / ``-bf16``: HF ``generate`` (sdpa) with 1 and 1 + N new tokens.
 - ``llamacpp-f32`` / ``llamacpp-q4_1``: llama.cpp through llama-cpp-python (only when importable),
   on an F32 GGUF dequantised from the shipped Q4_1 file and on that Q4_1 file.
@@ -16,8 +17,8 @@ Names carry no suffix at the default thread count and ``@<n>t`` at others. Also:
 the median of later ones), ``miss_ratio`` (``cachedrag`` mode on a cold cache / ``full``, TTFT
 medians, interleaved) and ``end_to_end`` (median TTFT of the ``bench ttft`` stream in
 ``cachedrag`` mode + 128 x decode ms/token, per dtype, against llama.cpp Q4_1's full prefill +
-128 x its decode) and ``fidelity`` (bf16, int8 and int4 against fp32, teacher-forced on fp32's greedy
-continuation of a few prompts: top-1 agreement and KL per next token). ``--json OUT`` writes ``{"systems": {name: {"dtype", "threads",
+128 x its decode) and ``fidelity`` (each other runner against fp32, teacher-forced through the decode
+step on fp32's greedy continuation of a few prompts: top-1 agreement and KL per next token). ``--json OUT`` writes ``{"systems": {name: {"dtype", "threads",
 "prefill_tokens_per_s", "decode_ms_per_token"}}, "first_request_ratio", "miss_ratio", ...}``.
 """
 
@@ -36,10 +37,11 @@ SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the Python documentation excerpts "
     "given by the user. Be brief."
 )
-ALL_SYSTEMS = ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8", "cachedrag-int4", "transformers-fp32", "transformers-bf16",
-               "llamacpp-f32", "llamacpp-q4_1")
+ALL_SYSTEMS = ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8", "cachedrag-int8-dynamic", "cachedrag-int4",
+               "transformers-fp32", "transformers-bf16", "llamacpp-f32", "llamacpp-q4_1")
 _NUMERICS = {"cachedrag-fp32": ("float32", "dense"), "cachedrag-bf16": ("bfloat16", "dense"),
-             "cachedrag-int8": ("bfloat16", "int8"), "cachedrag-int4": ("bfloat16", "int4")}
+             "cachedrag-int8": ("bfloat16", "int8"), "cachedrag-int8-dynamic": ("bfloat16", "int8-dynamic"),
+             "cachedrag-int4": ("bfloat16", "int4")}
 E2E_TOKENS = 128
 
 
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from cachedrag.bench.workload import build_workload
     from cachedrag.model.loader import default_gguf_path, load_model
     from cachedrag.model.runner import ModelRunner, default_threads, set_threads
+    from cachedrag.model.weights import vnni_available
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in ALL_SYSTEMS]
@@ -117,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         systems = [s for s in systems if not s.startswith("llamacpp")]
         if dropped:
             notes.append("llama_cpp not importable (pip install 'cachedrag[anchor]'): llama.cpp systems skipped")
+    if "cachedrag-int8-dynamic" in systems and not vnni_available():
+        systems.remove("cachedrag-int8-dynamic")
+        notes.append("no VNNI on this CPU: cachedrag-int8-dynamic skipped")
     default = default_threads()
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({default, 1}, reverse=True)
 
@@ -201,8 +207,10 @@ def run(args: argparse.Namespace) -> int:
 
 def dtype_fidelity(runners: dict, prompts: list[list[int]], tokens: int) -> dict:
     """Each dtype against fp32, teacher-forced: fp32's greedy continuation of ``tokens`` tokens is
-    the teacher; every runner scores prompt + teacher in one prefill plus one all-logits pass, so
-    each of the ``tokens`` next-token distributions is compared at the same context. Per runner:
+    the teacher; every runner scores it as generation computes it (a prefill of the prompt, then
+    one decode step per teacher token), so each of the ``tokens`` next-token distributions is
+    compared at the same context, through the kernels decode runs (for int8-dynamic these differ
+    from prefill's: its activations are quantised only for few rows). Per runner:
     ``top1_agreement`` (argmax equal to fp32's), ``kl_mean`` / ``kl_max`` (KL(fp32 || dtype) in
     nats), ``first_token_agreement`` (over prompts)."""
     import torch
@@ -211,10 +219,10 @@ def dtype_fidelity(runners: dict, prompts: list[list[int]], tokens: int) -> dict
 
     def score(runner, ids: list[int], teacher: list[int]) -> torch.Tensor:
         kv = runner.new_kv(len(ids) + len(teacher) + 1)
-        first = runner.prefill(torch.tensor(ids), kv=kv)  # [V]
-        rest = runner.prefill(torch.tensor(teacher[:-1]), positions=torch.arange(len(ids), len(ids) + len(teacher) - 1),
-                              kv=kv, all_logits=True)  # [m-1, V]
-        return torch.cat([first[None], rest]).float().log_softmax(-1)  # [m, V]
+        logits = [runner.prefill(torch.tensor(ids), kv=kv)]  # [V]
+        for step, token in enumerate(teacher[:-1]):
+            logits.append(runner.decode_step(token, len(ids) + step, kv))  # [V]
+        return torch.stack(logits).float().log_softmax(-1)  # [m, V]
 
     teachers = []
     for ids in prompts:
@@ -341,6 +349,9 @@ def _targets(results: dict) -> dict:
     i8, q4 = get("cachedrag-int8", "decode_ms_per_token"), get("llamacpp-q4_1", "decode_ms_per_token")
     if i8 and q4:
         out["int8 decode <= llama.cpp Q4_1"] = {"ratio": i8 / q4, "met": i8 <= q4}
+    i8d = get("cachedrag-int8-dynamic", "decode_ms_per_token")
+    if i8d and q4:
+        out["int8-dynamic decode <= llama.cpp Q4_1"] = {"ratio": i8d / q4, "met": i8d <= q4}
     i4 = get("cachedrag-int4", "decode_ms_per_token")
     if i4 and q4:
         out["int4 decode <= llama.cpp Q4_1"] = {"ratio": i4 / q4, "met": i4 <= q4}
@@ -352,7 +363,7 @@ def _targets(results: dict) -> dict:
         out["bf16 prefill >= 1.5x fp32"] = {"ratio": pbf / p32, "met": pbf >= 1.5 * p32}
     e2e = results.get("end_to_end", {})
     if "llamacpp-q4_1" in e2e:
-        for name in ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8", "cachedrag-int4"):
+        for name in _NUMERICS:
             if name in e2e:
                 ratio = e2e["llamacpp-q4_1"]["seconds"] / e2e[name]["seconds"]
                 out[f"end to end {name} >= 1.5x llama.cpp Q4_1"] = {"ratio": ratio, "met": ratio >= 1.5}
@@ -370,9 +381,9 @@ def _print(results: dict) -> None:
     cfg = results["config"]
     print(f"\nspeed: {cfg['prompt_tokens']}-token RAG prompt, {cfg['new_tokens']} decode steps, "
           f"median of {cfg['rounds']} interleaved rounds")
-    print(f"{'system':<28} {'dtype':<16} {'threads':>7} {'prefill tok/s':>14} {'prefill s':>10} {'decode ms/tok':>14}")
+    print(f"{'system':<28} {'dtype':<20} {'threads':>7} {'prefill tok/s':>14} {'prefill s':>10} {'decode ms/tok':>14}")
     for name, row in results["systems"].items():
-        print(f"{name:<28} {row['dtype']:<16} {row['threads']:>7} {row['prefill_tokens_per_s']:>14.0f} "
+        print(f"{name:<28} {row['dtype']:<20} {row['threads']:>7} {row['prefill_tokens_per_s']:>14.0f} "
               f"{row['prefill_s']:>10.2f} {row['decode_ms_per_token']:>14.1f}")
     print()
     for name, m in results.get("miss_by_system", {"cachedrag-fp32": results["miss"]}).items():

@@ -27,7 +27,8 @@ from cachedrag.errors import ConfigError, ContextWindowError, UnsupportedModelEr
 from cachedrag.model.linear import gated_mlp, linear, reference_linear
 from cachedrag.model.loader import check_architecture
 from cachedrag.model.rope import Rotary, rotate_half
-from cachedrag.model.weights import DTYPES, QUANTIZED, LayerWeights, Numerics, PackedLinear, dtype_name, packable
+from cachedrag.model.weights import (DTYPES, QUANTIZED, LayerWeights, Numerics, PackedLinear, dtype_name, packable,
+                                     vnni_available)
 
 _ATTN_BLOCK = 256  # query rows per block when attention weights are materialised for metadata
 _CAUSAL_ROWS = 64  # query rows per block of the block-causal partial-prefill attention (probe: 64 best of 32-256)
@@ -138,6 +139,9 @@ class ModelRunner:
             raise ConfigError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from exc
         if weights in QUANTIZED and not fast:
             raise ConfigError(f"{weights} weights run on the fast path only (fast=True)")
+        if weights == "int8-dynamic" and (not vnni_available() or torch.backends.quantized.engine not in ("x86", "fbgemm")):
+            raise ConfigError("int8-dynamic weights need fbgemm on a CPU with VNNI (avx512_vnni / avx_vnni); "
+                              "use weights='int8'")
         fast_weights = None
         if fast and packable(model) and self.numerics.weights == "int4":  # quantise the weights as loaded (fp32
             fast_weights = self._fast_weights(model)  # from the GGUF: its Q4_1 levels), before the cast below
@@ -171,6 +175,8 @@ class ModelRunner:
             self.fast_layers, self.fast_head = fast_weights or self._fast_weights(model)
         elif weights in QUANTIZED:
             raise UnsupportedModelError(f"{weights} weights need Llama-family linear projections in every layer")
+        self._decode_dtype = self.numerics.decode_dtype
+        self._decode_norms = self._norm_weights() if self._decode_fast else None
 
     def _fast_weights(self, model) -> tuple[list[LayerWeights], PackedLinear]:
         """Every layer's fused projections and the LM head in the numerics' fast layout. With int4
@@ -186,6 +192,16 @@ class ModelRunner:
             return layers, PackedLinear(head.weight, getattr(head, "bias", None), head_numerics)
         except ValueError as exc:  # a shape the weight format cannot take (int4 groups)
             raise UnsupportedModelError(str(exc)) from exc
+
+    def _norm_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Per layer (input norm weight, post-attention norm weight, eps) in the decode stream's
+        dtype, plus the final norm's as the last entry: looked up once, not per step."""
+        dt = self._decode_dtype
+        out = [(layer.input_layernorm.weight.detach().to(dt), layer.post_attention_layernorm.weight.detach().to(dt),
+                float(layer.input_layernorm.variance_epsilon)) for layer in self.layers]
+        norm = self.model.model.norm
+        out.append((norm.weight.detach().to(dt), norm.weight.detach().to(dt), float(norm.variance_epsilon)))
+        return out
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype=None, weights: str = "dense",
@@ -515,6 +531,14 @@ class ModelRunner:
         ids = torch.tensor([token_id], device=self.device)
         pos = torch.tensor([position], device=self.device)
         hidden = self.embed(ids)  # [1, Dm]
+        if self._decode_norms is not None:
+            hidden = hidden.to(self._decode_dtype)  # [1, Dm] the stream's dtype (float32 for int8-dynamic)
+            rope = self.rotary.cos_sin(pos, self._decode_dtype, self.device)  # [1, D] each
+            for i in range(self.n_layers):
+                hidden = self._decode_layer(i, hidden, position, kv, rope)
+            kv.length = max(kv.length, position + 1)
+            w, _, eps = self._decode_norms[-1]
+            return self.fast_head(_rms_norm(hidden, w, eps)).float()[0]  # [V]
         rope = self.rotary.cos_sin(pos, self.dtype, self.device)  # [1, D] each
         if self._decode_fast:
             for i in range(self.n_layers):
@@ -545,9 +569,9 @@ class ModelRunner:
         in fp32 but was slower inside a decode step (fp32 40.2 vs 39.2 ms, bf16 31.6 vs 30.5 ms:
         3 heads split worse over 2 threads than 9); a roll+addcmul RoPE and a 4-op bf16 RMSNorm were
         no faster either (exclusive probes, docs/speed.md)."""
-        layer, lw = self.layers[i], self.fast_layers[i]
-        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-        x = _rms_norm(hidden, ln1.weight, ln1.variance_epsilon)  # [1, Dm]
+        lw = self.fast_layers[i]
+        w1, w2, eps = self._decode_norms[i]
+        x = _rms_norm(hidden, w1, eps)  # [1, Dm]
         qkv = lw.qkv(x)[0]  # [Oq + 2*Okv]
         n_qk = self.n_heads + self.n_kv_heads
         qk = qkv[: lw.q_out + lw.kv_out].view(n_qk, 1, self.head_dim)  # [H_q + H_kv, 1, D]
@@ -558,10 +582,11 @@ class ModelRunner:
         start = 0 if window is None else max(0, position + 1 - window)
         k = kv.k[i, :, start:position + 1]  # [H_kv, T_k, D]
         v = kv.v[i, :, start:position + 1]  # [H_kv, T_k, D]
-        out = F.scaled_dot_product_attention(qk[None, : self.n_heads], k[None], v[None], scale=self.scaling,
+        q = qk[None, : self.n_heads].to(k.dtype)  # [1, H_q, 1, D] (a no-op unless the stream is float32)
+        out = F.scaled_dot_product_attention(q, k[None], v[None], scale=self.scaling,
                                              enable_gqa=self.n_heads != self.n_kv_heads)  # [1, H_q, 1, D]
-        h = hidden + lw.o(out.reshape(1, -1))  # [1, Dm]
-        return h + lw.mlp(_rms_norm(h, ln2.weight, ln2.variance_epsilon))  # [1, Dm]
+        h = hidden + lw.o(out.reshape(1, -1).to(hidden.dtype))  # [1, Dm]
+        return h + lw.mlp(_rms_norm(h, w2, eps))  # [1, Dm]
 
     # ------------------------------------------------------------------ attention metadata
     def segment_attention_mass(

@@ -18,6 +18,19 @@ projections of SmolLM2-135M for one token, ``docs/speed.md``):
   not used: on the CPU in eager mode it dequantises the whole weight on every call, so it reads
   more bytes than bf16, and its compiled form needs a minutes-long inductor compile per model.
   The quantisation itself is three lines (absmax per row / 127), kept here.
+- ``int8-dynamic``: the same int8 weights, and for few rows (decode) the activations quantised
+  too, per row (one row: per token), asymmetric uint8 from the row's min/max, through fbgemm's
+  VNNI int8 GEMM (``quantized.linear_dynamic`` on ``quantized.linear_prepack``-ed per-channel
+  weights; what ``torch.ao.nn.quantized.dynamic.Linear`` runs): all 121 matmuls of one decode step
+  in 8.6-9.2 ms against 11.4-12.4 ms for ``_weight_int8pack_mm`` (2 threads, docs/speed.md).
+  The kernel takes and returns float32, so the runner's decode step keeps its residual stream in
+  float32 for this format (``ModelRunner._decode_layer``). Not weight-only: quantising the
+  activations moves the next-token distribution ~2.4x more than int8 weight-only does (measured,
+  docs/speed.md), hence a format of its own. Full 8-bit activations (``reduce_range=False``) need
+  VNNI (no int16 saturation); the 7-bit fallback tripled the KL, so without VNNI the format is
+  refused. PyTorch marks its quantized-tensor constructors deprecated (pytorch#184982); torch is
+  pinned here, and the weight-only ``int8`` format does not depend on them. Prefill (many rows)
+  runs exactly as ``int8`` (dequantised weights, oneDNN bf16), so chunk caches are the same.
 - ``int4`` weight-only (group-wise asymmetric, groups of ``INT4_GROUP`` = 32 input columns, bf16
   scale and zero per group): PyTorch's ``_weight_int4pack_mm_for_cpu`` kernel (what torchao's
   Int4 CPU layout calls) for few rows: all 121 matmuls of one decode step in 4.9 ms against
@@ -35,6 +48,8 @@ Does not own: which layers exist or the attention (``runner.py``).
 
 from __future__ import annotations
 
+import warnings
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -47,7 +62,7 @@ INT4_GROUP = 32  # input columns per int4 scale/zero group (= llama.cpp's Q4_1 b
 _INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel wants a multiple of 16 output rows (padded with zero rows)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("int8", "int8-dynamic", "int4")
 _ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "bf16": "bfloat16"}
 
 
@@ -70,9 +85,10 @@ class Numerics(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="activations, working KV and dense weights")
-    weights: Literal["dense", "int8", "int4"] = Field(
+    weights: Literal["dense", "int8", "int8-dynamic", "int4"] = Field(
         "dense", description="dense: weights in `dtype`; int8: int8 weight-only with per-channel scales; "
-        "int4: int4 weight-only, groups of 32 with scale and zero (both quantised formats need bfloat16)")
+        "int8-dynamic: the same int8 weights with decode activations quantised per token (fbgemm, needs VNNI); "
+        "int4: int4 weight-only, groups of 32 with scale and zero (the quantised formats need bfloat16)")
     kv_store_dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="dtype of chunk caches handed to the store (None: `dtype`); bfloat16 halves tier bytes")
 
@@ -105,9 +121,16 @@ class Numerics(BaseModel):
         return DTYPES[self.kv_store_dtype or self.dtype]
 
     @property
+    def decode_dtype(self) -> torch.dtype:
+        """dtype of the decode step's residual stream: float32 for ``int8-dynamic`` (its kernel takes
+        and returns float32), else ``dtype``."""
+        return torch.float32 if self.weights == "int8-dynamic" else self.torch_dtype
+
+    @property
     def tag(self) -> str:
         """The namespace's dtype field: caches of other numerics never serve this runner."""
-        tag = self.dtype + {"dense": "", "int8": "+int8w", "int4": f"+int4w-g{INT4_GROUP}"}[self.weights]
+        tag = self.dtype + {"dense": "", "int8": "+int8w", "int8-dynamic": "+int8w-a8dyn",
+                            "int4": f"+int4w-g{INT4_GROUP}"}[self.weights]
         if self.kv_store_dtype and self.kv_store_dtype != self.dtype:
             tag += f"+kv-{self.kv_store_dtype}"
         return tag
@@ -124,13 +147,16 @@ class PackedLinear:
         self.weight = weight.to(numerics.torch_dtype).contiguous()  # [O, I]
         if weight.device.type != "cpu":
             return
-        if numerics.weights == "int8":
+        self.dynamic = None
+        if numerics.weights in ("int8", "int8-dynamic"):
             w = weight.float()  # [O, I]
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [O]
             self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [O, I]
             self.scale = scale.to(numerics.torch_dtype)  # [O]
             self.weight = None
             self.kind = "int8"
+            if numerics.weights == "int8-dynamic":
+                self.dynamic = _prepack_dynamic(self.qweight, self.scale, self.bias)
         elif numerics.weights == "int4":
             self._quantize_int4(weight)
         elif numerics.dtype == "bfloat16" and torch.backends.mkldnn.is_available():
@@ -180,6 +206,9 @@ class PackedLinear:
             rows = x.numel() // x.shape[-1]
             if 0 < rows <= INT8_KERNEL_ROWS:
                 flat = x.reshape(rows, x.shape[-1])  # [N, I]
+                if self.dynamic is not None:  # fbgemm: float32 in and out, bias inside; out in x's dtype
+                    out = torch.ops.quantized.linear_dynamic(flat.float(), self.dynamic, False).to(x.dtype)  # [N, O]
+                    return out.reshape(*x.shape[:-1], self.out_features)
                 out = torch._weight_int8pack_mm(flat, self.qweight, self.scale)  # [N, O]
                 if self.bias is not None:
                     out = out + self.bias
@@ -196,6 +225,34 @@ class PackedLinear:
                 return out.reshape(*x.shape[:-1], self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+@lru_cache(maxsize=1)
+def vnni_available() -> bool:
+    """True when the CPU has VNNI (int8 dot products into int32: full 8-bit activations without
+    int16 saturation in fbgemm). Read from /proc/cpuinfo (Linux); False where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return "avx512_vnni" in flags or "avx_vnni" in flags
+    except OSError:
+        pass
+    return False
+
+
+def _prepack_dynamic(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """fbgemm's packed form of per-channel int8 weights ``[O, I]`` (scales ``[O]``, zero points 0),
+    for ``quantized.linear_dynamic``."""
+    if not vnni_available() or torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        raise ValueError("int8-dynamic weights need fbgemm (quantized engine x86/fbgemm) on a CPU with VNNI "
+                         f"(engine {torch.backends.quantized.engine!r}, VNNI {vnni_available()}); use weights='int8'")
+    with warnings.catch_warnings():  # the quantized-tensor constructor is marked deprecated (module docstring)
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch._make_per_channel_quantized_tensor(qweight, scale.double(),
+                                                     torch.zeros(qweight.shape[0], dtype=torch.long), 0)  # [O, I] qint8
+    return torch.ops.quantized.linear_prepack(q, bias.float() if bias is not None else None)
 
 
 def _share(packed: PackedLinear, modules) -> None:

@@ -31,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="activations, working KV and dense weights (default float32; bfloat16 with "
                              "--weights int8/int4; docs/speed.md)")
-    parser.add_argument("--weights", default="dense", choices=("dense", "int8", "int4"),
-                        help="weight format: dense (in --dtype), int8 or int4 weight-only (default dense)")
+    parser.add_argument("--weights", default="dense", choices=("dense", "int8", "int8-dynamic", "int4"),
+                        help="weight format: dense (in --dtype), int8 or int4 weight-only, or int8-dynamic "
+                             "(int8 weights and per-token int8 decode activations; needs VNNI) (default dense)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: the cores this process may use)")
     parser.add_argument("--max-batch", type=int, default=8, help="most requests decoding together (1 = no batching)")

@@ -124,3 +124,33 @@ def test_miss_ratio_times_cold_engines_against_full_on_the_same_prompts():
     assert ratio == d["ratio"] == d["miss_ttft_s"] / d["full_ttft_s"] > 0
     assert d["total_ratio"] == d["miss_total_s"] / d["full_total_s"] > 0
     assert d["miss_total_s"] >= d["miss_ttft_s"]
+
+
+def test_int8_dynamic_row_is_compared_with_llama_cpp_q4_1_and_joins_end_to_end():
+    res = _results()
+    res["systems"]["cachedrag-int8-dynamic"] = {"dtype": "bfloat16+int8w-a8dyn", "threads": 2,
+                                                "prefill_tokens_per_s": 1900.0, "decode_ms_per_token": 22.0,
+                                                "prefill_s": 0.7}
+    res["end_to_end"]["cachedrag-int8-dynamic"] = {"ttft_s": 0.5, "seconds": 3.3}
+    t = speed._targets(res)
+    assert t["int8-dynamic decode <= llama.cpp Q4_1"] == {"ratio": 22.0 / 20.0, "met": False}
+    assert t["end to end cachedrag-int8-dynamic >= 1.5x llama.cpp Q4_1"]["met"] is True
+    assert "int8 decode <= llama.cpp Q4_1" not in t  # the weight-only row is its own claim
+
+
+def test_dtype_fidelity_scores_through_the_decode_step():
+    """fp32 against a second fp32 runner of the same weights: full agreement, KL ~0; the scoring
+    runs the decode step (where the quantised formats' decode kernels run), once per teacher token."""
+    from cachedrag.model.runner import ModelRunner
+    from cachedrag.testing import byte_tokenizer, tiny_model
+
+    tok = byte_tokenizer()
+    ref = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok)
+    twin = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok)
+    calls = []
+    step = twin.decode_step
+    twin.decode_step = lambda *a: calls.append(a[1]) or step(*a)
+    out = speed.dtype_fidelity({"cachedrag-fp32": ref, "twin": twin}, [[1, 2, 3, 4, 5], [9, 8, 7]], tokens=4)
+    assert out["twin"]["top1_agreement"] == 1.0 and out["twin"]["first_token_agreement"] == 1.0
+    assert out["twin"]["kl_max"] < 1e-6
+    assert calls == [5, 6, 7, 3, 4, 5]  # positions of the teacher tokens, one decode step each

@@ -6,8 +6,12 @@ import torch.nn.functional as F
 
 from cachedrag.errors import ConfigError, UnsupportedModelError
 from cachedrag.model.runner import ModelRunner, default_threads, set_threads
-from cachedrag.model.weights import Numerics, PackedLinear
+from cachedrag.model.weights import Numerics, PackedLinear, vnni_available
 from cachedrag.testing import TINY_ARCHITECTURES, byte_tokenizer, tiny_model
+
+needs_vnni = pytest.mark.skipif(not vnni_available() or torch.backends.quantized.engine not in ("x86", "fbgemm"),
+                                reason="int8-dynamic needs fbgemm on a CPU with VNNI")
+FORMATS = ["dense", "int8", "int4", pytest.param("int8-dynamic", marks=needs_vnni)]
 
 
 def _pair(arch, dtype=torch.float32, weights="dense"):
@@ -26,7 +30,10 @@ def test_numerics_names_and_validation():
     assert Numerics(weights="int8").tag == "bfloat16+int8w"
     assert Numerics(dtype="float32", kv_store_dtype="bf16").tag == "float32+kv-bfloat16"
     assert Numerics(weights="int4").tag == "bfloat16+int4w-g32"  # the group size is part of the numerics
-    assert len({Numerics(weights=w).tag for w in ("dense", "int8", "int4")}) == 3
+    assert Numerics(weights="int8-dynamic").tag == "bfloat16+int8w-a8dyn"
+    assert len({Numerics(weights=w).tag for w in ("dense", "int8", "int8-dynamic", "int4")}) == 4
+    assert Numerics(weights="int8-dynamic").decode_dtype == torch.float32  # fbgemm's kernel: float32 in and out
+    assert Numerics(weights="int8").decode_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="bfloat16"):
         Numerics(dtype="float32", weights="int8")
     with pytest.raises(ValueError, match="bfloat16"):
@@ -43,6 +50,44 @@ def test_runner_rejects_bad_numerics_with_config_errors():
         ModelRunner(tiny_model(vocab_size=len(tok)), tok, weights="int8", fast=False)
     with pytest.raises(ConfigError, match="threads"):
         ModelRunner(tiny_model(vocab_size=len(tok)), tok, threads=0)
+
+
+def test_int8_dynamic_is_refused_without_vnni(monkeypatch):
+    import cachedrag.model.runner as runner_module
+
+    tok = byte_tokenizer()
+    monkeypatch.setattr(runner_module, "vnni_available", lambda: False)
+    with pytest.raises(ConfigError, match="VNNI"):
+        ModelRunner(tiny_model(vocab_size=len(tok)), tok, weights="int8-dynamic")
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_dynamic_kernel_is_the_dequantised_weight_on_quantised_rows(rows, bias):
+    """Few rows (decode): fbgemm quantises each row to 8 bits from its min/max (0 included), so the
+    result is ``x @ deq^T`` within half an activation step times each output's weight mass; it takes
+    and returns float32 (bf16 rows come back bf16). Many rows (prefill) run as weight-only int8."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 32) * 0.1  # [O, I]
+    b = torch.randn(48) if bias else None
+    x = torch.randn(rows, 32)  # [N, I]
+    dyn = PackedLinear(w, b, Numerics(weights="int8-dynamic"))
+    plain = PackedLinear(w, b, Numerics(weights="int8"))
+    assert dyn.kind == "int8" and torch.equal(dyn.qweight, plain.qweight) and dyn.nbytes == plain.nbytes
+    deq = dyn.dequantized().float()  # [O, I]
+    bias_f = b.bfloat16().float() if bias else None
+    if rows > 16:
+        torch.testing.assert_close(dyn(x.bfloat16()).float(), plain(x.bfloat16()).float(), atol=0, rtol=0)
+        return
+    got = dyn(x)  # [N, O]
+    assert got.dtype == torch.float32 and got.shape == (rows, 48)
+    want = F.linear(x, deq, bias_f)  # [N, O]
+    step = (x.amax(-1).clamp_min(0) - x.amin(-1).clamp_max(0)) / 255  # [N]
+    bound = step[:, None] / 2 * deq.abs().sum(-1)[None, :] * 1.01 + 1e-4  # [N, O]
+    assert ((got - want).abs() <= bound).all()
+    assert (got - want).abs().max() > 0  # the activations really are quantised (not weight-only)
+    assert dyn(x.bfloat16()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -129,7 +174,7 @@ def test_fused_dense_weights_share_storage_with_the_hf_modules():
     assert attn.q_proj.weight.data_ptr() == fast.fast_layers[0].qkv.weight.data_ptr()
 
 
-@pytest.mark.parametrize("weights", ["dense", "int8", "int4"])
+@pytest.mark.parametrize("weights", FORMATS)
 def test_bf16_and_int8_runners_track_the_fp32_reference(weights):
     """Same random model in bf16 (and int8 weights): logits close to fp32's, relative to their spread."""
     tok = byte_tokenizer()
@@ -146,7 +191,7 @@ def test_bf16_and_int8_runners_track_the_fp32_reference(weights):
     assert (step_l - step_r).abs().max() < 0.1 * step_r.std() + 0.05
 
 
-@pytest.mark.parametrize("weights", ["dense", "int8", "int4"])
+@pytest.mark.parametrize("weights", FORMATS)
 def test_low_precision_decode_equals_its_own_prefill(weights):
     """Within one numerics, the one-token decode path (kernel rows) equals a prefill of the same tokens
     (oneDNN rows on the same weights): decode adds no error of its own."""
@@ -183,12 +228,13 @@ def test_weight_format_is_part_of_the_chunk_cache_namespace():
 
     tok = byte_tokenizer()
     digests = {}
-    for weights in ("dense", "int8", "int4"):
+    formats = ("dense", "int8", "int4") + (("int8-dynamic",) if vnni_available() else ())
+    for weights in formats:
         engine = CachedEngine(ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, dtype="bfloat16", weights=weights))
         assert engine.model_namespace.dtype == engine.runner.numerics.tag
         digests[weights] = engine.model_namespace.digest
     assert "int4w-g32" in Numerics(weights="int4").tag
-    assert len(set(digests.values())) == 3
+    assert len(set(digests.values())) == len(formats)
 
 
 def test_int4_runner_keeps_the_lm_head_in_bf16():
