@@ -120,6 +120,21 @@ class _HandOff:
 
 
 @dataclass
+class _Lead:
+    """Fresh rows the question pre-pass computes exactly as the prefill proper would (they precede
+    every reused chunk, so both passes see the same rows before them): the prefill skips them
+    below ``layer`` and takes over their pre-pass state. ``hidden`` stays None when the pre-pass
+    did not run (or ran no layer below its last)."""
+
+    rows: int  # the first ``rows`` fresh positions
+    q_layers: frozenset[int]  # layers whose queries the hand-off needs (metadata layers)
+    k: list = field(default_factory=list)  # per layer < ``layer``: raw K ``[H_kv, rows, D]``
+    q: dict = field(default_factory=dict)  # metadata layer < ``layer`` -> rotated q ``[H_q, rows, D]``
+    hidden: torch.Tensor | None = None  # [rows, Dm] the input of layer ``layer``
+    layer: int | None = None
+
+
+@dataclass
 class Prefilled:
     """What ``CachedEngine.prefill`` hands a scheduler: the request's KV, first logits and stats."""
 
@@ -211,6 +226,9 @@ class CachedEngine:
         self._t_token_layer: float | None = None
         self._t_prefill_layer: float | None = None
         self._t_load_layer: float | None = None
+        # the prefill takes over the question pre-pass's leading fresh rows (``_Lead``); False: it
+        # recomputes them (the reference path of the equivalence tests)
+        self.share_lead_rows = True
         n = runner.n_layers
         k = min(self.config.metadata_layers, n)
         self.metadata_layers = sorted({round(1 + j * (n - 2) / max(1, k - 1)) if n > 2 else j for j in range(k)})
@@ -487,10 +505,15 @@ class CachedEngine:
 
         question_scores: dict[int, torch.Tensor] = {}  # segment -> [T_i] question attention to its tokens
         refine: dict[int, int] = {}  # second stage: segment -> how many of its candidates to keep
+        # fresh tokens before every reused chunk see only exact rows (system, tree, each other) in the
+        # pre-pass as in the prefill proper: the prefill takes their pre-pass layers over (``_Lead``)
+        first_reuse = min((sp.start for sp, a in zip(plan.segments, actions) if a is Action.REUSE), default=total)
+        lead = _Lead(rows=sum(p < first_reuse for p in fresh_pos) if self.share_lead_rows else 0,
+                     q_layers=frozenset(self.metadata_layers))
         if deferred and choice in QUESTION_CHOICES:
             try:
                 scores = self._question_scores(ids, kv, total, fresh_pos, question_pos, plan, deferred,
-                                               load_layer)  # [T]
+                                               load_layer, lead=lead)  # [T]
             except BaseException:
                 for loader in loaders.values():
                     loader.close()
@@ -539,8 +562,10 @@ class CachedEngine:
                          for p in range(plan.segments[i].start, plan.segments[i].end)} - chosen
         compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos)
                          | set(probe_pos) | dense_pos)
-        positions = torch.tensor(compute, device=device)  # [Tc]
+        n_lead = lead.rows if lead.hidden is not None else 0  # leading fresh rows the pre-pass computed
+        positions = torch.tensor(compute[n_lead:], device=device)  # [Tc] (the lead rows join at lead.layer)
         fresh_t = torch.tensor(fresh_pos, device=device, dtype=torch.long)  # [Tf]
+        fresh_main = fresh_t[n_lead:]  # [Tf'] fresh rows this pass computes before the lead rows join
         bounds = [0]
         for s in segments:
             bounds.append(bounds[-1] + len(s))
@@ -579,6 +604,13 @@ class CachedEngine:
         try:
             for layer in range(runner.n_layers):
                 load_layer(layer)
+                if n_lead and layer == lead.layer:  # the lead rows join with their pre-pass hidden states
+                    positions = torch.cat([torch.tensor(compute[:n_lead], device=device), positions])  # [Tc]
+                    hidden = torch.cat([lead.hidden, hidden])  # [Tc, Dm]
+                    rope = runner.rotary.cos_sin(positions, runner.dtype, device)
+                    blocks = runner.causal_blocks(positions, total)
+                    fresh_main = fresh_t
+                    token_layers += n_lead * lead.layer
                 if deferred and layer == check_layer:
                     unfocused = set() if tracker is None or tracker.decision is None else {
                         i for c, i in enumerate(chunk_seg) if not tracker.decision.is_focused(c)}
@@ -596,11 +628,15 @@ class CachedEngine:
                 if dense_pos and layer == dense_layers - 1 and layer + 1 < runner.n_layers:  # the unchosen stop here
                     narrow(torch.tensor([p not in dense_pos for p in positions.tolist()], device=device))  # [Tc]
                 if raw_k is not None and rows_of is not positions:  # fresh tokens are never dropped
-                    fresh_rows, rows_of = _rows(positions, fresh_t), positions
+                    fresh_rows, rows_of = _rows(positions, fresh_main), positions
+                early = n_lead and layer < lead.layer  # the lead rows' K and q of this layer are the pre-pass's
                 if raw_k is not None:
-                    raw_k[layer] = raw["k"][:, fresh_rows]  # [H_kv, Tf, D]
+                    raw_k[layer, :, n_lead if early else 0:] = raw["k"][:, fresh_rows]  # [H_kv, Tf, D]
+                    if early:
+                        raw_k[layer, :, :n_lead] = lead.k[layer]  # [H_kv, Tl, D]
                 if raw_k is not None and fresh_chunk_rows and layer in self.metadata_layers:
-                    meta_q.append((layer, raw["q"][:, fresh_rows]))  # [H_q, Tf, D] (a view when the rows are a range)
+                    q_f = raw["q"][:, fresh_rows]  # [H_q, Tf, D] (a view when the rows are a range)
+                    meta_q.append((layer, torch.cat([lead.q[layer], q_f], 1) if early else q_f))
                 if tracker is not None and tracker.decision is None:
                     q_rows = torch.arange(positions.shape[0] - len(question_pos), positions.shape[0], device=device)
                     qm = runner.segment_attention_mass(layer, raw["q"][:, q_rows], positions[q_rows], kv, total, bounds)
@@ -628,7 +664,7 @@ class CachedEngine:
             logits = runner.logits(hidden[-1:])[0]  # [V] (the last layer computed only this row's output)
         kv.length = total
         prefill_s = time.perf_counter() - t_prefill - paused
-        self._observe_prefill(prefill_s, token_layers)
+        self._observe_prefill(prefill_s, token_layers - n_lead * (lead.layer or 0))  # the timed token-layers
 
         # 4. what to store (raw K + V of fresh segments, metadata for fresh chunks): ``_hand_off``,
         #    run by ``_prefill`` or, for a generation, once its first token is out
@@ -707,13 +743,17 @@ class CachedEngine:
         return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
 
     def _question_scores(self, ids: torch.Tensor, kv: KVBuffer, total: int, fresh_pos: list[int],
-                         question_pos: list[int], plan, deferred: dict[int, int], load_layer) -> torch.Tensor:
+                         question_pos: list[int], plan, deferred: dict[int, int], load_layer,
+                         lead: "_Lead | None" = None) -> torch.Tensor:
         """The question's attention to every prompt position ``[T]`` (float32): the question and
         fresh tokens run through layers ``0..max(question_layers)`` against the loaded cache (the
         reused chunks' K re-rotated to their new positions); at each of ``question_layers`` the
         attention probability of every question token to each position, averaged over heads,
         is summed over question tokens and normalised to sum 1 over the deferred segments' tokens.
-        Rows it writes (question and fresh tokens) are written again by the prefill proper.
+        Rows it writes (question and fresh tokens) are written again by the prefill proper, except
+        ``lead.rows`` leading fresh rows (before every reused chunk, so computed as the prefill
+        would): their raw K, metadata-layer queries and the hidden states entering the last scoring
+        layer go into ``lead`` for the prefill to take over.
         The fidelity benchmark's oracle overrides this method."""
         runner = self.runner
         device = runner.device
@@ -728,17 +768,25 @@ class CachedEngine:
         rope = runner.rotary.cos_sin(pos, runner.dtype, device)  # [Tp, D] each
         blocks = runner.causal_blocks(pos, total)
         scores = torch.zeros(total, dtype=torch.float32, device=device)  # [T]
-        for layer in range(max(layers) + 1):
+        last = max(layers)
+        n_lead = lead.rows if lead is not None and last > 0 else 0
+        for layer in range(last + 1):
             load_layer(layer)
             raw: dict = {}
-            if layer == max(layers):  # the last scoring layer: its queries and K/V, not its output
+            if layer == last:  # the last scoring layer: its queries and K/V, not its output
                 runner.write_layer(layer, hidden, pos, kv, raw_out=raw, rope=rope)
             else:
                 hidden = runner.forward_layer(layer, hidden, pos, kv, total, raw_out=raw, rope=rope, blocks=blocks)
+                if n_lead:
+                    lead.k.append(raw["k"][:, :n_lead])  # [H_kv, Tl, D]
+                    if layer in lead.q_layers:
+                        lead.q[layer] = raw["q"][:, :n_lead]  # [H_q, Tl, D]
             if layer in layers:
                 mass = runner.segment_attention_mass(layer, raw["q"][:, q_rows], pos[q_rows], kv, total, every)  # [Tq, T]
                 s = mass.sum(0).float()  # [T]
                 scores += s / s[inside].sum().clamp_min(1e-12)
+        if n_lead:
+            lead.hidden, lead.layer = hidden[:n_lead], last  # [Tl, Dm]: the input of layer ``last``
         return scores  # [T]
 
     def _refine(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, total: int, plan,
