@@ -25,7 +25,9 @@ Configurations (the issue's a..e):
   e  as (d), but the client sends no extension field (automatic passage detection)
 
 Every configuration runs the same numerics (``--dtype`` / ``--weights`` / ``--threads``, passed
-to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not number formats.
+to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not number formats;
+``--max-overtakes`` / ``--starvation-s`` (the cache-aware order's bounds) likewise go to every
+server, so one run compares FIFO (c) with one setting of the bounds (d).
 Every level of one configuration replays the same requests as that level of every other, so
 answers compare request by request. Servers run one at a time (the CPU is shared).
 ``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}``.
@@ -89,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight format of every configuration (`cachedrag serve --weights`; default dense)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of every server (`cachedrag serve --threads`; default: all cores)")
+    parser.add_argument("--starvation-s", type=float, default=None,
+                        help="`cachedrag serve --starvation-s` of every server (default: the server's)")
+    parser.add_argument("--max-overtakes", type=int, default=None,
+                        help="`cachedrag serve --max-overtakes` of every server (default: the server's)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
     parser.add_argument("--zipf", type=float, default=1.1)
@@ -110,6 +116,12 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
     if args.threads is not None:
         out += ["--threads", str(args.threads)]
     return out
+
+
+def scheduler_args(args: argparse.Namespace) -> list[str]:
+    """The admission-order bounds given to every server (they act only where the order is cache-aware)."""
+    out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
+    return out + ([] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)])
 
 
 # ---------------------------------------------------------------------- server processes
@@ -324,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     n_total = args.warmup + args.requests * (len(levels) + 1) + max(0, args.queue_requests)
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
-    model_args += numerics_args(args)
+    model_args += numerics_args(args) + scheduler_args(args)
     if args.tiny:
         from cachedrag.testing import TINY_DOCS
 
@@ -350,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
         "model": model_name, "levels": levels, "requests_per_level": args.requests, "warmup": args.warmup,
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
         "dtype": args.dtype or "float32", "weights": args.weights, "threads": args.threads,
+        "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "queue_level": args.queue_level,
+        "queue_requests": args.queue_requests,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},
     }, "configs": {}, "answers": {}}

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cachedrag.server.policy import MAX_OVERTAKES
+
 
 class SchedulerConfig(BaseModel):
     """How the engine loop batches and orders requests."""
@@ -23,6 +25,9 @@ class SchedulerConfig(BaseModel):
         "cache_aware", description="admission order: arrival, or RAGCache's cached/compute length ratio")
     starvation_s: float = Field(
         10.0, ge=0.0, description="a request waiting this long is admitted before any younger one (cache_aware)")
+    max_overtakes: int = Field(
+        MAX_OVERTAKES, ge=0, description="a request passed by this many younger ones is admitted before any younger "
+                                         "one (cache_aware; 0 = arrival order)")
     prefills_per_step: int = Field(
         1, ge=1, description="prefills admitted between two decode steps (more: better TTFT under bursts, "
                              "longer stalls of the running requests)")

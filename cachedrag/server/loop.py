@@ -114,7 +114,8 @@ class EngineLoop:
         (the server's Prometheus metrics)."""
         self.engine = engine
         self.config = config or SchedulerConfig()
-        self.policy = SchedulerPolicy(self.config.order, self.config.max_waiting, self.config.starvation_s)
+        self.policy = SchedulerPolicy(self.config.order, self.config.max_waiting, self.config.starvation_s,
+                                      self.config.max_overtakes)
         self.observer = observer
         self._ids = itertools.count(1)
         self._lock = threading.Lock()

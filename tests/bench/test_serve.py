@@ -27,15 +27,24 @@ def test_every_server_gets_the_requested_numerics(argv, flags):
     assert serve.numerics_args(_args(*argv)) == flags
 
 
+@pytest.mark.parametrize("argv, flags", [
+    ((), []),  # the server's defaults
+    (("--max-overtakes", "8", "--starvation-s", "5"), ["--starvation-s", "5.0", "--max-overtakes", "8"]),
+])
+def test_every_server_gets_the_requested_admission_bounds(argv, flags):
+    assert serve.scheduler_args(_args(*argv)) == flags
+
+
 @pytest.mark.timeout(300)
 def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--tiny", "--configs", "c,d", "--levels", "1", "--requests", "2", "--warmup", "1",
                "--max-batch", "2", "--queue-level", "3", "--queue-requests", "4", "--max-tokens", "4",
-               "--dtype", "bfloat16", "--no-soak", "--no-warm-c1", "--json", str(out)])
+               "--dtype", "bfloat16", "--max-overtakes", "1", "--no-soak", "--no-warm-c1", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["config"]["dtype"] == "bfloat16" and data["config"]["weights"] == "dense"
+    assert data["config"]["max_overtakes"] == 1 and data["config"]["queue_requests"] == 4
     for name in ("c", "d"):
         assert set(data["configs"][name]) == {"1", "3q"}  # the queue level runs for the FIFO / cache-aware pair
         row = data["configs"][name]["3q"]

@@ -64,6 +64,7 @@ def test_bad_setting_exits_2_with_one_line():
 @pytest.mark.parametrize("args, says", [
     (["--weights", "int8", "--dtype", "float32"], "bfloat16"),  # a quantised format computes in bf16
     (["--threads", "0"], "--threads"),
+    (["--max-overtakes", "-1"], "max_overtakes"),
     (["--dtype", "bfloat16", "--replicas", "2"], "--replicas"),  # replicas would silently ignore it
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):

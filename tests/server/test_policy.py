@@ -1,4 +1,4 @@
-"""The torch-free admission policy: FIFO, cache-aware order, starvation bound, queue limit."""
+"""The torch-free admission policy: FIFO, cache-aware order, overtake cap, starvation bound, queue limit."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_fifo_admits_in_arrival_order():
 
 
 def test_cache_aware_admits_highest_cached_to_compute_ratio_first():
-    p = SchedulerPolicy("cache_aware", starvation_s=100)
+    p = SchedulerPolicy("cache_aware", starvation_s=100, max_overtakes=10**9)  # the ratio alone
     for t in _tickets():
         p.push(t)
     # priorities: 1 -> 0, 2 -> 9, 3 -> 1, 4 -> 9 (tie with 2: earlier arrival first)
@@ -59,7 +59,7 @@ def test_starved_requests_go_first_oldest_first():
 
 def test_no_request_waits_past_the_bound_under_a_stream_of_better_ones():
     """A cold request keeps losing to fully cached newcomers only until the starvation window ends."""
-    p = SchedulerPolicy("cache_aware", starvation_s=3.0)
+    p = SchedulerPolicy("cache_aware", starvation_s=3.0, max_overtakes=10**9)  # the time window alone
     p.push(Ticket(0, 0.0, 1000, 0))
     admitted_at = None
     for step in range(1, 20):  # one slot per second, one hot newcomer per second
@@ -79,7 +79,7 @@ def test_starvation_bound_holds_on_random_streams(seed):
     import random
 
     rng = random.Random(seed)
-    window, p = 2.0, SchedulerPolicy("cache_aware", starvation_s=2.0)
+    window, p = 2.0, SchedulerPolicy("cache_aware", starvation_s=2.0, max_overtakes=10**9)
     waits, now, next_id = [], 0.0, 0
     for _ in range(400):
         now += rng.uniform(0.05, 0.3)  # one admission decision per step
@@ -95,6 +95,52 @@ def test_starvation_bound_holds_on_random_streams(seed):
             assert not any(now - t.arrival >= window and t.arrival < c.arrival for t in left)
     assert p.admitted == len(waits) and p.reordered > 0 and p.contested >= p.reordered
     assert max(waits) < window + 3.0  # the queue drains: admissions keep up with arrivals on average
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_a_cold_request_goes_first_once_passed_cap_times(cap):
+    """One slot per step, a fully cached newcomer before every step: the cold request is passed by
+    exactly ``cap`` of them, then admitted ahead of the hotter ones still waiting."""
+    p = SchedulerPolicy("cache_aware", starvation_s=1e9, max_overtakes=cap)
+    p.push(Ticket(0, 0.0, 1000, 0))
+    order = []
+    for step in range(1, 10):
+        p.push(Ticket(step, step - 0.5, 1000, 990))
+        order += [t.id for t in p.admit(1, now=float(step))]
+    assert order[:cap + 1] == list(range(1, cap + 1)) + [0]
+
+
+def test_no_overtakes_is_arrival_order():
+    tickets = [Ticket(i, 0.1 * i, 1000, 100 * i) for i in range(8)]  # later = better cached
+    p = SchedulerPolicy("cache_aware", starvation_s=1e9, max_overtakes=0)
+    for t in tickets:
+        p.push(t)
+    assert [t.id for t in p.admit(3, now=1.0)] + [t.id for t in p.admit(8, now=2.0)] == list(range(8))
+
+
+@pytest.mark.parametrize("cap,seed", [(1, 0), (2, 1), (2, 2), (4, 3), (4, 4)])
+def test_overtake_cap_holds_on_random_streams(cap, seed):
+    """Random arrivals (some pushed out of arrival order), cache estimates and slot counts (up to 2
+    per admission): no request is passed by more than ``cap`` younger ones while it waits."""
+    import random
+
+    rng = random.Random(seed)
+    p = SchedulerPolicy("cache_aware", starvation_s=1e9, max_overtakes=cap)
+    now, next_id, admitted, arrival, pushed_at = 0.0, 0, [], {}, {}
+    for _ in range(400):
+        now += rng.uniform(0.05, 0.3)
+        for _ in range(rng.choice((0, 0, 1, 2, 3))):
+            arrival[next_id], pushed_at[next_id] = now - rng.uniform(0, 0.2), len(admitted)
+            p.push(Ticket(next_id, arrival[next_id], rng.randint(200, 2000), 0))
+            next_id += 1
+        chosen = p.admit(rng.choice((0, 1, 1, 2)), now=now, estimate=lambda t: rng.randint(0, t.prompt_tokens))
+        admitted += [t.id for t in chosen]
+        for t in p.waiting:
+            assert t.overtaken <= cap
+    assert p.reordered > 0
+    for j, rid in enumerate(admitted):  # younger requests admitted while it waited
+        passed_by = sum(arrival[x] > arrival[rid] for x in admitted[pushed_at[rid]:j])
+        assert passed_by <= cap, (rid, passed_by)
 
 
 def test_counters_say_when_the_order_had_a_choice():
@@ -120,7 +166,23 @@ def test_queue_limit_and_remove():
     assert len(p) == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"order": "lifo"}, {"max_waiting": 0}, {"starvation_s": -1}])
+@pytest.mark.parametrize("kwargs", [{"order": "lifo"}, {"max_waiting": 0}, {"starvation_s": -1}, {"max_overtakes": -1}])
 def test_bad_settings_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SchedulerPolicy(**kwargs)
+
+
+def test_server_settings_reach_the_policy():
+    from cachedrag.cli import build_parser
+    from cachedrag.server.config import SchedulerConfig
+    from cachedrag.server.loop import EngineLoop
+    from cachedrag.server.policy import MAX_OVERTAKES
+
+    assert SchedulerConfig().max_overtakes == MAX_OVERTAKES  # one default: library, config and CLI
+    args = build_parser().parse_args(["serve", "--tiny"])
+    assert args.max_overtakes == MAX_OVERTAKES
+    args = build_parser().parse_args(["serve", "--tiny", "--max-overtakes", "5", "--starvation-s", "3"])
+    loop = EngineLoop(None, SchedulerConfig(max_overtakes=args.max_overtakes, starvation_s=args.starvation_s))
+    assert (loop.policy.max_overtakes, loop.policy.starvation_s) == (5, 3.0)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_overtakes=-1)
