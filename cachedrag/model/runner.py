@@ -48,6 +48,22 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``_rms_norm`` for the decode step in 3-4 kernels instead of ~10: LayerNorm of ``[x, -x]``
+    (mean 0, mean square equal to ``x``'s) is ``x * rsqrt(mean(x^2) + eps)`` on its first half, and
+    ``F.layer_norm`` is one fused CPU kernel while ``F.rms_norm`` is composite on the CPU in torch
+    2.13 (casts, pow, mean, add, rsqrt, mul: measured 1.0-1.5 ms of a decode step, docs/speed.md).
+    ``weight`` comes from ``ModelRunner._norm_weights``: for float32 rows it is ``[w, 0]`` (``[2*Dm]``,
+    applied inside the kernel; equal to ``F.rms_norm`` to float rounding, the mean of ``[x, -x]``
+    is zero only up to it); for bfloat16 rows it is ``w`` (``[Dm]``), applied after the kernel's
+    float32 arithmetic is rounded to bf16: HF's order (tests)."""
+    n = x.shape[-1]
+    both = torch.cat([x, x.neg()], -1)  # [T, 2*Dm]
+    if weight.shape[-1] == 2 * n:
+        return F.layer_norm(both, (2 * n,), weight, None, eps)[..., :n]  # [T, Dm]
+    return weight * F.layer_norm(both, (2 * n,), None, None, eps)[..., :n]  # [T, Dm]
+
+
 def default_threads() -> int:
     """Cores this process may run on (its CPU affinity), at most torch's own default."""
     try:
@@ -193,14 +209,21 @@ class ModelRunner:
         except ValueError as exc:  # a shape the weight format cannot take (int4 groups)
             raise UnsupportedModelError(str(exc)) from exc
 
-    def _norm_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-        """Per layer (input norm weight, post-attention norm weight, eps) in the decode stream's
-        dtype, plus the final norm's as the last entry: looked up once, not per step."""
+    def _norm_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, float, float]]:
+        """Per layer (input norm weight, post-attention norm weight, their eps) in the form
+        ``_rms_norm_rows`` takes for the decode stream's dtype (float32: ``[w, 0]``), plus the
+        final norm's as the last entry: built once, not looked up per step."""
         dt = self._decode_dtype
-        out = [(layer.input_layernorm.weight.detach().to(dt), layer.post_attention_layernorm.weight.detach().to(dt),
-                float(layer.input_layernorm.variance_epsilon)) for layer in self.layers]
+
+        def prep(norm) -> torch.Tensor:
+            w = norm.weight.detach().to(dt)  # [Dm]
+            return torch.cat([w, torch.zeros_like(w)]) if dt == torch.float32 else w  # [2*Dm] or [Dm]
+
+        out = [(prep(layer.input_layernorm), prep(layer.post_attention_layernorm),
+                float(layer.input_layernorm.variance_epsilon), float(layer.post_attention_layernorm.variance_epsilon))
+               for layer in self.layers]
         norm = self.model.model.norm
-        out.append((norm.weight.detach().to(dt), norm.weight.detach().to(dt), float(norm.variance_epsilon)))
+        out.append((prep(norm), prep(norm), float(norm.variance_epsilon), float(norm.variance_epsilon)))
         return out
 
     @classmethod
@@ -537,8 +560,8 @@ class ModelRunner:
             for i in range(self.n_layers):
                 hidden = self._decode_layer(i, hidden, position, kv, rope)
             kv.length = max(kv.length, position + 1)
-            w, _, eps = self._decode_norms[-1]
-            return self.fast_head(_rms_norm(hidden, w, eps)).float()[0]  # [V]
+            w, _, eps, _ = self._decode_norms[-1]
+            return self.fast_head(_rms_norm_rows(hidden, w, eps)).float()[0]  # [V]
         rope = self.rotary.cos_sin(pos, self.dtype, self.device)  # [1, D] each
         if self._decode_fast:
             for i in range(self.n_layers):
@@ -559,19 +582,21 @@ class ModelRunner:
                 and hasattr(layer.post_attention_layernorm, "variance_epsilon"))
 
     def _decode_layer(self, i: int, hidden: torch.Tensor, position: int, kv: KVBuffer, rope) -> torch.Tensor:
-        """``forward_layer`` for one token at ``position`` with half the ops: fused RMSNorm, q and k
-        rotated in one pass, the K/V row written by index, and no mask (every row ``<= position``
+        """``forward_layer`` for one token at ``position`` with half the ops: RMSNorm as one LayerNorm
+        kernel (``_rms_norm_rows``), q and k rotated in one pass, the K/V row written by index, and no mask (every row ``<= position``
         is visible; a sliding window becomes a slice). Equal to ``forward_layer`` to float rounding
         (tests); per-op overhead, not arithmetic, dominates a decode step of a small model.
 
         Attention is SDPA with ``enable_gqa``. Grouping the G = H_q / H_kv query heads as G query
         rows of one call against their KV head (each K/V row read once) is 1.8x faster in isolation
         in fp32 but was slower inside a decode step (fp32 40.2 vs 39.2 ms, bf16 31.6 vs 30.5 ms:
-        3 heads split worse over 2 threads than 9); a roll+addcmul RoPE and a 4-op bf16 RMSNorm were
-        no faster either (exclusive probes, docs/speed.md)."""
+        3 heads split worse over 2 threads than 9); a roll+addcmul RoPE was no faster either
+        (exclusive probes, docs/speed.md). The residual stream is in ``numerics.decode_dtype``
+        (float32 for int8-dynamic, whose kernel takes and returns float32; K/V rows are cast on write
+        and q once for attention)."""
         lw = self.fast_layers[i]
-        w1, w2, eps = self._decode_norms[i]
-        x = _rms_norm(hidden, w1, eps)  # [1, Dm]
+        w1, w2, eps1, eps2 = self._decode_norms[i]
+        x = _rms_norm_rows(hidden, w1, eps1)  # [1, Dm]
         qkv = lw.qkv(x)[0]  # [Oq + 2*Okv]
         n_qk = self.n_heads + self.n_kv_heads
         qk = qkv[: lw.q_out + lw.kv_out].view(n_qk, 1, self.head_dim)  # [H_q + H_kv, 1, D]
@@ -586,7 +611,7 @@ class ModelRunner:
         out = F.scaled_dot_product_attention(q, k[None], v[None], scale=self.scaling,
                                              enable_gqa=self.n_heads != self.n_kv_heads)  # [1, H_q, 1, D]
         h = hidden + lw.o(out.reshape(1, -1).to(hidden.dtype))  # [1, Dm]
-        return h + lw.mlp(_rms_norm(h, w2, eps))  # [1, Dm]
+        return h + lw.mlp(_rms_norm_rows(h, w2, eps2))  # [1, Dm]
 
     # ------------------------------------------------------------------ attention metadata
     def segment_attention_mass(

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from cachedrag.errors import ContextWindowError
 from cachedrag.model.rope import rotate_half
-from cachedrag.model.runner import KVBuffer, ModelRunner, _rms_norm
+from cachedrag.model.runner import KVBuffer, ModelRunner, _rms_norm_rows
 
 PACKED_ROWS = 4  # from this many rows, the packed oneDNN float32 matmul (table in the module docstring)
 
@@ -140,8 +140,10 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
     ids = torch.tensor(list(tokens), device=device)  # [B]
     pos = torch.tensor(positions, device=device)  # [B]
     hidden = runner.embed(ids)  # [B, Dm]
-    rope = runner.rotary.cos_sin(pos, runner.dtype, device)  # [B, D] each, shared by all layers
     use_fast = runner._decode_fast if fast is None else (fast and runner._decode_fast)
+    if use_fast:  # the runner's decode stream dtype (float32 for int8-dynamic), as its decode step
+        hidden = hidden.to(runner._decode_dtype)  # [B, Dm]
+    rope = runner.rotary.cos_sin(pos, hidden.dtype, device)  # [B, D] each, shared by all layers
     if use_fast:
         bw = batch_weights(runner) if (packed if packed is not None else n >= PACKED_ROWS) else None
         views = _Views(runner, positions, kvs)
@@ -153,10 +155,11 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
             hidden = _general_layer(runner, i, hidden, pos, positions, kvs, rope)  # [B, Dm]
     for p, kv in zip(positions, kvs):
         kv.length = max(kv.length, p + 1)
-    if bw is None:
+    if not use_fast:
         return runner.logits(hidden)  # [B, V]
-    norm = runner.model.model.norm
-    return bw.head(_rms_norm(hidden, norm.weight, norm.variance_epsilon)).float()  # [B, V]
+    w, _, eps, _ = runner._decode_norms[-1]
+    head = bw.head if bw is not None else runner.fast_head
+    return head(_rms_norm_rows(hidden, w, eps)).float()  # [B, V]
 
 
 class _Views:
@@ -201,12 +204,12 @@ def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, views: _Views
                 bw: BatchWeights | None) -> torch.Tensor:
     """``ModelRunner._decode_layer`` over B rows (fused weights, RMSNorm, no q/k norms); the
     projections through ``bw`` (packed float32) when given, else the runner's own weights."""
-    layer, lw = runner.layers[i], runner.fast_layers[i]
+    lw = runner.fast_layers[i]
     qkv_w, o_w, gate_up_w, down_w = bw.layers[i] if bw is not None else (lw.qkv, lw.o, lw.gate_up, lw.down)
     b = hidden.shape[0]
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    w1, w2, eps1, eps2 = runner._decode_norms[i]  # prepared for ``_rms_norm_rows`` in the stream's dtype
     h_q, h_kv, d = runner.n_heads, runner.n_kv_heads, runner.head_dim
-    x = _rms_norm(hidden, ln1.weight, ln1.variance_epsilon)  # [B, Dm]
+    x = _rms_norm_rows(hidden, w1, eps1)  # [B, Dm]
     qkv = qkv_w(x)  # [B, Oq + 2*Okv]
     qk = qkv[:, : lw.q_out + lw.kv_out].view(b, h_q + h_kv, d).transpose(0, 1)  # [H_q + H_kv, B, D]
     qk = qk * rope[0] + rotate_half(qk) * rope[1]  # [H_q + H_kv, B, D] RoPE at each row's position
@@ -216,11 +219,12 @@ def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, views: _Views
         views.v_rows[r][i].copy_(v[r])  # [H_kv, D]
     gqa = h_q != h_kv
     spans = views.spans(runner.windows[i])
-    outs = [F.scaled_dot_product_attention(qk[None, :h_q, r:r + 1], k[i], v_[i], scale=runner.scaling, enable_gqa=gqa)
+    q = qk[None, :h_q].to(runner.dtype)  # [1, H_q, B, D] (a no-op unless the stream is float32)
+    outs = [F.scaled_dot_product_attention(q[:, :, r:r + 1], k[i], v_[i], scale=runner.scaling, enable_gqa=gqa)
             for r, (k, v_) in enumerate(spans)]  # B x [1, H_q, 1, D]; no mask: every key up to p is visible
     out = outs[0].reshape(1, -1) if b == 1 else torch.cat(outs, 0).reshape(b, -1)  # [B, H_q*D]
-    h = hidden + o_w(out)  # [B, Dm]
-    y = _rms_norm(h, ln2.weight, ln2.variance_epsilon)  # [B, Dm]
+    h = hidden + o_w(out.to(hidden.dtype))  # [B, Dm]
+    y = _rms_norm_rows(h, w2, eps2)  # [B, Dm]
     gate, up = gate_up_w(y).split(lw.ff, dim=-1)  # [B, Dff] each
     return h + down_w(lw.act(gate) * up)  # [B, Dm]
 

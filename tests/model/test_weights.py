@@ -243,3 +243,25 @@ def test_int4_runner_keeps_the_lm_head_in_bf16():
     assert runner.numerics.tag == "bfloat16+int4w-g32"
     assert {lw.qkv.kind for lw in runner.fast_layers} == {"int4"}
     assert runner.fast_head.kind in ("mkldnn", "dense") and runner.fast_head.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rms_norm_as_one_layer_norm_equals_the_hf_arithmetic(dtype):
+    """The decode step's RMSNorm (LayerNorm of [x, -x]) against LlamaRMSNorm's arithmetic: float32
+    to float rounding; bfloat16 rows within one bf16 rounding step (same order: normalise in float32,
+    round, then the bf16 weight), nearly all bitwise."""
+    from cachedrag.model.runner import _rms_norm, _rms_norm_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 576, generator=g) * torch.rand(3, 1, generator=g) * 8).to(dtype)  # [T, Dm]
+    x[0, 7] = 60.0  # an outlier channel, as real hidden states have
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)  # [Dm]
+    want = _rms_norm(x, w, 1e-5)
+    prepared = torch.cat([w, torch.zeros_like(w)]) if dtype == torch.float32 else w  # as ModelRunner._norm_weights
+    got = _rms_norm_rows(x, prepared, 1e-5)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+        assert (got == want).float().mean() > 0.99

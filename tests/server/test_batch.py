@@ -238,3 +238,22 @@ def test_batched_step_on_the_default_model_equals_decode_step(default_runner):
             torch.testing.assert_close(batched, single, rtol=1e-3, atol=1e-3)
             assert batched.argmax(-1).tolist() == single.argmax(-1).tolist()
             tokens, positions = batched.argmax(-1).tolist(), [p + 1 for p in positions]
+
+
+@pytest.mark.parametrize("weights", ["dense", "int8", "int8-dynamic"])
+def test_one_row_is_the_runners_decode_step_in_low_precision(weights):
+    """bf16 and int8 runners (int8-dynamic decodes in a float32 stream): one batched row is the
+    runner's own decode step bit for bit."""
+    from cachedrag.model.weights import vnni_available
+
+    if weights == "int8-dynamic" and not vnni_available():
+        pytest.skip("int8-dynamic needs VNNI")
+    tok = byte_tokenizer()
+    runner = ModelRunner(tiny_model(vocab_size=len(tok)), tok, dtype="bfloat16", weights=weights)
+    prompt = torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(9))
+    kv_a, kv_b = runner.new_kv(12), runner.new_kv(12)
+    runner.prefill(prompt, kv=kv_a)
+    runner.prefill(prompt, kv=kv_b)
+    for step, token in enumerate([3, 70, 11]):
+        one = batched_decode_step(runner, [token], [9 + step], [kv_a])[0]  # [V]
+        assert torch.equal(one, runner.decode_step(token, 9 + step, kv_b))
