@@ -25,7 +25,8 @@ FIDELITY_PRESETS: dict[str, dict] = {
     "exact": {"mode": "prefix", "cache": {}, "order_aware": False, "early_termination": False},
     # non-prefix reuse, 20% recomputed, chosen by the question's attention fused with each chunk's own
     # inter-chunk attention (question+inter), early termination off: the highest measured ratio with
-    # x_prefix >= 2 on bench ttft (2.44; 30% gave 1.81 / 1.93), teacher-forced top-1 0.972 and KL 0.004 there
+    # x_prefix >= 2 on bench ttft (2.44, 2.10, 2.23; 30% gave 1.81 / 1.93 / 1.69, and 27%, the first ratio past
+    # teacher-forced top-1 0.98 and ROUGE-L 0.90, 1.93 / 1.89), teacher-forced top-1 0.972 and KL 0.004 there
     # (the previous deviation/CFO/early-termination default: 0.963 / 0.010); bench fidelity: KL 0.018 vs order
     # noise 0.073, ROUGE-L 0.76 vs a reordered exact prefill's 0.69, so order-aware off (docs/fidelity.md)
     "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.2},

@@ -141,6 +141,7 @@ class Prefilled:
     kv: KVBuffer  # rows 0..prompt_tokens-1 valid; capacity prompt + max_new_tokens
     logits: torch.Tensor  # [V] float32, logits of the last prompt position
     info: dict  # prompt_tokens, computed_tokens, chunks_hit, ... (EngineResult's prefill fields)
+    hand_off: Callable[[], None] | None = None  # with ``prefill(defer_store=True)``: run once the first token is out
 
 
 class _LoadFailed(Exception):
@@ -279,7 +280,7 @@ class CachedEngine:
         return self._teacher_forced(pre, pre.info["prompt_tokens"], list(answer))
 
     def prefill(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None,
-                between_layers: Callable[[int, int], None] | None = None) -> "Prefilled":
+                between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False) -> "Prefilled":
         """Plan, load and prefill only, without decoding (the serving scheduler's seam).
 
         Returns the working KV buffer (capacity = prompt + ``max_new_tokens``, rows of the
@@ -289,9 +290,14 @@ class CachedEngine:
         (``tokens``: positions that layer computed): the serving loop runs other requests'
         decode steps there (chunked prefill). It must not touch this request's buffer; its time
         is left out of ``prefill_s`` and the engine's cost model.
+        ``defer_store``: what the request computed fresh is not handed to the cache manager yet but
+        left in ``.hand_off`` (None when there is nothing to store), for the caller to run once
+        the first token is out, as ``generate`` does; until then only decode may write the buffer
+        (rows past the prompt).
         """
-        pre = self._prefill(list(segments), self._mode(mode), max_new_tokens, between_layers=between_layers)
-        return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info)
+        pre = self._prefill(list(segments), self._mode(mode), max_new_tokens, between_layers=between_layers,
+                            defer_store=defer_store)
+        return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info, hand_off=pre.hand_off)
 
     def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
         """Prefill only; returns the last-position logits ``[V]`` (for equivalence tests and FLARE)."""

@@ -1,7 +1,8 @@
 """Choose a dtype: prefill and decode speed of the runner per numerics, and how far each moves
 the answer from float32.
 
-Loads the default model once per dtype (float32, bfloat16, bfloat16 + int8 or int4 weights), builds one
+Loads the default model once per dtype (float32, bfloat16, bfloat16 + int8, int8-dynamic where the CPU has
+VNNI, or int4 weights), builds one
 RAG prompt (system prompt + stdlib chunks + a question), and for each runner times a full
 prefill and greedy decode steps, then scores float32's greedy continuation teacher-forced in
 every runner (top-1 agreement and KL against float32, as `cachedrag bench speed` reports).
@@ -19,6 +20,7 @@ from cachedrag.bench.speed import dtype_fidelity
 from cachedrag.corpus import stdlib_corpus
 from cachedrag.engine import CachedEngine
 from cachedrag.model.runner import ModelRunner
+from cachedrag.model.weights import vnni_available
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
@@ -31,6 +33,8 @@ runners = {
     "cachedrag-int8": ModelRunner.from_pretrained(dtype="bfloat16", weights="int8", threads=args.threads),
     "cachedrag-int4": ModelRunner.from_pretrained(weights="int4", threads=args.threads),
 }
+if vnni_available():  # int8 weights and per-token int8 decode activations (fbgemm's VNNI kernel)
+    runners["cachedrag-int8-dynamic"] = ModelRunner.from_pretrained(weights="int8-dynamic", threads=args.threads)
 tokenizer = runners["cachedrag-fp32"].tokenizer
 docs = [d.text for d in stdlib_corpus(("json", "heapq", "bisect", "functools", "csv"))]
 chunks = [tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)[:256]) for t in docs]

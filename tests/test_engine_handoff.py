@@ -174,3 +174,27 @@ def test_rows_is_a_slice_exactly_when_the_rows_are_consecutive(positions, wanted
         assert isinstance(rows, torch.Tensor) and rows.tolist() == expect
     x = torch.arange(len(positions)) * 10  # [Tc]
     assert x[rows].tolist() == [10 * positions.index(p) for p in wanted]  # same rows either way
+
+
+def test_prefill_can_defer_its_hand_off(runner):
+    """``prefill(defer_store=True)`` (the server's seam) stores nothing until ``hand_off()``
+    runs, after which it stored what an inline ``prefill`` stores."""
+    a, b = _engine(runner), _engine(runner)
+    segments = a.prompts.chat(CHUNKS, "q", SYSTEM)
+    pre = a.prefill(segments, 4, defer_store=True)
+    assert pre.hand_off is not None and a.manager.handles() == []
+    a.runner.decode_step(int(pre.logits.argmax()), pre.info["prompt_tokens"], pre.kv)  # decode may run first
+    pre.hand_off()
+    inline = b.prefill(segments, 4)
+    assert inline.hand_off is None
+    got, want = _stored(a, segments), _stored(b, segments)
+    assert got.keys() == want.keys() and all(got[i][0] is not None for i in got)
+    for i in got:
+        (ta, ma), va = got[i]
+        (tb, mb), vb = want[i]
+        assert ma == mb and (va is None) == (vb is None)
+        if va is not None:
+            assert (va.prefix_keys, list(va.token_inter)) == (vb.prefix_keys, list(vb.token_inter))
+        for name in ta:
+            assert torch.equal(ta[name], tb[name]), (i, name)
+    assert a.prefill(segments, 1, defer_store=True).hand_off is None  # all cached: nothing to hand off

@@ -107,6 +107,9 @@ class Numerics(BaseModel):
 
     @model_validator(mode="after")
     def _quantized_needs_bf16(self):
+        if self.weights == "int8-dynamic" and self.dtype != "bfloat16":
+            raise ValueError("int8-dynamic weights prefill in bfloat16 and keep bfloat16 KV (only decode rows run "
+                             "the float32-in/out int8 kernel); use dtype='bfloat16'")
         if self.weights in QUANTIZED and self.dtype != "bfloat16":
             raise ValueError(f"{self.weights} weights compute with bfloat16 activations (the CPU {self.weights} kernel "
                              "is 5-30x slower with float32 ones); use dtype='bfloat16'")

@@ -262,7 +262,7 @@ class EngineLoop:
         self._prefill_work = 0.0
         try:
             pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=request.mode,
-                                 between_layers=self._between_layers if chunked else None)
+                                 between_layers=self._between_layers if chunked else None, defer_store=True)
         except Exception as exc:  # bad request content the HTTP side could not see (handed back, not raised)
             request.emit(Failed(exc))
             return
@@ -272,6 +272,11 @@ class EngineLoop:
                        position=info["prompt_tokens"])
         self._running.append(run)
         self._advance(run, pre.logits, first=True)
+        if pre.hand_off is not None:  # the store hand-off waits for the first token, as in generate()
+            try:
+                pre.hand_off()
+            except Exception:  # the answer stands; only its caching failed (the next request misses)
+                log.exception("store hand-off after the first token failed")
 
     def _advance(self, run: _Running, logits: torch.Tensor, first: bool = False) -> None:
         """Choose the next token from ``logits`` ``[V]``; emit its text; finish or keep running."""

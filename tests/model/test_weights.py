@@ -38,6 +38,8 @@ def test_numerics_names_and_validation():
         Numerics(dtype="float32", weights="int8")
     with pytest.raises(ValueError, match="bfloat16"):
         Numerics(dtype="float32", weights="int4")
+    with pytest.raises(ValueError, match="prefill in bfloat16"):
+        Numerics(dtype="float32", weights="int8-dynamic")
     with pytest.raises(ValueError, match="unsupported dtype"):
         Numerics(dtype="float16")
 
