@@ -27,7 +27,9 @@ Configurations (the issue's a..e):
 Every configuration runs the same numerics (``--dtype`` / ``--weights`` / ``--threads``, passed
 to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not number formats;
 ``--max-overtakes`` / ``--starvation-s`` (the cache-aware order's bounds) likewise go to every
-server, so one run compares FIFO (c) with one setting of the bounds (d).
+server, so one run compares FIFO (c) with one setting of the bounds (d); so does ``--cache-gb``
+(the chunk-cache budget: below the working set, chunks are evicted, and the order can change
+the hit rate, RAGCache's setting).
 Every level of one configuration replays the same requests as that level of every other, so
 answers compare request by request. Servers run one at a time (the CPU is shared).
 ``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}``.
@@ -95,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`cachedrag serve --starvation-s` of every server (default: the server's)")
     parser.add_argument("--max-overtakes", type=int, default=None,
                         help="`cachedrag serve --max-overtakes` of every server (default: the server's)")
+    parser.add_argument("--cache-gb", type=float, default=None,
+                        help="`cachedrag serve --cache-gb` (chunk-cache budget) of every server (default: the server's, "
+                             "2 GB); below the working set, chunks are evicted and the order can change the hit rate")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
     parser.add_argument("--zipf", type=float, default=1.1)
@@ -122,6 +127,15 @@ def scheduler_args(args: argparse.Namespace) -> list[str]:
     """The admission-order bounds given to every server (they act only where the order is cache-aware)."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
     return out + ([] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)])
+
+
+def cache_args(args: argparse.Namespace) -> list[str]:
+    """The chunk-cache budget given to every server (the same for every configuration)."""
+    if args.cache_gb is not None and not args.cache_gb > 0:
+        from cachedrag.errors import ConfigError
+
+        raise ConfigError(f"--cache-gb must be > 0, got {args.cache_gb}")
+    return [] if args.cache_gb is None else ["--cache-gb", str(args.cache_gb)]
 
 
 # ---------------------------------------------------------------------- server processes
@@ -318,6 +332,8 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         "contested_share": grew("cachedrag_contested_admissions_total") / admitted if admitted else 0.0,
         "reordered_share": grew("cachedrag_reordered_admissions_total") / admitted if admitted else 0.0,
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
+        # the chunk cache at the level's end (in memory; below a --cache-gb budget, eviction holds it there)
+        "cache_mb_after": round(_metric_sum(after, "cachedrag_cache_bytes") / 2**20, 2),
         "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
         **_busy_window(results, level),
     }
@@ -336,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     n_total = args.warmup + args.requests * (len(levels) + 1) + max(0, args.queue_requests)
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
-    model_args += numerics_args(args) + scheduler_args(args)
+    model_args += numerics_args(args) + scheduler_args(args) + cache_args(args)
     if args.tiny:
         from cachedrag.testing import TINY_DOCS
 
@@ -363,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
         "dtype": args.dtype or "float32", "weights": args.weights, "threads": args.threads,
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "queue_level": args.queue_level,
+        "cache_gb": args.cache_gb,
         "queue_requests": args.queue_requests,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},

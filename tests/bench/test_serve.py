@@ -1,4 +1,4 @@
-"""``cachedrag bench serve``: the same numerics in every configuration, and the queue level."""
+"""``cachedrag bench serve``: the same numerics and cache budget in every configuration, and the queue level."""
 
 from __future__ import annotations
 
@@ -35,14 +35,29 @@ def test_every_server_gets_the_requested_admission_bounds(argv, flags):
     assert serve.scheduler_args(_args(*argv)) == flags
 
 
+@pytest.mark.parametrize("argv, flags", [((), []), (("--cache-gb", "0.25"), ["--cache-gb", "0.25"])])
+def test_every_server_gets_the_requested_cache_budget(argv, flags):
+    assert serve.cache_args(_args(*argv)) == flags
+
+
+def test_a_cache_budget_that_is_not_positive_is_one_clear_line(capsys):
+    rc = main(["bench", "serve", "--tiny", "--cache-gb", "0", "--no-soak"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--cache-gb must be > 0" in err and "Traceback" not in err
+
+
 @pytest.mark.timeout(300)
 def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--tiny", "--configs", "c,d", "--levels", "1", "--requests", "2", "--warmup", "1",
                "--max-batch", "2", "--queue-level", "3", "--queue-requests", "4", "--max-tokens", "4",
-               "--dtype", "bfloat16", "--max-overtakes", "1", "--no-soak", "--no-warm-c1", "--json", str(out)])
+               "--dtype", "bfloat16", "--max-overtakes", "1", "--no-soak", "--no-warm-c1",
+               "--cache-gb", "0.0001", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
+    # the budget reached the servers: ~107 KB holds ~2 tiny chunks (without it the cache grows to ~0.22 MB here)
+    assert data["config"]["cache_gb"] == 0.0001
+    assert all(0 < row["cache_mb_after"] <= 0.0001 * 1024 for rows in data["configs"].values() for row in rows.values())
     assert data["config"]["dtype"] == "bfloat16" and data["config"]["weights"] == "dense"
     assert data["config"]["max_overtakes"] == 1 and data["config"]["queue_requests"] == 4
     for name in ("c", "d"):
