@@ -554,7 +554,7 @@ class ModelRunner:
         ids = torch.tensor([token_id], device=self.device)
         pos = torch.tensor([position], device=self.device)
         hidden = self.embed(ids)  # [1, Dm]
-        if self._decode_norms is not None:
+        if self._decode_norms is not None:  # the one-token fast path (``_decode_fast``, fixed at construction)
             hidden = hidden.to(self._decode_dtype)  # [1, Dm] the stream's dtype (float32 for int8-dynamic)
             rope = self.rotary.cos_sin(pos, self._decode_dtype, self.device)  # [1, D] each
             for i in range(self.n_layers):
@@ -563,12 +563,8 @@ class ModelRunner:
             w, _, eps, _ = self._decode_norms[-1]
             return self.fast_head(_rms_norm_rows(hidden, w, eps)).float()[0]  # [V]
         rope = self.rotary.cos_sin(pos, self.dtype, self.device)  # [1, D] each
-        if self._decode_fast:
-            for i in range(self.n_layers):
-                hidden = self._decode_layer(i, hidden, position, kv, rope)
-        else:
-            for i in range(self.n_layers):
-                hidden = self.forward_layer(i, hidden, pos, kv, position + 1, rope=rope)
+        for i in range(self.n_layers):
+            hidden = self.forward_layer(i, hidden, pos, kv, position + 1, rope=rope)
         kv.length = max(kv.length, position + 1)
         return self.logits(hidden)[0]  # [V]
 

@@ -114,17 +114,16 @@ class SchedulerPolicy:
         n = min(free_slots, len(self._waiting), limit if limit is not None else free_slots)
         if n <= 0:
             return []
-        ranked = self.ranked(now, estimate, n)
+        ranked, passed = self._pick(now, estimate, n)
         chosen = {t.id for t in ranked}
         oldest = {t.id for t in self._waiting[:n]}
         self.admitted += n
         if len(self._waiting) > n:
             self.contested += n
         self.reordered += len(chosen - oldest)
-        rank = self._age_rank()
         self._waiting = [t for t in self._waiting if t.id not in chosen]
-        for t in self._waiting:  # what ranked() counted, now for real
-            t.overtaken += sum(rank[c.id] > rank[t.id] for c in ranked)
+        for t in self._waiting:  # the overtakes the picks counted, now for real
+            t.overtaken = passed.get(t.id, t.overtaken)
         return ranked
 
     def ranked(self, now: float, estimate: Callable[[Ticket], int] | None = None,
@@ -136,8 +135,14 @@ class SchedulerPolicy:
         (ties: oldest). Each pick counts as an overtake of every older ticket still waiting,
         so a ticket's count reaches the cap and it is due before it could exceed it.
         """
+        return self._pick(now, estimate, n)[0]
+
+    def _pick(self, now: float, estimate: Callable[[Ticket], int] | None,
+              n: int | None) -> tuple[list[Ticket], dict[int, int]]:
+        """``ranked``'s picks and every waiting ticket's overtake count after them (cache-aware
+        order; FIFO counts none)."""
         if self.order == "fifo":
-            return list(self._waiting[:n])
+            return list(self._waiting[:n]), {}
         if estimate is not None:
             for t in self._waiting:
                 t.cached_len = min(t.prompt_tokens, max(0, int(estimate(t))))
@@ -154,7 +159,7 @@ class SchedulerPolicy:
             for t in left:
                 if rank[t.id] < rank[pick.id]:
                     passed[t.id] += 1
-        return out
+        return out, passed
 
     def _age_rank(self) -> dict[int, int]:
         order = sorted(range(len(self._waiting)), key=lambda j: (self._waiting[j].arrival, j))
