@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-ratio", type=float, default=None, help="fixed global recompute ratio instead of CFO")
     parser.add_argument("--ratios", default="", help="also run cachedrag at these fixed recompute ratios, e.g. 0.15,0.3,0.5 "
                         "(rows 'cachedrag@R': the fidelity vs computed-fraction frontier)")
+    parser.add_argument("--reference-ratios", default="", help="also run cachedrag at these ratios on the reuse path's "
+                        "reference settings: float32 question pre-pass, zero-filled request buffer (rows "
+                        "'cachedrag@R:ref'; a before/after of those fast paths in one run)")
     parser.add_argument("--token-choice", default=None, choices=TOKEN_CHOICES,
                         help="which tokens of a reused chunk cachedrag recomputes (default: the CacheConfig default)")
     parser.add_argument("--choices", default="", help="also run cachedrag with these other token choices, e.g. "
@@ -105,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
         name = f"cachedrag@{ratio:g}"
         cache = CacheConfig(**{**cache_kwargs, "recompute_ratio": ratio})
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
+        modes.append(name)
+    for ratio in [float(x) for x in args.reference_ratios.split(",") if x.strip()]:
+        name = f"cachedrag@{ratio:g}:ref"
+        cache = CacheConfig(**{**cache_kwargs, "recompute_ratio": ratio, "question_dtype": "float32"})
+        engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
+        engines[name].buffer_fill = 0.0
         modes.append(name)
     for choice in [x.strip() for x in args.choices.split(",") if x.strip()]:
         name = f"cachedrag:{choice}"

@@ -49,3 +49,19 @@ def test_bench_ttft_runs_the_default_beside_the_previous_one(tiny_model_dir, tin
     assert modes["full"]["approximations"] == {} and modes["prefix"]["approximations"] == {}
     reused = modes["cachedrag"]["approximations"].get("chunk_reuse", 0)
     assert reused > 0 and modes["cachedrag"]["approximations"]["partial_recompute:question+inter"] == reused
+
+
+def test_bench_ttft_reference_rows_run_the_reference_reuse_path(tiny_model_dir, tiny_corpus, tmp_path):
+    """``--reference-ratios``: rows on the float32 pre-pass and zero-filled buffer beside the default
+    fast paths, named ``cachedrag@R:ref``, reusing and recomputing as much as the fast rows."""
+    corpus, questions = tiny_corpus
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--corpus", corpus, "--questions", questions, "--model", tiny_model_dir,
+                 "--top-k", "4", "--chunk-tokens", "48", "--max-new-tokens", "2", "--warmup", "1",
+                 "--modes", "full,prefix", "--ratios", "0.3", "--reference-ratios", "0.3", "--planning-chunks", "50",
+                 "--skip-simulation", "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"full", "prefix", "cachedrag@0.3", "cachedrag@0.3:ref"}
+    fast, ref = modes["cachedrag@0.3"], modes["cachedrag@0.3:ref"]
+    assert ref["approximations"].get("chunk_reuse", 0) > 0
+    assert ref["computed_token_fraction"] == fast["computed_token_fraction"]
