@@ -23,13 +23,13 @@ FidelityName = Literal["exact", "balanced", "fast"]
 FIDELITY_PRESETS: dict[str, dict] = {
     # no approximation: exact-prefix reuse only, in the retrieved order (answers = full prefill)
     "exact": {"mode": "prefix", "cache": {}, "order_aware": False, "early_termination": False},
-    # non-prefix reuse, 20% recomputed, chosen by the question's attention fused with each chunk's own
-    # inter-chunk attention (question+inter), early termination off: the highest measured ratio with
-    # x_prefix >= 2 on bench ttft (2.44, 2.10, 2.23; 30% gave 1.81 / 1.93 / 1.69, and 27%, the first ratio past
-    # teacher-forced top-1 0.98 and ROUGE-L 0.90, 1.93 / 1.89), teacher-forced top-1 0.972 and KL 0.004 there
-    # (the previous deviation/CFO/early-termination default: 0.963 / 0.010); bench fidelity: KL 0.018 vs order
-    # noise 0.073, ROUGE-L 0.76 vs a reordered exact prefill's 0.69, so order-aware off (docs/fidelity.md)
-    "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.2},
+    # non-prefix reuse, 27% recomputed, chosen by the question's attention fused with each chunk's own
+    # inter-chunk attention (question+inter), early termination off: the first ratio past teacher-forced top-1
+    # 0.98 and ROUGE-L 0.90 vs full prefill on bench ttft (0.981 / 0.908, first token 1.00), at x_prefix 2.07 in
+    # the same run once the reuse path's question pre-pass ran in bfloat16 (1.88 on the reference path; 1.89 / 1.93
+    # in earlier runs; 0.2: 2.40, TF 0.972, ROUGE-L 0.863); bench fidelity: KL a quarter of the order noise,
+    # so order-aware off (docs/fidelity.md)
+    "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27},
                  "order_aware": False, "early_termination": False},
     # 10% recompute (5x TTFT, KL 0.034) and cached orders served exactly (15x): both at about the order-noise floor
     "fast": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.1},

@@ -2,7 +2,7 @@
 
 Three engines over the same reordered retrieval (every chunk cached before, in another order):
 ``fidelity="exact"`` (exact-prefix reuse only: answers equal full prefill), ``"balanced"`` (non-prefix
-chunk reuse, 20% recompute chosen by the question and the chunk's inter-chunk attention) and ``"fast"`` (10%, and a cached order of the same
+chunk reuse, 27% recompute chosen by the question and the chunk's inter-chunk attention) and ``"fast"`` (10%, and a cached order of the same
 chunks is served exactly). Each result names the approximations it used (docs/fidelity.md).
 
     python examples/fidelity_knob.py            # embedded SmolLM2-135M-Instruct

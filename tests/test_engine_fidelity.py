@@ -280,7 +280,7 @@ def test_default_settings_are_the_balanced_level():
     default, balanced = EngineConfig(), EngineConfig(fidelity="balanced")
     assert default.fidelity is None and balanced.fidelity == "balanced"
     assert default.model_dump(exclude={"fidelity"}) == balanced.model_dump(exclude={"fidelity"})
-    assert default.cache.token_choice == "question+inter" and default.cache.recompute_ratio == 0.2
+    assert default.cache.token_choice == "question+inter" and default.cache.recompute_ratio == 0.27
     assert default.early_termination is False and default.mode == "cachedrag" and default.order_aware is False
 
 
@@ -292,7 +292,7 @@ def test_default_engine_reports_its_approximations(runner):
     assert r.approximations == ["chunk_reuse", "partial_recompute:question+inter"]
     assert r.focus_layer is None and r.checked_tokens == 0  # no early termination, no probe of reused tokens
     sizes = [len(s.ids) for s in engine.prompts.chat(ORDER, QUESTION, SYSTEM)[1:4]]
-    assert [len(c) for c in r.chunk_recompute] == [math.ceil(0.2 * n) for n in sizes]  # 20% of each reused chunk
+    assert [len(c) for c in r.chunk_recompute] == [math.ceil(0.27 * n) for n in sizes]  # 27% of each reused chunk
 
 
 def test_unknown_fidelity_level_is_refused():

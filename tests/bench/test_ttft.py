@@ -41,7 +41,7 @@ def test_bench_ttft_runs_the_default_beside_the_previous_one(tiny_model_dir, tin
                  "--skip-simulation", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["config"]["early_termination"] is False and data["config"]["cache"]["token_choice"] == "question+inter"
-    assert data["config"]["cache"]["recompute_ratio"] == 0.2
+    assert data["config"]["cache"]["recompute_ratio"] == 0.27
     modes = data["modes"]
     assert set(modes) == {"full", "prefix", "cachedrag", "cachedrag:previous"}
     assert modes["cachedrag"]["token_choices"] == ["question+inter"]
