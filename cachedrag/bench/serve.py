@@ -26,7 +26,7 @@ Configurations (the issue's a..e):
 
 Every configuration runs the same numerics (``--dtype`` / ``--weights`` / ``--threads``, passed
 to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not number formats;
-``--max-overtakes`` / ``--starvation-s`` (the cache-aware order's bounds) likewise go to every
+``--max-delay-s`` / ``--max-overtakes`` / ``--starvation-s`` (the cache-aware order's bounds) likewise go to every
 server, so one run compares FIFO (c) with one setting of the bounds (d); so does ``--cache-gb``
 (the chunk-cache budget: below the working set, chunks are evicted, and the order can change
 the hit rate, RAGCache's setting).
@@ -99,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`cachedrag serve --starvation-s` of every server (default: the server's)")
     parser.add_argument("--max-overtakes", type=int, default=None,
                         help="`cachedrag serve --max-overtakes` of every server (default: the server's)")
+    parser.add_argument("--max-delay-s", type=float, default=None,
+                        help="`cachedrag serve --max-delay-s` of every server (default: the server's)")
     parser.add_argument("--cache-gb", type=float, default=None,
                         help="`cachedrag serve --cache-gb` (chunk-cache budget) of every server (default: the server's, "
                              "2 GB); below the working set, chunks are evicted and the order can change the hit rate")
@@ -132,7 +134,8 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
 def scheduler_args(args: argparse.Namespace) -> list[str]:
     """The admission-order bounds given to every server (they act only where the order is cache-aware)."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
-    return out + ([] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)])
+    out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
+    return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
 def cache_args(args: argparse.Namespace) -> list[str]:
@@ -386,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
         "model": model_name, "levels": levels, "requests_per_level": args.requests, "warmup": args.warmup,
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
         "dtype": args.dtype, "weights": args.weights, "threads": args.threads,
-        "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "queue_level": args.queue_level,
+        "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
+        "queue_level": args.queue_level,
         "cache_gb": args.cache_gb,
         "queue_requests": args.queue_requests,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,

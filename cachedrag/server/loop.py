@@ -128,6 +128,7 @@ class EngineLoop:
         # the admission forecast's cost model, measured as the loop runs (first guesses: CPU-sized)
         self._step_s = 0.05  # one batched decode step (moving average)
         self._prefill_model = PrefillModel()  # prefill seconds vs computed prompt tokens
+        self._decode_s = 0.0  # seconds spent in decode forwards so far
         self.steps = 0  # batched decode steps run
         self.interleaved_steps = 0  # of which inside a prefill (chunked prefill)
 
@@ -214,9 +215,10 @@ class EngineLoop:
         if cancel:
             self._running = [r for r in self._running if r.request.id not in cancel]
         for ticket in admitted:
-            t0 = time.perf_counter()
+            t0, decoding = time.perf_counter(), self._decode_s
             self._prefill(ticket.payload)
-            self._prefill_model.observe(ticket.compute_len, time.perf_counter() - t0)
+            # the prefill's own time (what it stalls the running requests for), less the decode steps inside it
+            self._prefill_model.observe(ticket.compute_len, time.perf_counter() - t0 - (self._decode_s - decoding))
         self._decode()
         self._running = [r for r in self._running if r.last is not None]
 
@@ -233,6 +235,7 @@ class EngineLoop:
                                      [r.kv for r in live])  # [B, V]
         dt = time.perf_counter() - t0
         self._step_s = 0.8 * self._step_s + 0.2 * dt
+        self._decode_s += dt
         for b, r in enumerate(live):
             r.position += 1
             if self.observer is not None:

@@ -31,6 +31,7 @@ def test_every_server_gets_the_requested_numerics(argv, flags):
 @pytest.mark.parametrize("argv, flags", [
     ((), []),  # the server's defaults
     (("--max-overtakes", "8", "--starvation-s", "5"), ["--starvation-s", "5.0", "--max-overtakes", "8"]),
+    (("--max-delay-s", "inf"), ["--max-delay-s", "inf"]),
 ])
 def test_every_server_gets_the_requested_admission_bounds(argv, flags):
     assert serve.scheduler_args(_args(*argv)) == flags
