@@ -126,8 +126,10 @@ class _Lead:
     below ``layer`` and takes over their pre-pass state. ``hidden`` stays None when the pre-pass
     did not run (or ran no layer below its last)."""
 
-    rows: int  # the first ``rows`` fresh positions
+    rows: int  # the first ``rows`` fresh positions (0 when not shared)
     q_layers: frozenset[int]  # layers whose queries the hand-off needs (metadata layers)
+    leading: int = 0  # fresh rows before every reused chunk, shared or not: the pre-pass then keeps the
+    #                   runner's precision (``CacheConfig.question_dtype``), so both paths choose alike
     k: list = field(default_factory=list)  # per layer < ``layer``: raw K ``[H_kv, rows, D]``
     q: dict = field(default_factory=dict)  # metadata layer < ``layer`` -> rotated q ``[H_q, rows, D]``
     hidden: torch.Tensor | None = None  # [rows, Dm] the input of layer ``layer``
@@ -230,6 +232,10 @@ class CachedEngine:
         # the prefill takes over the question pre-pass's leading fresh rows (``_Lead``); False: it
         # recomputes them (the reference path of the equivalence tests)
         self.share_lead_rows = True
+        # the request's KV buffer is left uninitialised (every prompt row is loaded or computed before
+        # any layer reads it, decode rows are written before they are read); a number fills it first
+        # (0.0: the reference path of the equivalence tests; NaN there proves no unwritten row is read)
+        self.buffer_fill: float | None = None
         n = runner.n_layers
         k = min(self.config.metadata_layers, n)
         self.metadata_layers = sorted({round(1 + j * (n - 2) / max(1, k - 1)) if n > 2 else j for j in range(k)})
@@ -431,7 +437,7 @@ class CachedEngine:
         device = runner.device
         total = plan.total_tokens
         ids = torch.tensor([t for s in segments for t in s.ids], device=device)  # [T]
-        kv = runner.new_kv(total + max_new_tokens)
+        kv = runner.new_kv(total + max_new_tokens, fill=self.buffer_fill)
         notes = list(plan.notes)
 
         # 1. load: planned tree / variant KV into the buffer, raw K rotated to the new positions.
@@ -514,8 +520,9 @@ class CachedEngine:
         # fresh tokens before every reused chunk see only exact rows (system, tree, each other) in the
         # pre-pass as in the prefill proper: the prefill takes their pre-pass layers over (``_Lead``)
         first_reuse = min((sp.start for sp, a in zip(plan.segments, actions) if a is Action.REUSE), default=total)
-        lead = _Lead(rows=sum(p < first_reuse for p in fresh_pos) if self.share_lead_rows else 0,
-                     q_layers=frozenset(self.metadata_layers))
+        leading = sum(p < first_reuse for p in fresh_pos)
+        lead = _Lead(rows=leading if self.share_lead_rows else 0, q_layers=frozenset(self.metadata_layers),
+                     leading=leading)
         if deferred and choice in QUESTION_CHOICES:
             try:
                 scores = self._question_scores(ids, kv, total, fresh_pos, question_pos, plan, deferred,
@@ -760,10 +767,18 @@ class CachedEngine:
         ``lead.rows`` leading fresh rows (before every reused chunk, so computed as the prefill
         would): their raw K, metadata-layer queries and the hidden states entering the last scoring
         layer go into ``lead`` for the prefill to take over.
+        Its projections run on bfloat16 copies of the weights (``CacheConfig.question_dtype``,
+        ``model/scoring.py``) unless fresh rows lead every reused chunk (``lead.leading``): those
+        are the prefill's own rows and stay in the runner's precision.
         The fidelity benchmark's oracle overrides this method."""
         runner = self.runner
         device = runner.device
         layers = [x for x in self.config.cache.question_layers if x < runner.n_layers] or [runner.n_layers - 1]
+        weights = None  # None: the runner's own projections
+        if self.config.cache.question_dtype == "bfloat16" and not (lead is not None and lead.leading):
+            from cachedrag.model.scoring import scoring_layers
+
+            weights = scoring_layers(runner, max(layers) + 1)
         pos = torch.tensor(sorted(set(fresh_pos) | set(question_pos)), device=device)  # [Tp]
         q_rows = torch.arange(pos.shape[0] - len(question_pos), pos.shape[0], device=device)  # question: the last rows
         inside = torch.zeros(total, dtype=torch.bool, device=device)  # [T]
@@ -779,10 +794,12 @@ class CachedEngine:
         for layer in range(last + 1):
             load_layer(layer)
             raw: dict = {}
+            lw = weights[layer] if weights is not None else None
             if layer == last:  # the last scoring layer: its queries and K/V, not its output
-                runner.write_layer(layer, hidden, pos, kv, raw_out=raw, rope=rope)
+                runner.write_layer(layer, hidden, pos, kv, raw_out=raw, rope=rope, weights=lw)
             else:
-                hidden = runner.forward_layer(layer, hidden, pos, kv, total, raw_out=raw, rope=rope, blocks=blocks)
+                hidden = runner.forward_layer(layer, hidden, pos, kv, total, raw_out=raw, rope=rope, blocks=blocks,
+                                              weights=lw)
                 if n_lead:
                     lead.k.append(raw["k"][:, :n_lead])  # [H_kv, Tl, D]
                     if layer in lead.q_layers:

@@ -24,6 +24,8 @@ TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviatio
 QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
 #: how ``full_chunks`` picks the chunks recomputed whole
 FULL_CHUNK_PICKS = ("need", "last")
+#: precision of the question pre-pass's projections (``CacheConfig.question_dtype``)
+QUESTION_DTYPES = ("bfloat16", "float32")
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -91,6 +93,13 @@ class CacheConfig:
         or "kv" (both). On SmolLM2-135M V ranked best (KL 0.087 at 15% vs 0.102 for K and K+V).
       question_layers: layers whose question attention ranks reused tokens (question choices),
         each >= 0; summed after normalising each layer's mass over the reused tokens.
+      question_dtype: precision of the question pre-pass's projections: "bfloat16" (default) runs
+        its matmuls on bfloat16 copies of those layers' weights (``model/scoring.py``; a float32
+        runner with fused fast layers only, else its own precision), "float32" on the runner's own
+        (the reference path). The pass only ranks tokens; on ``bench ttft``'s stream at 27% the two
+        chose the same tokens but 1 in 350, and bfloat16 made the pass 52 -> 38 ms. A request whose
+        fresh chunks lead every reused one runs the pass in the runner's precision: the prefill
+        takes those rows over (``engine._Lead``), so they must be computed exactly.
       question_weight: weight of the question ranking in ``question+deviation`` and
         ``question+inter``. In [0, 1].
       need_weight: budget by need (question choices): this share of the request's recompute
@@ -143,6 +152,7 @@ class CacheConfig:
     check_layer: int = 1
     deviation_on: str = "v"
     question_layers: tuple[int, ...] = (4, 8, 12, 16)
+    question_dtype: str = "bfloat16"
     question_weight: float = 0.5
     need_weight: float = 0.0
     sink_tokens: int = 0
@@ -181,6 +191,9 @@ class CacheConfig:
         for layer in layers:
             _check_int("question_layers", layer, 0)
         object.__setattr__(self, "question_layers", tuple(sorted(set(layers))))
+        if self.question_dtype not in QUESTION_DTYPES:
+            raise ConfigError(f"CacheConfig.question_dtype must be one of {list(QUESTION_DTYPES)}, "
+                              f"got {self.question_dtype!r}")
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
         _check_number("need_weight", self.need_weight, 0.0, 1.0)
         _check_int("sink_tokens", self.sink_tokens, 0)

@@ -1,0 +1,65 @@
+"""Lower-precision copies of a runner's first layers, for passes whose output is only a ranking.
+
+Owns: ``ScoringLayer`` (one decoder layer's fused projections in bfloat16 behind the
+``LayerWeights`` interface the runner calls: ``qkv``, ``o``, ``mlp``; it takes and returns the
+runner's dtype) and ``scoring_layers(runner, n)``, the first ``n`` of them, built once per runner
+on first use and shared by every engine on it.
+
+Why: the engine's question pre-pass (``CachedEngine._question_scores``) runs the question's
+~20 tokens through the first 17 layers only to rank reused tokens by the question's attention.
+With so few rows the float32 projections are bound by reading the weights (14 MB a layer for
+SmolLM2-135M); bfloat16 weights through oneDNN (AMX where the CPU has it) read half the bytes and
+compute faster: the pre-pass of a request that reuses 5 chunks fell from 52 to 38 ms (probe,
+docs/fidelity.md). The pass produces a ranking, never KV or logits of the answer: the prefill
+overwrites every row it wrote. Residual stream, norms, RoPE and attention stay in the runner's
+dtype; only the matmuls round their inputs and outputs to bfloat16 (fp32 accumulation).
+Costs one bfloat16 copy of those layers' projections (17 layers of SmolLM2-135M: 120 MB).
+
+Does not own: the pre-pass or when it may use these (``engine.py``), the runner's own weight
+formats (``weights.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from cachedrag.model.weights import LayerWeights, Numerics
+
+_LOCK = threading.Lock()
+_BUILT: "weakref.WeakKeyDictionary[object, list[ScoringLayer]]" = weakref.WeakKeyDictionary()
+
+
+class ScoringLayer:
+    """A layer's projections in bfloat16 (oneDNN layout on the CPU): ``[T, Dm]`` in the runner's
+    dtype -> the same dtype, each matmul on bfloat16-rounded inputs."""
+
+    def __init__(self, layer):
+        self._lw = LayerWeights(layer, Numerics(dtype="bfloat16"))
+        self.q_out, self.kv_out = self._lw.q_out, self._lw.kv_out
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return self._lw.qkv(x.to(torch.bfloat16)).to(x.dtype)  # [T, H_q*D + 2*H_kv*D]
+
+    def o(self, x: torch.Tensor) -> torch.Tensor:
+        return self._lw.o(x.to(torch.bfloat16)).to(x.dtype)  # [T, Dm]
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self._lw.mlp(x.to(torch.bfloat16)).to(x.dtype)  # [T, Dm]
+
+
+def scoring_layers(runner, n: int) -> list[ScoringLayer] | None:
+    """bfloat16 projections of the runner's first ``n`` layers (built on first use, then extended
+    as needed), or None where they buy nothing or cannot be built: a runner already computing
+    in bfloat16 or with quantised weights (its own fast layers are as cheap), or one without
+    fused fast layers (``fast=False``, the reference path: it keeps its own precision)."""
+    if runner.fast_layers is None or runner.dtype != torch.float32 or runner.numerics.weights != "dense":
+        return None
+    n = min(n, runner.n_layers)
+    with _LOCK:
+        layers = _BUILT.setdefault(runner, [])
+        while len(layers) < n:
+            layers.append(ScoringLayer(runner.layers[len(layers)]))
+        return layers[:n]

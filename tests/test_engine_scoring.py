@@ -1,0 +1,119 @@
+"""The question pre-pass on bfloat16 copies of the weights (``CacheConfig.question_dtype``,
+``model/scoring.py``) against its reference, the runner's own float32 projections: the scores
+agree to bfloat16 rounding and the choices nearly so (near ties may swap), and given the same
+choice the prefill (logits, buffer) equals the reference bit for bit, since it overwrites every
+row the pre-pass wrote. Requests whose fresh chunks lead every reused one keep float32 (their
+rows are shared with the prefill, ``engine._Lead``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachedrag.config import EngineConfig
+from cachedrag.engine import CachedEngine
+from cachedrag.errors import ConfigError
+from cachedrag.kvcache.config import CacheConfig
+from cachedrag.model.scoring import ScoringLayer, scoring_layers
+from cachedrag.testing import tiny_runner
+
+CHUNKS = [f"Chunk {i}: the quick brown fox jumps over the lazy dog; {i} pack my box." for i in range(5)]
+SYSTEM = "sys"
+
+
+@pytest.fixture
+def runner():
+    return tiny_runner("llama", seed=5)
+
+
+def _engine(runner, dtype: str, **cache):
+    cache = {"recompute_ratio": 0.27, "token_choice": "question+inter", "question_dtype": dtype, **cache}
+    return CachedEngine(runner, config=EngineConfig(cache=CacheConfig(**cache)))
+
+
+def _prefill(engine, order, question="which chunk?", scores_from=None):
+    """Prefill ``order`` after a warm-up; returns (prefill, pre-pass scores, weights per layer call).
+    ``scores_from``: run the pre-pass as usual but hand the choice these scores instead (pins the choice)."""
+    engine.generate([CHUNKS[i] for i in (2, 1, 0)], "warm up", SYSTEM, max_new_tokens=1)  # chunks 0-2 cached
+    scores, weights = [], []
+    original_scores = engine._question_scores
+    original_layer = engine.runner.forward_layer
+
+    def spy_scores(*a, **k):
+        s = original_scores(*a, **k)
+        scores.append(s.clone())
+        return s if scores_from is None else scores_from[len(scores) - 1].clone()
+
+    def spy_layer(*a, **k):
+        weights.append(k.get("weights"))
+        return original_layer(*a, **k)
+
+    engine._question_scores = spy_scores
+    engine.runner.forward_layer = spy_layer
+    try:
+        pre = engine.prefill(engine.prompts.chat([CHUNKS[i] for i in order], question, SYSTEM), 2)
+    finally:
+        engine.runner.forward_layer = original_layer
+    return pre, scores, weights
+
+
+def test_scoring_layer_matches_the_float32_projections_to_bf16_rounding(runner):
+    layer = ScoringLayer(runner.layers[0])
+    lw = runner.fast_layers[0]
+    x = torch.randn(7, runner.model.config.hidden_size)  # [T, Dm]
+    for name in ("qkv", "o", "mlp"):
+        xin = x if name != "o" else torch.randn(7, lw.o.in_features)
+        want = getattr(lw, name)(xin)
+        got = getattr(layer, name)(xin)
+        assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=0.05 * float(want.abs().max()), rtol=0.02)
+        assert not torch.equal(got, want)  # really computed in bfloat16
+
+
+def test_scoring_layers_are_built_once_and_only_where_they_help(runner):
+    first = scoring_layers(runner, 1)
+    assert first is not None and len(first) == 1
+    both = scoring_layers(runner, 5)  # capped at the model's layers, extending the same list
+    assert len(both) == runner.n_layers and both[0] is first[0]
+    assert scoring_layers(tiny_runner("llama", seed=5, fast=False), 1) is None  # reference runner: own precision
+    assert scoring_layers(tiny_runner("llama", seed=5, dtype="bfloat16"), 1) is None  # already bfloat16
+
+
+@pytest.mark.parametrize("order", [[0, 2, 1], [1, 0, 2, 3]])  # every chunk reused / a fresh chunk after reused ones
+def test_bf16_pre_pass_scores_like_the_reference_and_leaves_no_trace_in_the_prefill(runner, order):
+    got, got_scores, got_weights = _prefill(_engine(runner, "bfloat16"), order)
+    want, want_scores, want_weights = _prefill(_engine(runner, "float32"), order)
+    assert len(got_scores) == len(want_scores) == 1
+    assert any(isinstance(w, ScoringLayer) for w in got_weights)  # the pre-pass ran on the bf16 copies
+    assert all(w is None for w in want_weights)
+    s, r = got_scores[0], want_scores[0]
+    torch.testing.assert_close(s, r, atol=0.05 * float(r.max()), rtol=0.05)
+    assert not torch.equal(s, r)
+    chosen = [set(c) for c in got.info["chunk_recompute"]]
+    ref = [set(c) for c in want.info["chunk_recompute"]]
+    assert sum(len(a & b) for a, b in zip(chosen, ref)) >= 0.8 * sum(len(b) for b in ref)  # near ties may swap
+    # the same choice (the bf16 scores handed to the reference pass): every row the bf16 pass wrote
+    # was written again by the prefill, so logits and buffer equal the bf16 run's bit for bit
+    pinned, _, _ = _prefill(_engine(runner, "float32"), order, scores_from=got_scores)
+    assert pinned.info["chunk_recompute"] == got.info["chunk_recompute"]
+    assert torch.equal(pinned.logits, got.logits)
+    n = got.info["prompt_tokens"]
+    assert torch.equal(pinned.kv.k[:, :, :n], got.kv.k[:, :, :n])
+    assert torch.equal(pinned.kv.v[:, :, :n], got.kv.v[:, :, :n])
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_leading_fresh_rows_keep_the_runner_precision(runner, share):
+    """A fresh chunk before every reused one: its rows are the prefill's own (shared, ``_Lead``), so
+    the pass stays float32 whether or not they are shared, and equals the float32 setting exactly."""
+    engines = [_engine(runner, "bfloat16"), _engine(runner, "float32")]
+    for engine in engines:
+        engine.share_lead_rows = share
+    (got, got_scores, got_weights), (want, want_scores, _) = (_prefill(e, [3, 0, 2, 1]) for e in engines)
+    assert all(w is None for w in got_weights)
+    assert torch.equal(got_scores[0], want_scores[0]) and torch.equal(got.logits, want.logits)
+
+
+def test_question_dtype_is_validated():
+    with pytest.raises(ConfigError, match="question_dtype"):
+        CacheConfig(question_dtype="float16")
