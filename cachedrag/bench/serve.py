@@ -26,7 +26,7 @@ Configurations (the issue's a..e):
 
 Every configuration runs the same numerics (``--dtype`` / ``--weights`` / ``--threads``, passed
 to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not number formats;
-``--max-overtakes`` / ``--starvation-s`` (the cache-aware order's bounds) likewise go to every
+``--max-delay-s`` / ``--max-overtakes`` / ``--starvation-s`` (the cache-aware order's bounds) likewise go to every
 server, so one run compares FIFO (c) with one setting of the bounds (d); so does ``--cache-gb``
 (the chunk-cache budget: below the working set, chunks are evicted, and the order can change
 the hit rate, RAGCache's setting).
@@ -86,17 +86,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "concurrency, above --max-batch, so requests queue for slots and the admission order "
                              "has choices to make (0 = skip)")
     parser.add_argument("--queue-requests", type=int, default=24, help="requests of the queue level")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                         help="the model's numerics in EVERY configuration (a..e run the same numerics; passed to "
-                             "`cachedrag serve --dtype`; default float32)")
-    parser.add_argument("--weights", default="dense", choices=("dense", "int8", "int4"),
-                        help="weight format of every configuration (`cachedrag serve --weights`; default dense)")
+                             "`cachedrag serve --dtype`; default bfloat16, the numerics a loaded CPU server runs "
+                             "best in and the one the targets are measured in: docs/serving.md)")
+    parser.add_argument("--weights", default="dense", choices=("dense", "int8", "int8-dynamic", "int4"),
+                        help="weight format of every configuration (`cachedrag serve --weights`; default dense; "
+                             "int8-dynamic needs VNNI)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of every server (`cachedrag serve --threads`; default: all cores)")
     parser.add_argument("--starvation-s", type=float, default=None,
                         help="`cachedrag serve --starvation-s` of every server (default: the server's)")
     parser.add_argument("--max-overtakes", type=int, default=None,
                         help="`cachedrag serve --max-overtakes` of every server (default: the server's)")
+    parser.add_argument("--max-delay-s", type=float, default=None,
+                        help="`cachedrag serve --max-delay-s` of every server (default: the server's)")
     parser.add_argument("--cache-gb", type=float, default=None,
                         help="`cachedrag serve --cache-gb` (chunk-cache budget) of every server (default: the server's, "
                              "2 GB); below the working set, chunks are evicted and the order can change the hit rate")
@@ -115,7 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def numerics_args(args: argparse.Namespace) -> list[str]:
     """The ``cachedrag serve`` flags that give every configuration the same numerics."""
-    out = [] if args.dtype is None else ["--dtype", args.dtype]
+    if args.weights == "int8-dynamic" and args.dtype != "bfloat16":
+        from cachedrag.errors import ConfigError
+
+        raise ConfigError("--weights int8-dynamic runs with --dtype bfloat16 (it prefills in bfloat16)")
+    out = ["--dtype", args.dtype]
     if args.weights != "dense":
         out += ["--weights", args.weights]
     if args.threads is not None:
@@ -126,7 +134,8 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
 def scheduler_args(args: argparse.Namespace) -> list[str]:
     """The admission-order bounds given to every server (they act only where the order is cache-aware)."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
-    return out + ([] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)])
+    out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
+    return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
 def cache_args(args: argparse.Namespace) -> list[str]:
@@ -332,6 +341,8 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         "contested_share": grew("cachedrag_contested_admissions_total") / admitted if admitted else 0.0,
         "reordered_share": grew("cachedrag_reordered_admissions_total") / admitted if admitted else 0.0,
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
+        # every request's TTFT in the order the level sent them (the shape behind p50 / p95)
+        "ttft_s_by_request": [None if r["ttft_s"] is None else round(r["ttft_s"], 3) for r in results],
         # the chunk cache at the level's end (in memory; below a --cache-gb budget, eviction holds it there)
         "cache_mb_after": round(_metric_sum(after, "cachedrag_cache_bytes") / 2**20, 2),
         "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
@@ -377,8 +388,9 @@ def run(args: argparse.Namespace) -> int:
     results: dict = {"config": {
         "model": model_name, "levels": levels, "requests_per_level": args.requests, "warmup": args.warmup,
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
-        "dtype": args.dtype or "float32", "weights": args.weights, "threads": args.threads,
-        "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "queue_level": args.queue_level,
+        "dtype": args.dtype, "weights": args.weights, "threads": args.threads,
+        "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
+        "queue_level": args.queue_level,
         "cache_gb": args.cache_gb,
         "queue_requests": args.queue_requests,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,

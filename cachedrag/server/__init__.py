@@ -3,7 +3,7 @@
     config     ServerConfig, SchedulerConfig, PassageConfig (validated settings)
     protocol   OpenAI request/response bodies and the error shape
     prompts    messages -> engine segments; explicit (``cachedrag.chunks``) and automatic chunks
-    policy     torch-free admission order: FIFO or cache-aware with a starvation bound
+    policy     torch-free admission order: FIFO, or cache-aware within FIFO-forecast deadlines
     batch      one batched decode forward over several requests' KV buffers
     loop       the engine thread: prefill through the engine's seam, batched decode, events
     metrics    Prometheus metrics

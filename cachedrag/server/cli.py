@@ -17,7 +17,7 @@ import socket
 import sys
 
 from cachedrag.errors import ConfigError
-from cachedrag.server.policy import MAX_OVERTAKES
+from cachedrag.server.policy import MAX_DELAY_S
 
 log = logging.getLogger("cachedrag.server")
 
@@ -41,9 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=256, help="waiting-queue limit; beyond it requests get 503")
     parser.add_argument("--order", default="cache_aware", choices=("cache_aware", "fifo"), help="prefill admission order")
     parser.add_argument("--starvation-s", type=float, default=10.0, help="cache-aware order: max wait before a request goes first")
-    parser.add_argument("--max-overtakes", type=int, default=MAX_OVERTAKES,
-                        help="cache-aware order: most younger requests admitted ahead of one request before it goes "
-                             f"first (default {MAX_OVERTAKES}; 0 = arrival order)")
+    parser.add_argument("--max-delay-s", type=float, default=MAX_DELAY_S,
+                        help="cache-aware order: a younger request goes ahead only while every waiting request is "
+                             "forecast to be admitted at most this much later than in arrival order "
+                             f"(default {MAX_DELAY_S:g}; inf = no bound)")
+    parser.add_argument("--max-overtakes", type=int, default=None,
+                        help="cache-aware order: a request passed by this many younger ones goes first "
+                             "(default: no cap; 0 = arrival order)")
     parser.add_argument("--prefills-per-step", type=int, default=1, help="prefills admitted between decode steps")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=256,
                         help="chunked prefill: running requests decode after every this many prompt tokens of "
@@ -61,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from cachedrag.cluster.cli import add_arguments as add_cluster_arguments  # --replicas N --backend ray
 
     add_cluster_arguments(parser)
+
+
+def _bound(seconds: float) -> float | None:
+    return None if seconds == float("inf") else seconds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         scheduler = SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
                                     starvation_s=args.starvation_s,
-                                    max_overtakes=args.max_overtakes, prefills_per_step=args.prefills_per_step,
+                                    max_overtakes=args.max_overtakes, max_delay_s=_bound(args.max_delay_s),
+                                    prefills_per_step=args.prefills_per_step,
                                     prefill_chunk_tokens=args.prefill_chunk_tokens)
         passages = PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars)
     except ValueError as exc:

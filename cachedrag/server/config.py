@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cachedrag.server.policy import MAX_OVERTAKES
+from cachedrag.server.policy import MAX_DELAY_S
 
 
 class SchedulerConfig(BaseModel):
@@ -25,9 +25,13 @@ class SchedulerConfig(BaseModel):
         "cache_aware", description="admission order: arrival, or RAGCache's cached/compute length ratio")
     starvation_s: float = Field(
         10.0, ge=0.0, description="a request waiting this long is admitted before any younger one (cache_aware)")
-    max_overtakes: int = Field(
-        MAX_OVERTAKES, ge=0, description="a request passed by this many younger ones is admitted before any younger "
-                                         "one (cache_aware; 0 = arrival order)")
+    max_delay_s: float | None = Field(
+        MAX_DELAY_S, ge=0.0, description="cache_aware: a younger request goes ahead only while every waiting request is "
+                                         "forecast to be admitted at most this much later than arrival order would "
+                                         "admit it (None = no forecast bound)")
+    max_overtakes: int | None = Field(
+        None, ge=0, description="cache_aware: a request passed by this many younger ones is admitted before any "
+                                "younger one (None = no cap; 0 = arrival order)")
     prefills_per_step: int = Field(
         1, ge=1, description="prefills admitted between two decode steps (more: better TTFT under bursts, "
                              "longer stalls of the running requests)")

@@ -47,7 +47,7 @@ from cachedrag.model.generation import SamplingParams, TextStream, make_generato
 from cachedrag.prompt import Segment
 from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
-from cachedrag.server.policy import QueueFullError, SchedulerPolicy, Ticket
+from cachedrag.server.policy import Forecast, PrefillModel, QueueFullError, SchedulerPolicy, Ticket
 
 log = logging.getLogger("cachedrag.server")
 
@@ -115,7 +115,7 @@ class EngineLoop:
         self.engine = engine
         self.config = config or SchedulerConfig()
         self.policy = SchedulerPolicy(self.config.order, self.config.max_waiting, self.config.starvation_s,
-                                      self.config.max_overtakes)
+                                      self.config.max_overtakes, self.config.max_delay_s)
         self.observer = observer
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -125,6 +125,10 @@ class EngineLoop:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._prefill_work = 0.0  # prompt tokens' worth of prefill compute since the last decode step
+        # the admission forecast's cost model, measured as the loop runs (first guesses: CPU-sized)
+        self._step_s = 0.05  # one batched decode step (moving average)
+        self._prefill_model = PrefillModel()  # prefill seconds vs computed prompt tokens
+        self._decode_s = 0.0  # seconds spent in decode forwards so far
         self.steps = 0  # batched decode steps run
         self.interleaved_steps = 0  # of which inside a prefill (chunked prefill)
 
@@ -135,7 +139,8 @@ class EngineLoop:
             if self._stop:
                 raise RuntimeError("the engine loop is stopped")
             request.id = next(self._ids)
-            self.policy.push(Ticket(request.id, request.arrival, request.prompt_tokens, payload=request))
+            self.policy.push(Ticket(request.id, request.arrival, request.prompt_tokens,
+                                    max_new_tokens=request.params.max_new_tokens, payload=request))
             self._wake.notify()
         return request.id
 
@@ -203,12 +208,17 @@ class EngineLoop:
                 ticket = self.policy.remove(rid)
                 if ticket is not None:
                     ticket.payload.cancelled = True
-            free = self.config.max_batch - len([r for r in self._running if r.request.id not in cancel])
-            admitted = self.policy.admit(free, now, limit=self.config.prefills_per_step, estimate=self._estimate)
+            staying = [r for r in self._running if r.request.id not in cancel and r.last is not None]
+            free = self.config.max_batch - len(staying)
+            admitted = self.policy.admit(free, now, limit=self.config.prefills_per_step, estimate=self._estimate,
+                                         forecast=self._forecast(staying))
         if cancel:
             self._running = [r for r in self._running if r.request.id not in cancel]
         for ticket in admitted:
+            t0, decoding = time.perf_counter(), self._decode_s
             self._prefill(ticket.payload)
+            # the prefill's own time (what it stalls the running requests for), less the decode steps inside it
+            self._prefill_model.observe(ticket.compute_len, time.perf_counter() - t0 - (self._decode_s - decoding))
         self._decode()
         self._running = [r for r in self._running if r.last is not None]
 
@@ -224,6 +234,8 @@ class EngineLoop:
         logits = batched_decode_step(self.engine.runner, [r.last for r in live], [r.position for r in live],
                                      [r.kv for r in live])  # [B, V]
         dt = time.perf_counter() - t0
+        self._step_s = 0.8 * self._step_s + 0.2 * dt
+        self._decode_s += dt
         for b, r in enumerate(live):
             r.position += 1
             if self.observer is not None:
@@ -314,6 +326,15 @@ class EngineLoop:
         if self.observer is not None:
             self.observer.on_finished(done)
         run.request.emit(done)
+
+    def _forecast(self, running: list[_Running]) -> Forecast:
+        """The admission forecast's view of now: when each running request's slot frees (its
+        remaining tokens at the measured step time; an early EOS frees it sooner) and the
+        measured prefill cost."""
+        step = self._step_s
+        left = [max(0, r.request.params.max_new_tokens - len(r.tokens)) * step for r in running]
+        model = self._prefill_model
+        return Forecast(left, step, model.base_s, model.per_token_s)
 
     def _estimate(self, ticket: Ticket) -> int:
         """Prompt tokens of ``ticket`` the cache holds now: the knowledge tree's exact prefix,

@@ -8,15 +8,27 @@ step given the free batch slots. Two orders:
 - ``cache_aware`` (RAGCache, Jin et al. 2024, section 5.3): highest ``cached_len /
   compute_len`` first (requests whose context is mostly cached cost little prefill and free
   their slot sooner, and requests sharing what another request just cached get served while it
-  is still cached), with two bounds on how far a request can be pushed back. A request is
-  *due* once it has been overtaken ``max_overtakes`` times (admitted younger requests went
-  ahead of it) or has waited ``starvation_s``; due requests go before any younger one, oldest
-  first. So no request is ever passed by more than ``max_overtakes`` younger ones, and none
-  waits longer than ``starvation_s`` behind reordered ones (beyond it, only behind older
-  requests and the work already admitted, which is never preempted). The overtake cap bounds
-  the tail in admissions, whatever the load: under a queue a request waits at most that many
-  admissions longer than in arrival order would have put ahead of it; the time window alone
-  let a cold request wait the whole window under load (docs/serving.md, the queue level).
+  is still cached), within bounds on how far a request can be pushed back:
+
+  * ``max_delay_s`` (the default bound, 0 s): a younger request goes ahead only while every
+    waiting request is still forecast to be admitted no later than ``max_delay_s`` after the
+    time arrival order (FIFO) was forecast to admit it. Each request's FIFO admission time is
+    forecast once, when the policy first sees it, from a ``Forecast`` the executor passes in
+    (when each running request's slot frees, decode step time, prefill time per computed
+    token) and the estimated prefill and decode work of the requests ahead of it; it becomes
+    the request's deadline (plus ``max_delay_s``). Each admission takes the best-ranked request
+    whose admission keeps every other request's forecast admission within its deadline (or no
+    later than earliest-deadline-first order would have it), else the earliest deadline. So
+    reordering happens only where it costs nobody more than ``max_delay_s`` against FIFO:
+    between requests FIFO would admit at nearly the same time (slots that free together), or
+    where hits made work shorter than forecast. It never moves a request past a slot that frees
+    a whole answer later, which is what made the overtake cap's tail (docs/serving.md, the
+    queue level). Without a forecast (``admit(..., forecast=None)``) this bound is off.
+  * ``max_overtakes`` (off by default): a request is *due* once that many younger requests
+    were admitted ahead of it;
+  * ``starvation_s``: a request is due once it has waited that long.
+
+  Due requests go before any younger one, oldest first.
 
 Counters ``admitted`` / ``contested`` (admitted while more requests waited than there were
 slots, i.e. the order had a choice) / ``reordered`` (admitted ahead of an older waiting
@@ -25,19 +37,23 @@ and free batch slots, most admissions have no choice to make.
 
 ``cached_len`` / ``compute_len`` are estimates the executor refreshes before each decision
 (``estimate`` callback): the cache changes while a request waits. Pure Python, no torch;
-time is passed in, so tests drive it with a fake clock.
+time is passed in, so tests drive it with a fake clock. The forecast is a small serial-engine
+model written here (a heap of slot-free times and one busy engine), not a queueing library:
+it has to mirror this server's one-prefill-at-a-time engine and its continuous batching.
 
 Does not own: running prefills or decode steps (``cachedrag.server.loop``), cache lookups.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 Order = Literal["fifo", "cache_aware"]
-MAX_OVERTAKES = 2  # the default cap (chosen on `cachedrag bench serve`'s queue level: docs/serving.md)
+MAX_DELAY_S = 0.0  # the default bound (chosen on `cachedrag bench serve`'s queue level: docs/serving.md)
+CANDIDATES = 8  # best-ranked requests tried per admission before falling back to the earliest deadline
 
 
 class QueueFullError(Exception):
@@ -53,6 +69,8 @@ class Ticket:
     prompt_tokens: int
     cached_len: int = 0  # estimated prompt tokens served from cache
     overtaken: int = 0  # younger requests admitted ahead of this one so far
+    max_new_tokens: int = 0  # decode steps it will hold a batch slot for (at most): the forecast's service time
+    deadline: float | None = None  # FIFO's forecast admission time + max_delay_s (set on the first forecast)
     payload: object = field(default=None, repr=False, compare=False)  # the executor's request object
 
     @property
@@ -64,20 +82,76 @@ class Ticket:
         return self.cached_len / self.compute_len
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """What the executor knows about the near future, for admission-time forecasts."""
+
+    slot_free_in: Sequence[float]  # seconds of decoding until each running request's slot frees (remaining x step)
+    step_s: float  # one batched decode step
+    prefill_s_base: float = 0.0  # a prefill's seconds: base + per token x computed prompt tokens (``PrefillModel``)
+    prefill_s_per_token: float = 0.0
+
+    def prefill_s(self, ticket: Ticket) -> float:
+        return self.prefill_s_base + self.prefill_s_per_token * ticket.compute_len
+
+    def admission_times(self, order: Sequence[Ticket], free_slots: int) -> list[float]:
+        """Seconds from now at which each ticket of ``order`` would start its prefill, admitted in
+        that order. The engine is serial: a ticket takes the earliest free slot once the previous
+        prefill is done, and a prefill stalls every decoding request for its duration (their
+        slots free that much later); a ticket holds its slot for ``max_new_tokens`` decode steps."""
+        slots = [0.0] * max(0, free_slots) + sorted(max(0.0, x) for x in self.slot_free_in)
+        busy, out = 0.0, []
+        for t in order:
+            slots.sort()
+            start = max(slots.pop(0), busy) if slots else busy
+            took = self.prefill_s(t)
+            busy = start + took
+            slots = [x + took if x > start else x for x in slots]  # the running requests wait for this prefill
+            slots.append(busy + t.max_new_tokens * self.step_s)
+            out.append(start)
+        return out
+
+
+class PrefillModel:
+    """Prefill seconds as ``base + per_token x computed tokens``, fitted online (least squares with
+    exponential forgetting) from the prefills the executor ran: hot requests cost mostly the
+    base (planning, loading, the question), cold ones mostly the tokens."""
+
+    def __init__(self, base_s: float = 0.05, per_token_s: float = 0.0005, decay: float = 0.9):
+        self.base_s, self.per_token_s, self.decay = base_s, per_token_s, decay
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._n, self._x, self._y = d * self._n + 1, d * self._x + tokens, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + tokens * tokens, d * self._xy + tokens * seconds
+        var = self._n * self._xx - self._x ** 2
+        if var > 1e-9 * max(1.0, self._n * self._xx):  # two different sizes seen: fit both terms
+            slope = (self._n * self._xy - self._x * self._y) / var
+            self.per_token_s = max(0.0, slope)
+            self.base_s = max(0.0, (self._y - self.per_token_s * self._x) / self._n)
+        else:  # one size so far: keep the slope, fit the base
+            self.base_s = max(0.0, (self._y - self.per_token_s * self._x) / self._n)
+
+
 class SchedulerPolicy:
     """Waiting queue + admission order. Not thread-safe: the executor thread owns it."""
 
     def __init__(self, order: Order = "cache_aware", max_waiting: int = 256, starvation_s: float = 10.0,
-                 max_overtakes: int = MAX_OVERTAKES):
+                 max_overtakes: int | None = None, max_delay_s: float | None = MAX_DELAY_S):
         if order not in ("fifo", "cache_aware"):
             raise ValueError(f"order must be 'fifo' or 'cache_aware', got {order!r}")
-        if max_waiting < 1 or starvation_s < 0 or max_overtakes < 0:
-            raise ValueError("max_waiting must be >= 1, starvation_s >= 0 and max_overtakes >= 0")
+        if (max_waiting < 1 or starvation_s < 0 or (max_overtakes is not None and max_overtakes < 0)
+                or (max_delay_s is not None and max_delay_s < 0)):
+            raise ValueError("max_waiting must be >= 1, starvation_s >= 0, max_overtakes >= 0 and max_delay_s >= 0")
         self.order = order
         self.max_waiting = max_waiting
         self.starvation_s = starvation_s
-        self.max_overtakes = max_overtakes
-        self._waiting: list[Ticket] = []  # arrival order
+        self.max_overtakes = max_overtakes  # None: no cap
+        self.max_delay_s = max_delay_s  # None: no forecast bound
+        self._waiting: list[Ticket] = []  # push order
+        # tickets arrival order (FIFO) would still admit before this one, for tickets without a deadline yet
+        self._fifo_ahead: dict[int, int] = {}
         # what the order did (the server exports these): admissions, those made with a choice (more
         # requests waiting than were admitted), and those that went ahead of an older waiting request
         self.admitted = 0
@@ -95,26 +169,32 @@ class SchedulerPolicy:
         """Queue a request; raises ``QueueFullError`` when ``max_waiting`` are already waiting."""
         if len(self._waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self._waiting)} requests are waiting (limit {self.max_waiting})")
+        self._fifo_ahead[ticket.id] = len(self._waiting)
         self._waiting.append(ticket)
 
     def remove(self, ticket_id: int) -> Ticket | None:
         """Drop a waiting request (its client went away); returns it, or None if not waiting."""
         for j, t in enumerate(self._waiting):
             if t.id == ticket_id:
+                self._fifo_ahead.pop(ticket_id, None)
+                for later in self._waiting[j + 1:]:  # FIFO moves the ones behind it up by one
+                    if later.id in self._fifo_ahead:
+                        self._fifo_ahead[later.id] = max(0, self._fifo_ahead[later.id] - 1)
                 return self._waiting.pop(j)
         return None
 
     def admit(self, free_slots: int, now: float, limit: int | None = None,
-              estimate: Callable[[Ticket], int] | None = None) -> list[Ticket]:
+              estimate: Callable[[Ticket], int] | None = None, forecast: Forecast | None = None) -> list[Ticket]:
         """Remove and return up to ``min(free_slots, limit)`` tickets to prefill now, in order.
 
         ``estimate(ticket) -> cached_len`` refreshes each waiting ticket's estimate first
-        (cache-aware order only).
+        (cache-aware order only). ``forecast``: the executor's view of the running requests;
+        without it the ``max_delay_s`` bound is off.
         """
         n = min(free_slots, len(self._waiting), limit if limit is not None else free_slots)
         if n <= 0:
             return []
-        ranked, passed = self._pick(now, estimate, n)
+        ranked, passed = self._pick(now, estimate, n, forecast, free_slots)
         chosen = {t.id for t in ranked}
         oldest = {t.id for t in self._waiting[:n]}
         self.admitted += n
@@ -124,21 +204,27 @@ class SchedulerPolicy:
         self._waiting = [t for t in self._waiting if t.id not in chosen]
         for t in self._waiting:  # the overtakes the picks counted, now for real
             t.overtaken = passed.get(t.id, t.overtaken)
+            if t.id in self._fifo_ahead:  # FIFO would have admitted n tickets, the ones ahead first
+                self._fifo_ahead[t.id] = max(0, self._fifo_ahead[t.id] - n)
+        for t in ranked:
+            self._fifo_ahead.pop(t.id, None)
         return ranked
 
     def ranked(self, now: float, estimate: Callable[[Ticket], int] | None = None,
-               n: int | None = None) -> list[Ticket]:
+               n: int | None = None, forecast: Forecast | None = None, free_slots: int = 0) -> list[Ticket]:
         """The first ``n`` (default all) waiting tickets in admission order.
 
         Picked one at a time: a due ticket (overtaken ``max_overtakes`` times, or waited
         ``starvation_s``) goes first, oldest first; else the highest cached/compute ratio
-        (ties: oldest). Each pick counts as an overtake of every older ticket still waiting,
-        so a ticket's count reaches the cap and it is due before it could exceed it.
+        (ties: oldest) among the tickets whose admission keeps every other one within its
+        deadline (with a forecast), else the earliest deadline. Each pick counts as an overtake
+        of every older ticket still waiting, so a ticket's count reaches the cap and it is due
+        before it could exceed it.
         """
-        return self._pick(now, estimate, n)[0]
+        return self._pick(now, estimate, n, forecast, free_slots)[0]
 
-    def _pick(self, now: float, estimate: Callable[[Ticket], int] | None,
-              n: int | None) -> tuple[list[Ticket], dict[int, int]]:
+    def _pick(self, now: float, estimate: Callable[[Ticket], int] | None, n: int | None,
+              forecast: Forecast | None = None, free_slots: int = 0) -> tuple[list[Ticket], dict[int, int]]:
         """``ranked``'s picks and every waiting ticket's overtake count after them (cache-aware
         order; FIFO counts none)."""
         if self.order == "fifo":
@@ -148,18 +234,56 @@ class SchedulerPolicy:
                 t.cached_len = min(t.prompt_tokens, max(0, int(estimate(t))))
         rank = self._age_rank()  # 0 = oldest (arrival; pushes may come out of arrival order)
         left = sorted(self._waiting, key=lambda t: rank[t.id])
+        bounded = forecast is not None and self.max_delay_s is not None
+        if bounded:
+            self._set_deadlines(left, now, forecast, free_slots)
         passed = {t.id: t.overtaken for t in left}
+        cap = self.max_overtakes
         out: list[Ticket] = []
         for _ in range(len(left) if n is None else min(n, len(left))):
-            due = next((t for t in left if passed[t.id] >= self.max_overtakes
+            due = next((t for t in left if (cap is not None and passed[t.id] >= cap)
                         or now - t.arrival >= self.starvation_s), None)  # oldest due ticket
-            pick = due if due is not None else max(left, key=lambda t: (t.priority, -rank[t.id]))
+            if due is not None:
+                pick = due
+            elif bounded:
+                pick = self._within_deadlines(out, left, now, forecast, free_slots, rank)
+            else:
+                pick = max(left, key=lambda t: (t.priority, -rank[t.id]))
             left.remove(pick)
             out.append(pick)
             for t in left:
                 if rank[t.id] < rank[pick.id]:
                     passed[t.id] += 1
         return out, passed
+
+    def _set_deadlines(self, by_age: list[Ticket], now: float, forecast: Forecast, free_slots: int) -> None:
+        """Deadline of each ticket seen for the first time: when FIFO would admit it (forecast over
+        the tickets ahead of it in arrival order: those FIFO would still admit first) + ``max_delay_s``."""
+        new = [t for t in by_age if t.deadline is None]
+        if not new:
+            return
+        times = forecast.admission_times(by_age, free_slots)  # arrival order
+        for t in new:
+            k = min(self._fifo_ahead.get(t.id, by_age.index(t)), len(by_age) - 1)
+            t.deadline = now + times[k] + self.max_delay_s
+
+    def _within_deadlines(self, picked: list[Ticket], left: list[Ticket], now: float, forecast: Forecast,
+                          free_slots: int, rank: dict[int, int]) -> Ticket:
+        """The best-ranked of the top ``CANDIDATES`` tickets whose admission next keeps every
+        other ticket's forecast admission within its deadline, or no later than
+        earliest-deadline-first order would have it; else the earliest deadline."""
+        edf = sorted(left, key=lambda t: (t.deadline, rank[t.id]))
+        base = forecast.admission_times(picked + edf, free_slots)[len(picked):]
+        allowed = {t.id: max(t.deadline, now + x) for t, x in zip(edf, base)}
+        for cand in sorted(left, key=lambda t: (-t.priority, rank[t.id]))[:CANDIDATES]:
+            if cand is edf[0]:
+                return cand
+            plan = [cand] + [t for t in edf if t is not cand]
+            times = forecast.admission_times(picked + plan, free_slots)[len(picked) + 1:]
+            # only the tickets ahead of cand in EDF order move (one slot later); the rest keep their times
+            if all(now + x <= allowed[t.id] + 1e-9 for t, x in zip(plan[1:], times)):
+                return cand
+        return edf[0]
 
     def _age_rank(self) -> dict[int, int]:
         order = sorted(range(len(self._waiting)), key=lambda j: (self._waiting[j].arrival, j))

@@ -18,8 +18,9 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("argv, flags", [
-    ((), []),
-    (("--dtype", "bfloat16"), ["--dtype", "bfloat16"]),
+    ((), ["--dtype", "bfloat16"]),  # bf16 by default: the numerics the targets are measured in
+    (("--dtype", "float32"), ["--dtype", "float32"]),
+    (("--weights", "int8-dynamic"), ["--dtype", "bfloat16", "--weights", "int8-dynamic"]),
     (("--dtype", "bfloat16", "--weights", "int4", "--threads", "1"),
      ["--dtype", "bfloat16", "--weights", "int4", "--threads", "1"]),
 ])
@@ -30,6 +31,7 @@ def test_every_server_gets_the_requested_numerics(argv, flags):
 @pytest.mark.parametrize("argv, flags", [
     ((), []),  # the server's defaults
     (("--max-overtakes", "8", "--starvation-s", "5"), ["--starvation-s", "5.0", "--max-overtakes", "8"]),
+    (("--max-delay-s", "inf"), ["--max-delay-s", "inf"]),
 ])
 def test_every_server_gets_the_requested_admission_bounds(argv, flags):
     assert serve.scheduler_args(_args(*argv)) == flags
@@ -38,6 +40,12 @@ def test_every_server_gets_the_requested_admission_bounds(argv, flags):
 @pytest.mark.parametrize("argv, flags", [((), []), (("--cache-gb", "0.25"), ["--cache-gb", "0.25"])])
 def test_every_server_gets_the_requested_cache_budget(argv, flags):
     assert serve.cache_args(_args(*argv)) == flags
+
+
+def test_int8_dynamic_in_float32_is_one_clear_line(capsys):
+    rc = main(["bench", "serve", "--tiny", "--dtype", "float32", "--weights", "int8-dynamic", "--no-soak"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "int8-dynamic" in err and "Traceback" not in err
 
 
 def test_a_cache_budget_that_is_not_positive_is_one_clear_line(capsys):
@@ -65,4 +73,5 @@ def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
         row = data["configs"][name]["3q"]
         assert row["requests"] == row["completed"] == 4
         assert row["ttft_mean_s"] > 0 and 0.0 <= row["reordered_share"] <= row["contested_share"] <= 1.0
+        assert len(row["ttft_s_by_request"]) == 4 and all(x > 0 for x in row["ttft_s_by_request"])
     assert "c_vs_d_ttft_mean_c3q" in data["ratios"]

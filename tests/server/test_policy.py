@@ -1,4 +1,5 @@
-"""The torch-free admission policy: FIFO, cache-aware order, overtake cap, starvation bound, queue limit."""
+"""The torch-free admission policy: FIFO, cache-aware order, the FIFO-forecast delay bound, overtake cap,
+starvation bound, queue limit."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import sys
 
 import pytest
 
-from cachedrag.server.policy import QueueFullError, SchedulerPolicy, Ticket
+from cachedrag.server.policy import Forecast, PrefillModel, QueueFullError, SchedulerPolicy, Ticket
 
 
 def _tickets():
@@ -166,7 +167,8 @@ def test_queue_limit_and_remove():
     assert len(p) == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"order": "lifo"}, {"max_waiting": 0}, {"starvation_s": -1}, {"max_overtakes": -1}])
+@pytest.mark.parametrize("kwargs", [{"order": "lifo"}, {"max_waiting": 0}, {"starvation_s": -1}, {"max_overtakes": -1},
+                                    {"max_delay_s": -0.5}])
 def test_bad_settings_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SchedulerPolicy(**kwargs)
@@ -174,15 +176,112 @@ def test_bad_settings_are_rejected(kwargs):
 
 def test_server_settings_reach_the_policy():
     from cachedrag.cli import build_parser
+    from cachedrag.server.cli import _bound
     from cachedrag.server.config import SchedulerConfig
     from cachedrag.server.loop import EngineLoop
-    from cachedrag.server.policy import MAX_OVERTAKES
+    from cachedrag.server.policy import MAX_DELAY_S
 
-    assert SchedulerConfig().max_overtakes == MAX_OVERTAKES  # one default: library, config and CLI
+    # one default: library, config and CLI (the forecast bound on, no overtake cap)
+    assert SchedulerConfig().max_delay_s == SchedulerPolicy().max_delay_s == MAX_DELAY_S
+    assert SchedulerConfig().max_overtakes is None and SchedulerPolicy().max_overtakes is None
     args = build_parser().parse_args(["serve", "--tiny"])
-    assert args.max_overtakes == MAX_OVERTAKES
-    args = build_parser().parse_args(["serve", "--tiny", "--max-overtakes", "5", "--starvation-s", "3"])
-    loop = EngineLoop(None, SchedulerConfig(max_overtakes=args.max_overtakes, starvation_s=args.starvation_s))
-    assert (loop.policy.max_overtakes, loop.policy.starvation_s) == (5, 3.0)
+    assert (args.max_delay_s, args.max_overtakes) == (MAX_DELAY_S, None)
+    args = build_parser().parse_args(["serve", "--tiny", "--max-overtakes", "5", "--starvation-s", "3",
+                                      "--max-delay-s", "inf"])
+    loop = EngineLoop(None, SchedulerConfig(max_overtakes=args.max_overtakes, starvation_s=args.starvation_s,
+                                            max_delay_s=_bound(args.max_delay_s)))
+    assert (loop.policy.max_overtakes, loop.policy.starvation_s, loop.policy.max_delay_s) == (5, 3.0, None)
     with pytest.raises(ValueError):
         SchedulerConfig(max_overtakes=-1)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_delay_s=-1.0)
+
+
+# ---------------------------------------------------------------- the FIFO-forecast delay bound
+def test_forecast_admission_times_take_free_slots_then_freeing_ones_and_stall_decoding():
+    fc = Forecast(slot_free_in=[5.0], step_s=0.1, prefill_s_base=0.2, prefill_s_per_token=0.001)
+    a = Ticket(1, 0.0, 1000, 0, max_new_tokens=100)  # prefill 0.2 + 1000 x 0.001 = 1.2 s, then 10 s of decoding
+    b = Ticket(2, 0.1, 1000, 800, max_new_tokens=50)  # prefill 0.4 s, then 5 s
+    c = Ticket(3, 0.2, 500, 400, max_new_tokens=50)
+    # a: a free slot at once; b: the other free slot once a's prefill is done (1.2 s); c: the running
+    # request's slot, which frees at 5.0 + the two prefills that stalled its decoding (1.2 + 0.4)
+    assert fc.admission_times([a, b, c], free_slots=2) == pytest.approx([0.0, 1.2, 6.6])
+    # one free slot: b takes the running request's slot (5.0 + a's stall), c the slot b's stall delayed
+    # (a's: 1.2 + 10 = 11.2, + 0.4) or b's own (6.6 + 5 = 11.6): both 11.6
+    assert fc.admission_times([a, b, c], free_slots=1) == pytest.approx([0.0, 6.2, 11.6])
+
+
+def test_prefill_model_fits_base_and_per_token_cost():
+    m = PrefillModel()
+    for tokens in (40, 800, 120, 600, 40, 300):
+        m.observe(tokens, 0.08 + 0.0004 * tokens)
+    assert m.base_s == pytest.approx(0.08, rel=1e-6) and m.per_token_s == pytest.approx(0.0004, rel=1e-6)
+
+
+def _wave_queue(**kwargs):
+    """A cold request A waits with two hot ones, B and C; two slots are free now and the next one
+    frees only after a whole answer (5 s): FIFO would admit A and B now and C after 5 s."""
+    p = SchedulerPolicy("cache_aware", starvation_s=1e9, **kwargs)
+    for t in (Ticket(1, 0.0, 1000, 0), Ticket(2, 0.1, 1000, 950), Ticket(3, 0.2, 1000, 950)):
+        t.max_new_tokens = 100  # 5 s of decoding each
+        p.push(t)
+    return p, Forecast(slot_free_in=[5.0], step_s=0.05, prefill_s_base=0.1, prefill_s_per_token=0.0)
+
+
+@pytest.mark.parametrize("max_delay_s, first_two", [
+    (0.0, [1, 2]),   # B ahead of A would admit A one prefill (0.1 s) later than FIFO: not within 0 s
+    (0.5, [2, 1]),   # within 0.5 s: B goes first, but C ahead of A would push A past the next wave (5 s)
+    (10.0, [2, 3]),  # a bound longer than the wave: C passes A too
+    (None, [2, 3]),  # no forecast bound: the ratio alone
+])
+def test_reordering_stays_within_the_fifo_forecast(max_delay_s, first_two):
+    p, fc = _wave_queue(max_delay_s=max_delay_s)
+    assert [t.id for t in p.admit(2, now=1.0, forecast=fc)] == first_two
+
+
+def test_without_a_forecast_the_delay_bound_is_off():
+    p, _ = _wave_queue(max_delay_s=0.0)
+    assert [t.id for t in p.admit(2, now=1.0)] == [2, 3]
+
+
+def test_deadlines_are_fifo_forecasts_fixed_when_first_seen():
+    p, fc = _wave_queue(max_delay_s=0.25)
+    p.ranked(now=1.0, forecast=fc, free_slots=2)
+    assert [t.deadline for t in p.waiting] == pytest.approx([1.25, 1.35, 1.0 + 5.2 + 0.25])
+    later = Forecast(slot_free_in=[1.0], step_s=0.05)  # a later view does not move them
+    p.ranked(now=2.0, forecast=later, free_slots=0)
+    assert [t.deadline for t in p.waiting] == pytest.approx([1.25, 1.35, 6.45])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_pick_keeps_the_others_within_their_deadlines_on_random_queues(seed):
+    """Random queues, cache estimates and forecasts: each admission is either the earliest
+    deadline or one that leaves every other waiting ticket's forecast admission no later than
+    its deadline or than earliest-deadline-first order would give it; and the order does reorder."""
+    import random
+
+    rng = random.Random(seed)
+    p = SchedulerPolicy("cache_aware", starvation_s=1e9, max_delay_s=rng.choice((0.0, 0.3, 1.0)))
+    now, next_id, reordered = 0.0, 0, 0
+    for _ in range(150):
+        now += rng.uniform(0.05, 0.5)
+        for _ in range(rng.choice((0, 1, 1, 2, 3))):
+            p.push(Ticket(next_id, now, rng.randint(100, 1200), max_new_tokens=rng.randint(8, 64)))
+            next_id += 1
+        fc = Forecast([rng.uniform(0, 4) for _ in range(rng.randint(0, 7))], rng.uniform(0.02, 0.08),
+                      rng.uniform(0.02, 0.2), rng.uniform(0, 0.001))
+        free = rng.choice((0, 1, 1, 2))
+        p.ranked(now, estimate=lambda t: rng.randint(0, t.prompt_tokens), forecast=fc, free_slots=free)
+        waiting = p.waiting
+        if not waiting or free == 0:
+            continue
+        edf = sorted(waiting, key=lambda t: (t.deadline, t.arrival))
+        base = dict(zip((t.id for t in edf), fc.admission_times(edf, free)))
+        pick = p.admit(free, now, limit=1, forecast=fc)[0]
+        if pick is edf[0]:
+            continue
+        reordered += 1
+        plan = [pick] + [t for t in edf if t is not pick]
+        for t, x in zip(plan[1:], fc.admission_times(plan, free)[1:]):
+            assert now + x <= max(t.deadline, now + base[t.id]) + 1e-9
+    assert reordered > 0
