@@ -239,6 +239,26 @@ class CachedEngine:
         n = runner.n_layers
         k = min(self.config.metadata_layers, n)
         self.metadata_layers = sorted({round(1 + j * (n - 2) / max(1, k - 1)) if n > 2 else j for j in range(k)})
+        self._prepare_question_pass()
+
+    def _prepare_question_pass(self) -> None:
+        """Build the question pre-pass's bfloat16 weight copies now (``model/scoring.py``: ~130 ms
+        and 120 MB for the default model), so the first reuse-served request does not pay them.
+        Only where this engine's default can use them: mode ``cachedrag`` with a question token
+        choice and ``question_dtype="bfloat16"`` (a per-call ``mode="cachedrag"`` on an engine
+        with another default builds them on its first reuse instead)."""
+        cache = self.config.cache
+        if (self.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
+                and cache.question_dtype == "bfloat16"):
+            from cachedrag.model.scoring import scoring_layers
+
+            scoring_layers(self.runner, max(self._question_layers()) + 1)
+
+    def _question_layers(self) -> list[int]:
+        """The layers whose question attention ranks reused tokens (``CacheConfig.question_layers``
+        within the model; its last layer when none is)."""
+        n = self.runner.n_layers
+        return [x for x in self.config.cache.question_layers if x < n] or [n - 1]
 
     # ------------------------------------------------------------------ public API
     def generate(self, chunks: Sequence[str] = (), question: str = "", system_prompt: str | None = None, *,
@@ -773,7 +793,7 @@ class CachedEngine:
         The fidelity benchmark's oracle overrides this method."""
         runner = self.runner
         device = runner.device
-        layers = [x for x in self.config.cache.question_layers if x < runner.n_layers] or [runner.n_layers - 1]
+        layers = self._question_layers()
         weights = None  # None: the runner's own projections
         if self.config.cache.question_dtype == "bfloat16" and not (lead is not None and lead.leading):
             from cachedrag.model.scoring import scoring_layers

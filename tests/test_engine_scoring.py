@@ -117,3 +117,23 @@ def test_leading_fresh_rows_keep_the_runner_precision(runner, share):
 def test_question_dtype_is_validated():
     with pytest.raises(ConfigError, match="question_dtype"):
         CacheConfig(question_dtype="float16")
+
+
+def test_engine_builds_the_bf16_copies_at_construction_not_on_the_first_reuse():
+    """The copies cost ~130 ms on the default model: an engine that will run the question pre-pass
+    builds them when it is made, so the first reuse-served request does not pay them; one that
+    will not (another default mode, or the float32 reference pass) leaves the memory alone."""
+    from cachedrag.model import scoring
+
+    def built(r):
+        return len(scoring._BUILT.get(r, []))
+
+    prefix = tiny_runner("llama", seed=6)
+    CachedEngine(prefix, config=EngineConfig(mode="prefix"))
+    assert built(prefix) == 0
+    reference = tiny_runner("llama", seed=6)
+    _engine(reference, "float32")
+    assert built(reference) == 0
+    fast = tiny_runner("llama", seed=6)
+    engine = _engine(fast, "bfloat16")
+    assert built(fast) == max(engine._question_layers()) + 1

@@ -2,8 +2,8 @@
 
 Owns: ``ScoringLayer`` (one decoder layer's fused projections in bfloat16 behind the
 ``LayerWeights`` interface the runner calls: ``qkv``, ``o``, ``mlp``; it takes and returns the
-runner's dtype) and ``scoring_layers(runner, n)``, the first ``n`` of them, built once per runner
-on first use and shared by every engine on it.
+runner's dtype) and ``scoring_layers(runner, n)``, the first ``n`` of them, built
+once per runner (by the engine at construction, or on first use) and shared by every engine on it.
 
 Why: the engine's question pre-pass (``CachedEngine._question_scores``) runs the question's
 ~20 tokens through the first 17 layers only to rank reused tokens by the question's attention.
