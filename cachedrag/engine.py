@@ -40,6 +40,7 @@ from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
 from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
+from cachedrag.model.scoring import scoring_layers
 from cachedrag.model.textgen import check_context, stream_tokens
 from cachedrag.prompt import CHUNK_SEPARATOR, PromptBuilder, Segment
 
@@ -250,8 +251,6 @@ class CachedEngine:
         cache = self.config.cache
         if (self.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
                 and cache.question_dtype == "bfloat16"):
-            from cachedrag.model.scoring import scoring_layers
-
             scoring_layers(self.runner, max(self._question_layers()) + 1)
 
     def _question_layers(self) -> list[int]:
@@ -796,8 +795,6 @@ class CachedEngine:
         layers = self._question_layers()
         weights = None  # None: the runner's own projections
         if self.config.cache.question_dtype == "bfloat16" and not (lead is not None and lead.leading):
-            from cachedrag.model.scoring import scoring_layers
-
             weights = scoring_layers(runner, max(layers) + 1)
         pos = torch.tensor(sorted(set(fresh_pos) | set(question_pos)), device=device)  # [Tp]
         q_rows = torch.arange(pos.shape[0] - len(question_pos), pos.shape[0], device=device)  # question: the last rows

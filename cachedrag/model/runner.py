@@ -223,7 +223,8 @@ class ModelRunner:
                 float(layer.input_layernorm.variance_epsilon), float(layer.post_attention_layernorm.variance_epsilon))
                for layer in self.layers]
         norm = self.model.model.norm
-        out.append((prep(norm), prep(norm), float(norm.variance_epsilon), float(norm.variance_epsilon)))
+        w, eps = prep(norm), float(norm.variance_epsilon)
+        out.append((w, w, eps, eps))
         return out
 
     @classmethod
@@ -315,8 +316,8 @@ class ModelRunner:
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)  # [T, Dm]
         t = x.shape[0]
-        if weights is not None or self.fast_layers is not None:
-            lw = weights if weights is not None else self.fast_layers[i]
+        lw = self._projections(i, weights)
+        if lw is not None:
             q, k, v = lw.qkv(x).split([lw.q_out, lw.kv_out, lw.kv_out], dim=-1)  # [T, H*D] each
             q = q.view(t, -1, self.head_dim) if with_q else None  # [T, H_q, D]
             k = k.view(t, -1, self.head_dim)  # [T, H_kv, D]
@@ -412,11 +413,18 @@ class ModelRunner:
             return False
         return int(positions[0]) == 0 and int(positions[-1]) == t - 1
 
+    def _projections(self, i: int, weights=None):
+        """Layer ``i``'s fused projections: ``weights`` when given (another set, e.g. ``model/scoring.py``'s
+        bf16 copies), else the runner's fast layers; None on the reference path (the HF modules)."""
+        if weights is not None:
+            return weights
+        return self.fast_layers[i] if self.fast_layers is not None else None
+
     def finish_layer(self, i: int, residual: torch.Tensor, attn_out: torch.Tensor, weights=None) -> torch.Tensor:
         """Output projection, residual and MLP of layer ``i``: ``[T, Dm]`` (``weights`` as in ``qkv``)."""
         layer = self.layers[i]
-        if weights is not None or self.fast_layers is not None:
-            lw = weights if weights is not None else self.fast_layers[i]
+        lw = self._projections(i, weights)
+        if lw is not None:
             h = residual + lw.o(attn_out)  # [T, Dm]
             return h + lw.mlp(layer.post_attention_layernorm(h))  # [T, Dm]
         h = residual + self.project(layer.self_attn.o_proj, attn_out)  # [T, Dm]

@@ -99,15 +99,16 @@ class Forecast:
         that order. The engine is serial: a ticket takes the earliest free slot once the previous
         prefill is done, and a prefill stalls every decoding request for its duration (their
         slots free that much later); a ticket holds its slot for ``max_new_tokens`` decode steps."""
-        slots = [0.0] * max(0, free_slots) + sorted(max(0.0, x) for x in self.slot_free_in)
+        slots = [0.0] * max(0, free_slots) + sorted(max(0.0, x) for x in self.slot_free_in)  # a heap (sorted)
         busy, out = 0.0, []
         for t in order:
-            slots.sort()
-            start = max(slots.pop(0), busy) if slots else busy
+            start = max(heapq.heappop(slots), busy) if slots else busy
             took = self.prefill_s(t)
             busy = start + took
-            slots = [x + took if x > start else x for x in slots]  # the running requests wait for this prefill
-            slots.append(busy + t.max_new_tokens * self.step_s)
+            # the running requests wait for this prefill (shifting every time above ``start`` by the
+            # same amount keeps the heap order)
+            slots = [x + took if x > start else x for x in slots]
+            heapq.heappush(slots, busy + t.max_new_tokens * self.step_s)
             out.append(start)
         return out
 
