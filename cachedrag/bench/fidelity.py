@@ -221,7 +221,9 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
     from cachedrag.engine import CachedEngine
     from cachedrag.kvcache.config import CacheConfig
 
-    base: dict = {}
+    # the rows share one cache per request and serve the same sequence in turn: with exact repeats on, the
+    # second reuse row would promote it and every later row would be an exact hit, not the reuse it measures
+    base: dict = {"exact_repeats": 0}
     if args.question_layers:
         base["question_layers"] = tuple(int(x) for x in args.question_layers.split(","))
     if args.need_weight is not None:
