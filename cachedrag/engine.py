@@ -81,6 +81,10 @@ class EngineResult:
     token_choice: str | None = None  # how recompute tokens were chosen (None: nothing reused)
     approximations: list[str] = field(default_factory=list)  # what made this answer differ from full prefill
     chunk_order: list[int] | None = None  # order-aware reuse: retrieved indices in the order served (None: as given)
+    exact_repeat: str | None = None  # CacheConfig.exact_repeats: "inline" (this recurring sequence was prefilled
+    #                                  exactly), "promoted" (served from reuse, then its exact tree path computed),
+    #                                  "promote" (that computation handed to the caller: ``Prefilled.promote``)
+    promotion_s: float = 0.0  # seconds spent computing the exact path after the response (not in ttft/total)
     teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
@@ -99,6 +103,7 @@ class _Prefill:
     logits: torch.Tensor  # [V]
     info: dict
     hand_off: Callable[[], None] | None = None  # deferred store hand-off (``_prefill(defer_store=True)``)
+    promote: Callable[[], float] | None = None  # exact path of a recurring sequence, to compute after the response
 
 
 @dataclass
@@ -145,6 +150,9 @@ class Prefilled:
     logits: torch.Tensor  # [V] float32, logits of the last prompt position
     info: dict  # prompt_tokens, computed_tokens, chunks_hit, ... (EngineResult's prefill fields)
     hand_off: Callable[[], None] | None = None  # with ``prefill(defer_store=True)``: run once the first token is out
+    promote: Callable[[], float] | None = None  # ``CacheConfig.exact_repeats``: computes and stores this recurring
+    #                                             sequence's exact tree path (returns its seconds); run it after the
+    #                                             response, e.g. when idle (None: nothing to promote)
 
 
 class _LoadFailed(Exception):
@@ -319,10 +327,13 @@ class CachedEngine:
         left in ``.hand_off`` (None when there is nothing to store), for the caller to run once
         the first token is out, as ``generate`` does; until then only decode may write the buffer
         (rows past the prompt).
+        ``.promote`` (``CacheConfig.exact_repeats``, timing "after_response"): when this request's
+        chunk sequence recurred often enough, a callable that computes and stores its exact tree
+        path; the caller runs it whenever it likes (after the response, in idle time) or drops it.
         """
         pre = self._prefill(list(segments), self._mode(mode), max_new_tokens, between_layers=between_layers,
                             defer_store=defer_store)
-        return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info, hand_off=pre.hand_off)
+        return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info, hand_off=pre.hand_off, promote=pre.promote)
 
     def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
         """Prefill only; returns the last-position logits ``[V]`` (for equivalence tests and FLARE)."""
@@ -375,6 +386,20 @@ class CachedEngine:
         )
         if teacher is not None:
             holder.result.teacher_logits = self._teacher_forced(pre, prompt_tokens, list(teacher))
+        if pre.promote is not None:  # the answer is out: now compute the recurring sequence's exact path
+            try:
+                holder.result.promotion_s = pre.promote()
+                holder.result.exact_repeat = "promoted"
+            except Exception as exc:  # the answer stands; only the promotion failed (reported, not swallowed)
+                holder.result.notes.append(f"exact-repeat promotion failed: {exc!r}")
+
+    def _promote(self, segments: list[Segment], mode: Mode) -> float:
+        """Compute and store the exact knowledge-tree path of ``segments``' system and chunks (a
+        prefill of the part not on the tree, as prefix caching does on a miss; the question rows
+        ride along, nothing is decoded). Returns its seconds."""
+        t0 = time.perf_counter()
+        self._prefill(segments, mode, 0, exact_plan=True)
+        return time.perf_counter() - t0
 
     @torch.inference_mode()
     def _teacher_forced(self, pre: _Prefill, start: int, teacher: list[int]) -> torch.Tensor:
@@ -390,11 +415,17 @@ class CachedEngine:
 
     @torch.inference_mode()
     def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False,
-                 between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False) -> _Prefill:
+                 between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False,
+                 exact_plan: bool = False) -> _Prefill:
         """Plan, load and prefill. What the request computed fresh is handed to the cache
         manager (``_HandOff``: metadata, entry copies, store writes) before returning, or with
         ``defer_store`` left in ``pre.hand_off`` for the caller to run once the first token is
-        out (``_run``): the KV rows and queries it reads stay untouched until then."""
+        out (``_run``): the KV rows and queries it reads stay untouched until then.
+        Exact repeats (``CacheConfig.exact_repeats``): when the plan reuses chunk variants and this
+        chunk sequence has now been served from reuse that many times, either the request is
+        planned as prefix caching would (timing "inline": tree prefix, the rest fresh, so it is
+        exact and stores its whole path) or ``pre.promote`` computes that path later (``_promote``).
+        ``exact_plan``: plan as prefix caching, in the given order (a promotion)."""
         runner = self.runner
         first_chunk = next((i for i, s in enumerate(segments) if s.kind == "chunk"), None)
         last_chunk = max((i for i, s in enumerate(segments) if s.kind == "chunk"), default=None)
@@ -409,7 +440,7 @@ class CachedEngine:
         if not question:
             raise ConfigError("a request must end with a text segment (the question)")
         chunk_order = None
-        if (self.config.order_aware and mode is not Mode.FULL and len(middle) > 1
+        if (self.config.order_aware and mode is not Mode.FULL and len(middle) > 1 and not exact_plan
                 and all(s.kind == "chunk" for s in middle)):
             chunk_order = self.manager.cached_order([s.key for s in system], [s.key for s in middle])
             if chunk_order is not None:  # a cached tree path holds these chunks: serve its order exactly
@@ -423,7 +454,16 @@ class CachedEngine:
         )
         total = sum(len(s) for s in segments)
         check_context(runner, total, max_new_tokens)
-        plan = self.manager.plan(request, mode)
+        plan = self.manager.plan(request, Mode.PREFIX if exact_plan and mode is not Mode.FULL else mode)
+        repeat = None
+        cache = self.config.cache
+        if cache.exact_repeats and not exact_plan and plan.repeat >= cache.exact_repeats:
+            if cache.exact_repeats_when == "inline":  # this sighting is computed exactly and stores its path
+                self.manager.release(plan, used=False)
+                plan = self.manager.plan(request, Mode.PREFIX)
+                repeat = "inline"
+            else:
+                repeat = "promote"
         used = False
         try:
             force_fresh: frozenset[int] = frozenset()
@@ -446,6 +486,9 @@ class CachedEngine:
         if self._layerwise:
             self.manager.prefetch(plan)  # promote what this request reused (background; layer loads do not promote)
         pre.info["chunk_order"] = chunk_order
+        pre.info["exact_repeat"] = repeat
+        if repeat == "promote":
+            pre.promote = functools.partial(self._promote, list(segments), mode)
         if chunk_order is not None:
             pre.info["approximations"].insert(0, "reordered")
         return pre

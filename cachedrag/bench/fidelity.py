@@ -28,7 +28,15 @@ Rows share one loaded model; within a request they run back to back, so TTFT rat
 deviates most from full prefill's: a ceiling no real choice can see. Prints a table; ``--json OUT``
 writes ``{"config", "rows": {row: metrics}, "by_corpus", "by_seed", "noise", "requests"}``;
 ``--plot PNG`` draws fidelity vs TTFT speedup per choice (matplotlib, the ``bench`` extra);
-``--replot JSON`` prints and plots an earlier run's JSON without running anything.
+``--replot JSON`` prints and plots an earlier run's JSON without running anything;
+``--replot A.json,B.json`` merges runs (e.g. one per seed, each under the time limit) by pooling
+their per-request records and summarising them as one run (``--json OUT`` writes the merge).
+
+Task accuracy is also compared with full prefill question by question (``gold_paired`` per row,
+``order_noise_gold_paired``; ``bench.paired``): how many questions full gets right and the row
+wrong and vice versa, the exact two-sided sign-test (McNemar) p-value, and the accuracy
+difference in points with Newcombe's 95% interval. Seeds and corpora are pooled: each gold
+question is one pair.
 
 Does not own the engine, the metrics' definitions (``bench.metrics``) or the gold set (``bench.gold``).
 """
@@ -98,8 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", help="questions for --corpus, one per line")
     parser.add_argument("--plot", help="write a PNG of fidelity vs TTFT speedup here (needs matplotlib)")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
-    parser.add_argument("--replot", metavar="JSON",
-                        help="run nothing: print the table of an earlier run's --json output (and --plot it)")
+    parser.add_argument("--replot", metavar="JSON[,JSON...]",
+                        help="run nothing: print the table of an earlier run's --json output (and --plot it); "
+                             "several comma-separated files (e.g. one run per seed) are merged into one summary, "
+                             "written by --json")
 
 
 def _floats(text: str) -> list[float]:
@@ -158,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 done += 1
                 print(f"bench fidelity: {done}/{total} requests ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
                       flush=True)
-    results = _summarise(records, list(rows), args, ratios, choices, time.perf_counter() - t0)
+    results = _summarise(records, list(rows), _config(args, records, ratios, choices, time.perf_counter() - t0))
     _print_table(results)
     if args.json_out:
         write_json(results, args.json_out)
@@ -191,16 +201,53 @@ def _requests(text, corpora: list[str]) -> dict[str, int]:
 def _replot(args: argparse.Namespace) -> int:
     import json
 
-    try:
-        with open(args.replot, encoding="utf-8") as f:
-            results = json.load(f)
-        results["rows"], results["noise"], results["config"]  # noqa: B018 (shape check)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(f"--replot: not a bench fidelity JSON file: {args.replot} ({exc})") from None
+    paths = [p.strip() for p in args.replot.split(",") if p.strip()]
+    runs = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                results = json.load(f)
+            results["rows"], results["noise"], results["config"]  # noqa: B018 (shape check)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"--replot: not a bench fidelity JSON file: {path} ({exc})") from None
+        runs.append(results)
+    if not runs:
+        raise SystemExit("--replot: no JSON file named")
+    # re-summarised from the per-request records where there are some (an earlier run's JSON gains
+    # the summary's newer fields, e.g. gold_paired); several runs are merged
+    resummarise = len(runs) > 1 or bool(runs[0].get("requests"))
+    results = merge_runs(runs, paths) if resummarise else runs[0]
     _print_table(results)
+    if args.json_out and resummarise:
+        write_json(results, args.json_out)
     if args.plot:
         plot_frontier(results, args.plot)
     return 0
+
+
+def merge_runs(runs: list[dict], names: list[str] | None = None) -> dict:
+    """One summary of several runs' JSON (e.g. one run per seed): their per-request records pooled
+    and summarised as one run. The runs must have the same rows and the same settings apart from
+    seeds, requests and time; a (corpus, seed) stream in two runs is refused (it would count
+    questions twice). TTFT medians are over the pooled requests of runs measured apart."""
+    first = runs[0]["config"]
+    fixed = {k: v for k, v in first.items() if k not in ("seeds", "seconds", "requests_per_corpus_seed")}
+    seen: set = set()
+    records: list[dict] = []
+    for run in runs:
+        cfg = run["config"]
+        if {k: cfg.get(k) for k in fixed} != fixed or set(run["rows"]) != set(runs[0]["rows"]):
+            raise SystemExit("merge: the runs differ in settings or rows (only seeds and requests may differ)")
+        streams = {(r["corpus"], r["seed"]) for r in run.get("requests", [])}
+        if not run.get("requests") or streams & seen:
+            raise SystemExit("merge: a run has no per-request records, or two runs share a (corpus, seed) stream")
+        seen |= streams
+        records.extend(run["requests"])
+    config = {**fixed, "seeds": sorted({r["seed"] for r in records}),
+              "requests_per_corpus_seed": [run["config"].get("requests_per_corpus_seed") for run in runs],
+              "seconds": round(sum(run["config"].get("seconds", 0.0) for run in runs), 1),
+              "merged_from": list(names) if names else len(runs)}
+    return _summarise(records, list(records[0]["rows"]), config)
 
 
 # ---------------------------------------------------------------------------------- setup
@@ -221,7 +268,9 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
     from cachedrag.engine import CachedEngine
     from cachedrag.kvcache.config import CacheConfig
 
-    base: dict = {}
+    # the rows share one cache per request and serve the same sequence in turn: with exact repeats on, the
+    # second reuse row would promote it and every later row would be an exact hit, not the reuse it measures
+    base: dict = {"exact_repeats": 0}
     if args.question_layers:
         base["question_layers"] = tuple(int(x) for x in args.question_layers.split(","))
     if args.need_weight is not None:
@@ -439,10 +488,10 @@ def _aggregate(recs: list[dict], row: str) -> dict:
     return out
 
 
-def _summarise(records: list[dict], row_names: list[str], args, ratios, choices, seconds: float) -> dict:
+def _config(args, records: list[dict], ratios, choices, seconds: float) -> dict:
     import torch
 
-    results = {"config": {
+    return {
         "model": args.model or "SmolLM2-135M-Instruct", "corpora": sorted({r["corpus"] for r in records}),
         "seeds": sorted({r["seed"] for r in records}), "requests_per_corpus_seed": _requests(args.requests, sorted({r["corpus"] for r in records})),
         "ratios": ratios, "choices": choices, "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
@@ -451,9 +500,22 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
         "question_layers": args.question_layers, "need_weight": args.need_weight, "refine_layer": args.refine_layer,
         "sink_tokens": args.sink_tokens, "variants": {v: VARIANTS[v.partition("/")[2]] for v in _variants(args)},
         "torch_threads": torch.get_num_threads(), "seconds": round(seconds, 1),
-    }, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {},
-        "decisive_margin": DECISIVE_MARGIN,
-        "decisive_share": statistics.fmean(r["decisive_share"] for r in records) if records else None}
+    }
+
+
+def _gold_paired(records: list[dict], row: str) -> dict | None:
+    """Task accuracy of ``row`` vs full prefill, question by question (``bench.paired``); None
+    without gold questions."""
+    from cachedrag.bench.paired import PairedAccuracy
+
+    pairs = [(r["rows"]["full"]["gold"], r["rows"][row]["gold"]) for r in records if r["rows"]["full"]["gold"] is not None]
+    return PairedAccuracy.from_pairs(pairs).to_dict() if pairs else None
+
+
+def _summarise(records: list[dict], row_names: list[str], config: dict) -> dict:
+    results = {"config": config, "n_requests": len(records), "rows": {}, "by_corpus": {}, "by_seed": {},
+               "decisive_margin": DECISIVE_MARGIN,
+               "decisive_share": statistics.fmean(r["decisive_share"] for r in records) if records else None}
     rows = [n for n in row_names if n != "noise"]
     for name in rows:
         results["rows"][name] = _aggregate(records, name)
@@ -465,11 +527,14 @@ def _summarise(records: list[dict], row_names: list[str], args, ratios, choices,
         row["x_prefix"] = prefix_t / row["ttft_median_s"]
         # task accuracy vs full prefill, in points (the target: within 1 point)
         row["gold_delta_pts"] = None if row["gold"] is None else 100.0 * (row["gold"] - full_gold)
+    for name in rows:
+        results["rows"][name]["gold_paired"] = _gold_paired(records, name)
     noise = _aggregate(records, "noise")
     results["noise"] = {"order_noise_rouge_l": noise["rouge_l"], "order_noise_top1": noise["tf_top1"],
                         "order_noise_kl": noise["tf_kl"], "order_noise_first_token": noise["first_token"],
                         "order_noise_top1_decisive": noise["tf_top1_decisive"],
-                        "order_noise_exact": noise["exact"], "order_noise_gold": noise["gold"]}
+                        "order_noise_exact": noise["exact"], "order_noise_gold": noise["gold"],
+                        "order_noise_gold_paired": _gold_paired(records, "noise")}
     for key, field in (("by_corpus", "corpus"), ("by_seed", "seed")):
         for value in sorted({r[field] for r in records}):
             sub = [r for r in records if r[field] == value]
@@ -500,6 +565,7 @@ def _print_table(results: dict) -> None:
           f"gold {fmt(n['order_noise_gold'])}")
     print(f"tf_decis: teacher-forced top-1 on positions where full prefill's top-1 leads its top-2 by >= "
           f"{DECISIVE_MARGIN} probability ({fmt(results.get('decisive_share'))} of positions); the rest are near ties")
+    _print_gold_paired(results)
     corpora = list(results["by_corpus"])
     if len(corpora) > 1:
         print("per corpus (tf_top1 / tf_kl / tok1 / rougeL / gold):")
@@ -515,6 +581,29 @@ def _print_table(results: dict) -> None:
             f"{name} " + " ".join(f"{results['by_seed'][s][name]['tf_kl']:.3f}/{results['by_seed'][s][name]['rouge_l']:.2f}"
                                   for s in seeds)
             for name in results["rows"] if "@" in name))
+
+
+def _print_gold_paired(results: dict) -> None:
+    """Task accuracy vs full prefill, question by question: right/n, the difference in points with
+    its 95% interval, the discordant counts and the exact sign-test p-value."""
+    paired = [(name, row.get("gold_paired")) for name, row in results["rows"].items() if name != "full"]
+    paired.append(("order-noise floor", results["noise"].get("order_noise_gold_paired")))
+    paired = [(name, p) for name, p in paired if p]
+    if not paired:
+        return
+    n = paired[0][1]["n"]
+    full_right = paired[0][1]["both"] + paired[0][1]["full_only"]
+    print(f"task accuracy vs full prefill, paired over {n} gold questions (full right: {full_right}/{n} = "
+          f"{100.0 * full_right / n:.1f}%); full_only: full right and the row wrong, row_only: the reverse; "
+          f"p: exact two-sided sign test (McNemar); 95% interval: Newcombe")
+    print("  ".join([f"{'row':>22}", f"{'right':>9}", f"{'delta_pts':>9}", f"{'95% interval (pts)':>20}",
+                     f"{'full_only':>9}", f"{'row_only':>9}", f"{'p':>7}"]))
+    for name, p in paired:
+        right = p["both"] + p["row_only"]
+        lo, hi = p["ci95_pts"]
+        print("  ".join([f"{name:>22}", f"{str(right) + '/' + str(p['n']):>9}", f"{p['delta_pts']:>+9.1f}",
+                         f"{f'[{lo:+.1f}, {hi:+.1f}]':>20}", f"{p['full_only']:>9}", f"{p['row_only']:>9}",
+                         f"{p['p_value']:>7.3f}"]))
 
 
 def plot_frontier(results: dict, path: str) -> None:

@@ -1,13 +1,13 @@
 """Gold question-answer sets for the fidelity benchmark, and the GNU-info question stream.
 
-Owns: ``STDLIB_GOLD`` (50 questions over the embedded stdlib corpus, each answered by a short
-span, a function name, that the module's pydoc text states next to the description the
+Owns: ``STDLIB_GOLD`` (124 questions over the embedded stdlib corpus, each answered by a short
+span, a function or class name, that the module's pydoc text states next to the description the
 question paraphrases), ``INFO_QUESTIONS`` (questions over the GNU info manuals corpus,
 ``cachedrag.corpus.info_corpus``; no gold answers), and ``gold_match`` (task accuracy: the gold
 span appears in an answer as a whole word, case-insensitive). Does not own the corpora.
 
 Each gold item names its document so the benchmark can put the chunk holding the answer in the
-retrieved set (the task measures reading, not retrieval); ``tests/bench/test_gold.py`` checks
+retrieved set (the task measures reading, not retrieval); ``tests/bench/test_fidelity.py`` checks
 that every answer is in its module's text.
 """
 
@@ -93,6 +93,107 @@ STDLIB_GOLD: tuple[GoldItem, ...] = (
                     "traceback?", "clear_frames"),
     _g("operator", "Which operator function returns the number of items in a which are, or which equal, b?",
        "countOf"),
+    # Added in round 7 (issue 15: a gold set large enough to resolve task accuracy); all 74 written and
+    # committed before any measurement on them. Each was checked offline to be stated in the chunk
+    # the benchmark puts in the retrieved set (the first 256-token chunk of its module holding the answer).
+    _g("heapq", "Which heapq function finds the n smallest elements in a dataset?", "nsmallest"),
+    _g("heapq", "Which heapq function pops the smallest item from the heap?", "heappop"),
+    _g("functools", "Which functools function updates a wrapper function to look like the wrapped "
+                    "function?", "update_wrapper"),
+    _g("functools", "Which functools function applies a function of two arguments cumulatively to the items of an "
+                    "iterable, from left to right?", "reduce"),
+    _g("pprint", "Which pprint function generates a repr()-like value but protects against recursive data "
+                 "structures?", "saferepr"),
+    _g("pprint", "Which pprint function determines if an object requires a recursive representation?", "isrecursive"),
+    _g("pprint", "Which pprint function determines if saferepr(object) is readable by eval()?", "isreadable"),
+    _g("tempfile", "Which tempfile function returns tempfile.tempdir as str?", "gettempdir"),
+    _g("base64", "Which base64 function encodes bytes using the URL- and filesystem-safe Base64 "
+                 "alphabet?", "urlsafe_b64encode"),
+    _g("base64", "Which base64 function encodes a bytes-like object using base32hex?", "b32hexencode"),
+    _g("base64", "Which base64 function encodes a bytes-like object in base85 format?", "b85encode"),
+    _g("base64", "Which base64 function decodes an Ascii85 encoded bytes-like object or ASCII string?", "a85decode"),
+    _g("zlib", "Which zlib function returns a compressor object?", "compressobj"),
+    _g("zlib", "Which zlib function returns a decompressor object?", "decompressobj"),
+    _g("statistics", "Which statistics function is the fast, floating point arithmetic mean?", "fmean"),
+    _g("statistics", "Which statistics function returns the harmonic mean of data?", "harmonic_mean"),
+    _g("statistics", "Which statistics function returns the median, or 50th percentile, of grouped "
+                     "data?", "median_grouped"),
+    _g("statistics", "Which statistics function returns a list of the most common values of data?", "multimode"),
+    _g("statistics", "Which statistics function divides data into intervals with equal probability?", "quantiles"),
+    _g("statistics", "Which statistics function returns the population standard deviation of data?", "pstdev"),
+    _g("statistics", "Which statistics function returns the population variance of data?", "pvariance"),
+    _g("math", "Which math function returns the integer part of the square root of its input?", "isqrt"),
+    _g("math", "Which math function counts the ways to choose k items from n items without repetition and with "
+               "order?", "perm"),
+    _g("math", "Which math function returns an accurate floating point sum of values in an iterable?", "fsum"),
+    _g("math", "Which math function returns the natural logarithm of 1+x, accurate for x near zero?", "log1p"),
+    _g("math", "Which math function returns the next floating-point value after x towards y?", "nextafter"),
+    _g("math", "Which math function returns the value of the least significant bit of the float x?", "ulp"),
+    _g("math", "Which math function returns exp(x)-1 while avoiding the loss of precision for small x?", "expm1"),
+    _g("math", "Which math function returns the least common multiple of integers?", "lcm"),
+    _g("math", "Which math function returns the mantissa and exponent of x as a pair (m, e)?", "frexp"),
+    _g("math", "Which math function determines whether two floating point numbers are close in value?", "isclose"),
+    _g("shutil", "Which shutil function copies data from a file-like object fsrc to a file-like object "
+                 "fdst?", "copyfileobj"),
+    _g("shutil", "Which shutil function returns a list of supported formats for unpacking?", "get_unpack_formats"),
+    _g("shutil", "Which shutil function can be used as copytree()'s ignore parameter?", "ignore_patterns"),
+    _g("shutil", "Which shutil function changes the owner user and group of the given path?", "chown"),
+    _g("subprocess", "Which subprocess function runs a command, waits for it to complete and raises "
+                     "CalledProcessError if the return code is not 0?", "check_call"),
+    _g("subprocess", "Which subprocess function returns the output (stdout or stderr) of executing a command in a "
+                     "shell, without the exit code?", "getoutput"),
+    _g("dataclasses", "Which dataclasses function returns the fields of a dataclass instance as a new tuple of field "
+                      "values?", "astuple"),
+    _g("traceback", "Which traceback function formats only the exception part of a "
+                    "traceback?", "format_exception_only"),
+    _g("traceback", "Which traceback function walks a traceback yielding the frame and line number for each "
+                    "frame?", "walk_tb"),
+    _g("traceback", "Which traceback function extracts the raw traceback from the current stack "
+                    "frame?", "extract_stack"),
+    _g("operator", "Which operator function returns the first index of b in a?", "indexOf"),
+    _g("operator", "Which operator function returns an estimate of the number of items in obj?", "length_hint"),
+    _g("operator", "Which operator function is the same as a + b, for a and b sequences?", "concat"),
+    _g("operator", "Which operator function is the same as b in a (note the reversed operands)?", "contains"),
+    _g("operator", "Which operator function is the same as a @ b?", "matmul"),
+    _g("csv", "Which csv function returns the dialect instance associated with a name?", "get_dialect"),
+    _g("csv", "Which csv function deletes the name/dialect mapping associated with a string "
+              "name?", "unregister_dialect"),
+    _g("itertools", "Which itertools function splits one iterator into n independent iterators?", "tee"),
+    _g("itertools", "Which itertools function returns the elements of a sequence for which the predicate is "
+                    "False?", "filterfalse"),
+    _g("itertools", "Which itertools function returns the elements of a sequence starting when the predicate "
+                    "fails?", "dropwhile"),
+    _g("itertools", "Which itertools function returns seq[0], seq[1], ... until the predicate fails?", "takewhile"),
+    _g("itertools", "Which itertools function returns overlapping pairs (s[0],s[1]), (s[1],s[2]), ... of its "
+                    "input?", "pairwise"),
+    _g("itertools", "Which itertools function calls a function with each argument tuple of a sequence, fun(*seq[0]), "
+                    "fun(*seq[1]), ...?", "starmap"),
+    _g("itertools", "Which itertools function returns (p[0], q[0]), (p[1], q[1]), ... over several iterables until "
+                    "the longest is exhausted?", "zip_longest"),
+    _g("itertools", "Which itertools function returns series of accumulated sums, p0, p0+p1, p0+p1+p2?", "accumulate"),
+    _g("collections", "Which collections container is list-like with fast appends and pops on either end?", "deque"),
+    _g("collections", "Which collections class creates a single view of multiple mappings?", "ChainMap"),
+    _g("collections", "Which collections dict subclass counts hashable objects?", "Counter"),
+    _g("collections", "Which collections dict subclass remembers the order entries were added?", "OrderedDict"),
+    _g("collections", "Which collections dict subclass calls a factory function to supply missing "
+                      "values?", "defaultdict"),
+    _g("collections", "Which collections factory function creates tuple subclasses with named fields?", "namedtuple"),
+    _g("inspect", "Which inspect function gets the members of an object that satisfy a given condition?", "getmembers"),
+    _g("inspect", "Which inspect function arranges classes so as to represent their hierarchy?", "getclasstree"),
+    _g("inspect", "Which inspect function gets the current stack frame?", "currentframe"),
+    _g("inspect", "Which inspect function safely computes an object's annotations?", "get_annotations"),
+    _g("difflib", "Which difflib function uses SequenceMatcher to return a list of the best good enough "
+                  "matches?", "get_close_matches"),
+    _g("difflib", "Which difflib function returns one of the two sequences that generated an ndiff delta?", "restore"),
+    _g("difflib", "Which difflib function returns a delta in unified diff format for two lists of "
+                  "strings?", "unified_diff"),
+    _g("difflib", "Which difflib function returns a delta in context diff format for two lists of "
+                  "strings?", "context_diff"),
+    _g("difflib", "Which difflib class produces an HTML side by side comparison with change highlights?", "HtmlDiff"),
+    _g("json", "Which json exception is a subclass of ValueError with msg, doc and pos properties?", "JSONDecodeError"),
+    _g("gzip", "Which gzip exception is raised in some cases for invalid gzip files?", "BadGzipFile"),
+    _g("traceback", "Which traceback function formats a list of tuples or FrameSummary objects for "
+                    "printing?", "format_list"),
 )
 
 # Questions over the GNU info manuals (grep, sed, gzip, time, bc, ed, diffutils): the second,

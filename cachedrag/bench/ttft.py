@@ -22,6 +22,7 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l, summary
+from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import TOKEN_CHOICES
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -59,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="focused-chunk early termination on (default: the EngineConfig default, off)")
     parser.add_argument("--no-early-termination", dest="early_termination", action="store_false",
                         help="focused-chunk early termination off")
+    parser.add_argument("--exact-repeats", default="", help="also run cachedrag with these exact-repeat settings "
+                        "(CacheConfig.exact_repeats): 'off', N (the N-th reuse-served sighting of a chunk sequence gets "
+                        "its exact path after the response) or N:inline (that sighting is prefilled exactly), e.g. "
+                        "off,2:inline (rows 'cachedrag:repeats=SPEC')")
     parser.add_argument("--previous-default", action="store_true",
                         help="also run the engine default before the frontier picked one (row 'cachedrag:previous': "
                              "deviation choice, per-chunk CFO counts, early termination on), for a before/after")
@@ -89,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown modes {unknown}; choose from {ALL_MODES}")
     if "full" not in modes:
         modes.insert(0, "full")  # the fidelity reference
+    repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}
     runner = ModelRunner(*load_model(args.model))
     work = build_workload(runner.tokenizer, args.corpus, args.questions, top_k=args.top_k,
                           chunk_tokens=args.chunk_tokens, n_requests=args.requests, zipf_s=args.zipf, seed=args.seed)
@@ -118,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
     for choice in [x.strip() for x in args.choices.split(",") if x.strip()]:
         name = f"cachedrag:{choice}"
         cache = CacheConfig(**{**cache_kwargs, "token_choice": choice})
+        engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
+        modes.append(name)
+
+    for spec, setting in repeats.items():
+        name = f"cachedrag:repeats={spec}"
+        cache = CacheConfig(**{**cache_kwargs, **setting})
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
@@ -175,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
             "token_choices": sorted({r.token_choice for r in rs if r.token_choice}),
             # how many responses named each approximation (EngineResult.approximations)
             "approximations": dict(sorted(Counter(a for r in rs for a in r.approximations).items())),
+            # exact repeats: "promoted" (exact path computed after the response), "inline" (prefilled exactly)
+            "exact_repeats": dict(sorted(Counter(r.exact_repeat for r in rs if r.exact_repeat).items())),
+            "promotion_s": sum(r.promotion_s for r in rs),  # after the responses: in no TTFT, but compute spent
+            "ttft_sum_s": sum(ttft),
         }
         approx = [(r, f) for r, f in zip(rs, full) if r.prefix_hit_tokens + r.question_tokens < r.prompt_tokens
                   and r.chunks_hit > 0]  # served partly from non-prefix reuse: where fidelity can move
@@ -197,6 +213,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json(results, args.json_out)
     return 0
+
+
+def _repeat_setting(spec: str) -> dict:
+    """``--exact-repeats`` spec -> CacheConfig fields: 'off', 'N' or 'N:inline'."""
+    if spec == "off":
+        return {"exact_repeats": 0}
+    n, _, when = spec.partition(":")
+    if not n.isdigit() or when not in ("", "inline", "after_response"):
+        raise ConfigError(f"--exact-repeats: {spec!r} is not 'off', N or N:inline")
+    return {"exact_repeats": int(n), "exact_repeats_when": when or "after_response"}
 
 
 def _simulate() -> dict:
@@ -222,5 +248,9 @@ def _print_table(results: dict) -> None:
         print("  ".join([f"{m:>14}"] + [f"{v:>10}" for v in vals]))
     print("rougeL~: ROUGE-L vs full over requests served partly from non-prefix chunk reuse; tf_*: teacher-forced "
           "over full's answer")
+    for m, row in results["modes"].items():
+        if row.get("exact_repeats"):
+            print(f"exact repeats, {m}: {row['exact_repeats']}; {row['promotion_s']:.2f} s computing exact paths "
+                  f"after responses (TTFT sum {row['ttft_sum_s']:.2f} s)")
     p = results["planning"]
     print(f"planning: {p['plan_us_mean']} us mean, {p['plan_us_p99']} us p99 per request with {p['n_chunks']} cached chunks")

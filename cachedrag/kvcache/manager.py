@@ -12,6 +12,13 @@ a variant that could not be loaded is forgotten; entries written by an earlier r
 another process are adopted from their headers (``refresh`` / ``rebuild``). It hands
 the store the policy's view of each entry: a priority (PGDSF value of a tree node, Cache-Craft
 f_r of a variant, on one scale) and the tree parent, when the store takes them (``TieredStore``).
+Exactness. A handle is ``path_key(path)`` whether its KV is exact (computed on an exact prefix:
+a tree node may reference it) or approximate (a chunk computed fresh behind reused chunks of the
+same sequence: a variant only). The manager remembers which referenced handles are exact: an
+exact entry replaces an approximate one under the same handle (``exact_repeats`` promotions
+compute exactly such paths), and approximate KV never restores a lost exact entry, so no tree
+node ever references approximate KV. ``plan`` also counts, per chunk sequence, the requests
+served from reuse (``repeats.RepeatTracker``, ``Plan.repeat``) for ``CacheConfig.exact_repeats``.
 Pure Python: entries and tensors are opaque objects; never imports torch.
 
 Does not own: tensors (the engine makes entries), tier placement and byte budgets of tiers
@@ -56,6 +63,7 @@ from cachedrag.kvcache.keys import path_key
 from cachedrag.kvcache.planner import Action, Mode, Plan, Planner, PlanRequest, cached_order
 from cachedrag.kvcache.policy import PGDSF
 from cachedrag.kvcache.profile import PrefillProfile
+from cachedrag.kvcache.repeats import RepeatTracker
 from cachedrag.kvcache.tree import KnowledgeTree, TreeNode
 from cachedrag.kvcache.variants import AttentionMetadata
 
@@ -147,20 +155,29 @@ class ChunkCacheManager:
         self._nodes: dict[str, TreeNode] = {}  # handle -> its (attached) tree node
         self._variants: dict[str, Variant] = {}  # handle -> its (attached) variant
         self._ignored: set[str] = set()  # read by refresh, nothing could reference them
+        self._exact: set[str] = set()  # referenced handles whose KV equals full prefill of their path
+        self._repeats = RepeatTracker(self.config.repeat_memory)  # reuse-served sightings per chunk sequence
         self._drop_cursor = 0
         self._lock = threading.RLock()
         self.counters = {"stored": 0, "restored": 0, "lost": 0, "invalidated": 0, "store_drops": 0, "adopted": 0,
-                         "refreshes": 0}
+                         "refreshes": 0, "replaced_approximate": 0}
         self.last_refresh: RefreshReport | None = None
         if rebuild or (rebuild is None and self.features.persistent):
             self.rebuild()
 
     # ---------------------------------------------------------------- planning
     def plan(self, request: PlanRequest, mode: str | Mode) -> Plan:
+        """The planner's plan; with ``CacheConfig.exact_repeats`` on, a plan that reuses chunk
+        variants also counts one sighting of its chunk sequence (``Plan.repeat``, ``repeats.py``)."""
         if self.features.drops:
             with self._lock:
                 self._sync_drops()
-        return self.planner.plan(request, mode)
+        plan = self.planner.plan(request, mode)
+        if self.config.exact_repeats and any(s.action is Action.REUSE for s in plan.segments):
+            fingerprint = path_key([s.key for s in request.system + request.chunks])
+            with self._lock:
+                plan.repeat = self._repeats.sight(fingerprint)
+        return plan
 
     def cached_order(self, system_keys: Sequence[str], chunk_keys: Sequence[str]) -> list[int] | None:
         """Order-aware exact reuse: see ``planner.cached_order`` (read-only)."""
@@ -231,12 +248,21 @@ class ChunkCacheManager:
                 if (sp.action is not Action.FRESH and sp.handle is not None and sp.handle != n.handle
                         and sp.handle in self._sizes and not self.store.contains(sp.handle)):
                     self._lost(sp.handle)  # a planned variant could not be loaded: it is gone
-                in_tree = n.segment < exact
+                in_tree = n.segment < exact  # computed on an exact prefix: its KV equals full prefill
                 parent = path_key(keys[:n.segment]) if in_tree and n.segment > 0 else None
                 p = priority if priority is not None else self._initial_priority(
                     sp.start if in_tree else 0, sp.n_tokens, n.nbytes)
+                if n.handle in self._sizes and in_tree and n.handle not in self._exact:
+                    # the handle (= path) holds approximate KV: a variant computed behind reused
+                    # chunks of the same sequence. The exact entry replaces it; approximate KV
+                    # never becomes a tree node (the tree path below would reference it)
+                    self._invalidate(n.handle)
+                    self.counters["replaced_approximate"] += 1
                 if n.handle in self._sizes:  # the same segment in the same context is referenced:
                     if self.store.contains(n.handle):  # stored (another request admitted it first)
+                        continue
+                    if not in_tree and n.handle in self._exact:  # an exact entry was lost: approximate
+                        self._invalidate(n.handle)  # KV never takes its place (the tree node goes)
                         continue
                     # lost since it was planned (its load missed): store it again; the tree node
                     # and its subtree stay valid, the KV is the same
@@ -247,7 +273,7 @@ class ChunkCacheManager:
                         self._invalidate(n.handle)
                     continue
                 if self._put(n.handle, n.entry, p, parent):
-                    self._track(n.handle, n.nbytes)
+                    self._track(n.handle, n.nbytes, exact=in_tree)
                     stored += 1
             path_len = 0
             for i in range(exact):  # the tree path stops at the first segment with no stored entry
@@ -350,7 +376,7 @@ class ChunkCacheManager:
                 list(seg.path), [n.handle for n in parents] + [seg.handle],
                 [n.n_tokens for n in parents] + [seg.n_tokens], [n.nbytes for n in parents] + [seg.nbytes],
             )
-            self._track(seg.handle, seg.nbytes)
+            self._track(seg.handle, seg.nbytes, exact=True)
             self._nodes[seg.handle] = result.nodes[-1]
             adopted[seg.handle] = seg.parent_handle
             report.tree_nodes += 1
@@ -364,7 +390,7 @@ class ChunkCacheManager:
                 continue
             added = self.index.add(seg.segment_key, seg.handle, meta)
             if added.admitted:
-                self._track(seg.handle, seg.nbytes)
+                self._track(seg.handle, seg.nbytes, exact=seg.exact)
                 self._variants[seg.handle] = added.variant
                 adopted.setdefault(seg.handle, None)
                 report.variants += 1
@@ -379,10 +405,12 @@ class ChunkCacheManager:
                     self.store.set_priority(h, self._priority(h), parent=parent)
 
     # ---------------------------------------------------------------- references (lock held)
-    def _track(self, handle: str, nbytes: int) -> None:
+    def _track(self, handle: str, nbytes: int, exact: bool) -> None:
         if handle not in self._sizes:
             self._sizes[handle] = nbytes
             self._bytes += nbytes
+            if exact:
+                self._exact.add(handle)
 
     def _put(self, handle: str, entry: Any, priority: float, parent: str | None) -> bool:
         if self.features.placement:
@@ -400,6 +428,7 @@ class ChunkCacheManager:
                 del self._variants[h]
             if h in self._sizes and h not in self._nodes and h not in self._variants:
                 self._bytes -= self._sizes.pop(h)
+                self._exact.discard(h)
                 self.store.remove(h)
 
     def _invalidate(self, handle: str) -> bool:
@@ -525,6 +554,7 @@ class ChunkCacheManager:
                 "tree_nodes": len(self.tree),
                 "variants": len(self.index),
                 "chunks": self.index.n_chunks,
+                "repeat_fingerprints": len(self._repeats),
                 **self.counters,
             }
         if self.last_refresh is not None:

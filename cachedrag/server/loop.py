@@ -11,7 +11,10 @@ hands in: prompt segments, sampling parameters, an ``emit`` callback) and the ev
 3. ONE batched decode forward (``cachedrag.server.batch``) gives every running request its next
    token; finished requests (EOS, stop string, ``max_tokens``) leave.
 
-So requests join and leave between steps (continuous batching). Chunked prefill: while a
+So requests join and leave between steps (continuous batching). Idle time (nothing waiting or
+running) computes the exact knowledge-tree paths of recurring chunk sequences that prefills
+handed over (``Prefilled.promote``, ``CacheConfig.exact_repeats``), one per idle turn; a request
+arriving meanwhile waits for that one prefill. Chunked prefill: while a
 prefill runs, the engine calls back between its layers, and after every
 ``prefill_chunk_tokens`` tokens' worth of prefill compute the running requests get a decode
 step there, so a long prefill delays their next token by one piece, not by the whole prefill
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 import threading
 import time
 from collections.abc import Callable
@@ -138,6 +142,9 @@ class EngineLoop:
         self.pool = KVPool(runner, self.config.max_batch, self.config.kv_pool_tokens) if pooled else None
         self.steps = 0  # batched decode steps run
         self.interleaved_steps = 0  # of which inside a prefill (chunked prefill)
+        # exact repeats: promotions prefills handed over, run when idle (loop thread only; oldest dropped first)
+        self._promotions: deque = deque()
+        self.promotions = 0  # exact paths computed in idle time
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: ServeRequest) -> int:
@@ -184,10 +191,14 @@ class EngineLoop:
         prepare(self.engine.runner, self.config.max_batch)  # the batched step's packed weights, on this thread
         while True:
             with self._lock:
-                while not self._stop and not len(self.policy) and not self._running:
+                while not self._stop and not len(self.policy) and not self._running and not self._promotions:
                     self._wake.wait()
                 if self._stop:
                     break
+                idle = not len(self.policy) and not self._running
+            if idle:  # nothing to serve: one recurring sequence's exact path (exact repeats)
+                self._promote()
+                continue
             try:
                 self.step()
             except Exception as exc:  # a bug in a step must not kill the server: fail the running requests
@@ -309,6 +320,18 @@ class EngineLoop:
             pooled = self.pool.admit(run.kv, run.position)
             if pooled is not None:
                 run.kv = pooled  # the prefill's own buffer is freed here
+        if pre.promote is not None:  # computed when the loop is idle
+            self._promotions.append(pre.promote)
+            while len(self._promotions) > engine.config.cache.repeat_memory:
+                self._promotions.popleft()
+
+    def _promote(self) -> None:
+        promote = self._promotions.popleft()
+        try:
+            promote()
+            self.promotions += 1
+        except Exception:  # only caching failed: the sequence stays served from reuse
+            log.exception("exact-repeat promotion failed")
 
     def _advance(self, run: _Running, logits: torch.Tensor, first: bool = False) -> None:
         """Choose the next token from ``logits`` ``[V]``; emit its text; finish or keep running."""

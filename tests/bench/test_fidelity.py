@@ -42,7 +42,9 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
         assert rows[name]["computed_fraction"] < 1.0
     for record in data["requests"]:  # early termination only in the /et rows
         assert "early_termination" not in record["rows"]["question@0.2"]["approximations"]
-    assert all(row["gold_n"] == 0 and row["gold_delta_pts"] is None for row in rows.values())
+    assert all(row["gold_n"] == 0 and row["gold_delta_pts"] is None and row["gold_paired"] is None
+               for row in rows.values())
+    assert data["noise"]["order_noise_gold_paired"] is None
     assert png.stat().st_size > 0
     assert "order-noise floor" in capsys.readouterr().out
     # --replot: the same table and a plot from the JSON alone, nothing run
@@ -72,7 +74,8 @@ def test_bench_fidelity_refuses_bad_arguments(args):
 
 def test_every_gold_answer_is_in_its_document():
     docs = {d.id: d.text for d in stdlib_corpus()}
-    assert len(STDLIB_GOLD) >= 40 and len({g.question for g in STDLIB_GOLD}) == len(STDLIB_GOLD)
+    assert len(STDLIB_GOLD) >= 120 and len({g.question for g in STDLIB_GOLD}) == len(STDLIB_GOLD)
+    assert len({(g.doc, g.answer) for g in STDLIB_GOLD}) == len(STDLIB_GOLD)  # one question per answer
     for item in STDLIB_GOLD:
         assert gold_match(docs[item.doc], item.answer), item
         assert not gold_match(item.question, item.answer), item  # the question does not give it away

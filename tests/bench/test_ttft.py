@@ -65,3 +65,24 @@ def test_bench_ttft_reference_rows_run_the_reference_reuse_path(tiny_model_dir, 
     fast, ref = modes["cachedrag@0.3"], modes["cachedrag@0.3:ref"]
     assert ref["approximations"].get("chunk_reuse", 0) > 0
     assert ref["computed_token_fraction"] == fast["computed_token_fraction"]
+
+
+def test_bench_ttft_exact_repeat_rows(tiny_model_dir, tiny_corpus, tmp_path):
+    """``--exact-repeats``: rows with exact repeats off and inline beside the default (promoted after the
+    response). A question asked four times over chunks first cached in another order: served from reuse
+    once, then (default) promoted after its second answer, exact after that."""
+    corpus, _ = tiny_corpus
+    questions = tmp_path / "q.txt"
+    questions.write_text("\n".join(["How do I wrap text?"] + ["How do I pretty-print JSON?"] * 4))
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--corpus", corpus, "--questions", str(questions), "--model", tiny_model_dir,
+                 "--top-k", "4", "--chunk-tokens", "48", "--max-new-tokens", "2", "--warmup", "1",
+                 "--modes", "full,prefix,cachedrag", "--exact-repeats", "off,2:inline", "--planning-chunks", "50",
+                 "--skip-simulation", "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    off, inline, default = modes["cachedrag:repeats=off"], modes["cachedrag:repeats=2:inline"], modes["cachedrag"]
+    assert off["exact_repeats"] == {} and off["promotion_s"] == 0.0 and off["approximations"]["chunk_reuse"] == 4
+    assert default["exact_repeats"] == {"promoted": 1} and default["promotion_s"] > 0
+    assert default["approximations"]["chunk_reuse"] == 2  # the last two are exact prefix hits
+    assert inline["exact_repeats"] == {"inline": 1} and inline["approximations"]["chunk_reuse"] == 1
+    assert main(["bench", "ttft", "--exact-repeats", "2:idle"]) == 2  # refused before any model loads

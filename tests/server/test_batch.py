@@ -342,3 +342,38 @@ def test_loop_with_pooled_kv_equals_without_and_frees_every_slot():
     assert plain_loop.pool is None
     single, _ = _run_loop(engine_b, reqs(engine_b), max_batch=1)
     assert [r.token_ids for r in pooled] == [r.token_ids for r in single]
+
+
+def test_idle_loop_promotes_a_recurring_sequence_to_an_exact_path():
+    """Exact repeats through the server: the second reuse-served request of one chunk sequence hands
+    its promotion to the loop, which computes the exact path while idle; the third is an exact hit."""
+    engine = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+    docs = [d.text for d in TINY_DOCS]
+    engine.generate([docs[1], docs[0]], "warm", max_new_tokens=1)  # both chunks cached, in the other order
+    loop = EngineLoop(engine, SchedulerConfig(max_batch=1))
+    loop.start()
+    try:
+        got = []
+        for i in range(3):
+            done, box = threading.Event(), []
+
+            def emit(event, box=box, done=done):
+                if isinstance(event, (Finished, Failed)):
+                    box.append(event)
+                    done.set()
+
+            loop.submit(ServeRequest(segments=engine.prompts.chat(docs[:2], QUESTIONS[i]),
+                                     params=SamplingParams(max_new_tokens=3), emit=emit))
+            assert done.wait(60) and isinstance(box[0], Finished)
+            got.append(box[0])
+            if i == 1:  # the loop is idle now: it computes the exact path
+                deadline = time.monotonic() + 60
+                while loop.promotions < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+    finally:
+        loop.stop()
+    assert got[0].stats["approximations"] == ["chunk_reuse", "partial_recompute:question+inter"]
+    assert got[1].stats["exact_repeat"] == "promote" and loop.promotions == 1
+    assert got[2].stats["approximations"] == [] and got[2].stats["exact_repeat"] is None  # an exact prefix hit
+    full = engine.generate(docs[:2], QUESTIONS[2], max_new_tokens=3, mode="full")
+    assert got[2].token_ids == full.token_ids
