@@ -16,6 +16,14 @@ content-defined paragraph split behind automatic detection.
    puts retrieved texts in its prompt gets them served from the chunk cache at whatever
    position they come next. Explicit chunks are remembered as passages too.
 
+Separators: the whitespace right after a chunk (``"\n\n"`` between retrieved texts) joins that
+chunk's segment (``attach_separators``), as the engine's own prompts end each chunk with its
+separator. Left as text segments of their own, the 1-2-token separators between chunks were
+planned as tiny reusable chunks, so every request with two or more chunks, even an all-miss one,
+ran the question pre-pass of the reuse path over its fresh chunks and then computed them again
+(cold requests ~1.2-1.9x a full prefill, docs/serving.md). The whitespace after a chunk goes with
+it wherever the chunk sits (also before the question), so a chunk keeps one key in every position.
+
 Does not own: tokenisation details and keys (``cachedrag.prompt``), HTTP, or the engine.
 """
 
@@ -115,5 +123,21 @@ class PromptPlanner:
         else:
             split = split_prompt(rendered, _ExplicitChunks(()))
             source = "none"
-        segments = self.engine.prompts.text_segments(split.parts)
+        segments = self.engine.prompts.text_segments(attach_separators(split.parts))
         return PlannedPrompt(segments, split.n_chunks, source if split.n_chunks else "none")
+
+
+def attach_separators(parts: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Move the whitespace run that starts the text part after each chunk into that chunk (the
+    concatenation is unchanged; a text part left empty disappears)."""
+    out: list[tuple[str, str]] = []
+    for kind, text in parts:
+        if kind == "text" and out and out[-1][0] == "chunk":
+            rest = text.lstrip()
+            if len(rest) < len(text):
+                out[-1] = ("chunk", out[-1][1] + text[:len(text) - len(rest)])
+                text = rest
+            if not text:
+                continue
+        out.append((kind, text))
+    return out

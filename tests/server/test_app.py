@@ -226,13 +226,44 @@ def test_prompt_planner_detects_passages_seen_before():
     msgs = [Message(m["role"], m["content"]) for m in _messages(docs)]
     planned = planner.chat(msgs)
     chunks = [s.text for s in planned.segments if s.kind == "chunk"]
-    assert chunks == docs and planned.chunk_source == "auto"
+    assert [c.rstrip() for c in chunks] == docs and planned.chunk_source == "auto"
     # seen before: found verbatim inside another prompt even without paragraph breaks around it
     inline = planner.completion("Notes: " + docs[1] + " That is all. What is it?")
-    assert [s.text for s in inline.segments if s.kind == "chunk"] == [docs[1]]
+    assert [s.text for s in inline.segments if s.kind == "chunk"] == [docs[1] + " "]  # its separator joins it
     explicit = planner.chat(msgs, chunks=[docs[0]])
-    assert [s.text for s in explicit.segments if s.kind == "chunk"] == [docs[0]]
+    assert [s.text.rstrip() for s in explicit.segments if s.kind == "chunk"] == [docs[0]]
     assert explicit.chunk_source == "explicit"
+
+
+def test_separators_join_their_chunk_so_a_cold_request_runs_no_reuse_pass():
+    """The whitespace after each chunk joins it (one key wherever the chunk sits): no separator
+    segment between chunks is planned as a reusable chunk, so an all-miss request recomputes
+    nothing and a repeat of the same chunks in another order reuses all of them."""
+    from cachedrag.engine import CachedEngine
+    from cachedrag.integrations.template import Message
+    from cachedrag.server.prompts import PromptPlanner, attach_separators
+    from cachedrag.testing import tiny_runner
+
+    parts = [("text", "Context:\n\n"), ("chunk", "A"), ("text", "\n\n"), ("chunk", "B"), ("text", "\n\nQ?")]
+    assert attach_separators(parts) == [("text", "Context:\n\n"), ("chunk", "A\n\n"), ("chunk", "B\n\n"),
+                                        ("text", "Q?")]
+    engine = CachedEngine(tiny_runner())
+    planner = PromptPlanner(engine)
+    docs = [TINY_DOCS[i].text[:150] for i in (1, 2, 3)]
+
+    def ask(order):
+        chunks = [docs[i] for i in order]
+        msgs = [Message("user", "Context:\n\n" + "\n\n".join(chunks) + "\n\nQuestion: what?")]
+        planned = planner.chat(msgs, chunks=chunks)
+        assert all(s.kind == "chunk" for s in planned.segments[2:-1])  # nothing between the chunks
+        pre = engine.prefill(planned.segments, 4, defer_store=True)
+        pre.hand_off and pre.hand_off()
+        return pre.info
+
+    cold = ask([0, 1, 2])
+    assert cold["chunks_missed"] == 3 and cold["recomputed_tokens"] == 0
+    warm = ask([2, 0, 1])  # another order: every chunk reused at a new position (the last one too)
+    assert warm["chunks_hit"] == 3 and warm["chunks_missed"] == 0
 
 
 def test_passages_split_at_blank_and_separator_lines():
