@@ -53,9 +53,11 @@ import torch.nn.functional as F
 from cachedrag.errors import ContextWindowError
 from cachedrag.model.rope import rotate_half
 from cachedrag.model.runner import KVBuffer, ModelRunner, _rms_norm_rows
+from cachedrag.server.kvpool import pooled_prefix
 
 PACKED_ROWS = 4  # from this many rows, the packed oneDNN float32 matmul (table in the module docstring)
 
+POOL_FILL = 0.75  # pooled attention only while the batch's real keys fill this share of the padded [B, T_max]
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> BatchWeights | None
 
 
@@ -121,14 +123,18 @@ def prepare(runner: ModelRunner, max_batch: int) -> None:
 
 @torch.inference_mode()
 def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: Sequence[int],
-                        kvs: Sequence[KVBuffer], fast: bool | None = None, packed: bool | None = None) -> torch.Tensor:
+                        kvs: Sequence[KVBuffer], fast: bool | None = None, packed: bool | None = None,
+                        pooled: bool | None = None) -> torch.Tensor:
     """Feed ``tokens[b]`` at ``positions[b]`` into ``kvs[b]`` for every b; returns logits ``[B, V]``.
 
     Each request's query attends to its buffer rows ``[0, positions[b]]`` (within the layer's
     sliding window), as ``runner.decode_step`` does for one request. ``fast``: force the path
     (None: the fast one where the runner supports it; False: the general one, for tests).
     ``packed``: force the packed float32 weights on or off (None: from ``PACKED_ROWS`` rows on,
-    where they apply; tests force them to compare the layouts).
+    where they apply; tests force them to compare the layouts). ``pooled``: the fast path's
+    attention over leading requests held in a ``KVPool`` (slots ``0..m-1`` in order) as one call
+    with one indexed K/V write per layer (None: where their real keys fill ``POOL_FILL`` of the
+    padded batch; False: per request, the reference; True: whenever the layout allows).
     """
     n = len(tokens)
     assert n == len(positions) == len(kvs) and n > 0, "one token, position and buffer per request"
@@ -146,7 +152,7 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
     rope = runner.rotary.cos_sin(pos, hidden.dtype, device)  # [B, D] each, shared by all layers
     if use_fast:
         bw = batch_weights(runner) if (packed if packed is not None else n >= PACKED_ROWS) else None
-        views = _Views(runner, positions, kvs)
+        views = _Views(runner, positions, kvs, pooled)
         for i in range(runner.n_layers):
             hidden = _fast_layer(runner, i, hidden, views, rope, bw)  # [B, Dm]
     else:
@@ -165,19 +171,57 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
 class _Views:
     """Per step, per request: views of the buffer rows the step writes (``[L, H_kv, D]``) and
     reads (``[L, 1, H_kv, T, D]`` per sliding window), taken once for all layers instead of
-    indexing the buffers again in every layer (per-op overhead dominates a small model's step)."""
+    indexing the buffers again in every layer (per-op overhead dominates a small model's step).
 
-    def __init__(self, runner: ModelRunner, positions: list[int], kvs: Sequence[KVBuffer]):
+    Pooled: the first ``m`` requests sit in slots ``0..m-1`` of one ``KVPool``; for them the step
+    keeps the slot and position indices (one indexed write per layer) and, per sliding window,
+    a key mask ``[m, 1, 1, T]`` (None when every key up to ``T`` is visible to every row); the
+    per-request views cover only rows ``m..B-1``."""
+
+    def __init__(self, runner: ModelRunner, positions: list[int], kvs: Sequence[KVBuffer], pooled: bool | None = None):
         self.runner, self.positions, self.kvs = runner, positions, kvs
-        self.k_rows = [kv.k[:, :, p] for p, kv in zip(positions, kvs)]  # B x [L, H_kv, D]
-        self.v_rows = [kv.v[:, :, p] for p, kv in zip(positions, kvs)]  # B x [L, H_kv, D]
+        pool, m = pooled_prefix(kvs) if pooled is not False else (None, 0)
+        if m and pooled is None:
+            t_max = max(positions[:m]) + 1
+            if m < 2 or sum(positions[:m]) + m < POOL_FILL * m * t_max:
+                m = 0  # one row: the runner's own op sequence; or padding would read more keys than it saves
+        self.pool, self.m = (pool, m) if m else (None, 0)
+        if self.m:
+            device = runner.device
+            self.pos = torch.tensor(positions[:m], device=device)  # [m]
+            self.t_max = max(positions[:m]) + 1
+            self._masks: dict[int | None, torch.Tensor | None] = {}
+            # the step's K/V rows as rows of a layer's slots viewed [S*H_kv*C, D]: (slot s, head h, position p)
+            _, s_, h_kv, c, _ = pool.k.shape
+            heads = torch.arange(h_kv, device=device)  # [H_kv]
+            self.flat_rows = (torch.arange(m, device=device)[:, None] * (h_kv * c) + heads[None, :] * c
+                              + self.pos[:, None]).reshape(-1)  # [m*H_kv], in [m, H_kv] order
+        self.k_rows = [kv.k[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
+        self.v_rows = [kv.v[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
         self._spans: dict[int | None, list] = {}
 
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """Pooled rows: key ``j`` visible to row ``b`` iff ``pos[b] - window < j <= pos[b]``:
+        ``[m, 1, 1, T]`` additive (0 / -inf in the KV dtype: SDPA converts a bool mask in every
+        call), or None when that is every key ``< T`` for every row."""
+        if window not in self._masks:
+            lo = 0 if window is None else max(0, int(self.pos.min()) + 1 - window)  # no row sees keys below
+            if int(self.pos.min()) + 1 == self.t_max and lo == 0:
+                self._masks[window] = None
+            else:
+                j = torch.arange(lo, self.t_max, device=self.pos.device)  # [T']
+                vis = j[None, :] <= self.pos[:, None]  # [m, T']
+                if window is not None:
+                    vis &= j[None, :] > self.pos[:, None] - window
+                add = torch.zeros(vis.shape, dtype=self.pool.k.dtype, device=vis.device)  # [m, T']
+                self._masks[window] = add.masked_fill_(~vis, float("-inf"))[:, None, None, :]  # [m, 1, 1, T']
+        return self._masks[window]
+
     def spans(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per request, K and V ``[L, 1, H_kv, T, D]`` over keys ``p - window < j <= p``."""
+        """Per request past the pooled ones, K and V ``[L, 1, H_kv, T, D]`` over keys ``p - window < j <= p``."""
         if window not in self._spans:
             out = []
-            for p, kv in zip(self.positions, self.kvs):
+            for p, kv in zip(self.positions[self.m:], self.kvs[self.m:]):
                 lo = 0 if window is None else max(0, p + 1 - window)
                 out.append((kv.k[:, None, :, lo:p + 1], kv.v[:, None, :, lo:p + 1]))  # [L, 1, H_kv, T, D] each
             self._spans[window] = out
@@ -214,15 +258,31 @@ def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, views: _Views
     qk = qkv[:, : lw.q_out + lw.kv_out].view(b, h_q + h_kv, d).transpose(0, 1)  # [H_q + H_kv, B, D]
     qk = qk * rope[0] + rotate_half(qk) * rope[1]  # [H_q + H_kv, B, D] RoPE at each row's position
     v = qkv[:, lw.q_out + lw.kv_out:].view(b, h_kv, d)  # [B, H_kv, D]
-    for r in range(b):
-        views.k_rows[r][i].copy_(qk[h_q:, r])  # [H_kv, D] into row p of request r
-        views.v_rows[r][i].copy_(v[r])  # [H_kv, D]
+    m = views.m
     gqa = h_q != h_kv
-    spans = views.spans(runner.windows[i])
+    window = runner.windows[i]
     q = qk[None, :h_q].to(runner.dtype)  # [1, H_q, B, D] (a no-op unless the stream is float32)
-    outs = [F.scaled_dot_product_attention(q[:, :, r:r + 1], k[i], v_[i], scale=runner.scaling, enable_gqa=gqa)
-            for r, (k, v_) in enumerate(spans)]  # B x [1, H_q, 1, D]; no mask: every key up to p is visible
-    out = outs[0].reshape(1, -1) if b == 1 else torch.cat(outs, 0).reshape(b, -1)  # [B, H_q*D]
+    outs = []
+    if m:  # pooled requests: one indexed write of K and of V, one attention call over their slots
+        pool = views.pool
+        rows = views.flat_rows  # [m*H_kv] rows of layer i's slots viewed [S*H_kv*C, D]
+        pool.k[i].view(-1, d).index_copy_(0, rows, qk[h_q:, :m].transpose(0, 1).reshape(-1, d).to(pool.k.dtype))
+        pool.v[i].view(-1, d).index_copy_(0, rows, v[:m].reshape(-1, d).to(pool.v.dtype))  # [m*H_kv, D] each
+        mask = views.mask(window)
+        t = views.t_max
+        lo = 0 if mask is None or window is None else t - mask.shape[-1]
+        outs.append(F.scaled_dot_product_attention(
+            q[0, :, :m].transpose(0, 1)[:, :, None], pool.k[i, :m, :, lo:t], pool.v[i, :m, :, lo:t],
+            attn_mask=mask, scale=runner.scaling, enable_gqa=gqa,
+        ).reshape(m, -1))  # [m, H_q*D]; keys past each row's position (or before its window) masked
+    for r in range(b - m):
+        views.k_rows[r][i].copy_(qk[h_q:, m + r])  # [H_kv, D] into row p of request m + r
+        views.v_rows[r][i].copy_(v[m + r])  # [H_kv, D]
+    spans = views.spans(window) if m < b else []
+    outs += [F.scaled_dot_product_attention(q[:, :, m + r:m + r + 1], k[i], v_[i], scale=runner.scaling,
+                                            enable_gqa=gqa).reshape(1, -1)
+             for r, (k, v_) in enumerate(spans)]  # (B-m) x [1, H_q*D]; no mask: every key up to p is visible
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [B, H_q*D]
     h = hidden + o_w(out.to(hidden.dtype))  # [B, Dm]
     y = _rms_norm_rows(h, w2, eps2)  # [B, Dm]
     gate, up = gate_up_w(y).split(lw.ff, dim=-1)  # [B, Dff] each

@@ -39,6 +39,11 @@ class SchedulerConfig(BaseModel):
         256, ge=0, description="chunked prefill: after this many prompt tokens' worth of prefill compute (counted "
                                "per layer), the running requests get a decode step before the prefill goes on; "
                                "0 = a prefill runs to its end first")
+    kv_pool_tokens: int = Field(
+        4096, ge=0, description="pooled KV: a running request whose buffer (prompt + max_tokens) fits this many "
+                                "positions decodes from one shared slot tensor, so a batched step attends over "
+                                "all such requests in one call (larger ones decode from their own buffer); "
+                                "0 = off")
 
 
 class PassageConfig(BaseModel):
