@@ -103,7 +103,7 @@ class _Prefill:
     logits: torch.Tensor  # [V]
     info: dict
     hand_off: Callable[[], None] | None = None  # deferred store hand-off (``_prefill(defer_store=True)``)
-    promote: Callable[[], float] | None = None  # exact path of a recurring sequence, to compute after the response
+    promote: Callable[..., float] | None = None  # exact path of a recurring sequence, to compute after the response
 
 
 @dataclass
@@ -150,9 +150,10 @@ class Prefilled:
     logits: torch.Tensor  # [V] float32, logits of the last prompt position
     info: dict  # prompt_tokens, computed_tokens, chunks_hit, ... (EngineResult's prefill fields)
     hand_off: Callable[[], None] | None = None  # with ``prefill(defer_store=True)``: run once the first token is out
-    promote: Callable[[], float] | None = None  # ``CacheConfig.exact_repeats``: computes and stores this recurring
-    #                                             sequence's exact tree path (returns its seconds); run it after the
-    #                                             response, e.g. when idle (None: nothing to promote)
+    promote: Callable[..., float] | None = None  # ``CacheConfig.exact_repeats``: computes and stores this recurring
+    #                                              sequence's exact tree path (returns its seconds); run it after the
+    #                                              response, e.g. when idle; ``between_layers=`` may abandon it by
+    #                                              raising (nothing stored). None: nothing to promote
 
 
 class _LoadFailed(Exception):
@@ -393,12 +394,15 @@ class CachedEngine:
             except Exception as exc:  # the answer stands; only the promotion failed (reported, not swallowed)
                 holder.result.notes.append(f"exact-repeat promotion failed: {exc!r}")
 
-    def _promote(self, segments: list[Segment], mode: Mode) -> float:
+    def _promote(self, segments: list[Segment], mode: Mode,
+                 between_layers: Callable[[int, int], None] | None = None) -> float:
         """Compute and store the exact knowledge-tree path of ``segments``' system and chunks (a
         prefill of the part not on the tree, as prefix caching does on a miss; the question rows
-        ride along, nothing is decoded). Returns its seconds."""
+        ride along, nothing is decoded). Returns its seconds. ``between_layers(layer, tokens)``
+        runs after each layer; an exception raised there abandons the promotion with nothing
+        stored (an idle-time caller yields to a request that arrived)."""
         t0 = time.perf_counter()
-        self._prefill(segments, mode, 0, exact_plan=True)
+        self._prefill(segments, mode, 0, between_layers=between_layers, exact_plan=True)
         return time.perf_counter() - t0
 
     @torch.inference_mode()

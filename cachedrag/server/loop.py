@@ -14,7 +14,8 @@ hands in: prompt segments, sampling parameters, an ``emit`` callback) and the ev
 So requests join and leave between steps (continuous batching). Idle time (nothing waiting or
 running) computes the exact knowledge-tree paths of recurring chunk sequences that prefills
 handed over (``Prefilled.promote``, ``CacheConfig.exact_repeats``), one per idle turn; a request
-arriving meanwhile waits for that one prefill. Chunked prefill: while a
+that arrives meanwhile makes it yield after the current layer (abandoned, nothing stored; it
+starts over at the next idle turn). Chunked prefill: while a
 prefill runs, the engine calls back between its layers, and after every
 ``prefill_chunk_tokens`` tokens' worth of prefill compute the running requests get a decode
 step there, so a long prefill delays their next token by one piece, not by the whole prefill
@@ -97,6 +98,10 @@ class ServeRequest:
         return sum(len(s) for s in self.segments)
 
 
+class _Busy(Exception):
+    """Raised between an idle-time promotion's layers when a request is waiting."""
+
+
 @dataclass
 class _Running:
     request: ServeRequest
@@ -145,6 +150,7 @@ class EngineLoop:
         # exact repeats: promotions prefills handed over, run when idle (loop thread only; oldest dropped first)
         self._promotions: deque = deque()
         self.promotions = 0  # exact paths computed in idle time
+        self.promotions_yielded = 0  # promotions abandoned mid-prefill for an arriving request
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: ServeRequest) -> int:
@@ -328,10 +334,20 @@ class EngineLoop:
     def _promote(self) -> None:
         promote = self._promotions.popleft()
         try:
-            promote()
+            promote(between_layers=self._yield_if_busy)
             self.promotions += 1
+        except _Busy:  # a request arrived: it goes first; the promotion starts over when idle again
+            self._promotions.appendleft(promote)
+            self.promotions_yielded += 1
         except Exception:  # only caching failed: the sequence stays served from reuse
             log.exception("exact-repeat promotion failed")
+
+    def _yield_if_busy(self, layer: int, tokens: int) -> None:
+        """Between the layers of an idle-time promotion: give way to waiting requests (or a stop)."""
+        with self._lock:
+            busy = len(self.policy) > 0 or self._stop
+        if busy:
+            raise _Busy
 
     def _advance(self, run: _Running, logits: torch.Tensor, first: bool = False) -> None:
         """Choose the next token from ``logits`` ``[V]``; emit its text; finish or keep running."""

@@ -377,3 +377,25 @@ def test_idle_loop_promotes_a_recurring_sequence_to_an_exact_path():
     assert got[2].stats["approximations"] == [] and got[2].stats["exact_repeat"] is None  # an exact prefix hit
     full = engine.generate(docs[:2], QUESTIONS[2], max_new_tokens=3, mode="full")
     assert got[2].token_ids == full.token_ids
+
+
+def test_idle_promotion_yields_to_an_arriving_request():
+    """A promotion running in idle time gives way after a layer when a request waits: nothing is
+    stored, it is queued again, and it completes at the next idle turn."""
+    engine = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+    docs = [d.text for d in TINY_DOCS]
+    engine.generate([docs[1], docs[0]], "warm", max_new_tokens=1)
+    segments = engine.prompts.chat(docs[:2], "q")
+    keys = [s.key for s in segments[:-1]]
+    assert engine.prefill(segments, 1).promote is None
+    promote = engine.prefill(segments, 1).promote
+    assert promote is not None
+    loop = EngineLoop(engine, SchedulerConfig(max_batch=1))  # not started: a submitted request stays waiting
+    loop._promotions.append(promote)
+    rid = loop.submit(ServeRequest(segments=segments, params=SamplingParams(max_new_tokens=1), emit=lambda e: None))
+    loop._promote()
+    assert loop.promotions == 0 and loop.promotions_yielded == 1 and len(loop._promotions) == 1
+    assert engine.manager.tree.find(keys) is None and engine.manager.check() == []
+    loop.policy.remove(rid)  # the request left: idle again
+    loop._promote()
+    assert loop.promotions == 1 and not loop._promotions and engine.manager.tree.find(keys) is not None
