@@ -3,9 +3,11 @@
 Owns: ``batched_decode_step``: B running requests, each with its own ``KVBuffer``, its last
 token and that token's absolute position, go through the model as ONE forward. The
 projections, norms, MLPs and the LM head (the weight-bound part of a decode step) run once
-over the B rows, so B requests cost little more than one on a CPU; only attention is per
-request (each buffer has its own length), and each request's fresh K/V lands in its own
-buffer. Requests join and leave between calls: nothing here persists across steps but the
+over the B rows, so B requests cost little more than one on a CPU; attention reads each
+request's own keys, and each request's fresh K/V lands in its own buffer. Requests held in a
+``KVPool`` (``cachedrag.server.kvpool``: slots ``0..m-1`` of one tensor, listed first) get one
+indexed K/V write per layer and ONE attention call with a per-row length mask (``_Views.mask``);
+the others (and all of them with ``pooled=False``, the reference) one call each. Requests join and leave between calls: nothing here persists across steps but the
 packed weights below (built once per runner).
 
 Two paths, chosen per runner:

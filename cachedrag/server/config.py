@@ -40,7 +40,7 @@ class SchedulerConfig(BaseModel):
                                "per layer), the running requests get a decode step before the prefill goes on; "
                                "0 = a prefill runs to its end first")
     kv_pool_tokens: int = Field(
-        4096, ge=0, description="pooled KV: a running request whose buffer (prompt + max_tokens) fits this many "
+        2048, ge=0, description="pooled KV: a running request whose buffer (prompt + max_tokens) fits this many "
                                 "positions decodes from one shared slot tensor, so a batched step attends over "
                                 "all such requests in one call (larger ones decode from their own buffer); "
                                 "0 = off")
@@ -54,6 +54,10 @@ class PassageConfig(BaseModel):
     enabled: bool = Field(True, description="split prompts into passages and find passages seen before")
     min_chars: int = Field(200, ge=36, description="shortest paragraph treated as a cacheable passage")
     capacity: int = Field(20_000, ge=1, description="distinct passages remembered (least recently seen leave first)")
+    attach_separators: bool = Field(
+        False, description="the whitespace after each chunk joins the chunk's segment instead of being a segment of "
+                           "its own between chunks (faster cold and repeated prefills; lower fidelity measured: "
+                           "docs/serving.md)")
 
 
 class ServerConfig(BaseModel):

@@ -16,13 +16,16 @@ content-defined paragraph split behind automatic detection.
    puts retrieved texts in its prompt gets them served from the chunk cache at whatever
    position they come next. Explicit chunks are remembered as passages too.
 
-Separators: the whitespace right after a chunk (``"\n\n"`` between retrieved texts) joins that
-chunk's segment (``attach_separators``), as the engine's own prompts end each chunk with its
-separator. Left as text segments of their own, the 1-2-token separators between chunks were
-planned as tiny reusable chunks, so every request with two or more chunks, even an all-miss one,
-ran the question pre-pass of the reuse path over its fresh chunks and then computed them again
-(cold requests ~1.2-1.9x a full prefill, docs/serving.md). The whitespace after a chunk goes with
-it wherever the chunk sits (also before the question), so a chunk keeps one key in every position.
+Separators (``PassageConfig.attach_separators``, off by default): the whitespace right after a
+chunk (``"\n\n"`` between retrieved texts) can join that chunk's segment (``attach_separators``),
+as the engine's own prompts end each chunk with its separator. Left as text segments of their
+own (the default), the 1-2-token separators between chunks are planned as tiny reusable chunks,
+so every request with two or more chunks, even an all-miss one, runs the reuse path's question
+pre-pass over its fresh chunks and computes them again (cold requests ~1.2-1.9x a full prefill),
+and a chunk sequence never becomes an exact tree path past its first chunk; but recomputing
+those boundary tokens also kept answers closer to full prefill (ROUGE-L vs full 0.89 vs 0.80 with
+them joined, one run each; docs/serving.md), so joining stays an option until the engine's
+recompute choice covers chunk boundaries by itself.
 
 Does not own: tokenisation details and keys (``cachedrag.prompt``), HTTP, or the engine.
 """
@@ -123,7 +126,8 @@ class PromptPlanner:
         else:
             split = split_prompt(rendered, _ExplicitChunks(()))
             source = "none"
-        segments = self.engine.prompts.text_segments(attach_separators(split.parts))
+        parts = attach_separators(split.parts) if self.config.attach_separators else split.parts
+        segments = self.engine.prompts.text_segments(parts)
         return PlannedPrompt(segments, split.n_chunks, source if split.n_chunks else "none")
 
 

@@ -226,17 +226,17 @@ def test_prompt_planner_detects_passages_seen_before():
     msgs = [Message(m["role"], m["content"]) for m in _messages(docs)]
     planned = planner.chat(msgs)
     chunks = [s.text for s in planned.segments if s.kind == "chunk"]
-    assert [c.rstrip() for c in chunks] == docs and planned.chunk_source == "auto"
+    assert chunks == docs and planned.chunk_source == "auto"
     # seen before: found verbatim inside another prompt even without paragraph breaks around it
     inline = planner.completion("Notes: " + docs[1] + " That is all. What is it?")
-    assert [s.text for s in inline.segments if s.kind == "chunk"] == [docs[1] + " "]  # its separator joins it
+    assert [s.text for s in inline.segments if s.kind == "chunk"] == [docs[1]]
     explicit = planner.chat(msgs, chunks=[docs[0]])
-    assert [s.text.rstrip() for s in explicit.segments if s.kind == "chunk"] == [docs[0]]
+    assert [s.text for s in explicit.segments if s.kind == "chunk"] == [docs[0]]
     assert explicit.chunk_source == "explicit"
 
 
 def test_separators_join_their_chunk_so_a_cold_request_runs_no_reuse_pass():
-    """The whitespace after each chunk joins it (one key wherever the chunk sits): no separator
+    """attach_separators: the whitespace after each chunk joins it (one key wherever the chunk sits): no separator
     segment between chunks is planned as a reusable chunk, so an all-miss request recomputes
     nothing and a repeat of the same chunks in another order reuses all of them."""
     from cachedrag.engine import CachedEngine
@@ -247,8 +247,11 @@ def test_separators_join_their_chunk_so_a_cold_request_runs_no_reuse_pass():
     parts = [("text", "Context:\n\n"), ("chunk", "A"), ("text", "\n\n"), ("chunk", "B"), ("text", "\n\nQ?")]
     assert attach_separators(parts) == [("text", "Context:\n\n"), ("chunk", "A\n\n"), ("chunk", "B\n\n"),
                                         ("text", "Q?")]
+    from cachedrag.server.config import PassageConfig
+
     engine = CachedEngine(tiny_runner())
-    planner = PromptPlanner(engine)
+    planner = PromptPlanner(engine, PassageConfig(attach_separators=True))
+    assert not PromptPlanner(engine).config.attach_separators  # off by default
     docs = [TINY_DOCS[i].text[:150] for i in (1, 2, 3)]
 
     def ask(order):
