@@ -40,10 +40,11 @@ class SchedulerConfig(BaseModel):
                                "per layer), the running requests get a decode step before the prefill goes on; "
                                "0 = a prefill runs to its end first")
     kv_pool_tokens: int = Field(
-        2048, ge=0, description="pooled KV: a running request whose buffer (prompt + max_tokens) fits this many "
-                                "positions decodes from one shared slot tensor, so a batched step attends over "
-                                "all such requests in one call (larger ones decode from their own buffer); "
-                                "0 = off")
+        0, ge=0, description="pooled KV: a running request whose buffer (prompt + max_tokens) fits this many "
+                             "positions decodes from one shared slot tensor, so a batched step attends over "
+                             "all such requests in one call (larger ones decode from their own buffer); "
+                             "0 = off, the default: the pooled call's bf16 rounding depends on the batch, so "
+                             "greedy answers would depend on concurrent requests (docs/serving.md)")
 
 
 class PassageConfig(BaseModel):

@@ -76,8 +76,8 @@ def test_packed_weights_from_packed_rows_on_and_only_for_dense_float32():
     assert batch_weights(bf16) is None  # bf16 weights are oneDNN-packed already: any row count
 
 
-def _run_loop(engine, requests, max_batch):
-    loop = EngineLoop(engine, SchedulerConfig(max_batch=max_batch, order="fifo"))
+def _run_loop(engine, requests, max_batch, kv_pool_tokens=0):
+    loop = EngineLoop(engine, SchedulerConfig(max_batch=max_batch, order="fifo", kv_pool_tokens=kv_pool_tokens))
     results, done = {}, threading.Event()
 
     def emitter(i):
@@ -336,10 +336,10 @@ def test_loop_with_pooled_kv_equals_without_and_frees_every_slot():
     lengths = [3, 14, 9, 20, 6, 11]
     reqs = lambda e: [(e.prompts.chat(_chunks(i), QUESTIONS[i % 4]), SamplingParams(max_new_tokens=n))
                       for i, n in enumerate(lengths)]
-    pooled, loop = _run_loop(engine_a, reqs(engine_a), max_batch=4)
+    pooled, loop = _run_loop(engine_a, reqs(engine_a), max_batch=4, kv_pool_tokens=2048)
     assert loop.pool is not None and len(loop.pool) == 0  # every slot given back
-    plain_loop = EngineLoop(engine_b, SchedulerConfig(max_batch=4, order="fifo", kv_pool_tokens=0))
-    assert plain_loop.pool is None
+    plain_loop = EngineLoop(engine_b, SchedulerConfig(max_batch=4, order="fifo"))
+    assert plain_loop.pool is None  # off by default
     single, _ = _run_loop(engine_b, reqs(engine_b), max_batch=1)
     assert [r.token_ids for r in pooled] == [r.token_ids for r in single]
 
