@@ -148,7 +148,8 @@ def test_prefix_mode_concurrent_answers_equal_full_prefill(tmp_path, runner):
 
 
 def test_cachedrag_mode_concurrent_answers_equal_single_threaded(tmp_path, runner):
-    engine, store = build(runner, tmp_path, "cachedrag", CacheConfig(max_variants_per_chunk=1))
+    # exact_repeats=0: a promotion would store exact paths on the second pass (the state must stay frozen)
+    engine, store = build(runner, tmp_path, "cachedrag", CacheConfig(max_variants_per_chunk=1, exact_repeats=0))
     for i in range(len(REQUESTS)):  # warm: every chunk gets its (only) variant
         ask(engine, i)
     stored = engine.manager.counters["stored"]
@@ -166,5 +167,28 @@ def test_cachedrag_mode_concurrent_answers_equal_single_threaded(tmp_path, runne
     assert sampler.overruns == [] and engine.manager.counters["stored"] == stored
     tiers = store.stats_dict()["tiers"]
     assert tiers["cpu"]["hits"] > 0 and tiers["disk"]["hits"] > 0  # served from both tiers
+    assert store.check_invariants() == [] and engine.manager.check() == []
+    store.close()
+
+
+def test_cachedrag_mode_concurrent_exact_repeats_label_only_full_prefill_answers_exact(tmp_path, runner):
+    """Exact repeats under 8 threads: sequences are promoted to exact tree paths while other threads
+    reuse the same chunks' approximate variants under the same keys. Every answer that reports no
+    approximation must be full prefill's answer (an approximate entry taken for the exact path
+    would move the log-probs by ~1e-3, 50x the tolerance), and the cache stays consistent."""
+    full = CachedEngine(runner, config=engine_config("full"))
+    reference = {i: ask(full, i) for i in range(len(REQUESTS))}
+    engine, store = build(runner, tmp_path, "cachedrag", CacheConfig(exact_repeats=1))
+
+    def check(i, r):
+        if not r.approximations:
+            assert r.token_ids == reference[i].token_ids, f"request {i} labelled exact: {r.notes}"
+            assert r.token_logprobs == pytest.approx(reference[i].token_logprobs, abs=2e-5)
+
+    results = hammer(engine, check)
+    assert any(r.exact_repeat == "promoted" for r in results)  # promotions ran under the threads
+    assert any(r.approximations for r in results) and any(not r.approximations for r in results)
+    for i in range(len(REQUESTS)):
+        check(i, ask(engine, i))
     assert store.check_invariants() == [] and engine.manager.check() == []
     store.close()
