@@ -19,13 +19,8 @@ from cachedrag.kvcache.config import CacheConfig
 from cachedrag.model.generation import SamplingParams
 from cachedrag.testing import tiny_runner
 
-CHUNKS = [
-    "The heapq module provides an implementation of the heap queue algorithm. " * 2,
-    "bisect.insort inserts an item into a sorted list keeping it sorted. " * 2,
-    "functools.lru_cache memoizes a function with a bounded cache. " * 2,
-    "textwrap.fill wraps a paragraph so every line is at most width characters. " * 2,
-]
-SYSTEM = "Answer from the excerpts."
+from tests.test_engine import CHUNKS, SYSTEM  # the shared tiny-model excerpts
+
 ORDER = [CHUNKS[2], CHUNKS[1], CHUNKS[0]]  # every chunk cached (from CHUNKS[:3]), none in prefix order
 QUESTION = "which module memoizes?"
 

@@ -19,13 +19,8 @@ from cachedrag.kvcache.keys import path_key
 from cachedrag.model.runner import ModelRunner
 from cachedrag.testing import byte_tokenizer, tiny_model
 
-CHUNKS = [
-    "The heapq module provides an implementation of the heap queue algorithm. " * 2,
-    "bisect.insort inserts an item into a sorted list keeping it sorted. " * 2,
-    "functools.lru_cache memoizes a function with a bounded cache. " * 2,
-    "textwrap.fill wraps a paragraph so every line is at most width characters. " * 2,
-]
-SYSTEM = "Answer from the excerpts."
+from tests.test_engine import CHUNKS, SYSTEM  # the shared tiny-model excerpts
+
 SEQ = [CHUNKS[0], CHUNKS[1], CHUNKS[2]]
 
 
