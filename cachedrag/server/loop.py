@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
