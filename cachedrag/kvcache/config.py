@@ -145,8 +145,8 @@ class CacheConfig:
       exact_repeats_when: "after_response" (default): the n-th sighting is still served from
         reuse; the exact path is computed once its answer is out (``CachedEngine.generate`` runs
         it before returning; ``prefill`` hands it to the caller as ``Prefilled.promote``, e.g. for
-        a server's idle time), so no TTFT pays for it (an in-process caller of ``generate`` waits for it). "inline": the n-th sighting itself is
-        prefilled exactly (its answer exact, its TTFT a miss's: x_prefix 2.05 -> 1.62 on that stream).
+        a server's idle time), so no TTFT pays for it (an in-process caller of ``generate`` waits
+        for it). "inline": the n-th sighting itself is prefilled exactly (its answer exact, its TTFT a miss's: x_prefix 2.05 -> 1.62 on that stream).
       repeat_memory: how many chunk-sequence fingerprints are remembered (least recently seen
         forgotten first). >= 1.
 
