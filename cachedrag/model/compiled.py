@@ -72,7 +72,8 @@ def _linear_args(p: PackedLinear) -> tuple[torch.Tensor, ...]:
 
 
 def _linear(kind: str, out_features: int, has_bias: bool):
-    """``x [1, I] -> [1, O]`` through one projection's kernel, its tensors as arguments."""
+    """``(fn, n)``: ``fn(x, args)`` is ``x [1, I] -> [1, O]`` through one projection's kernel, its ``n``
+    tensors (``_linear_args``) as arguments."""
     def dense(x, args):
         return F.linear(x, args[0], args[1] if has_bias else None)
 
@@ -143,7 +144,8 @@ class CompiledDecode:
 
     # ------------------------------------------------------------------ the step
     def step(self, token_id: int, position: int, kv) -> torch.Tensor:
-        """``ModelRunner.decode_step`` for one token at ``position`` (capacity checked by the caller): logits ``[V]``."""
+        """``ModelRunner.decode_step`` for one token at ``position`` (capacity checked by the caller):
+        logits ``[V]``."""
         r = self.runner
         hidden = r.embed(torch.tensor([token_id], device=r.device))  # [1, Dm]
         cos, sin = r.rotary.cos_sin(torch.tensor([position]), r.dtype, r.device)  # [1, D] each

@@ -29,7 +29,8 @@ def _steps(eager, compiled, n_prompt=30, tokens=(5, 17, 99, 3, 250, 41)):
     eager.prefill(ids, kv=kv_e)
     compiled.prefill(ids, kv=kv_c)
     for step, token in enumerate(tokens):
-        yield eager.decode_step(token, n_prompt + step, kv_e), compiled.decode_step(token, n_prompt + step, kv_c), kv_e, kv_c
+        pos = n_prompt + step
+        yield eager.decode_step(token, pos, kv_e), compiled.decode_step(token, pos, kv_c), kv_e, kv_c
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # mistral: a sliding window shorter than the
