@@ -26,6 +26,8 @@ QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
 FULL_CHUNK_PICKS = ("need", "last")
 #: precision of the question pre-pass's projections (``CacheConfig.question_dtype``)
 QUESTION_DTYPES = ("bfloat16", "float32")
+#: which fresh rows the question pre-pass computes (``CacheConfig.question_pass_fresh``)
+QUESTION_PASS_FRESH = ("leading", "all")
 #: when a recurring chunk sequence gets its exact tree path (``CacheConfig.exact_repeats_when``)
 EXACT_REPEAT_TIMINGS = ("after_response", "inline")
 
@@ -102,6 +104,14 @@ class CacheConfig:
         chose the same tokens but 1 in 350, and bfloat16 made the pass 52 -> 38 ms. A request whose
         fresh chunks lead every reused one runs the pass in the runner's precision: the prefill
         takes those rows over (``engine._Lead``), so they must be computed exactly.
+      question_pass_fresh: which fresh (missed) rows the question pre-pass computes besides the
+        question: "leading" (default) only those before every reused chunk (the prefill takes them
+        over, ``engine._Lead``: computed once); fresh chunks after a reused one are left out of
+        the pass, the question's attention there skips their rows, and the prefill computes them
+        once. "all" (the reference behaviour) computes those too, against the uncorrected cache,
+        so the ranking sees them, and the prefill computes them again (their rows cannot be taken
+        over: in the prefill they see the recomputed rows before them). Only the ranking differs.
+        A Triton or sliding-window runner computes them ("all"; noted in the result).
       question_weight: weight of the question ranking in ``question+deviation`` and
         ``question+inter``. In [0, 1].
       need_weight: budget by need (question choices): this share of the request's recompute
@@ -173,6 +183,7 @@ class CacheConfig:
     deviation_on: str = "v"
     question_layers: tuple[int, ...] = (4, 8, 12, 16)
     question_dtype: str = "bfloat16"
+    question_pass_fresh: str = "leading"
     question_weight: float = 0.5
     need_weight: float = 0.0
     sink_tokens: int = 0
@@ -217,6 +228,9 @@ class CacheConfig:
         if self.question_dtype not in QUESTION_DTYPES:
             raise ConfigError(f"CacheConfig.question_dtype must be one of {list(QUESTION_DTYPES)}, "
                               f"got {self.question_dtype!r}")
+        if self.question_pass_fresh not in QUESTION_PASS_FRESH:
+            raise ConfigError(f"CacheConfig.question_pass_fresh must be one of {list(QUESTION_PASS_FRESH)}, "
+                              f"got {self.question_pass_fresh!r}")
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
         _check_number("need_weight", self.need_weight, 0.0, 1.0)
         _check_int("sink_tokens", self.sink_tokens, 0)
