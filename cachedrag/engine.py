@@ -453,7 +453,7 @@ class CachedEngine:
         context = system + middle
         request = PlanRequest(
             system=tuple(PlanSegment(s.key, len(s)) for s in system),
-            chunks=tuple(PlanSegment(s.key, len(s)) for s in middle),
+            chunks=tuple(PlanSegment(s.key, len(s), glue=s.kind != "chunk") for s in middle),
             question_tokens=sum(len(s) for s in question),
         )
         total = sum(len(s) for s in segments)

@@ -153,3 +153,38 @@ def test_same_choice_same_prefill_as_the_reference(order, choice):
 def test_question_pass_fresh_is_validated():
     with pytest.raises(ConfigError, match="question_pass_fresh"):
         CacheConfig(question_pass_fresh="some")
+
+
+def test_server_style_separators_are_computed_not_reused():
+    """Server prompts keep the "\\n\\n" between chunks as segments of their own: shorter than
+    ``min_reuse_tokens``, they are computed fresh, so an all-miss request is a plain prefill (no
+    pre-pass) that stores its exact path, and its repeat is an exact tree hit."""
+    from cachedrag.model.generation import SamplingParams
+
+    runner = tiny_runner("llama", seed=5)
+    engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(exact_repeats=0)))
+    calls = []
+    original = engine._question_scores
+    engine._question_scores = lambda *a, **k: calls.append(k.get("hidden")) or original(*a, **k)
+
+    def parts(order):
+        out = [("text", "system: answer from the texts.\n")]
+        for j, i in enumerate(order):
+            out += ([("text", "\n\n")] if j else []) + [("chunk", CHUNKS[i])]
+        return out + [("text", "\n\nQuestion: which chunk?")]
+
+    params = SamplingParams(max_new_tokens=1)
+    cold = engine.generate_segments(engine.prompts.text_segments(parts([0, 1, 2])), params)
+    assert calls == [] and cold.chunks_hit == 0 and cold.approximations == []
+    again = engine.generate_segments(engine.prompts.text_segments(parts([0, 1, 2])), params)
+    assert calls == [] and again.approximations == [] and again.computed_tokens == again.question_tokens
+    new = engine.generate_segments(engine.prompts.text_segments(parts([3, 4])), params)  # new chunks, known separator
+    assert calls == [] and new.approximations == [] and new.chunks_hit == 0
+    mixed = engine.generate_segments(engine.prompts.text_segments(parts([1, 0, 2])), params)
+    assert mixed.chunks_hit == 3 and mixed.chunks_missed == 2  # the chunks reused, the separators computed
+    assert len(calls) == 1 and len(calls[0]) == 4  # the pre-pass hid the two separators after the first chunk
+    # the reference (min_reuse_tokens=0): the known separator is reused, so new chunks after it are approximate
+    off = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(exact_repeats=0, min_reuse_tokens=0)))
+    off.generate_segments(off.prompts.text_segments(parts([0, 1, 2])), params)
+    new_off = off.generate_segments(off.prompts.text_segments(parts([3, 4])), params)
+    assert "chunk_reuse" in new_off.approximations and new_off.chunks_hit == 1

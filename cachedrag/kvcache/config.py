@@ -62,6 +62,12 @@ class CacheConfig:
         non-first chunk cut KL(full || reuse) from 0.082 to 0.025. In [0, 1].
       reuse_cfo_limit: a chunk whose best CFO is >= this is computed fresh instead of reused
         (loading a cache and recomputing all of it is slower than computing it). In (0, 1].
+      min_reuse_tokens: template text between chunks (a text segment among the chunks, e.g. the
+        ``"\n\n"`` separators that server prompts leave as segments of their own) shorter than this
+        is computed fresh, never reused: reusing it saves nothing, but each reused one made the
+        request a reuse request (question pre-pass, approximated boundary tokens, no exact tree path
+        past it). Computed, an all-miss request is a plain prefill that stores its exact path.
+        Retrieved chunks are reused at any length. 0 = off (the reference behaviour). >= 0.
       recompute_ratio: None = per-chunk ceil(CFO x len) recompute (Cache-Craft); a number = fixed
         global ratio, ceil(ratio x len) tokens of every reused chunk (token choice unchanged).
         [0, 1]. Default 0.27: the measured frontier's pick (docs/fidelity.md): the first ratio past
@@ -177,6 +183,7 @@ class CacheConfig:
     alpha: float = 1.0
     cold_cci: float = 0.15
     reuse_cfo_limit: float = 1.0
+    min_reuse_tokens: int = 8
     recompute_ratio: float | None = 0.27
     token_choice: str = "question+inter"
     check_layer: int = 1
@@ -209,6 +216,7 @@ class CacheConfig:
         _check_number("alpha", self.alpha, 0.0, math.inf, hi_open=True)
         _check_number("cold_cci", self.cold_cci, 0.0, 1.0)
         _check_number("reuse_cfo_limit", self.reuse_cfo_limit, 0.0, 1.0, lo_open=True)
+        _check_int("min_reuse_tokens", self.min_reuse_tokens, 0)
         if self.recompute_ratio is not None:
             _check_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
         if self.token_choice not in TOKEN_CHOICES:
