@@ -8,7 +8,10 @@ prefill and greedy decode steps, then scores float32's greedy continuation teach
 every runner (top-1 agreement and KL against float32, as `cachedrag bench speed` reports).
 For the side-by-side figures with transformers and llama.cpp, run `cachedrag bench speed`.
 
-Run: .venv/bin/python examples/speed.py [--threads 2] [--tokens 24]
+With --compile, also the fp32 and int4 runners with ``compile=True`` (the decode step's static-shape
+parts from AOTInductor packages, built once per machine in ~25 s each and cached; docs/speed.md).
+
+Run: .venv/bin/python examples/speed.py [--threads 2] [--tokens 24] [--compile]
 """
 
 import argparse
@@ -25,6 +28,7 @@ from cachedrag.model.weights import vnni_available
 parser = argparse.ArgumentParser()
 parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
 parser.add_argument("--tokens", type=int, default=24, help="decode steps timed, and teacher-forced tokens scored")
+parser.add_argument("--compile", action="store_true", help="also the compile=True fp32 and int4 runners")
 args = parser.parse_args()
 
 runners = {
@@ -35,6 +39,9 @@ runners = {
 }
 if vnni_available():  # int8 weights and per-token int8 decode activations (fbgemm's VNNI kernel)
     runners["cachedrag-int8-dynamic"] = ModelRunner.from_pretrained(weights="int8-dynamic", threads=args.threads)
+if args.compile:
+    runners["cachedrag-fp32-compiled"] = ModelRunner.from_pretrained(dtype="float32", threads=args.threads, compile=True)
+    runners["cachedrag-int4-compiled"] = ModelRunner.from_pretrained(weights="int4", threads=args.threads, compile=True)
 tokenizer = runners["cachedrag-fp32"].tokenizer
 docs = [d.text for d in stdlib_corpus(("json", "heapq", "bisect", "functools", "csv"))]
 chunks = [tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)[:256]) for t in docs]

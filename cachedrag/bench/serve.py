@@ -104,6 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-gb", type=float, default=None,
                         help="`cachedrag serve --cache-gb` (chunk-cache budget) of every server (default: the server's, "
                              "2 GB); below the working set, chunks are evicted and the order can change the hit rate")
+    parser.add_argument("--kv-pool-tokens", type=int, default=None,
+                        help="`cachedrag serve --kv-pool-tokens` of every server (default: the server's, 0 = off)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
     parser.add_argument("--zipf", type=float, default=1.1)
@@ -132,9 +134,11 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
 
 
 def scheduler_args(args: argparse.Namespace) -> list[str]:
-    """The admission-order bounds given to every server (they act only where the order is cache-aware)."""
+    """The admission-order bounds given to every server (they act only where the order is cache-aware),
+    and the pooled-KV size."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
     out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
+    out += [] if args.kv_pool_tokens is None else ["--kv-pool-tokens", str(args.kv_pool_tokens)]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -391,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype, "weights": args.weights, "threads": args.threads,
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
         "queue_level": args.queue_level,
-        "cache_gb": args.cache_gb,
+        "cache_gb": args.cache_gb, "kv_pool_tokens": args.kv_pool_tokens,
         "queue_requests": args.queue_requests,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},

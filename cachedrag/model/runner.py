@@ -120,7 +120,8 @@ class ModelRunner:
 
     def __init__(self, model, tokenizer=None, kernel_backend: str = "auto", skinny_linear: bool = True, *,
                  dtype=None, weights: str = "dense", kv_store_dtype=None, fast: bool = True,
-                 threads: int | None = None, block_causal: bool = True):
+                 threads: int | None = None, block_causal: bool = True, compile: bool = False,
+                 compile_cache_dir=None):
         """``kernel_backend``: ``"auto"`` uses the Triton kernels (``cachedrag.kernels``) on CUDA
         and torch elsewhere; ``"torch"`` / ``"triton"`` force one (``"triton"`` on CPU needs
         ``TRITON_INTERPRET=1``; used by the equivalence tests).
@@ -137,6 +138,11 @@ class ModelRunner:
         ``block_causal``: a partial prefill's scattered query rows attend in blocks, each to the
         keys up to its last position only (``causal_blocks``); False: one call over every key
         under the full mask (the reference path).
+        ``compile``: run the decode step's static-shape parts (norms, projections, RoPE, MLP) from
+        AOTInductor packages built once and cached on disk (``model/compiled.py``; float32 dense,
+        int8 and int4 weights; the first build takes ~20-30 s, later loads ~2 s); attention stays
+        eager. Off: the eager fast step (what the batched server step mirrors), unchanged.
+        ``compile_cache_dir``: where those packages live (default ``cache_home()/aoti``).
         """
         if kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
@@ -193,6 +199,11 @@ class ModelRunner:
             raise UnsupportedModelError(f"{weights} weights need Llama-family linear projections in every layer")
         self._decode_dtype = self.numerics.decode_dtype
         self._decode_norms = self._norm_weights() if self._decode_fast else None
+        self.compiled = None
+        if compile:
+            from cachedrag.model.compiled import CompiledDecode
+
+            self.compiled = CompiledDecode(self, compile_cache_dir)
 
     def _fast_weights(self, model) -> tuple[list[LayerWeights], PackedLinear]:
         """Every layer's fused projections and the LM head in the numerics' fast layout. With int4
@@ -575,6 +586,10 @@ class ModelRunner:
         """One autoregressive step: token at ``position`` attends to rows ``[0, position]``; logits ``[V]``."""
         if position >= kv.capacity:
             raise ContextWindowError(f"position {position} exceeds the request buffer ({kv.capacity})")
+        if self.compiled is not None:  # compile=True: AOTInductor segments, attention eager (model/compiled.py)
+            if torch.get_num_threads() == self.compiled.threads:
+                return self.compiled.step(token_id, position, kv)
+            self.compiled.eager_steps += 1  # thread count changed since the build: the eager step (counted)
         ids = torch.tensor([token_id], device=self.device)
         pos = torch.tensor([position], device=self.device)
         hidden = self.embed(ids)  # [1, Dm]

@@ -6,9 +6,13 @@ projections, norms, MLPs and the LM head (the weight-bound part of a decode step
 over the B rows, so B requests cost little more than one on a CPU; attention reads each
 request's own keys, and each request's fresh K/V lands in its own buffer. Requests held in a
 ``KVPool`` (``cachedrag.server.kvpool``: slots ``0..m-1`` of one tensor, listed first) get one
-indexed K/V write per layer and ONE attention call with a per-row length mask (``_Views.mask``);
-the others (and all of them with ``pooled=False``, the reference) one call each. Requests join and leave between calls: nothing here persists across steps but the
-packed weights below (built once per runner).
+indexed K/V write per layer and ONE attention call over whole 512-key blocks with a per-row
+mask (``block_span_of``, ``_Views.block_span``), which gives each pooled request the same bits
+alone and beside any batch-mates (a row over its exact ``p + 1`` keys would not: the kernel
+rounds a block's sums by its length); the others (and all of them with ``pooled=False``, the
+reference) one call each over their exact keys, the runner's own arithmetic. Requests join and
+leave between calls: nothing here persists across steps but the packed weights below (built
+once per runner).
 
 Two paths, chosen per runner:
 
@@ -55,11 +59,10 @@ import torch.nn.functional as F
 from cachedrag.errors import ContextWindowError
 from cachedrag.model.rope import rotate_half
 from cachedrag.model.runner import KVBuffer, ModelRunner, _rms_norm_rows
-from cachedrag.server.kvpool import pooled_prefix
+from cachedrag.server.kvpool import KV_BLOCK, pooled_prefix
 
 PACKED_ROWS = 4  # from this many rows, the packed oneDNN float32 matmul (table in the module docstring)
 
-POOL_FILL = 0.75  # pooled attention only while the batch's real keys fill this share of the padded [B, T_max]
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> BatchWeights | None
 
 
@@ -107,6 +110,19 @@ def batch_weights(runner: ModelRunner, build: bool = True) -> BatchWeights | Non
             return None
         _PACKED[runner] = BatchWeights(runner) if BatchWeights.applies(runner) else None
     return _PACKED[runner]
+
+
+def block_span_of(position: int, window: int | None) -> tuple[int, int]:
+    """The key span ``[lo, hi)`` a pooled row at ``position`` is attended over: its visible keys
+    (``position - window < j <= position``) widened to whole ``KV_BLOCK`` blocks. Why: torch's CPU
+    flash attention walks the keys in blocks of ``KV_BLOCK`` from the call's first key and rounds
+    a block's softmax sums in an order that depends on the block's length (a vector body plus a
+    scalar tail), so a row read over ``p + 1`` keys alone and over a batch-mate's longer span
+    round differently. Over whole blocks, a row's own blocks are the same in every call, and the
+    blocks wholly masked for it (a longer batch-mate's) add exact zeros: its output is bit for
+    bit the same alone and in any batch (tests/server/test_batch.py)."""
+    lo = 0 if window is None else max(0, position + 1 - window) // KV_BLOCK * KV_BLOCK
+    return lo, -(-(position + 1) // KV_BLOCK) * KV_BLOCK
 
 
 def prepare(runner: ModelRunner, max_batch: int) -> None:
@@ -177,22 +193,17 @@ class _Views:
 
     Pooled: the first ``m`` requests sit in slots ``0..m-1`` of one ``KVPool``; for them the step
     keeps the slot and position indices (one indexed write per layer) and, per sliding window,
-    a key mask ``[m, 1, 1, T]`` (None when every key up to ``T`` is visible to every row); the
-    per-request views cover only rows ``m..B-1``."""
+    the block-aligned key span ``[lo, hi)`` of the one attention call and its key mask
+    ``[m, 1, 1, hi - lo]`` (``block_span``); the per-request views cover only rows ``m..B-1``."""
 
     def __init__(self, runner: ModelRunner, positions: list[int], kvs: Sequence[KVBuffer], pooled: bool | None = None):
         self.runner, self.positions, self.kvs = runner, positions, kvs
         pool, m = pooled_prefix(kvs) if pooled is not False else (None, 0)
-        if m and pooled is None:
-            t_max = max(positions[:m]) + 1
-            if m < 2 or sum(positions[:m]) + m < POOL_FILL * m * t_max:
-                m = 0  # one row: the runner's own op sequence; or padding would read more keys than it saves
         self.pool, self.m = (pool, m) if m else (None, 0)
         if self.m:
             device = runner.device
             self.pos = torch.tensor(positions[:m], device=device)  # [m]
-            self.t_max = max(positions[:m]) + 1
-            self._masks: dict[int | None, torch.Tensor | None] = {}
+            self._masks: dict[int | None, tuple[int, int, torch.Tensor]] = {}
             # the step's K/V rows as rows of a layer's slots viewed [S*H_kv*C, D]: (slot s, head h, position p)
             _, s_, h_kv, c, _ = pool.k.shape
             heads = torch.arange(h_kv, device=device)  # [H_kv]
@@ -202,21 +213,22 @@ class _Views:
         self.v_rows = [kv.v[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
         self._spans: dict[int | None, list] = {}
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """Pooled rows: key ``j`` visible to row ``b`` iff ``pos[b] - window < j <= pos[b]``:
-        ``[m, 1, 1, T]`` additive (0 / -inf in the KV dtype: SDPA converts a bool mask in every
-        call), or None when that is every key ``< T`` for every row."""
+    def block_span(self, window: int | None) -> tuple[int, int, torch.Tensor]:
+        """Pooled rows: ``(lo, hi, mask)``: the one call reads keys ``[lo, hi)`` of the slots, both
+        multiples of ``KV_BLOCK`` (``block_span_of`` per row; the call covers every row's span;
+        slots hold whole blocks, ``kvpool.KV_BLOCK``),
+        and key ``j`` counts for row ``b`` iff ``pos[b] - window < j <= pos[b]``: ``mask`` is
+        ``[m, 1, 1, hi - lo]`` additive (0 / -inf in the KV dtype: SDPA converts a bool mask in
+        every call). Always a mask, also where every key is visible: one kernel path for all."""
         if window not in self._masks:
-            lo = 0 if window is None else max(0, int(self.pos.min()) + 1 - window)  # no row sees keys below
-            if int(self.pos.min()) + 1 == self.t_max and lo == 0:
-                self._masks[window] = None
-            else:
-                j = torch.arange(lo, self.t_max, device=self.pos.device)  # [T']
-                vis = j[None, :] <= self.pos[:, None]  # [m, T']
-                if window is not None:
-                    vis &= j[None, :] > self.pos[:, None] - window
-                add = torch.zeros(vis.shape, dtype=self.pool.k.dtype, device=vis.device)  # [m, T']
-                self._masks[window] = add.masked_fill_(~vis, float("-inf"))[:, None, None, :]  # [m, 1, 1, T']
+            spans = [block_span_of(p, window) for p in self.positions[:self.m]]
+            lo, hi = min(s[0] for s in spans), min(max(s[1] for s in spans), self.pool.capacity)
+            j = torch.arange(lo, hi, device=self.pos.device)  # [T]
+            vis = j[None, :] <= self.pos[:, None]  # [m, T]
+            if window is not None:
+                vis &= j[None, :] > self.pos[:, None] - window
+            add = torch.zeros(vis.shape, dtype=self.pool.k.dtype, device=vis.device)  # [m, T]
+            self._masks[window] = (lo, hi, add.masked_fill_(~vis, float("-inf"))[:, None, None, :])  # [m, 1, 1, T]
         return self._masks[window]
 
     def spans(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -270,11 +282,9 @@ def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, views: _Views
         rows = views.flat_rows  # [m*H_kv] rows of layer i's slots viewed [S*H_kv*C, D]
         pool.k[i].view(-1, d).index_copy_(0, rows, qk[h_q:, :m].transpose(0, 1).reshape(-1, d).to(pool.k.dtype))
         pool.v[i].view(-1, d).index_copy_(0, rows, v[:m].reshape(-1, d).to(pool.v.dtype))  # [m*H_kv, D] each
-        mask = views.mask(window)
-        t = views.t_max
-        lo = 0 if mask is None or window is None else t - mask.shape[-1]
+        lo, hi, mask = views.block_span(window)
         outs.append(F.scaled_dot_product_attention(
-            q[0, :, :m].transpose(0, 1)[:, :, None], pool.k[i, :m, :, lo:t], pool.v[i, :m, :, lo:t],
+            q[0, :, :m].transpose(0, 1)[:, :, None], pool.k[i, :m, :, lo:hi], pool.v[i, :m, :, lo:hi],
             attn_mask=mask, scale=runner.scaling, enable_gqa=gqa,
         ).reshape(m, -1))  # [m, H_q*D]; keys past each row's position (or before its window) masked
     for r in range(b - m):

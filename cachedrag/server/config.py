@@ -42,9 +42,10 @@ class SchedulerConfig(BaseModel):
     kv_pool_tokens: int = Field(
         0, ge=0, description="pooled KV: a running request whose buffer (prompt + max_tokens) fits this many "
                              "positions decodes from one shared slot tensor, so a batched step attends over "
-                             "all such requests in one call (larger ones decode from their own buffer); "
-                             "0 = off, the default: the pooled call's bf16 rounding depends on the batch, so "
-                             "greedy answers would depend on concurrent requests (docs/serving.md)")
+                             "all such requests in one call over whole 512-key blocks (larger ones decode from "
+                             "their own buffer); a request's answer does not depend on its batch-mates, but the "
+                             "block-aligned call rounds apart from the runner's own step (CachedEngine.generate), "
+                             "and it is no faster at batch 1-4; 0 = off, the default (docs/serving.md)")
 
 
 class PassageConfig(BaseModel):

@@ -15,8 +15,9 @@ a small model adds per request on the CPU (docs/serving.md has the measurements)
 vLLM's paged KV and its attention kernels are GPU-only; a contiguous slot tensor is the
 simplest layout torch's CPU SDPA takes in one call.
 
-The pool grows (in ``GROW_TOKENS`` steps, up to ``max_tokens`` positions per slot) when a request
-needs more positions than its slots hold: a new tensor, live slots copied. Requests larger than
+The pool grows (in ``GROW_TOKENS`` steps, whole attention blocks, up to ``max_tokens`` rounded up
+to a step, positions per slot) when a request needs more positions than its slots hold: a new
+tensor, live slots copied. Requests larger than
 ``max_tokens`` are not pooled (they decode from their own buffer, the per-request path).
 
 Does not own: which requests run (``cachedrag.server.loop``), the attention itself
@@ -31,7 +32,8 @@ import torch
 
 from cachedrag.model.runner import KVBuffer, ModelRunner
 
-GROW_TOKENS = 512  # slot capacity grows in multiples of this many positions
+KV_BLOCK = 512  # torch's CPU flash attention walks the keys in blocks of this many (its kv_split_size)
+GROW_TOKENS = KV_BLOCK  # slot capacity grows in whole attention blocks (``batch.block_span_of`` reads whole blocks)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class KVPool:
 
     def __init__(self, runner: ModelRunner, slots: int, max_tokens: int, grow_tokens: int = GROW_TOKENS):
         assert slots >= 1 and max_tokens >= 1 and grow_tokens >= 1, "a pool needs a slot, a position and a growth step"
+        max_tokens = -(-max_tokens // grow_tokens) * grow_tokens  # whole growth steps
         self.runner, self.slots, self.max_tokens, self.grow_tokens = runner, slots, max_tokens, grow_tokens
         self.capacity = 0  # positions per slot allocated so far (grows on demand)
         self.k = self.v = None  # [L, S, H_kv, C, D] each, once a request needs them

@@ -140,10 +140,10 @@ class EngineLoop:
         self._prefill_model = PrefillModel()  # prefill seconds vs computed prompt tokens
         self._decode_s = 0.0  # seconds spent in decode forwards so far
         # pooled KV (``cachedrag.server.kvpool``): running requests decode from one slot tensor, so the
-        # batched step attends over them in one call; only where batching and the fast decode path apply
+        # batched step attends over them in one call; where the fast decode path applies, and also with
+        # --max-batch 1, so a request's arithmetic does not depend on the batch limit either
         runner = getattr(engine, "runner", None)
-        pooled = (runner is not None and self.config.kv_pool_tokens > 0 and self.config.max_batch > 1
-                  and runner._decode_fast)
+        pooled = runner is not None and self.config.kv_pool_tokens > 0 and runner._decode_fast
         self.pool = KVPool(runner, self.config.max_batch, self.config.kv_pool_tokens) if pooled else None
         self.steps = 0  # batched decode steps run
         self.interleaved_steps = 0  # of which inside a prefill (chunked prefill)

@@ -78,6 +78,20 @@ def test_int4_row_is_compared_with_llama_cpp_q4_1():
     assert t["int4 decode <= llama.cpp Q4_1"] == {"ratio": 16.0 / 20.0, "met": True}
 
 
+def test_compiled_rows_are_compared_with_their_anchors():
+    res = _results()
+    res["systems"]["cachedrag-fp32-compiled"] = {"dtype": "float32", "threads": 2, "prefill_tokens_per_s": 700.0,
+                                                 "decode_ms_per_token": 34.0, "prefill_s": 1.9}
+    res["systems"]["cachedrag-int4-compiled"] = {"dtype": "bfloat16+int4w-g32", "threads": 2,
+                                                 "prefill_tokens_per_s": 1900.0, "decode_ms_per_token": 21.0,
+                                                 "prefill_s": 0.7}
+    t = speed._targets(res)
+    assert t["fp32 decode <= llama.cpp F32 (compile=True)"] == {"ratio": 34.0 / 35.0, "met": True}
+    assert t["int4 decode <= llama.cpp Q4_1 (compile=True)"] == {"ratio": 21.0 / 20.0, "met": False}
+    assert "int8 decode <= llama.cpp Q4_1 (compile=True)" not in t
+    assert "cachedrag-fp32-compiled" in speed.ALL_SYSTEMS
+
+
 def test_unknown_system_is_a_clear_error(capsys):
     import argparse
 

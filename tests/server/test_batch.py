@@ -325,7 +325,8 @@ def test_kv_pool_slots_stay_compact_grow_and_refuse_what_does_not_fit():
     assert (c.slot, b.slot, len(pool)) == (0, 1, 2) and a.pool is None
     assert torch.equal(c.k[:, :, :c.length], bufs[2].k[:, :, :c.length])
     assert pooled_prefix([c, b]) == (pool, 2) and pooled_prefix([b, c]) == (pool, 0)
-    assert pool.admit(runner.new_kv(101), 4) is None  # more positions than a slot may hold
+    assert pool.max_tokens == 128  # 100, rounded up to whole growth steps
+    assert pool.admit(runner.new_kv(129), 4) is None  # more positions than a slot may hold
     pool.clear()
     assert len(pool) == 0 and b.pool is None
 
@@ -399,3 +400,47 @@ def test_idle_promotion_yields_to_an_arriving_request():
     loop.policy.remove(rid)  # the request left: idle again
     loop._promote()
     assert loop.promotions == 1 and not loop._promotions and engine.manager.tree.find(keys) is not None
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_pooled_request_decodes_bit_for_bit_as_it_would_alone(arch):
+    """Batch invariance of the pooled attention: requests of varied lengths (crossing the
+    kernel's 512-key blocks) decoded together in one pool give every request exactly the logits
+    it gets when it is the only request in the pool, step after step (greedy tokens fed back),
+    whichever batch-mates it has and in whichever slot. mistral: a sliding window of 600 (the
+    span's lower bound moves). bfloat16, whose projections (oneDNN) give each row the same bits
+    at any row count; float32's MKL sgemm does not (nor its packed copies from ``PACKED_ROWS``
+    rows on), so float32 batching is equal only to rounding, with or without the pool."""
+    from cachedrag.server.kvpool import KVPool
+
+    overrides = dict(max_position_embeddings=4096) | (dict(sliding_window=600) if arch == "mistral" else {})
+    runner = ModelRunner(tiny_model(arch, vocab_size=len(byte_tokenizer()), **overrides), byte_tokenizer(), dtype="bfloat16")
+    lengths = [37, 530, 700, 800, 900, 1030, 1100]
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    bufs = []
+    for p in prompts:
+        kv = runner.new_kv(len(p) + 8)
+        runner.prefill(p, kv=kv)
+        bufs.append(kv)
+
+    def decode(order, steps=4):
+        """Greedy logits per step of the requests ``order`` decoded together in one fresh pool."""
+        pool = KVPool(runner, slots=len(lengths), max_tokens=2048)
+        kvs = [pool.admit(_copy_kv(bufs[i]), lengths[i]) for i in order]
+        tokens, positions, out = [7 + i for i in order], [lengths[i] for i in order], []
+        for _ in range(steps):
+            logits = batched_decode_step(runner, tokens, positions, kvs)  # [B, V]
+            out.append(logits)
+            tokens, positions = logits.argmax(-1).tolist(), [p + 1 for p in positions]
+        return out
+
+    alone = {i: decode([i]) for i in range(len(lengths))}
+    for order in ([6, 3, 1, 5], [4, 2], [0, 6, 3], list(range(len(lengths)))):
+        together = decode(order)
+        for slot, i in enumerate(order):
+            for step in range(len(together)):
+                assert torch.equal(together[step][slot], alone[i][step][0]), (order, i, step)
+
+
+def _copy_kv(kv):
+    return type(kv)(k=kv.k.clone(), v=kv.v.clone(), length=kv.length)
