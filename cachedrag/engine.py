@@ -453,7 +453,7 @@ class CachedEngine:
         context = system + middle
         request = PlanRequest(
             system=tuple(PlanSegment(s.key, len(s)) for s in system),
-            chunks=tuple(PlanSegment(s.key, len(s)) for s in middle),
+            chunks=tuple(PlanSegment(s.key, len(s), glue=s.kind != "chunk") for s in middle),
             question_tokens=sum(len(s) for s in question),
         )
         total = sum(len(s) for s in segments)
@@ -590,9 +590,19 @@ class CachedEngine:
         lead = _Lead(rows=leading if self.share_lead_rows else 0, q_layers=frozenset(self.metadata_layers),
                      leading=leading)
         if deferred and choice in QUESTION_CHOICES:
+            # fresh rows after a reused chunk: left out of the pre-pass (computed once, by the prefill)
+            # unless question_pass_fresh="all" or the runner's attention cannot hide them
+            after = [p for p in fresh_pos if p > first_reuse]
+            if after and cfg.question_pass_fresh == "leading" and not self._can_hide_rows():
+                notes.append("question pre-pass computed the fresh chunks after reused ones too "
+                             "(Triton or sliding-window attention cannot hide their rows)")
+            elif after and cfg.question_pass_fresh == "leading":
+                after = set(after)
+            else:
+                after = set()
             try:
-                scores = self._question_scores(ids, kv, total, fresh_pos, question_pos, plan, deferred,
-                                               load_layer, lead=lead)  # [T]
+                scores = self._question_scores(ids, kv, total, [p for p in fresh_pos if p not in after], question_pos,
+                                               plan, deferred, load_layer, lead=lead, hidden=sorted(after))  # [T]
             except BaseException:
                 for loader in loaders.values():
                     loader.close()
@@ -821,9 +831,17 @@ class CachedEngine:
         drop = set(probe_pos) - chosen
         return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
 
+    def _can_hide_rows(self) -> bool:
+        """Whether the question pre-pass can leave rows out (``hidden_keys`` of ``causal_blocks`` and
+        ``segment_attention_mass``): not on the Triton backend, nor with sliding-window layers
+        among the pass's, whose attention ignores block plans."""
+        runner = self.runner
+        last = max(self._question_layers())
+        return runner.kernel_backend != "triton" and all(w is None for w in runner.windows[:last + 1])
+
     def _question_scores(self, ids: torch.Tensor, kv: KVBuffer, total: int, fresh_pos: list[int],
                          question_pos: list[int], plan, deferred: dict[int, int], load_layer,
-                         lead: "_Lead | None" = None) -> torch.Tensor:
+                         lead: "_Lead | None" = None, hidden: Sequence[int] = ()) -> torch.Tensor:
         """The question's attention to every prompt position ``[T]`` (float32): the question and
         fresh tokens run through layers ``0..max(question_layers)`` against the loaded cache (the
         reused chunks' K re-rotated to their new positions); at each of ``question_layers`` the
@@ -836,6 +854,10 @@ class CachedEngine:
         Its projections run on bfloat16 copies of the weights (``CacheConfig.question_dtype``,
         ``model/scoring.py``) unless fresh rows lead every reused chunk (``lead.leading``): those
         are the prefill's own rows and stay in the runner's precision.
+        ``hidden``: positions of fresh rows left out of the pass (``CacheConfig.question_pass_fresh``
+        "leading": fresh chunks after a reused one): zeroed in the buffer's pass layers and masked
+        from every query's attention, as if those rows were absent (attention is position-free
+        once K is rotated); the prefill writes them. Their scores are 0.
         The fidelity benchmark's oracle overrides this method."""
         runner = self.runner
         device = runner.device
@@ -849,31 +871,39 @@ class CachedEngine:
         for i in deferred:
             inside[plan.segments[i].start:plan.segments[i].end] = True
         every = list(range(total + 1))  # one segment per position
-        hidden = runner.embed(ids[pos])  # [Tp, Dm]
+        hidden_keys = hidden_idx = None
+        if hidden:
+            hidden_idx = torch.tensor(list(hidden), device=device, dtype=torch.long)  # [Th]
+            hidden_keys = torch.zeros(total, dtype=torch.bool, device=device)  # [T]
+            hidden_keys[hidden_idx] = True
+        x = runner.embed(ids[pos])  # [Tp, Dm]
         rope = runner.rotary.cos_sin(pos, runner.dtype, device)  # [Tp, D] each
-        blocks = runner.causal_blocks(pos, total)
+        blocks = runner.causal_blocks(pos, total, hidden_keys)
         scores = torch.zeros(total, dtype=torch.float32, device=device)  # [T]
         last = max(layers)
         n_lead = lead.rows if lead is not None and last > 0 else 0
         for layer in range(last + 1):
             load_layer(layer)
+            if hidden_idx is not None:  # masked rows must be finite: 0 x NaN would still poison the attention
+                kv.k[layer].index_fill_(1, hidden_idx, 0.0)  # rows of [H_kv, C, D]
+                kv.v[layer].index_fill_(1, hidden_idx, 0.0)
             raw: dict = {}
             lw = weights[layer] if weights is not None else None
             if layer == last:  # the last scoring layer: its queries and K/V, not its output
-                runner.write_layer(layer, hidden, pos, kv, raw_out=raw, rope=rope, weights=lw)
+                runner.write_layer(layer, x, pos, kv, raw_out=raw, rope=rope, weights=lw)
             else:
-                hidden = runner.forward_layer(layer, hidden, pos, kv, total, raw_out=raw, rope=rope, blocks=blocks,
-                                              weights=lw)
+                x = runner.forward_layer(layer, x, pos, kv, total, raw_out=raw, rope=rope, blocks=blocks, weights=lw)
                 if n_lead:
                     lead.k.append(raw["k"][:, :n_lead])  # [H_kv, Tl, D]
                     if layer in lead.q_layers:
                         lead.q[layer] = raw["q"][:, :n_lead]  # [H_q, Tl, D]
             if layer in layers:
-                mass = runner.segment_attention_mass(layer, raw["q"][:, q_rows], pos[q_rows], kv, total, every)  # [Tq, T]
+                mass = runner.segment_attention_mass(layer, raw["q"][:, q_rows], pos[q_rows], kv, total, every,
+                                                     hidden_keys=hidden_keys)  # [Tq, T]
                 s = mass.sum(0).float()  # [T]
                 scores += s / s[inside].sum().clamp_min(1e-12)
         if n_lead:
-            lead.hidden, lead.layer = hidden[:n_lead], last  # [Tl, Dm]: the input of layer ``last``
+            lead.hidden, lead.layer = x[:n_lead], last  # [Tl, Dm]: the input of layer ``last``
         return scores  # [T]
 
     def _refine(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, total: int, plan,

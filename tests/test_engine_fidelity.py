@@ -52,10 +52,10 @@ def _plant_question_key(engine, runner, token: int, layer: int = 1):
     recorded = {}
     original = runner.segment_attention_mass
 
-    def spy(i, q, positions, kv, kv_len, bounds):
+    def spy(i, q, positions, kv, kv_len, bounds, **kwargs):
         if i == layer and "q" not in recorded:
             recorded["q"] = q.detach().clone()  # [H_q, Tq, D] rotated question queries
-        return original(i, q, positions, kv, kv_len, bounds)
+        return original(i, q, positions, kv, kv_len, bounds, **kwargs)
 
     recorder = engine
     if engine.config.cache.token_choice != "question":  # record the queries through a question engine

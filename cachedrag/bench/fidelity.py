@@ -387,7 +387,7 @@ def _oracle_class():
             return super()._teacher_forced(pre, start, teacher)
 
         def _question_scores(self, ids, kv, total, fresh_pos, question_pos, plan, deferred, load_layer,
-                             lead=None):  # the oracle shares no rows with the prefill
+                             lead=None, hidden=()):  # the oracle shares no rows with the prefill
             for layer in range(self.runner.n_layers):
                 load_layer(layer)
             ref = self.reference_v

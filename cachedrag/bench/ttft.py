@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-ratios", default="", help="also run cachedrag at these ratios on the reuse path's "
                         "reference settings: float32 question pre-pass, zero-filled request buffer (rows "
                         "'cachedrag@R:ref'; a before/after of those fast paths in one run)")
+    parser.add_argument("--pass-fresh-all", action="store_true",
+                        help="also run cachedrag with the question pre-pass computing every fresh row "
+                        "(CacheConfig.question_pass_fresh='all', the reference; row 'cachedrag:pass_fresh=all')")
     parser.add_argument("--token-choice", default=None, choices=TOKEN_CHOICES,
                         help="which tokens of a reused chunk cachedrag recomputes (default: the CacheConfig default)")
     parser.add_argument("--choices", default="", help="also run cachedrag with these other token choices, e.g. "
@@ -121,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         engines[name].buffer_fill = 0.0
         modes.append(name)
+    if args.pass_fresh_all:
+        cache = CacheConfig(**{**cache_kwargs, "question_pass_fresh": "all"})
+        engines["cachedrag:pass_fresh=all"] = CachedEngine(runner, config=config.model_copy(update={
+            "mode": "cachedrag", "cache": cache}))
+        modes.append("cachedrag:pass_fresh=all")
     for choice in [x.strip() for x in args.choices.split(",") if x.strip()]:
         name = f"cachedrag:{choice}"
         cache = CacheConfig(**{**cache_kwargs, "token_choice": choice})

@@ -26,6 +26,8 @@ QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
 FULL_CHUNK_PICKS = ("need", "last")
 #: precision of the question pre-pass's projections (``CacheConfig.question_dtype``)
 QUESTION_DTYPES = ("bfloat16", "float32")
+#: which fresh rows the question pre-pass computes (``CacheConfig.question_pass_fresh``)
+QUESTION_PASS_FRESH = ("leading", "all")
 #: when a recurring chunk sequence gets its exact tree path (``CacheConfig.exact_repeats_when``)
 EXACT_REPEAT_TIMINGS = ("after_response", "inline")
 
@@ -60,6 +62,12 @@ class CacheConfig:
         non-first chunk cut KL(full || reuse) from 0.082 to 0.025. In [0, 1].
       reuse_cfo_limit: a chunk whose best CFO is >= this is computed fresh instead of reused
         (loading a cache and recomputing all of it is slower than computing it). In (0, 1].
+      min_reuse_tokens: template text between chunks (a text segment among the chunks, e.g. the
+        ``"\n\n"`` separators that server prompts leave as segments of their own) shorter than this
+        is computed fresh, never reused: reusing it saves nothing, but each reused one made the
+        request a reuse request (question pre-pass, approximated boundary tokens, no exact tree path
+        past it). Computed, an all-miss request is a plain prefill that stores its exact path.
+        Retrieved chunks are reused at any length. 0 = off (the reference behaviour). >= 0.
       recompute_ratio: None = per-chunk ceil(CFO x len) recompute (Cache-Craft); a number = fixed
         global ratio, ceil(ratio x len) tokens of every reused chunk (token choice unchanged).
         [0, 1]. Default 0.27: the measured frontier's pick (docs/fidelity.md): the first ratio past
@@ -102,6 +110,16 @@ class CacheConfig:
         chose the same tokens but 1 in 350, and bfloat16 made the pass 52 -> 38 ms. A request whose
         fresh chunks lead every reused one runs the pass in the runner's precision: the prefill
         takes those rows over (``engine._Lead``), so they must be computed exactly.
+      question_pass_fresh: which fresh (missed) rows the question pre-pass computes besides the
+        question: "leading" (default) only those before every reused chunk (the prefill takes them
+        over, ``engine._Lead``: computed once); fresh chunks after a reused one are left out of
+        the pass, the question's attention there skips their rows, and the prefill computes them
+        once. "all" (the reference behaviour) computes those too, against the uncorrected cache,
+        so the ranking sees them, and the prefill computes them again (their rows cannot be taken
+        over: in the prefill they see the recomputed rows before them). Only the ranking differs:
+        on ``bench ttft``'s stream (docs/fidelity.md, round 8) mean TTFT -4%, teacher-forced top-1 and
+        KL unchanged (0.985 / 0.003), ROUGE-L vs full 0.924 -> 0.919 (one near tie flipped).
+        A Triton or sliding-window runner computes them ("all"; noted in the result).
       question_weight: weight of the question ranking in ``question+deviation`` and
         ``question+inter``. In [0, 1].
       need_weight: budget by need (question choices): this share of the request's recompute
@@ -167,12 +185,14 @@ class CacheConfig:
     alpha: float = 1.0
     cold_cci: float = 0.15
     reuse_cfo_limit: float = 1.0
+    min_reuse_tokens: int = 8
     recompute_ratio: float | None = 0.27
     token_choice: str = "question+inter"
     check_layer: int = 1
     deviation_on: str = "v"
     question_layers: tuple[int, ...] = (4, 8, 12, 16)
     question_dtype: str = "bfloat16"
+    question_pass_fresh: str = "leading"
     question_weight: float = 0.5
     need_weight: float = 0.0
     sink_tokens: int = 0
@@ -198,6 +218,7 @@ class CacheConfig:
         _check_number("alpha", self.alpha, 0.0, math.inf, hi_open=True)
         _check_number("cold_cci", self.cold_cci, 0.0, 1.0)
         _check_number("reuse_cfo_limit", self.reuse_cfo_limit, 0.0, 1.0, lo_open=True)
+        _check_int("min_reuse_tokens", self.min_reuse_tokens, 0)
         if self.recompute_ratio is not None:
             _check_number("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
         if self.token_choice not in TOKEN_CHOICES:
@@ -217,6 +238,9 @@ class CacheConfig:
         if self.question_dtype not in QUESTION_DTYPES:
             raise ConfigError(f"CacheConfig.question_dtype must be one of {list(QUESTION_DTYPES)}, "
                               f"got {self.question_dtype!r}")
+        if self.question_pass_fresh not in QUESTION_PASS_FRESH:
+            raise ConfigError(f"CacheConfig.question_pass_fresh must be one of {list(QUESTION_PASS_FRESH)}, "
+                              f"got {self.question_pass_fresh!r}")
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
         _check_number("need_weight", self.need_weight, 0.0, 1.0)
         _check_int("sink_tokens", self.sink_tokens, 0)

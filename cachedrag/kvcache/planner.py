@@ -87,6 +87,7 @@ class Segment:
 
     key: str
     n_tokens: int
+    glue: bool = False  # template text between chunks (a separator), not a retrieved chunk
 
     def __post_init__(self) -> None:
         if self.n_tokens < 1:
@@ -361,6 +362,9 @@ class Planner:
         notes: list[str],
     ) -> SegmentPlan:
         cfg = self.config
+        if seg.glue and seg.n_tokens < cfg.min_reuse_tokens:  # a separator between chunks: computing it costs nothing
+            return SegmentPlan("chunk", idx, seg.key, seg.n_tokens, start, Action.FRESH,
+                               reason=f"{seg.n_tokens} tokens < min_reuse_tokens {cfg.min_reuse_tokens}")
         candidates = self.index.variants(seg.key)
         if not candidates:
             return SegmentPlan("chunk", idx, seg.key, seg.n_tokens, start, Action.FRESH, reason="no cached variant")

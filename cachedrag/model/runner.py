@@ -357,25 +357,34 @@ class ModelRunner:
             mask &= keys[None, :] > pos - window
         return mask
 
-    def causal_blocks(self, positions: torch.Tensor, kv_len: int) -> CausalBlocks | None:
+    def causal_blocks(self, positions: torch.Tensor, kv_len: int,
+                      hidden_keys: torch.Tensor | None = None) -> CausalBlocks | None:
         """The block-causal plan of a partial prefill's sorted query ``positions`` ``[T]`` over
         ``kv_len`` keys (for every layer without a sliding window), or None where one call is as
         cheap: a query never sees keys past its own position, so a block of sorted rows needs only
         the keys up to its last position; SDPA's CPU kernel does not skip masked key blocks by
         itself (a partial prefill of 27% of 1.3k tokens: 4.2 vs 6.3 ms per layer, probe).
-        Results equal the single call to float rounding (the softmax sums fewer exact zeros)."""
+        Results equal the single call to float rounding (the softmax sums fewer exact zeros).
+        ``hidden_keys``: bool ``[kv_len]``, keys no query may see (rows a pass leaves out; they
+        must hold finite values, e.g. zeros): always a plan then, with those keys masked too
+        (not for the Triton backend or sliding-window layers, which ignore the plan)."""
         t = positions.shape[0]
-        if not self.block_causal or self.kernel_backend == "triton" or t < 2:
+        if hidden_keys is not None:
+            assert self.kernel_backend != "triton", "hidden_keys: the Triton attention ignores block plans"
+        elif not self.block_causal or self.kernel_backend == "triton" or t < 2:
             return None
         pos = positions.to(self.device)
         last = pos[torch.arange(_CAUSAL_ROWS - 1, t + _CAUSAL_ROWS - 1, _CAUSAL_ROWS).clamp_max(t - 1)]  # [B]
         bounds = [(r * _CAUSAL_ROWS, min(t, (r + 1) * _CAUSAL_ROWS), min(kv_len, n + 1))
                   for r, n in enumerate(last.tolist())]
-        if sum((e - s) * n for s, e, n in bounds) > _CAUSAL_GAIN * t * kv_len:
+        if hidden_keys is None and sum((e - s) * n for s, e, n in bounds) > _CAUSAL_GAIN * t * kv_len:
             return None
         keys = torch.arange(kv_len, device=self.device)  # [T_k]
         masks = [torch.zeros(e - s, n, dtype=self.dtype, device=self.device).masked_fill_(
             keys[None, :n] > pos[s:e, None], float("-inf")) for s, e, n in bounds]  # [rows, n] each
+        if hidden_keys is not None:
+            hidden = hidden_keys.to(self.device)  # [T_k]
+            masks = [m.masked_fill_(hidden[None, :m.shape[1]], float("-inf")) for m in masks]
         return CausalBlocks(bounds, masks)
 
     def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int,
@@ -642,7 +651,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ attention metadata
     def segment_attention_mass(
         self, i: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int, bounds: list[int],
-        reference: bool = False,
+        reference: bool = False, hidden_keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention mass of each query to each key segment, averaged over heads: ``[T_q, S]``.
 
@@ -652,7 +661,10 @@ class ModelRunner:
         masses of a few question rows) or ``reference=True``, the softmax is materialised in
         blocks of query rows so no full ``T x T`` matrix is ever held (the reference path; the
         Triton selective-attention kernel yields the same sums as a by-product on CUDA).
+        ``hidden_keys``: bool ``[kv_len]``, keys left out of every query's softmax (as
+        ``causal_blocks``'); computed on the blockwise path.
         """
+        reference = reference or hidden_keys is not None
         if self.kernel_backend == "triton" and self.windows[i] is None and not reference:
             from cachedrag.kernels import selective_attention
 
@@ -670,6 +682,8 @@ class ModelRunner:
             scores = torch.matmul(qb.reshape(self.n_kv_heads, group * qb.shape[1], -1), k.transpose(1, 2))
             scores = scores.reshape(self.n_heads, qb.shape[1], kv_len).float() * self.scaling  # [H_q, b, T_k]
             mask = self.attention_mask(i, positions[start:start + _ATTN_BLOCK], kv_len)  # [b, T_k]
+            if hidden_keys is not None:
+                mask &= ~hidden_keys.to(self.device)[None, :]  # [b, T_k]
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(0)  # [b, T_k]
             csum = F.pad(probs.cumsum(-1), (1, 0))  # [b, T_k+1]
             out.append(csum[:, b[1:]] - csum[:, b[:-1]])  # [b, S]

@@ -19,13 +19,13 @@ content-defined paragraph split behind automatic detection.
 Separators (``PassageConfig.attach_separators``, off by default): the whitespace right after a
 chunk (``"\n\n"`` between retrieved texts) can join that chunk's segment (``attach_separators``),
 as the engine's own prompts end each chunk with its separator. Left as text segments of their
-own (the default), the 1-2-token separators between chunks are planned as tiny reusable chunks,
-so every request with two or more chunks, even an all-miss one, runs the reuse path's question
-pre-pass over its fresh chunks and computes them again (cold requests ~1.2-1.9x a full prefill),
-and a chunk sequence never becomes an exact tree path past its first chunk; but recomputing
-those boundary tokens also kept answers closer to full prefill (ROUGE-L vs full 0.89 vs 0.80 with
-them joined, one run each; docs/serving.md), so joining stays an option until the engine's
-recompute choice covers chunk boundaries by itself.
+own (the default), the 1-2-token separators between chunks are computed, never reused (the
+engine's ``CacheConfig.min_reuse_tokens``): an all-miss request is a plain prefill that stores its
+exact path, and the boundary tokens are exact. (Until then they were planned as tiny reusable
+chunks: every request with two or more chunks, even an all-miss one, ran the reuse path's question
+pre-pass over its fresh chunks and computed them twice, and no chunk sequence became an exact tree
+path past its first chunk.) Joined, they are cached and approximated with their chunk (ROUGE-L vs
+full 0.80 vs 0.89 separate, one run each; docs/serving.md), so joining stays an option.
 
 Does not own: tokenisation details and keys (``cachedrag.prompt``), HTTP, or the engine.
 """

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 
+from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import CacheConfig
 from cachedrag.kvcache.index import VariantIndex
 from cachedrag.kvcache.planner import (
@@ -268,3 +269,17 @@ def test_benchmark_planning_reports_sane_numbers():
         assert 0.0 <= r[k] <= 1.0
     assert r["tree_hit_chunk_fraction"] + r["reused_chunk_fraction"] <= 1.0
     assert r["tree_nodes"] > 0
+
+
+def test_glue_below_min_reuse_tokens_is_computed_fresh():
+    """Separators and short template text between chunks are never reused (nothing to save);
+    retrieved chunks are reused at any length, and tree prefixes stay exact hits."""
+    glue = PlanRequest(REQ.system, (Segment("A", 10, glue=True), Segment("B", 10, glue=True), Segment("C", 20)),
+                       question_tokens=5)
+    plan = setup(min_reuse_tokens=12)[0].plan(glue)
+    assert actions(plan) == ["tree", "tree", "fresh", "reuse"]
+    assert "min_reuse_tokens" in plan.segments[2].reason
+    assert actions(setup(min_reuse_tokens=12)[0].plan(REQ)) == ["tree", "tree", "reuse", "reuse"]  # chunks: reused
+    assert actions(setup(min_reuse_tokens=0)[0].plan(glue)) == ["tree", "tree", "reuse", "reuse"]
+    with pytest.raises(ConfigError):
+        CacheConfig(min_reuse_tokens=-1)

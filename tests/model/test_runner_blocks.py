@@ -129,3 +129,46 @@ def test_engine_last_layer_trim_equals_every_row():
     for mode in ("cachedrag", "full"):
         torch.testing.assert_close(engine.prefill_logits(segs, mode=mode),
                                    engine.prefill_logits(segs, mode=mode, all_logits=True)[-1], atol=1e-5, rtol=0)
+
+
+def _compact(kv, keep: torch.Tensor, runner):
+    """A buffer holding only rows ``keep`` (in order): the reference for hidden keys."""
+    out = runner.new_kv(keep.shape[0])
+    out.k.copy_(kv.k[:, :, keep])
+    out.v.copy_(kv.v[:, :, keep])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("with_lead", [False, True])
+def test_hidden_keys_equal_rows_absent(arch, with_lead):
+    """``causal_blocks(..., hidden_keys)`` + ``attend`` and ``segment_attention_mass(hidden_keys=)``
+    equal attention over a buffer without those rows (attention is position-free once K is
+    rotated): the question pre-pass can leave fresh rows out without computing them."""
+    if arch not in TINY_ARCHITECTURES:
+        pytest.skip(f"{arch} not a tiny architecture")
+    runner = tiny_runner(arch)
+    n = 200
+    ids = _ids(n)
+    kv = runner.new_kv(n)
+    runner.prefill(ids, kv=kv)  # every row valid
+    hidden = torch.zeros(n, dtype=torch.bool)
+    hidden[90:150] = True  # a "fresh chunk after a reused one"
+    kv.k[:, :, 90:150] = 7.0  # finite garbage: must not matter
+    kv.v[:, :, 90:150] = -3.0
+    pos = torch.cat([torch.arange(40, 60) if with_lead else torch.arange(0), torch.arange(n - 12, n)])  # [T]
+    keep = torch.nonzero(~hidden).flatten()  # [T_k']
+    compact_pos = torch.searchsorted(keep, pos)  # [T] rows of pos in the compact buffer
+    ref_kv = _compact(kv, keep, runner)
+    layer = 1
+    q = torch.randn(runner.n_heads, pos.shape[0], runner.head_dim, generator=torch.Generator().manual_seed(3))
+    blocks = runner.causal_blocks(pos, n, hidden)
+    assert blocks is not None
+    got = runner.attend(layer, q, pos, kv, n, blocks)  # [T, H_q*D]
+    want = runner.attend(layer, q, compact_pos, ref_kv, keep.shape[0], None)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    every = list(range(n + 1))
+    mass = runner.segment_attention_mass(layer, q, pos, kv, n, every, hidden_keys=hidden)  # [T, n]
+    ref = runner.segment_attention_mass(layer, q, compact_pos, ref_kv, keep.shape[0], list(range(keep.shape[0] + 1)))
+    assert float(mass[:, hidden].abs().max()) == 0.0
+    torch.testing.assert_close(mass[:, keep], ref, atol=1e-6, rtol=1e-5)
