@@ -19,9 +19,9 @@ Why a module of our own and this route: ``torch.compile`` (dynamo) of the same s
 1.7-5 ms per token *slower* than the eager fast path (guard checks and the Python wrapper per
 call: ~20-70 us x 30 calls, more with the projections as custom ops), while the AOTInductor
 package runs the same generated kernels from C++: -2 to -3 ms per token in fp32, int8 and int4
-(exclusive probes, docs/speed.md "Decode, round 5"). bf16 (oneDNN's packed weights are opaque
-to export; plain bf16 matmuls were 4 ms slower) and int8-dynamic (fbgemm packed params) are
-not offered.
+(exclusive probes, docs/speed.md "Decode, round 5"). bf16 (plain bf16 matmuls on argument weights
+were 4 ms slower than eager oneDNN packed ones) and int8-dynamic (fbgemm's packed parameters are
+an opaque object) are not offered.
 
 Does not own: the weights and their formats (``weights.py``), the eager step and its reference
 path (``runner.py``), sampling. The batched server step never uses it.
