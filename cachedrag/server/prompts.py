@@ -22,9 +22,9 @@ as the engine's own prompts end each chunk with its separator. Left as text segm
 own (the default), the 1-2-token separators between chunks are computed, never reused (the
 engine's ``CacheConfig.min_reuse_tokens``): an all-miss request is a plain prefill that stores its
 exact path, and the boundary tokens are exact. (Until then they were planned as tiny reusable
-chunks: every request with two or more chunks, even an all-miss one, ran the reuse path's question
-pre-pass over its fresh chunks and computed them twice, and no chunk sequence became an exact tree
-path past its first chunk.) Joined, they are cached and approximated with their chunk (ROUGE-L vs
+chunks: no chunk sequence became an exact tree path past its first chunk, and a request whose
+separators were longer than their recompute count, even an all-miss one, ran the reuse path's
+question pre-pass over its fresh chunks.) Joined, they are cached and approximated with their chunk (ROUGE-L vs
 full 0.80 vs 0.89 separate, one run each; docs/serving.md), so joining stays an option.
 
 Does not own: tokenisation details and keys (``cachedrag.prompt``), HTTP, or the engine.
