@@ -10,7 +10,9 @@ three packages shared by every layer (the layer's weights are arguments, not con
 - ``last``: the last layer's post-attention part and the final RMSNorm.
 
 Attention (its key count grows every step) stays eager between the calls, as do the K/V row
-writes and the LM head. Packages are cached under ``cache_home()/aoti``, keyed by the segment's
+writes and the LM head (attention and the writes inside the package, the KV length a dynamic
+dimension, saved <= ~1 ms per token: the flash kernel's own time dominates; docs/speed.md
+"Decode, round 6"). Packages are cached under ``cache_home()/aoti``, keyed by the segment's
 shapes and formats, torch's version, the thread count baked into the kernels and the CPU's
 instruction-set flags; a package that fails to load is a miss (rebuilt). The first build costs
 ~20-30 s on a 2-core machine, a cached load ~2 s.
