@@ -14,7 +14,8 @@ writes and the LM head (attention and the writes inside the package, the KV leng
 dimension, saved <= ~1 ms per token: the flash kernel's own time dominates; docs/speed.md
 "Decode, round 6"). Packages are cached under ``cache_home()/aoti``, keyed by the segment's
 shapes and formats, torch's version, the thread count baked into the kernels and the CPU's
-instruction-set flags; a package that fails to load is a miss (rebuilt). The first build costs
+instruction-set flags, each beside the SHA-256 of its bytes; a package whose bytes no longer match
+or that fails to load is a miss (rebuilt), so a damaged package never runs. The first build costs
 ~20-30 s on a 2-core machine, a cached load ~2 s.
 
 Why a module of our own and this route: ``torch.compile`` (dynamo) of the same segments was
@@ -228,16 +229,19 @@ class CompiledDecode:
 
     def _load(self, name: str):
         path = self.cache_dir / f"decode-{name}-{self.key(name)}.pt2"
+        digest = path.with_suffix(".sha256")
         if path.exists():
-            try:
+            try:  # a package whose bytes changed since its build (bit rot, a truncated copy) is a miss:
+                if digest.read_text().strip() != _sha256(path):  # its kernels must never run
+                    raise ValueError("package digest mismatch")
                 return torch._inductor.aoti_load_package(str(path))
             except Exception:  # a damaged or foreign package is a miss: rebuild it below  # noqa: BLE001
                 path.unlink(missing_ok=True)
-        self._build(name, path)
+        self._build(name, path, digest)
         self.built.append(name)
         return torch._inductor.aoti_load_package(str(path))
 
-    def _build(self, name: str, path: Path) -> None:
+    def _build(self, name: str, path: Path, digest: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with torch.no_grad():
             program = torch.export.export(_Segment(self._functions()[name]), self._example(name), strict=False)
@@ -245,10 +249,26 @@ class CompiledDecode:
             os.close(fd)
             try:
                 torch._inductor.aoti_compile_and_package(program, package_path=tmp)
+                _write_atomic(digest, _sha256(Path(tmp)))  # the digest first: a package never lacks it
                 os.replace(tmp, path)  # atomic: a half-written package is never loaded
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _default_cache_dir() -> Path:

@@ -60,13 +60,15 @@ def test_packages_are_cached_and_a_damaged_one_is_rebuilt(cache, tmp_path):
     tok = byte_tokenizer()
     eager = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok)
     ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, compile=True, compile_cache_dir=cache)  # built once
-    for package in cache.glob("*.pt2"):
+    for package in [*cache.glob("*.pt2"), *cache.glob("*.sha256")]:
         shutil.copy(package, tmp_path)
     again = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, compile=True, compile_cache_dir=tmp_path)
     assert again.compiled.built == []  # a second runner of the same shapes loads the packages
     first = tmp_path / f"decode-first-{again.compiled.key('first')}.pt2"
     assert first.exists()
-    first.write_bytes(b"not a package")
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit inside the package
+    first.write_bytes(bytes(data))
     rebuilt = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, compile=True, compile_cache_dir=tmp_path)
     assert rebuilt.compiled.built == ["first"]  # a damaged package is a miss, never an error
     for want, got, _, _ in _steps(eager, rebuilt, tokens=(5, 17)):
