@@ -175,7 +175,9 @@ class _HoldDecoding:
 def test_client_disconnect_mid_stream_frees_the_slot(live_server):
     s = live_server(scheduler={"max_batch": 1})
     hold = _HoldDecoding(s.loop)
-    body = {"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 180, "stream": True}
+    # greedy: this prompt then runs to max_tokens (sampled at temperature 1, an EOS can end it during the
+    # held step, before the cancel is seen, and a request that finished counts its tokens)
+    body = {"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 180, "temperature": 0, "stream": True}
     with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # the role chunk: the request is in
@@ -298,8 +300,8 @@ def test_disconnect_while_a_chunk_is_being_sent_frees_the_slot():
     engine = CachedEngine(tiny_runner(), config=EngineConfig(lookup=LookupConfig(max_draft=0)))
     app = create_app(engine, ServerConfig(model_name="tiny", scheduler={"max_batch": 1}))
     loop = app.state.loop
-    body = json.dumps({"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 180,
-                       "stream": True}).encode()
+    body = json.dumps({"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 180, "temperature": 0,
+                       "stream": True}).encode()  # greedy: no EOS can end it by itself (see the test above)
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
              "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
