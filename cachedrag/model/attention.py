@@ -306,45 +306,55 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(splits >= 0, "decode_attention: splits >= 0");
   const int G = H_q / H_kv;
   if (splits == 0) splits = auto_splits(H_kv, end - start);
-  auto qs = (q.to(torch::kFloat32) * scale).contiguous();  // [H_q, D]
-  auto opts = q.options().dtype(torch::kFloat32);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "decode_attention: q must be float32 or bfloat16");
+  // scratch on the heap, not as tensors: per-call overhead matters at 30 calls per token
+  std::vector<float> qs(static_cast<size_t>(H_q) * D);  // [H_q, D] float32, scaled
+  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const at::BFloat16* qb = q_bf16 ? q.data_ptr<at::BFloat16>() : nullptr;
+  const float* qf = q_bf16 ? nullptr : q.data_ptr<float>();
+  for (int h = 0; h < H_q; ++h)
+    for (int d = 0; d < D; ++d)
+      qs[h * D + d] = (qb ? static_cast<float>(qb[h * qs0 + d * qs1]) : qf[h * qs0 + d * qs1]) * static_cast<float>(scale);
   const int64_t tasks = static_cast<int64_t>(H_kv) * splits;
-  auto m = torch::empty({tasks, G}, opts), l = torch::empty({tasks, G}, opts);
-  auto acc = torch::empty({tasks, G, D}, opts);
+  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
   if (k.scalar_type() == torch::kFloat32) {
-    run<float>(qs.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0),
-               start, end, H_kv, G, D, splits, m.data_ptr<float>(), l.data_ptr<float>(), acc.data_ptr<float>());
+    run<float>(qs.data(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0),
+               start, end, H_kv, G, D, splits, m.data(), l.data(), acc.data());
   } else {
     TORCH_CHECK(k.scalar_type() == torch::kBFloat16, "decode_attention: k/v must be float32 or bfloat16");
-    run<uint16_t>(qs.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+    run<uint16_t>(qs.data(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), k.stride(0), v.stride(0),
-                  start, end, H_kv, G, D, splits, m.data_ptr<float>(), l.data_ptr<float>(), acc.data_ptr<float>());
+                  start, end, H_kv, G, D, splits, m.data(), l.data(), acc.data());
   }
-  auto out = torch::empty({H_q, D}, opts);  // merge the splits: out = sum e^(m_s - M) acc_s / sum e^(m_s - M) l_s
-  const float* mp = m.data_ptr<float>();
-  const float* lp = l.data_ptr<float>();
-  const float* ap = acc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  auto out = torch::empty({H_q, D}, q.options());  // merge the splits: out = sum e^(m_s - M) acc_s / sum e^(m_s - M) l_s
+  float o[MAX_D];
   for (int h = 0; h < H_kv; ++h) {
     for (int g = 0; g < G; ++g) {
       float M = -std::numeric_limits<float>::infinity();
-      for (int s = 0; s < splits; ++s) M = std::max(M, mp[(h * splits + s) * G + g]);
+      for (int s = 0; s < splits; ++s) M = std::max(M, m[(h * splits + s) * G + g]);
       float L = 0.f;
-      float* o = op + (static_cast<int64_t>(h) * G + g) * D;
       for (int d = 0; d < D; ++d) o[d] = 0.f;
       for (int s = 0; s < splits; ++s) {
         const int64_t t = static_cast<int64_t>(h) * splits + s;
-        if (lp[t * G + g] == 0.f) continue;
-        const float w = std::exp(mp[t * G + g] - M);
-        L += w * lp[t * G + g];
-        const float* a = ap + (t * G + g) * D;
+        if (l[t * G + g] == 0.f) continue;
+        const float w = std::exp(m[t * G + g] - M);
+        L += w * l[t * G + g];
+        const float* a = acc.data() + (t * G + g) * D;
         for (int d = 0; d < D; ++d) o[d] += w * a[d];
       }
       const float inv = 1.f / L;
-      for (int d = 0; d < D; ++d) o[d] *= inv;
+      const int64_t row = (static_cast<int64_t>(h) * G + g) * D;
+      if (q_bf16) {
+        at::BFloat16* ob = out.data_ptr<at::BFloat16>() + row;
+        for (int d = 0; d < D; ++d) ob[d] = at::BFloat16(o[d] * inv);  // round to nearest even
+      } else {
+        float* of = out.data_ptr<float>() + row;
+        for (int d = 0; d < D; ++d) of[d] = o[d] * inv;
+      }
     }
   }
-  return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
