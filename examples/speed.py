@@ -8,10 +8,13 @@ prefill and greedy decode steps, then scores float32's greedy continuation teach
 every runner (top-1 agreement and KL against float32, as `cachedrag bench speed` reports).
 For the side-by-side figures with transformers and llama.cpp, run `cachedrag bench speed`.
 
+Every runner's decode attention is the split-K kernel by default (docs/speed.md "Decode, round 7");
+--sdpa adds the fp32 runner with torch's SDPA instead, to see the difference here.
+
 With --compile, also the fp32 and int4 runners with ``compile=True`` (the decode step's static-shape
 parts from AOTInductor packages, built once per machine in ~25 s each and cached; docs/speed.md).
 
-Run: .venv/bin/python examples/speed.py [--threads 2] [--tokens 24] [--compile]
+Run: .venv/bin/python examples/speed.py [--threads 2] [--tokens 24] [--compile] [--sdpa]
 """
 
 import argparse
@@ -29,6 +32,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
 parser.add_argument("--tokens", type=int, default=24, help="decode steps timed, and teacher-forced tokens scored")
 parser.add_argument("--compile", action="store_true", help="also the compile=True fp32 and int4 runners")
+parser.add_argument("--sdpa", action="store_true", help="also fp32 with decode_attention='sdpa' (torch's kernel)")
 args = parser.parse_args()
 
 runners = {
@@ -42,6 +46,9 @@ if vnni_available():  # int8 weights and per-token int8 decode activations (fbge
 if args.compile:
     runners["cachedrag-fp32-compiled"] = ModelRunner.from_pretrained(dtype="float32", threads=args.threads, compile=True)
     runners["cachedrag-int4-compiled"] = ModelRunner.from_pretrained(weights="int4", threads=args.threads, compile=True)
+if args.sdpa:
+    runners["cachedrag-fp32-sdpa"] = ModelRunner.from_pretrained(dtype="float32", threads=args.threads,
+                                                                 decode_attention="sdpa")
 tokenizer = runners["cachedrag-fp32"].tokenizer
 docs = [d.text for d in stdlib_corpus(("json", "heapq", "bisect", "functools", "csv"))]
 chunks = [tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)[:256]) for t in docs]
@@ -49,7 +56,8 @@ segments = CachedEngine(runners["cachedrag-fp32"]).prompts.chat(chunks, "How do 
                                                                 "Answer from the excerpts. Be brief.")
 ids = [t for s in segments for t in s.ids]
 
-print(f"{len(ids)}-token prompt, {runners['cachedrag-fp32'].threads} threads")
+print(f"{len(ids)}-token prompt, {runners['cachedrag-fp32'].threads} threads, decode attention: "
+      f"{runners['cachedrag-fp32'].decode_attention} {runners['cachedrag-fp32'].decode_attention_note}")
 print(f"{'runner':<16} {'numerics':<20} {'weights MB':>10} {'prefill tok/s':>14} {'decode ms/token':>16}")
 for name, runner in runners.items():
     kv = runner.new_kv(len(ids) + args.tokens + 1)
