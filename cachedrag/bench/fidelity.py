@@ -65,6 +65,14 @@ VARIANTS = {
     "refine": {"refine_layer": 20, "refine_factor": 2.0},  # second stage at layer 20 (2x candidates below it)
     "dense2": {"dense_layers": 2},  # every reused token through layers 0-1, the chosen ones through all
     "dense6": {"dense_layers": 6},
+    # layer-wise budget (CacheConfig.layer_taper): the chosen tokens' lower-ranked share stops at a layer
+    "taper15": {"layer_taper": ((15, 0.5),)},  # half of each chunk's tokens from layer 15 on
+    "taper15dev": {"layer_taper": ((15, 0.5),), "taper_rank": "deviation"},  # ranked by K/V deviation there
+    "taper8": {"layer_taper": ((8, 0.6),)},
+    "taper8dev": {"layer_taper": ((8, 0.6),), "taper_rank": "deviation"},
+    "taper10dev": {"layer_taper": ((10, 0.5),), "taper_rank": "deviation"},
+    "taper22": {"layer_taper": ((22, 0.25),)},
+    "taper2step": {"layer_taper": ((10, 0.7), (20, 0.4))},
 }
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
