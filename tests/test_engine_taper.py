@@ -156,7 +156,6 @@ def test_taper_counts(steps, counts, expected):
     ({"layer_taper": ((3, 0.2), (5, 0.5))}, "non-increasing"),
     ({"layer_taper": (3, 0.5)}, "pairs"),
     ({"taper_rank": "random"}, "taper_rank"),
-    ({"layer_taper": ((3, 0.5),), "dense_layers": 2}, "does not combine"),
 ])
 def test_bad_taper_settings_are_refused(bad, match):
     with pytest.raises(ConfigError, match=match):
@@ -165,4 +164,23 @@ def test_bad_taper_settings_are_refused(bad, match):
 
 def test_taper_settings_are_normalised():
     assert CacheConfig(layer_taper=[[15, 0.5]]).layer_taper == ((15, 0.5),)
-    assert CacheConfig().layer_taper == () and CacheConfig().taper_rank == "choice"
+    assert CacheConfig().layer_taper == ((15, 0.5),) and CacheConfig().taper_rank == "deviation"  # round 9's default
+
+
+def test_the_default_schedule_tapers_a_deep_model():
+    """The default (``((15, 0.5),)``, deviation-ranked) acts on models deeper than 15 layers: half
+    of each reused chunk's recompute tokens stop at layer 15; ``layer_taper=()`` keeps them all."""
+    tok = byte_tokenizer()
+    deep = ModelRunner(tiny_model("qwen2", seed=3, vocab_size=len(tok), num_hidden_layers=16,
+                                  layer_types=["full_attention"] * 16), tok)
+    out = {}
+    for name, cache in {"default": {}, "off": {"layer_taper": ()}}.items():
+        engine = CachedEngine(deep, config=EngineConfig(cache=CacheConfig(**cache)))
+        engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+        out[name] = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
+    default, off = out["default"], out["off"]
+    assert off.approximations == ["chunk_reuse", "partial_recompute:question+inter"] and off.checked_tokens == 0
+    assert default.approximations == off.approximations + ["layer_taper"]
+    chosen = sum(len(c) for c in default.chunk_recompute)
+    assert default.checked_tokens == chosen - sum(-(-len(c) // 2) for c in default.chunk_recompute)
+    assert default.computed_fraction < off.computed_fraction

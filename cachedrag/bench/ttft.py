@@ -31,7 +31,8 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 ALL_MODES = ("full", "prefix", "naive", "random", "cachedrag")
 #: the engine default until the measured frontier chose one (docs/fidelity.md), for before/after rows
-PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None}, "early_termination": True}
+PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None, "layer_taper": ()},
+                    "early_termination": True}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its exact path after the response) or N:inline (that sighting is prefilled exactly), e.g. "
                         "off,2:inline (rows 'cachedrag:repeats=SPEC')")
     parser.add_argument("--tapers", default="", help="also run cachedrag with these layer-wise budgets "
-                        "(CacheConfig.layer_taper), comma-separated specs STEPS[/deviation][@RATIO], STEPS = "
-                        "LAYER:KEEP joined by '+', e.g. 15:0.5,10:0.7+20:0.4/deviation@0.3 (rows 'cachedrag:taper=SPEC'; "
-                        "/deviation: taper_rank 'deviation', else 'choice'; @RATIO: recompute_ratio, else the default's)")
+                        "(CacheConfig.layer_taper), comma-separated specs STEPS[/deviation][@RATIO] or off[@RATIO], STEPS = "
+                        "LAYER:KEEP joined by '+', e.g. off,10:0.7+20:0.4/deviation@0.3 (rows 'cachedrag:taper=SPEC'; "
+                        "/deviation: taper_rank 'deviation', else 'choice'; off: every chosen token through every layer; "
+                        "@RATIO: recompute_ratio, else the default's)")
     parser.add_argument("--previous-default", action="store_true",
                         help="also run the engine default before the frontier picked one (row 'cachedrag:previous': "
                              "deviation choice, per-chunk CFO counts, early termination on), for a before/after")
@@ -245,14 +247,25 @@ def _repeat_setting(spec: str) -> dict:
 
 
 def taper_setting(spec: str) -> dict:
-    """``--tapers`` spec -> CacheConfig fields: 'STEPS[/deviation][@RATIO]', STEPS = 'LAYER:KEEP' joined by '+'.
+    """``--tapers`` spec -> CacheConfig fields: 'off' (every chosen token through every layer, the default
+    before round 9) or 'STEPS[/deviation|/choice][@RATIO]', STEPS = 'LAYER:KEEP' joined by '+'.
 
     >>> taper_setting("10:0.7+20:0.4/deviation@0.3")
     {'layer_taper': ((10, 0.7), (20, 0.4)), 'taper_rank': 'deviation', 'recompute_ratio': 0.3}
     >>> taper_setting("15:0.5")
     {'layer_taper': ((15, 0.5),), 'taper_rank': 'choice'}
+    >>> taper_setting("off@0.24")
+    {'layer_taper': (), 'recompute_ratio': 0.24}
     """
     body, _, ratio = spec.partition("@")
+    if body == "off":
+        out = {"layer_taper": ()}
+        try:
+            if ratio:
+                out["recompute_ratio"] = float(ratio)
+        except ValueError:
+            raise ConfigError(f"--tapers: {spec!r}: {ratio!r} is not a ratio") from None
+        return out
     steps_text, _, rank = body.partition("/")
     try:
         steps = tuple((int(layer), float(keep)) for layer, keep in (s.split(":") for s in steps_text.split("+")))
