@@ -9,8 +9,8 @@ three packages shared by every layer (the layer's weights are arguments, not con
   then layer ``i+1``'s RMSNorm + qkv + RoPE (one call per layer boundary);
 - ``last``: the last layer's post-attention part and the final RMSNorm.
 
-Attention (its key count grows every step) stays eager between the calls, as do the K/V row
-writes and the LM head (attention and the writes inside the package, the KV length a dynamic
+Attention (its key count grows every step) stays eager between the calls (the runner's
+``_attend_row``: the split-K kernel by default), as do the K/V row writes and the LM head (attention and the writes inside the package, the KV length a dynamic
 dimension, saved <= ~1 ms per token: the flash kernel's own time dominates; docs/speed.md
 "Decode, round 6"). Packages are cached under ``cache_home()/aoti``, keyed by the segment's
 shapes and formats, torch's version, the thread count baked into the kernels and the CPU's
@@ -153,16 +153,11 @@ class CompiledDecode:
         hidden = r.embed(torch.tensor([token_id], device=r.device))  # [1, Dm]
         cos, sin = r.rotary.cos_sin(torch.tensor([position]), r.dtype, r.device)  # [1, D] each
         q, k, v = self.first(hidden, cos, sin, *self._pre_args[0])  # [1, H_q, 1, D], [H_kv, D], [H_kv, D]
-        gqa = r.n_heads != r.n_kv_heads
         n = r.n_layers
         for i in range(n):
             kv.k[i, :, position] = k  # [H_kv, D]
             kv.v[i, :, position] = v
-            window = r.windows[i]
-            start = 0 if window is None else max(0, position + 1 - window)
-            out = F.scaled_dot_product_attention(q, kv.k[i, None, :, start:position + 1],
-                                                 kv.v[i, None, :, start:position + 1], scale=r.scaling,
-                                                 enable_gqa=gqa)  # [1, H_q, 1, D]
+            out = r._attend_row(i, q[0, :, 0], position, kv).view(q.shape)  # [1, H_q, 1, D] (runner's choice)
             if i + 1 < n:
                 hidden, q, k, v = self.mid(hidden, out, cos, sin, *self._post_args[i], *self._pre_args[i + 1])
             else:

@@ -121,7 +121,7 @@ class ModelRunner:
     def __init__(self, model, tokenizer=None, kernel_backend: str = "auto", skinny_linear: bool = True, *,
                  dtype=None, weights: str = "dense", kv_store_dtype=None, fast: bool = True,
                  threads: int | None = None, block_causal: bool = True, compile: bool = False,
-                 compile_cache_dir=None):
+                 compile_cache_dir=None, decode_attention: str = "auto"):
         """``kernel_backend``: ``"auto"`` uses the Triton kernels (``cachedrag.kernels``) on CUDA
         and torch elsewhere; ``"torch"`` / ``"triton"`` force one (``"triton"`` on CPU needs
         ``TRITON_INTERPRET=1``; used by the equivalence tests).
@@ -143,6 +143,11 @@ class ModelRunner:
         int8 and int4 weights; the first build takes ~20-30 s, later loads ~2 s); attention stays
         eager. Off: the eager fast step (what the batched server step mirrors), unchanged.
         ``compile_cache_dir``: where those packages live (default ``cache_home()/aoti``).
+        ``decode_attention``: the one-token step's attention over the KV. ``"kernel"``: the split-K
+        C++ kernel (``model/attention.py``: both threads on every head, each K/V row read once for
+        the query heads sharing it; compiled at first use and cached on disk); ``"sdpa"``: torch's
+        SDPA (the reference); ``"auto"`` (default): the kernel where it builds (fast CPU path), else
+        SDPA, the reason in ``decode_attention_note``. The resolved choice is ``self.decode_attention``.
         """
         if kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
@@ -199,6 +204,7 @@ class ModelRunner:
             raise UnsupportedModelError(f"{weights} weights need Llama-family linear projections in every layer")
         self._decode_dtype = self.numerics.decode_dtype
         self._decode_norms = self._norm_weights() if self._decode_fast else None
+        self.decode_attention, self.decode_attention_note, self._attn_kernel = self._pick_decode_attention(decode_attention)
         self.compiled = None
         if compile:
             from cachedrag.model.compiled import CompiledDecode
@@ -278,6 +284,26 @@ class ModelRunner:
             self.decode_step(int(ids[step]), n + step, kv)
         self.prefill(ids[:4], positions=torch.arange(n + decode_steps, n + decode_steps + 4), kv=kv, all_logits=True)
         return time.perf_counter() - start
+
+    def _pick_decode_attention(self, requested: str):
+        """``(choice, note, kernel module or None)`` for the one-token step's attention."""
+        if requested not in ("auto", "kernel", "sdpa"):
+            raise ConfigError(f"decode_attention must be 'auto', 'kernel' or 'sdpa', got {requested!r}")
+        if requested == "sdpa":
+            return "sdpa", "", None
+        if self._decode_norms is None or self.device.type != "cpu":
+            if requested == "kernel":
+                raise ConfigError("decode_attention='kernel' needs the fast CPU decode path (fast=True, torch kernels, "
+                                  "Llama-family layers without q/k norms)")
+            return "sdpa", "not the fast CPU decode path", None
+        from cachedrag.model import attention
+
+        module = attention.kernel()
+        if module is None:
+            if requested == "kernel":
+                raise ConfigError(f"decode_attention='kernel': the kernel is {attention.kernel_status()}")
+            return "sdpa", f"kernel {attention.kernel_status()}", None
+        return "kernel", "", module
 
     def _pick_backend(self, requested: str) -> str:
         if requested != "auto":
@@ -622,13 +648,12 @@ class ModelRunner:
         is visible; a sliding window becomes a slice). Equal to ``forward_layer`` to float rounding
         (tests); per-op overhead, not arithmetic, dominates a decode step of a small model.
 
-        Attention is SDPA with ``enable_gqa``. Grouping the G = H_q / H_kv query heads as G query
-        rows of one call against their KV head (each K/V row read once) is 1.8x faster in isolation
-        in fp32 but was slower inside a decode step (fp32 40.2 vs 39.2 ms, bf16 31.6 vs 30.5 ms:
-        3 heads split worse over 2 threads than 9); a roll+addcmul RoPE was no faster either
-        (exclusive probes, docs/speed.md). The residual stream is in ``numerics.decode_dtype``
-        (float32 for int8-dynamic, whose kernel takes and returns float32; K/V rows are cast on write
-        and q once for attention)."""
+        Attention is ``_attend_row``: by default the split-K kernel (``model/attention.py``), which
+        shares each K/V row among the G = H_q / H_kv query heads AND splits the keys over the threads
+        (grouping heads alone, as G query rows of one SDPA call, was slower inside the step: 3 heads
+        split worse over 2 threads than 9; docs/speed.md rounds 3 and 7). The residual stream is in
+        ``numerics.decode_dtype`` (float32 for int8-dynamic, whose kernel takes and returns float32;
+        K/V rows are cast on write; the kernel reads the float32 q against bf16 K/V as it is)."""
         lw = self.fast_layers[i]
         w1, w2, eps1, eps2 = self._decode_norms[i]
         x = _rms_norm_rows(hidden, w1, eps1)  # [1, Dm]
@@ -638,15 +663,26 @@ class ModelRunner:
         qk = qk * rope[0] + rotate_half(qk) * rope[1]  # [H_q + H_kv, 1, D] RoPE at position
         kv.k[i, :, position] = qk[self.n_heads:, 0]  # [H_kv, D]
         kv.v[i, :, position] = qkv[lw.q_out + lw.kv_out:].view(self.n_kv_heads, self.head_dim)  # [H_kv, D]
+        out = self._attend_row(i, qk[: self.n_heads, 0], position, kv)  # [1, H_q*D]
+        h = hidden + lw.o(out.to(hidden.dtype))  # [1, Dm]
+        return h + lw.mlp(_rms_norm_rows(h, w2, eps2))  # [1, Dm]
+
+    def _attend_row(self, i: int, q: torch.Tensor, position: int, kv: KVBuffer) -> torch.Tensor:
+        """The one query row per head ``q [H_q, D]`` (rotated, the stream's dtype) at ``position``
+        over layer ``i``'s K/V rows up to it (a sliding window becomes a start row): ``[1, H_q*D]``.
+        The split-K kernel (``decode_attention="kernel"``: float32 arithmetic, q as given, K/V read in
+        the buffer's dtype) or SDPA with ``enable_gqa`` (q cast to the KV dtype). The batched server
+        step calls it per request, so one row there is this step bit for bit."""
         window = self.windows[i]
         start = 0 if window is None else max(0, position + 1 - window)
+        if self._attn_kernel is not None:
+            return self._attn_kernel.decode_attention(q, kv.k[i], kv.v[i], start, position + 1, self.scaling,
+                                                      0).view(1, -1)  # [1, H_q*D]
         k = kv.k[i, :, start:position + 1]  # [H_kv, T_k, D]
         v = kv.v[i, :, start:position + 1]  # [H_kv, T_k, D]
-        q = qk[None, : self.n_heads].to(k.dtype)  # [1, H_q, 1, D] (a no-op unless the stream is float32)
-        out = F.scaled_dot_product_attention(q, k[None], v[None], scale=self.scaling,
+        out = F.scaled_dot_product_attention(q[None, :, None].to(k.dtype), k[None], v[None], scale=self.scaling,
                                              enable_gqa=self.n_heads != self.n_kv_heads)  # [1, H_q, 1, D]
-        h = hidden + lw.o(out.reshape(1, -1).to(hidden.dtype))  # [1, Dm]
-        return h + lw.mlp(_rms_norm_rows(h, w2, eps2))  # [1, Dm]
+        return out.reshape(1, -1)  # [1, H_q*D]
 
     # ------------------------------------------------------------------ attention metadata
     def segment_attention_mass(

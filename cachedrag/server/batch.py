@@ -10,7 +10,8 @@ indexed K/V write per layer and ONE attention call over whole 512-key blocks wit
 mask (``block_span_of``, ``_Views.block_span``), which gives each pooled request the same bits
 alone and beside any batch-mates (a row over its exact ``p + 1`` keys would not: the kernel
 rounds a block's sums by its length); the others (and all of them with ``pooled=False``, the
-reference) one call each over their exact keys, the runner's own arithmetic. Requests join and
+reference) one call each over their exact keys through the runner's own ``_attend_row`` (its
+split-K kernel or SDPA), the runner's own arithmetic. Requests join and
 leave between calls: nothing here persists across steps but the packed weights below (built
 once per runner).
 
@@ -211,7 +212,6 @@ class _Views:
                               + self.pos[:, None]).reshape(-1)  # [m*H_kv], in [m, H_kv] order
         self.k_rows = [kv.k[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
         self.v_rows = [kv.v[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
-        self._spans: dict[int | None, list] = {}
 
     def block_span(self, window: int | None) -> tuple[int, int, torch.Tensor]:
         """Pooled rows: ``(lo, hi, mask)``: the one call reads keys ``[lo, hi)`` of the slots, both
@@ -230,16 +230,6 @@ class _Views:
             add = torch.zeros(vis.shape, dtype=self.pool.k.dtype, device=vis.device)  # [m, T]
             self._masks[window] = (lo, hi, add.masked_fill_(~vis, float("-inf"))[:, None, None, :])  # [m, 1, 1, T]
         return self._masks[window]
-
-    def spans(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per request past the pooled ones, K and V ``[L, 1, H_kv, T, D]`` over keys ``p - window < j <= p``."""
-        if window not in self._spans:
-            out = []
-            for p, kv in zip(self.positions[self.m:], self.kvs[self.m:]):
-                lo = 0 if window is None else max(0, p + 1 - window)
-                out.append((kv.k[:, None, :, lo:p + 1], kv.v[:, None, :, lo:p + 1]))  # [L, 1, H_kv, T, D] each
-            self._spans[window] = out
-        return self._spans[window]
 
 
 def _attend(runner: ModelRunner, i: int, q: torch.Tensor, positions: list[int], kvs: Sequence[KVBuffer]) -> torch.Tensor:
@@ -290,10 +280,8 @@ def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, views: _Views
     for r in range(b - m):
         views.k_rows[r][i].copy_(qk[h_q:, m + r])  # [H_kv, D] into row p of request m + r
         views.v_rows[r][i].copy_(v[m + r])  # [H_kv, D]
-    spans = views.spans(window) if m < b else []
-    outs += [F.scaled_dot_product_attention(q[:, :, m + r:m + r + 1], k[i], v_[i], scale=runner.scaling,
-                                            enable_gqa=gqa).reshape(1, -1)
-             for r, (k, v_) in enumerate(spans)]  # (B-m) x [1, H_q*D]; no mask: every key up to p is visible
+    outs += [runner._attend_row(i, qk[:h_q, m + r], p, kv)  # (B-m) x [1, H_q*D]: the runner's own attention
+             for r, (p, kv) in enumerate(zip(views.positions[m:], views.kvs[m:]))]  # (its kernel or SDPA)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [B, H_q*D]
     h = hidden + o_w(out.to(hidden.dtype))  # [B, Dm]
     y = _rms_norm_rows(h, w2, eps2)  # [B, Dm]

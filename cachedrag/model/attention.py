@@ -1,0 +1,470 @@
+"""Decode attention: one query row per head over a request's KV rows, split across the keys.
+
+Owns: ``decode_attention(q, k, v, start, end, scale)`` (``[H_q, D]`` query rows over the rows
+``start..end-1`` of ``[H_kv, C, D]`` key/value buffers, GQA: query head ``h`` reads KV head
+``h // (H_q / H_kv)``), its torch reference (``decode_attention_reference``) and the small C++
+kernel behind it, compiled with the system's C++ compiler at first use and cached on disk
+(``cache_home()/ext``, keyed by the source, torch's version and the CPU's flags, the library's
+SHA-256 beside it: a library whose bytes changed is rebuilt, never loaded). Without a compiler
+(or when the build fails) ``kernel()`` returns None with the reason in ``kernel_status()`` and
+the runner keeps SDPA: a fallback, reported, never an error.
+
+Why hand-written: torch's CPU SDPA (the aten flash kernel) parallelises a single query row over
+(batch, head) only, so at 2 threads its 9 heads split 5/4 and every head re-reads its KV head's
+rows (3 query heads per KV head here); it also reads bf16 K/V only with a bf16 query. This kernel
+splits the keys too (flash-decoding: every thread a key range of every KV head, partial max /
+sum / output merged after), reads each K/V row once for all the query heads that share it, and
+reads float32 or bf16 K/V under a float32 query (so an fp32 or int8-dynamic runner can keep its
+working KV in bf16). No maintained package does this on the CPU for torch 2.13:
+intel-extension-for-pytorch (its decode attention) refuses any torch but its own 2.8, vLLM's
+and SGLang's CPU kernels come with their own torch builds (checked, docs/speed.md round 7).
+
+Threads: ``at::parallel_for`` over (KV head, key split) tasks with torch's intra-op thread
+count (never more). Does not own: where the KV lives or its dtype (``runner.py``), the
+prefill's attention (SDPA).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int TILE = 64;       // keys whose scores are held at once (per query head)
+constexpr int MAX_G = 16;      // query heads per KV head
+constexpr int MAX_D = 256;     // head dim
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) {
+  uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their running max) as straight-line arithmetic the compiler
+// vectorises (libm's expf is a scalar call: most of the kernel's time before). Cephes' expf
+// polynomial after x = n ln2 + r, |r| <= ln2/2; relative error ~2 ulp; x < -87 gives 0.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+// One task: KV head `h`, keys [j0, j1). Writes per query head g: running max m, sum l, acc [D].
+// DC: the head dim when known at compile time (64, 128: fully unrolled rows), 0 = runtime D.
+template <typename KV, int DC>
+void attend_range(const float* q /* [G, D] scaled */, const KV* k, const KV* v, int64_t j0, int64_t j1,
+                  int G, int D_, float* m_out, float* l_out, float* acc_out /* [G, D] */) {
+  const int D = DC ? DC : D_;
+  float m[MAX_G], l[MAX_G];
+  alignas(64) float acc[MAX_G * MAX_D];
+  alignas(64) float s[MAX_G * TILE];
+  for (int g = 0; g < G; ++g) { m[g] = -std::numeric_limits<float>::infinity(); l[g] = 0.f; }
+  for (int i = 0; i < G * D; ++i) acc[i] = 0.f;
+  for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
+    for (int j = 0; j < n; ++j) {            // scores: each K row read once for the G query heads
+      const KV* kr = k + (t0 + j) * D;
+      alignas(64) float kf[MAX_D];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) kf[d] = load(kr, d);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
+        s[g * TILE + j] = dot;
+      }
+    }
+    for (int g = 0; g < G; ++g) {            // online softmax: rescale what came before
+      float* sg = s + g * TILE;
+      float tmax = m[g];
+      for (int j = 0; j < n; ++j) tmax = std::max(tmax, sg[j]);
+      const float corr = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : exp_neg(m[g] - tmax);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < n; ++j) { sg[j] = exp_neg(sg[j] - tmax); sum += sg[j]; }
+      l[g] = l[g] * corr + sum;
+      m[g] = tmax;
+      if (corr != 1.f) {
+        float* ag = acc + g * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ag[d] *= corr;
+      }
+    }
+    for (int j = 0; j < n; ++j) {            // values: each V row read once for the G query heads
+      const KV* vr = v + (t0 + j) * D;
+      alignas(64) float vf[MAX_D];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) vf[d] = load(vr, d);
+      for (int g = 0; g < G; ++g) {
+        const float p = s[g * TILE + j];
+        float* ag = acc + g * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ag[d] += p * vf[d];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) { m_out[g] = m[g]; l_out[g] = l[g]; }
+  std::memcpy(acc_out, acc, sizeof(float) * G * D);
+}
+
+#if defined(__AVX512F__)
+// The same task with AVX-512 intrinsics, for head dims of 16*NV and G query heads per KV head known
+// at compile time (q and the G accumulators stay in registers; a score is one FMA chain per row and
+// one horizontal sum; the softmax runs on 16 scores at a time).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m512 exp16_neg(__m512 x) {  // exp_neg on 16 lanes; 2^n applied by scalef
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename KV, int NV, int G>
+void attend_avx512(const float* q, const KV* k, const KV* v, int64_t j0, int64_t j1,
+                   float* m_out, float* l_out, float* acc_out) {
+  constexpr int D = 16 * NV;
+  __m512 qv[G][NV], acc[G][NV];
+  float m[G], l[G];
+  alignas(64) float s[G][TILE];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    for (int c = 0; c < NV; ++c) { qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c); acc[g][c] = _mm512_setzero_ps(); }
+  }
+  for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
+    for (int j = 0; j < n; ++j) {
+      const KV* kr = k + (t0 + j) * D;
+      __m512 kx[NV];
+      for (int c = 0; c < NV; ++c) kx[c] = load16(kr + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        __m512 t = _mm512_mul_ps(qv[g][0], kx[0]);
+        for (int c = 1; c < NV; ++c) t = _mm512_fmadd_ps(qv[g][c], kx[c], t);
+        s[g][j] = _mm512_reduce_add_ps(t);
+      }
+    }
+    const int nb = (n + 15) / 16;
+    for (int g = 0; g < G; ++g) {
+      __m512 mx = _mm512_set1_ps(m[g]);
+      for (int b = 0; b < nb; ++b) {
+        const __mmask16 mk = n - 16 * b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16 * b)) - 1);
+        mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_loadu_ps(&s[g][16 * b]));
+      }
+      const float tmax = _mm512_reduce_max_ps(mx);
+      const float corr = m[g] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[g] - tmax);
+      const __m512 tm = _mm512_set1_ps(tmax);
+      __m512 sum = _mm512_setzero_ps();
+      for (int b = 0; b < nb; ++b) {
+        const __mmask16 mk = n - 16 * b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16 * b)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(mk, exp16_neg(_mm512_sub_ps(_mm512_loadu_ps(&s[g][16 * b]), tm)));
+        _mm512_storeu_ps(&s[g][16 * b], e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
+      m[g] = tmax;
+      if (corr != 1.f) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const KV* vr = v + (t0 + j) * D;
+      __m512 vx[NV];
+      for (int c = 0; c < NV; ++c) vx[c] = load16(vr + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(s[g][j]);
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, vx[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    m_out[g] = m[g];
+    l_out[g] = l[g];
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc_out + g * D + 16 * c, acc[g][c]);
+  }
+}
+
+template <typename KV, int NV>
+bool attend_avx512_g(const float* q, const KV* k, const KV* v, int64_t j0, int64_t j1, int G,
+                     float* m, float* l, float* acc) {
+  switch (G) {
+#define CACHEDRAG_G(N) case N: attend_avx512<KV, NV, N>(q, k, v, j0, j1, m, l, acc); return true;
+    CACHEDRAG_G(1) CACHEDRAG_G(2) CACHEDRAG_G(3) CACHEDRAG_G(4) CACHEDRAG_G(5) CACHEDRAG_G(6) CACHEDRAG_G(7) CACHEDRAG_G(8)
+#undef CACHEDRAG_G
+    default: return false;
+  }
+}
+#endif
+
+template <typename KV>
+void attend_any(const float* q, const KV* k, const KV* v, int64_t j0, int64_t j1, int G, int D,
+                float* m, float* l, float* acc) {
+#if defined(__AVX512F__)
+  if (D == 64 && attend_avx512_g<KV, 4>(q, k, v, j0, j1, G, m, l, acc)) return;
+  if (D == 128 && attend_avx512_g<KV, 8>(q, k, v, j0, j1, G, m, l, acc)) return;
+#endif
+  if (D == 64) attend_range<KV, 64>(q, k, v, j0, j1, G, D, m, l, acc);
+  else if (D == 128) attend_range<KV, 128>(q, k, v, j0, j1, G, D, m, l, acc);
+  else attend_range<KV, 0>(q, k, v, j0, j1, G, D, m, l, acc);
+}
+
+template <typename KV>
+void run(const float* qs, const KV* k, const KV* v, int64_t k_head_stride, int64_t v_head_stride,
+         int64_t start, int64_t end, int H_kv, int G, int D, int splits,
+         float* m, float* l, float* acc) {
+  const int64_t T = end - start;
+  const int64_t per = (T + splits - 1) / splits;
+  at::parallel_for(0, static_cast<int64_t>(H_kv) * splits, 1, [&](int64_t b, int64_t e) {
+    for (int64_t task = b; task < e; ++task) {
+      const int h = static_cast<int>(task / splits), sp = static_cast<int>(task % splits);
+      const int64_t j0 = start + sp * per, j1 = std::min(end, j0 + per);
+      float* mt = m + task * G;
+      float* lt = l + task * G;
+      float* at = acc + task * G * D;
+      if (j0 >= j1) {
+        for (int g = 0; g < G; ++g) { mt[g] = -std::numeric_limits<float>::infinity(); lt[g] = 0.f; }
+        std::memset(at, 0, sizeof(float) * G * D);
+        continue;
+      }
+      attend_any(qs + static_cast<int64_t>(h) * G * D, k + h * k_head_stride, v + h * v_head_stride,
+                   j0, j1, G, D, mt, lt, at);
+    }
+  });
+}
+
+// Key ranges per KV head: the fewest that give every thread the same number of tasks, doubled while
+// each thread would still get <= 2 tasks of >= 512 keys; never ranges under 64 keys.
+int64_t auto_splits(int H_kv, int64_t T) {
+  const int threads = std::max(1, at::get_num_threads());
+  int64_t splits = threads / std::gcd(threads, H_kv);
+  while (H_kv * splits * 2 <= threads * 4 && T / (splits * 2) >= 512) splits *= 2;
+  return std::max<int64_t>(1, std::min<int64_t>(splits, T / 64));
+}
+
+}  // namespace
+
+// q [H_q, D] (float32 or bfloat16), k/v [H_kv, C, D] (float32 or bfloat16, rows contiguous),
+// keys start..end-1; returns [H_q, D] in q's dtype. `splits`: key ranges per KV head (0: auto_splits).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t end,
+                               double scale, int64_t splits) {
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H_q, D], k/v [H_kv, C, D]");
+  const int H_q = q.size(0), D = q.size(1), H_kv = k.size(0);
+  TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D, "decode_attention: unsupported heads/dim");
+  TORCH_CHECK(k.size(2) == D && v.size(2) == D && v.size(0) == H_kv, "decode_attention: k/v shape");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D, "decode_attention: k/v rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "decode_attention: k/v dtypes differ");
+  TORCH_CHECK(0 <= start && start < end && end <= k.size(1) && end <= v.size(1), "decode_attention: key range");
+  TORCH_CHECK(splits >= 0, "decode_attention: splits >= 0");
+  const int G = H_q / H_kv;
+  if (splits == 0) splits = auto_splits(H_kv, end - start);
+  auto qs = (q.to(torch::kFloat32) * scale).contiguous();  // [H_q, D]
+  auto opts = q.options().dtype(torch::kFloat32);
+  const int64_t tasks = static_cast<int64_t>(H_kv) * splits;
+  auto m = torch::empty({tasks, G}, opts), l = torch::empty({tasks, G}, opts);
+  auto acc = torch::empty({tasks, G, D}, opts);
+  if (k.scalar_type() == torch::kFloat32) {
+    run<float>(qs.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0),
+               start, end, H_kv, G, D, splits, m.data_ptr<float>(), l.data_ptr<float>(), acc.data_ptr<float>());
+  } else {
+    TORCH_CHECK(k.scalar_type() == torch::kBFloat16, "decode_attention: k/v must be float32 or bfloat16");
+    run<uint16_t>(qs.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), k.stride(0), v.stride(0),
+                  start, end, H_kv, G, D, splits, m.data_ptr<float>(), l.data_ptr<float>(), acc.data_ptr<float>());
+  }
+  auto out = torch::empty({H_q, D}, opts);  // merge the splits: out = sum e^(m_s - M) acc_s / sum e^(m_s - M) l_s
+  const float* mp = m.data_ptr<float>();
+  const float* lp = l.data_ptr<float>();
+  const float* ap = acc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int h = 0; h < H_kv; ++h) {
+    for (int g = 0; g < G; ++g) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int s = 0; s < splits; ++s) M = std::max(M, mp[(h * splits + s) * G + g]);
+      float L = 0.f;
+      float* o = op + (static_cast<int64_t>(h) * G + g) * D;
+      for (int d = 0; d < D; ++d) o[d] = 0.f;
+      for (int s = 0; s < splits; ++s) {
+        const int64_t t = static_cast<int64_t>(h) * splits + s;
+        if (lp[t * G + g] == 0.f) continue;
+        const float w = std::exp(mp[t * G + g] - M);
+        L += w * lp[t * G + g];
+        const float* a = ap + (t * G + g) * D;
+        for (int d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      const float inv = 1.f / L;
+      for (int d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
+  return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "one query row per head over KV rows, split-K (cachedrag)");
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
+          "-fopenmp"]
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int,
+                               scale: float) -> torch.Tensor:
+    """The reference: float32 softmax attention of ``q [H_q, D]`` over rows ``start..end-1`` of
+    ``k, v [H_kv, C, D]`` (GQA by repeating KV heads); ``[H_q, D]`` in ``q``'s dtype."""
+    g = q.shape[0] // k.shape[0]
+    kk = k[:, start:end].float().repeat_interleave(g, 0)  # [H_q, T, D]
+    vv = v[:, start:end].float().repeat_interleave(g, 0)  # [H_q, T, D]
+    s = torch.einsum("hd,htd->ht", q.float(), kk) * scale  # [H_q, T]
+    return torch.einsum("ht,htd->hd", s.softmax(-1), vv).to(q.dtype)  # [H_q, D]
+
+
+def kernel():
+    """The compiled kernel's module (``.decode_attention``) or None when it cannot be built here
+    (reason in ``kernel_status()``). Built once per process, loaded from the disk cache after."""
+    with _lock:
+        if "module" not in _state:
+            try:
+                _state["module"] = _load()
+                _state["status"] = "built" if _state.get("built") else "loaded"
+            except Exception as exc:  # no compiler, a failed build: the runner keeps SDPA  # noqa: BLE001
+                _state["module"] = None
+                _state["status"] = f"unavailable: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
+        return _state["module"]
+
+
+def kernel_status() -> str:
+    """``"built"``, ``"loaded"`` (from the disk cache), ``"unavailable: <why>"`` or ``"not tried"``."""
+    return _state.get("status", "not tried")
+
+
+def _key() -> str:
+    blob = "\n".join([_SOURCE, " ".join(_FLAGS), torch.__version__, _cpu_flags(), platform.machine()])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _load(cache_dir: Path | None = None):
+    """Load the kernel's library from ``cache_dir`` (default ``cache_home()/ext``) when its digest
+    matches, else build it there (under a file lock: concurrent processes build once)."""
+    name = f"cachedrag_decode_attn_{_key()}"
+    directory = (cache_dir or _cache_dir()) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{name}.lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # no POSIX locks (Windows): one process at a time is the caller's job
+            pass
+        return _load_locked(name, directory)
+
+
+def _load_locked(name: str, directory: Path):
+    so = directory / f"{name}.so"
+    digest = directory / f"{name}.sha256"
+    if so.exists() and digest.exists() and digest.read_text().strip() == _sha256(so):
+        spec = importlib.util.spec_from_file_location(name, so, loader=importlib.machinery.ExtensionFileLoader(name, str(so)))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    if so.exists() or digest.exists():  # bytes changed since the build (or a build cut short): rebuild
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+    from torch.utils import cpp_extension
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise RuntimeError("no C++ compiler (c++) on PATH")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not available")
+    module = cpp_extension.load_inline(name=name, cpp_sources=[_SOURCE], extra_cflags=_FLAGS,
+                                       extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    tmp = digest.with_suffix(".tmp")
+    tmp.write_text(_sha256(so))
+    os.replace(tmp, digest)  # the digest last: a library without one is never loaded
+    _state["built"] = True
+    return module
+
+
+def _cache_dir() -> Path:
+    from cachedrag.paths import cache_home
+
+    return cache_home() / "ext"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return hashlib.sha256(line.encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int, scale: float,
+                     splits: int = 0) -> torch.Tensor:
+    """``decode_attention_reference`` through the compiled kernel (raises when it is unavailable:
+    callers check ``kernel()`` first). ``q [H_q, D]``, ``k, v [H_kv, C, D]`` -> ``[H_q, D]``."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError(f"decode attention kernel {kernel_status()}")
+    return mod.decode_attention(q, k, v, start, end, scale, splits)

@@ -1,0 +1,152 @@
+"""The split-K decode attention kernel (model/attention.py) against its torch reference, and the
+runner's choice between it and SDPA."""
+
+import shutil
+
+import pytest
+import torch
+
+from cachedrag.errors import ConfigError
+from cachedrag.model import attention
+from cachedrag.model.runner import ModelRunner
+from cachedrag.testing import byte_tokenizer, tiny_model, tiny_runner
+
+needs_kernel = pytest.mark.skipif(attention.kernel() is None, reason=f"decode attention kernel {attention.kernel_status()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,dim", [((9, 3), 64), ((4, 2), 16), ((8, 8), 128), ((6, 1), 48), ((12, 3), 64)])
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("span", [(0, 1), (0, 7), (3, 130), (0, 700), (250, 1201)])
+@pytest.mark.parametrize("splits", [0, 1, 5])
+def test_kernel_equals_reference(heads, dim, kv_dtype, q_dtype, span, splits):
+    h_q, h_kv = heads
+    g = torch.Generator().manual_seed(h_q * dim + span[1])
+    k = torch.randn(h_kv, 1300, dim, generator=g).to(kv_dtype)  # [H_kv, C, D]
+    v = torch.randn(h_kv, 1300, dim, generator=g).to(kv_dtype)  # [H_kv, C, D]
+    q = (torch.randn(h_q, dim, generator=g) * 3).to(q_dtype)  # [H_q, D]: peaked softmax rows too
+    got = attention.decode_attention(q, k, v, *span, dim ** -0.5, splits)
+    want = attention.decode_attention_reference(q, k, v, *span, dim ** -0.5)
+    assert got.dtype == q_dtype and got.shape == (h_q, dim)
+    tol = dict(rtol=1e-5, atol=1e-5) if q_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@needs_kernel
+def test_kernel_reads_views_of_the_layer_buffer_and_any_thread_count():
+    """A layer's ``[H_kv, C, D]`` slice of the ``[L, H_kv, C, D]`` buffer is read in place; 1 and 2
+    threads agree to float rounding (the key split differs)."""
+    kv = torch.randn(2, 3, 900, 64)  # [L, H_kv, C, D]
+    q = torch.randn(9, 64)  # [H_q, D]
+    want = attention.decode_attention_reference(q, kv[1], kv[0], 0, 800, 0.125)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(attention.decode_attention(q, kv[1], kv[0], 0, 800, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_shapes():
+    q, k = torch.randn(9, 64), torch.randn(3, 10, 64)
+    with pytest.raises(RuntimeError, match="key range"):
+        attention.decode_attention(q, k, k, 5, 5, 0.125)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        attention.decode_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), k, 0, 5, 0.125)
+    with pytest.raises(RuntimeError, match="heads"):
+        attention.decode_attention(torch.randn(8, 64), k, k, 0, 5, 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("overrides", [{}, {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1,
+                                            "head_dim": 64}])
+def test_decode_step_with_kernel_equals_sdpa(arch, overrides):
+    """The decode step through the kernel equals the SDPA step to float rounding, past mistral's
+    24-token sliding window too (the window's start row), on the runner's own dims (16) and on the
+    AVX-512 path's (64, 3 query heads per KV head)."""
+    tok = byte_tokenizer()
+    runners = {}
+    for choice in ("kernel", "sdpa"):
+        model = tiny_model(arch, vocab_size=len(tok), **overrides)
+        runners[choice] = ModelRunner(model, tok, decode_attention=choice)
+    assert runners["kernel"].decode_attention == "kernel" and runners["sdpa"].decode_attention == "sdpa"
+    ids = torch.arange(3, 33)  # [30]
+    kvs = {c: r.new_kv(50) for c, r in runners.items()}
+    for c, r in runners.items():
+        r.prefill(ids, kv=kvs[c])
+    token = 5
+    for step in range(12):
+        got = runners["kernel"].decode_step(token, 30 + step, kvs["kernel"])
+        want = runners["sdpa"].decode_step(token, 30 + step, kvs["sdpa"])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        token = int(want.argmax())
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", ["int8", "int8-dynamic"])
+def test_low_precision_step_with_kernel_is_close_to_sdpa(weights):
+    """bf16 K/V: the kernel reads them in float32 arithmetic (int8-dynamic: against the float32 q as
+    it is); SDPA rounds through bf16. Close relative to the logits' spread."""
+    from cachedrag.model.weights import vnni_available
+
+    if weights == "int8-dynamic" and not vnni_available():
+        pytest.skip("int8-dynamic needs VNNI")
+    tok = byte_tokenizer()
+    runners = {c: ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, weights=weights, decode_attention=c)
+               for c in ("kernel", "sdpa")}
+    kvs = {c: r.new_kv(40) for c, r in runners.items()}
+    for c, r in runners.items():
+        r.prefill(torch.arange(3, 30), kv=kvs[c])
+    for step in range(6):
+        got = runners["kernel"].decode_step(9 + step, 27 + step, kvs["kernel"])
+        want = runners["sdpa"].decode_step(9 + step, 27 + step, kvs["sdpa"])
+        assert (got - want).abs().max() < 0.05 * (want.max() - want.min())
+
+
+def test_runner_falls_back_to_sdpa_without_the_kernel(monkeypatch):
+    monkeypatch.setattr(attention, "kernel", lambda: None)
+    monkeypatch.setattr(attention, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
+    runner = tiny_runner()
+    assert runner.decode_attention == "sdpa" and "no C++ compiler" in runner.decode_attention_note
+    kv = runner.new_kv(20)
+    runner.prefill(torch.arange(3, 13), kv=kv)
+    assert torch.isfinite(runner.decode_step(4, 10, kv)).all()
+    with pytest.raises(ConfigError, match="no C\\+\\+ compiler"):
+        tiny_runner(decode_attention="kernel")
+    with pytest.raises(ConfigError, match="decode_attention must be"):
+        tiny_runner(decode_attention="flash")
+    assert tiny_runner(fast=False).decode_attention == "sdpa"
+
+
+@needs_kernel
+def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """The library is cached beside its SHA-256: an intact copy loads without building; one flipped
+    byte makes it a miss that is rebuilt (the build here is stubbed to fail, so nothing is loaded)."""
+    from torch.utils import cpp_extension
+
+    name = f"cachedrag_decode_attn_{attention._key()}"
+    shutil.copytree(attention._cache_dir() / name, tmp_path / name)
+    builds = []
+
+    def no_build(**kwargs):
+        builds.append(kwargs["name"])
+        raise RuntimeError("build stubbed out")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", no_build)
+    module = attention._load(tmp_path)
+    assert builds == [] and module.decode_attention(torch.ones(2, 16), torch.ones(1, 4, 16), torch.ones(1, 4, 16),
+                                                   0, 4, 0.25, 0).shape == (2, 16)
+    so = tmp_path / name / f"{name}.so"
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    so.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="build stubbed out"):
+        attention._load(tmp_path)
+    assert builds == [name] and not so.exists()
