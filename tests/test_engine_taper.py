@@ -164,17 +164,17 @@ def test_bad_taper_settings_are_refused(bad, match):
 
 def test_taper_settings_are_normalised():
     assert CacheConfig(layer_taper=[[15, 0.5]]).layer_taper == ((15, 0.5),)
-    assert CacheConfig().layer_taper == ((15, 0.5),) and CacheConfig().taper_rank == "deviation"  # round 9's default
+    assert CacheConfig().layer_taper == () and CacheConfig().taper_rank == "deviation"  # off unless asked for
 
 
-def test_the_default_schedule_tapers_a_deep_model():
-    """The default (``((15, 0.5),)``, deviation-ranked) acts on models deeper than 15 layers: half
-    of each reused chunk's recompute tokens stop at layer 15; ``layer_taper=()`` keeps them all."""
+def test_round_9s_schedule_tapers_a_deep_model():
+    """``((15, 0.5),)``, deviation-ranked (round 9's candidate) acts on models deeper than 15 layers:
+    half of each reused chunk's recompute tokens stop at layer 15; the default keeps them all."""
     tok = byte_tokenizer()
     deep = ModelRunner(tiny_model("qwen2", seed=3, vocab_size=len(tok), num_hidden_layers=16,
                                   layer_types=["full_attention"] * 16), tok)
     out = {}
-    for name, cache in {"default": {}, "off": {"layer_taper": ()}}.items():
+    for name, cache in {"default": {"layer_taper": ((15, 0.5),)}, "off": {}}.items():
         engine = CachedEngine(deep, config=EngineConfig(cache=CacheConfig(**cache)))
         engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
         out[name] = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)

@@ -65,8 +65,8 @@ VARIANTS = {
     "refine": {"refine_layer": 20, "refine_factor": 2.0, "layer_taper": ()},  # second stage at layer 20 (2x candidates below it)
     "dense2": {"dense_layers": 2, "layer_taper": ()},  # every reused token through layers 0-1, the chosen ones through all
     "dense6": {"dense_layers": 6, "layer_taper": ()},
-    # layer-wise budget (CacheConfig.layer_taper, the default since round 9: 15:0.5 ranked by deviation):
-    # the chosen tokens' lower-ranked share stops at a layer; "plain": every chosen token through every layer
+    # layer-wise budget (CacheConfig.layer_taper, opt-in; docs/fidelity.md round 9): the chosen tokens'
+    # lower-ranked share stops at a layer; "plain": every chosen token through every layer (the default)
     "plain": {"layer_taper": ()},
     "taper15": {"layer_taper": ((15, 0.5),), "taper_rank": "choice"},  # half of each chunk's tokens from layer 15 on
     "taper15dev": {"layer_taper": ((15, 0.5),), "taper_rank": "deviation"},  # ranked by K/V deviation there

@@ -247,8 +247,8 @@ def _repeat_setting(spec: str) -> dict:
 
 
 def taper_setting(spec: str) -> dict:
-    """``--tapers`` spec -> CacheConfig fields: 'off' (every chosen token through every layer, the default
-    before round 9) or 'STEPS[/deviation|/choice][@RATIO]', STEPS = 'LAYER:KEEP' joined by '+'.
+    """``--tapers`` spec -> CacheConfig fields: 'off' (every chosen token through every layer, the default)
+    or 'STEPS[/deviation|/choice][@RATIO]', STEPS = 'LAYER:KEEP' joined by '+'.
 
     >>> taper_setting("10:0.7+20:0.4/deviation@0.3")
     {'layer_taper': ((10, 0.7), (20, 0.4)), 'taper_rank': 'deviation', 'recompute_ratio': 0.3}

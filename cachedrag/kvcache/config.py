@@ -151,19 +151,19 @@ class CacheConfig:
         cached K/V from ``layer`` on. Later layers then compute fewer rows: ``((15, 0.5),)`` costs
         0.75 of the recompute rows' arithmetic. Fresh and question rows are never dropped, nor
         ``dense_layers``' extra rows; with ``refine_layer`` the counts are those of the candidates.
-        () = off (every chosen token through every layer: the reference path, and the default
-        until round 9). So with a taper, ``recompute_ratio=1.0`` is not a full recompute.
-        Default ``((15, 0.5),)`` ranked by deviation: on ``bench ttft``'s two streams (seeds 0 / 1,
-        docs/fidelity.md round 9) x_prefix 1.98 -> 2.41 and 1.73 -> 2.00 at teacher-forced top-1
-        0.985 -> 0.980 and 0.984 -> 0.985, ROUGE-L vs full 0.919 -> 0.917 and 0.930 -> 0.946,
-        first token unchanged (1.00 / 0.97); its price: teacher-forced KL 0.0029 -> 0.0046 and
-        0.0026 -> 0.0036, and on the frontier's all-reused requests (stdlib + info) KL 0.012 ->
-        0.018, about what plain 0.2 gives at the same compute.
+        () = off (default: every chosen token through every layer, the reference path). With a
+        taper, ``recompute_ratio=1.0`` is not a full recompute. Measured (docs/fidelity.md, round 9):
+        ``((15, 0.5),)`` ranked by deviation at 0.27 raises x_prefix on ``bench ttft``'s two streams
+        1.98 -> 2.41 and 1.73 -> 2.00 within its bars (teacher-forced top-1 0.980 / 0.985, ROUGE-L
+        0.917 / 0.946, first token unchanged), but teacher-forced KL rises 38-59% there, 47-50% on
+        all-reused requests (frontier, 42 gold questions: gold answers 1/42 vs 3/42, full 6/42),
+        and at equal compute it is no better than a lower plain ratio: off by default.
       taper_rank: which recompute tokens ``layer_taper`` keeps: "choice" (the token choice's own
         ranking: the question choices' and ``deviation``'s scores, best first; ``inter`` / ``leading``
-        the plan's order) or "deviation" (default; CacheBlend: at the step's layer, the tokens whose fresh
-        K/V, computed from their recomputed hidden state, deviate most from the cached K/V, as
-        ``deviation_on`` says; costs one extra K/V projection of the candidates there).
+        the plan's order) or "deviation" (default, the better of the two in round 9; CacheBlend: at
+        the step's layer, the tokens whose fresh K/V, computed from their recomputed hidden state,
+        deviate most from the cached K/V, as ``deviation_on`` says; costs one extra K/V projection
+        of the candidates there).
       refine_layer: second stage (question choice): None = off; else the first stage keeps
         ``refine_factor`` x the budget as candidates, computes them through ``refine_layer``,
         and keeps the budget's worth ranked by first-stage + ``refine_layer`` question attention
@@ -223,7 +223,7 @@ class CacheConfig:
     full_chunk_pick: str = "need"
     refine_layer: int | None = None
     refine_factor: float = 2.0
-    layer_taper: tuple[tuple[int, float], ...] = ((15, 0.5),)
+    layer_taper: tuple[tuple[int, float], ...] = ()
     taper_rank: str = "deviation"
     penalize_novel_prefix: bool = False
     exact_repeats: int = 2
