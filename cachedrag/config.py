@@ -29,6 +29,8 @@ FIDELITY_PRESETS: dict[str, dict] = {
     # the same run once the reuse path's question pre-pass ran in bfloat16 (1.88 on the reference path; 1.89 / 1.93
     # in earlier runs; 0.2: 2.40, TF 0.972, ROUGE-L 0.863); bench fidelity: KL a quarter of the order noise,
     # so order-aware off (docs/fidelity.md)
+    # (round 9: a layer-wise budget, layer_taper=((15, 0.5),), met bench ttft's bars at x_prefix 2.41 / 2.00 but
+    # raised teacher-forced KL 38-59% and lost gold answers on all-reused requests: opt-in, docs/fidelity.md)
     "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27},
                  "order_aware": False, "early_termination": False},
     # 10% recompute (5x TTFT, KL 0.034) and cached orders served exactly (15x): both at about the order-noise floor

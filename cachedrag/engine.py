@@ -6,7 +6,9 @@ buffer (raw K re-rotated to its new positions), computing only fresh + recompute
 tokens layer by layer, choosing the recompute tokens when the plan defers that choice (by measured
 K/V deviation, CacheBlend; by the question's attention to the re-rotated cache, ProphetKV-like; or
 both fused), budget by need, order-aware exact reuse (serving a cached tree path's order),
-teacher-forced scoring of a given answer, focused-chunk early termination, measuring the inter/intra attention
+teacher-forced scoring of a given answer, focused-chunk early termination, the layer-wise budget
+(``CacheConfig.layer_taper``: fewer recompute rows in later layers; the counts come from
+``planner.taper_counts``, the ranking from the token choice or the K/V deviation), measuring the inter/intra attention
 metadata of fresh chunks, and handing their raw K + V to the cache manager.
 
 Does not own: decisions (``cachedrag.kvcache.planner`` via ``ChunkCacheManager``), storage
@@ -34,7 +36,8 @@ from cachedrag.kvcache.config import QUESTION_CHOICES
 from cachedrag.kvcache.focus import FocusTracker
 from cachedrag.kvcache.keys import path_key
 from cachedrag.kvcache.manager import ChunkCacheManager, NewEntry
-from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest, allocate_by_need, allocate_full_chunks
+from cachedrag.kvcache.planner import (MODES, Action, Mode, PlanRequest, allocate_by_need, allocate_full_chunks,
+                                       taper_counts)
 from cachedrag.kvcache.planner import Segment as PlanSegment
 from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
@@ -76,8 +79,9 @@ class EngineResult:
     draft_tokens: int = 0  # draft tokens verified
     draft_accepted: int = 0  # draft tokens accepted (each saved one decode step)
     cached_tokens: int = 0  # prompt tokens served from cache = not recomputed at full depth (prompt - computed)
-    checked_tokens: int = 0  # cached tokens computed at the lower layers only (deviation check probes, and
-    #                          recompute tokens of chunks dropped at the focus layer); they stay counted as cached
+    checked_tokens: int = 0  # cached tokens computed at the lower layers only (deviation check probes, recompute
+    #                          tokens of chunks dropped at the focus layer, and those ``layer_taper`` stopped);
+    #                          they stay counted as cached
     token_choice: str | None = None  # how recompute tokens were chosen (None: nothing reused)
     approximations: list[str] = field(default_factory=list)  # what made this answer differ from full prefill
     chunk_order: list[int] | None = None  # order-aware reuse: retrieved indices in the order served (None: as given)
@@ -541,11 +545,12 @@ class CachedEngine:
         # 2. what to compute: fresh segments, recompute tokens of reused chunks, the question
         fresh_pos: list[int] = []
         recompute_pos: dict[int, list[int]] = {}  # segment index -> absolute positions
+        ranked: dict[int, list[int]] = {}  # segment index -> its recompute positions, best first (layer_taper)
         for i, (sp, action) in enumerate(zip(plan.segments, actions)):
             if action is Action.FRESH:
                 fresh_pos.extend(range(sp.start, sp.end))
             elif action is Action.REUSE and sp.recompute:
-                recompute_pos[i] = sp.recompute_positions()
+                recompute_pos[i] = ranked[i] = sp.recompute_positions()
         question_pos = list(range(plan.question_start, total))
         # token_choice "deviation" (and the question choices): the plan fixed how many tokens of
         # these segments to recompute; which ones is measured here. Deviation: at check_layer, so
@@ -561,7 +566,7 @@ class CachedEngine:
             if choice == "deviation":  # too shallow to probe: leading tokens
                 notes.append(f"check_layer {check_layer} >= {runner.n_layers} layers; recomputing leading tokens")
                 for i, n in deferred.items():
-                    recompute_pos[i] = list(range(plan.segments[i].start, plan.segments[i].start + n))
+                    recompute_pos[i] = ranked[i] = list(range(plan.segments[i].start, plan.segments[i].start + n))
                 deferred = {}
             else:
                 notes.append(f"check_layer {check_layer} >= {runner.n_layers} layers; ranking by the question only")
@@ -637,7 +642,8 @@ class CachedEngine:
                     sp = plan.segments[i]
                     keep = min(sp.n_tokens, math.ceil(cfg.refine_factor * n)) if two_stage else n
                     top = _pick(question_scores[i], keep, cfg.sink_tokens)
-                    recompute_pos[i] = sorted(sp.start + j for j in top)
+                    ranked[i] = [sp.start + j for j in top]
+                    recompute_pos[i] = sorted(ranked[i])
                     if two_stage and keep > n:
                         refine[i] = n
                 deferred = {}
@@ -651,6 +657,14 @@ class CachedEngine:
                          for p in range(plan.segments[i].start, plan.segments[i].end)} - chosen
         compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos)
                          | set(probe_pos) | dense_pos)
+        # layer_taper: from each step's layer on, each reused chunk computes only its best-ranked share
+        taper: list[tuple[int, dict[int, int]]] = []
+        if mode is Mode.CACHEDRAG and cfg.layer_taper:
+            counts = {i: len(ps) for i, ps in recompute_pos.items()} | dict(deferred)
+            taper = taper_counts(counts, cfg.layer_taper, runner.n_layers)
+            if deferred:  # the deviation probe chooses at check_layer: a step at or below it has nothing to rank yet
+                taper = [(layer, kept) for layer, kept in taper if layer > check_layer]
+        tapered = 0  # recompute tokens layer_taper stopped below the last layer
         n_lead = lead.rows if lead.hidden is not None else 0  # leading fresh rows the pre-pass computed
         positions = torch.tensor(compute[n_lead:], device=device)  # [Tc] (the lead rows join at lead.layer)
         fresh_t = torch.tensor(fresh_pos, device=device, dtype=torch.long)  # [Tf]
@@ -704,7 +718,11 @@ class CachedEngine:
                     unfocused = set() if tracker is None or tracker.decision is None else {
                         i for c, i in enumerate(chunk_seg) if not tracker.decision.is_focused(c)}
                     narrow(self._choose_deviating(layer, hidden, positions, rope, kv, plan, deferred, probe_pos,
-                                                  recompute_pos, unfocused, question_scores))
+                                                  recompute_pos, unfocused, question_scores, ranked))
+                if taper and layer == taper[0][0]:  # gradual filtering: the lower-ranked recompute rows stop here
+                    keep = self._taper(layer, taper.pop(0)[1], hidden, positions, rope, kv, plan, recompute_pos, ranked)
+                    tapered += int((~keep).sum())
+                    narrow(keep)
                 raw: dict = {}
                 last = (layer + 1 == runner.n_layers and not all_logits  # only the last row's output is read
                         and not (refine and layer == cfg.refine_layer))
@@ -776,6 +794,8 @@ class CachedEngine:
                 approximations.append(f"partial_recompute:{used_choice}")
             if focus_layer is not None:
                 approximations.append("early_termination")
+            if tapered:
+                approximations.append("layer_taper")
         info = {
             "prompt_tokens": total,
             "computed_tokens": len(full_depth),
@@ -801,7 +821,8 @@ class CachedEngine:
 
     def _choose_deviating(self, layer: int, hidden, positions, rope, kv: KVBuffer, plan, deferred: dict[int, int],
                           probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int],
-                          question_scores: dict[int, torch.Tensor] | None = None):
+                          question_scores: dict[int, torch.Tensor] | None = None,
+                          ranked: dict[int, list[int]] | None = None):
         """CacheBlend's token choice at ``layer`` (= check_layer): for each deferred segment, the
         ``deferred[i]`` tokens whose fresh K/V deviate most from the loaded cache go into
         ``recompute_pos``; the other probed tokens leave the compute set. Returns the keep
@@ -827,9 +848,46 @@ class CachedEngine:
                 seg_dev = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(seg_dev)  # [T_i]
             top = _pick(seg_dev, count, self.config.cache.sink_tokens)
             recompute_pos[i] = sorted(sp.start + j for j in top)
+            if ranked is not None:
+                ranked[i] = [sp.start + j for j in top]
             chosen.update(recompute_pos[i])
         drop = set(probe_pos) - chosen
         return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
+
+    def _taper(self, layer: int, kept: dict[int, int], hidden: torch.Tensor, positions: torch.Tensor, rope,
+               kv: KVBuffer, plan, recompute_pos: dict[int, list[int]], ranked: dict[int, list[int]]) -> torch.Tensor:
+        """One step of ``CacheConfig.layer_taper`` before ``layer``: each segment ``i`` of ``kept``
+        keeps its best ``kept[i]`` recompute rows still computed (``taper_rank``: the token choice's
+        order, or CacheBlend's deviation of the rows' fresh K/V at ``layer`` from the cached K/V in
+        the buffer); the others leave the compute set, so from ``layer`` on they read the cache
+        (their K/V below ``layer`` stay the recomputed ones). Returns the keep mask ``[Tc]``."""
+        cfg = self.config.cache
+        device = self.runner.device
+        live = positions.tolist()
+        alive = set(live)
+        cands = {i: [p for p in recompute_pos.get(i, ()) if p in alive] for i in kept}
+        score: dict[int, float] = {}
+        if cfg.taper_rank == "deviation":
+            probe = sorted(p for i, c in cands.items() if len(c) > kept[i] for p in c)
+            if probe:
+                probe_t = torch.tensor(probe, device=device)  # [Tp]
+                rows = torch.searchsorted(positions, probe_t)  # [Tp]
+                dev = self.runner.kv_deviation(layer, hidden[rows], probe_t, kv, (rope[0][rows], rope[1][rows]),
+                                               on=cfg.deviation_on)  # [Tp]
+                score = dict(zip(probe, dev.tolist()))
+        drop: set[int] = set()
+        for i, n in kept.items():
+            cand = cands[i]
+            if len(cand) <= n:
+                continue
+            if cfg.taper_rank == "deviation":  # sink tokens first, then the largest deviation
+                start = plan.segments[i].start
+                order = sorted(cand, key=lambda p: (p - start >= cfg.sink_tokens, -score[p], p))
+            else:
+                rank = {p: r for r, p in enumerate(ranked.get(i, recompute_pos[i]))}
+                order = sorted(cand, key=lambda p: rank[p])
+            drop.update(order[n:])
+        return torch.tensor([p not in drop for p in live], device=device)  # [Tc]
 
     def _can_hide_rows(self) -> bool:
         """Whether the question pre-pass can leave rows out (``hidden_keys`` of ``causal_blocks`` and

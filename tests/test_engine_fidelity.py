@@ -276,6 +276,7 @@ def test_default_settings_are_the_balanced_level():
     assert default.fidelity is None and balanced.fidelity == "balanced"
     assert default.model_dump(exclude={"fidelity"}) == balanced.model_dump(exclude={"fidelity"})
     assert default.cache.token_choice == "question+inter" and default.cache.recompute_ratio == 0.27
+    assert default.cache.layer_taper == ()  # round 9: the layer-wise budget stays opt-in
     assert default.early_termination is False and default.mode == "cachedrag" and default.order_aware is False
 
 

@@ -62,9 +62,19 @@ VARIANTS = {
     "need1": {"full_chunks": 1, "full_chunk_pick": "need"},  # the chunk the question attends to most, whole
     "last1": {"full_chunks": 1, "full_chunk_pick": "last"},  # the chunk next to the question, whole
     "byneed": {"need_weight": 1.0},  # per-chunk counts by the question's attention mass
-    "refine": {"refine_layer": 20, "refine_factor": 2.0},  # second stage at layer 20 (2x candidates below it)
-    "dense2": {"dense_layers": 2},  # every reused token through layers 0-1, the chosen ones through all
-    "dense6": {"dense_layers": 6},
+    "refine": {"refine_layer": 20, "refine_factor": 2.0, "layer_taper": ()},  # second stage at layer 20 (2x candidates below it)
+    "dense2": {"dense_layers": 2, "layer_taper": ()},  # every reused token through layers 0-1, the chosen ones through all
+    "dense6": {"dense_layers": 6, "layer_taper": ()},
+    # layer-wise budget (CacheConfig.layer_taper, opt-in; docs/fidelity.md round 9): the chosen tokens'
+    # lower-ranked share stops at a layer; "plain": every chosen token through every layer (the default)
+    "plain": {"layer_taper": ()},
+    "taper15": {"layer_taper": ((15, 0.5),), "taper_rank": "choice"},  # half of each chunk's tokens from layer 15 on
+    "taper15dev": {"layer_taper": ((15, 0.5),), "taper_rank": "deviation"},  # ranked by K/V deviation there
+    "taper8": {"layer_taper": ((8, 0.6),), "taper_rank": "choice"},
+    "taper8dev": {"layer_taper": ((8, 0.6),), "taper_rank": "deviation"},
+    "taper10dev": {"layer_taper": ((10, 0.5),), "taper_rank": "deviation"},
+    "taper22": {"layer_taper": ((22, 0.25),), "taper_rank": "choice"},
+    "taper2step": {"layer_taper": ((10, 0.7), (20, 0.4)), "taper_rank": "choice"},
 }
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "

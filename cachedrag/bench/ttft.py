@@ -31,7 +31,8 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 ALL_MODES = ("full", "prefix", "naive", "random", "cachedrag")
 #: the engine default until the measured frontier chose one (docs/fidelity.md), for before/after rows
-PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None}, "early_termination": True}
+PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None, "layer_taper": ()},
+                    "early_termination": True}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(CacheConfig.exact_repeats): 'off', N (the N-th reuse-served sighting of a chunk sequence gets "
                         "its exact path after the response) or N:inline (that sighting is prefilled exactly), e.g. "
                         "off,2:inline (rows 'cachedrag:repeats=SPEC')")
+    parser.add_argument("--tapers", default="", help="also run cachedrag with these layer-wise budgets "
+                        "(CacheConfig.layer_taper), comma-separated specs STEPS[/deviation][@RATIO] or off[@RATIO], STEPS = "
+                        "LAYER:KEEP joined by '+', e.g. off,10:0.7+20:0.4/deviation@0.3 (rows 'cachedrag:taper=SPEC'; "
+                        "/deviation: taper_rank 'deviation', else 'choice'; off: every chosen token through every layer; "
+                        "@RATIO: recompute_ratio, else the default's)")
     parser.add_argument("--previous-default", action="store_true",
                         help="also run the engine default before the frontier picked one (row 'cachedrag:previous': "
                              "deviation choice, per-chunk CFO counts, early termination on), for a before/after")
@@ -98,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if "full" not in modes:
         modes.insert(0, "full")  # the fidelity reference
     repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}
+    tapers = {spec: taper_setting(spec) for spec in [x.strip() for x in args.tapers.split(",") if x.strip()]}
     runner = ModelRunner(*load_model(args.model))
     work = build_workload(runner.tokenizer, args.corpus, args.questions, top_k=args.top_k,
                           chunk_tokens=args.chunk_tokens, n_requests=args.requests, zipf_s=args.zipf, seed=args.seed)
@@ -137,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
 
     for spec, setting in repeats.items():
         name = f"cachedrag:repeats={spec}"
+        cache = CacheConfig(**{**cache_kwargs, **setting})
+        engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
+        modes.append(name)
+
+    for spec, setting in tapers.items():
+        name = f"cachedrag:taper={spec}"
         cache = CacheConfig(**{**cache_kwargs, **setting})
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
@@ -231,6 +244,40 @@ def _repeat_setting(spec: str) -> dict:
     if not n.isdigit() or when not in ("", "inline", "after_response"):
         raise ConfigError(f"--exact-repeats: {spec!r} is not 'off', N or N:inline")
     return {"exact_repeats": int(n), "exact_repeats_when": when or "after_response"}
+
+
+def taper_setting(spec: str) -> dict:
+    """``--tapers`` spec -> CacheConfig fields: 'off' (every chosen token through every layer, the default)
+    or 'STEPS[/deviation|/choice][@RATIO]', STEPS = 'LAYER:KEEP' joined by '+'.
+
+    >>> taper_setting("10:0.7+20:0.4/deviation@0.3")
+    {'layer_taper': ((10, 0.7), (20, 0.4)), 'taper_rank': 'deviation', 'recompute_ratio': 0.3}
+    >>> taper_setting("15:0.5")
+    {'layer_taper': ((15, 0.5),), 'taper_rank': 'choice'}
+    >>> taper_setting("off@0.24")
+    {'layer_taper': (), 'recompute_ratio': 0.24}
+    """
+    body, _, ratio = spec.partition("@")
+    if body == "off":
+        out = {"layer_taper": ()}
+        try:
+            if ratio:
+                out["recompute_ratio"] = float(ratio)
+        except ValueError:
+            raise ConfigError(f"--tapers: {spec!r}: {ratio!r} is not a ratio") from None
+        return out
+    steps_text, _, rank = body.partition("/")
+    try:
+        steps = tuple((int(layer), float(keep)) for layer, keep in (s.split(":") for s in steps_text.split("+")))
+        out: dict = {"layer_taper": steps, "taper_rank": rank or "choice"}
+        if ratio:
+            out["recompute_ratio"] = float(ratio)
+    except ValueError:
+        raise ConfigError(f"--tapers: {spec!r} is not STEPS[/deviation][@RATIO] with STEPS = LAYER:KEEP joined by '+'") from None
+    from cachedrag.kvcache.config import CacheConfig
+
+    CacheConfig(**out)  # validated now: a bad spec fails before the model loads
+    return out
 
 
 def _simulate() -> dict:

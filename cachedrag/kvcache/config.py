@@ -28,6 +28,8 @@ FULL_CHUNK_PICKS = ("need", "last")
 QUESTION_DTYPES = ("bfloat16", "float32")
 #: which fresh rows the question pre-pass computes (``CacheConfig.question_pass_fresh``)
 QUESTION_PASS_FRESH = ("leading", "all")
+#: how ``CacheConfig.layer_taper`` ranks the rows it stops computing
+TAPER_RANKS = ("choice", "deviation")
 #: when a recurring chunk sequence gets its exact tree path (``CacheConfig.exact_repeats_when``)
 EXACT_REPEAT_TIMINGS = ("after_response", "inline")
 
@@ -142,6 +144,26 @@ class CacheConfig:
         only the chosen ones beyond. Costs dense_layers / L of a full pass over the unchosen
         tokens. Not with the deviation choices (their probe at ``check_layer`` is the filter).
         0 = off. >= 0.
+      layer_taper: gradual filtering (CacheBlend's layer-wise budget): steps ``((layer, keep), ...)``,
+        layers increasing and >= 1, ``keep`` in [0, 1] non-increasing: from ``layer`` on, each reused
+        chunk computes only ``ceil(keep x count)`` of its ``count`` recompute tokens (ranked by
+        ``taper_rank``); a token dropped at ``layer`` keeps the fresh K/V of the layers below and its
+        cached K/V from ``layer`` on. Later layers then compute fewer rows: ``((15, 0.5),)`` costs
+        0.75 of the recompute rows' arithmetic. Fresh and question rows are never dropped, nor
+        ``dense_layers``' extra rows; with ``refine_layer`` the counts are those of the candidates.
+        () = off (default: every chosen token through every layer, the reference path). With a
+        taper, ``recompute_ratio=1.0`` is not a full recompute. Measured (docs/fidelity.md, round 9):
+        ``((15, 0.5),)`` ranked by deviation at 0.27 raises x_prefix on ``bench ttft``'s two streams
+        1.98 -> 2.41 and 1.73 -> 2.00 within its bars (teacher-forced top-1 0.980 / 0.985, ROUGE-L
+        0.917 / 0.946, first token unchanged), but teacher-forced KL rises 38-59% there, 47-50% on
+        all-reused requests (frontier, 42 gold questions: gold answers 1/42 vs 3/42, full 6/42),
+        and at equal compute it is no better than a lower plain ratio: off by default.
+      taper_rank: which recompute tokens ``layer_taper`` keeps: "choice" (the token choice's own
+        ranking: the question choices' and ``deviation``'s scores, best first; ``inter`` / ``leading``
+        the plan's order) or "deviation" (default, the better of the two in round 9; CacheBlend: at
+        the step's layer, the tokens whose fresh K/V, computed from their recomputed hidden state,
+        deviate most from the cached K/V, as ``deviation_on`` says; costs one extra K/V projection
+        of the candidates there).
       refine_layer: second stage (question choice): None = off; else the first stage keeps
         ``refine_factor`` x the budget as candidates, computes them through ``refine_layer``,
         and keeps the budget's worth ranked by first-stage + ``refine_layer`` question attention
@@ -201,6 +223,8 @@ class CacheConfig:
     full_chunk_pick: str = "need"
     refine_layer: int | None = None
     refine_factor: float = 2.0
+    layer_taper: tuple[tuple[int, float], ...] = ()
+    taper_rank: str = "deviation"
     penalize_novel_prefix: bool = False
     exact_repeats: int = 2
     exact_repeats_when: str = "after_response"
@@ -258,6 +282,7 @@ class CacheConfig:
                 raise ConfigError(f"CacheConfig.refine_layer must be > max(question_layers) = "
                                   f"{max(self.question_layers)}, got {self.refine_layer}")
         _check_number("refine_factor", self.refine_factor, 1.0, math.inf, hi_open=True)
+        self._check_taper()
         if not isinstance(self.penalize_novel_prefix, bool):
             raise ConfigError(f"CacheConfig.penalize_novel_prefix must be a bool, got {self.penalize_novel_prefix!r}")
         _check_int("exact_repeats", self.exact_repeats, 0)
@@ -280,6 +305,21 @@ class CacheConfig:
                 f"CacheConfig.policy must be one of {sorted(POLICY_NAMES)}, got {self.policy!r}"
             ) from None
         _check_int("seed", self.seed, 0)
+
+    def _check_taper(self) -> None:
+        raw = self.layer_taper
+        if not isinstance(raw, (tuple, list)) or not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in raw):
+            raise ConfigError(f"CacheConfig.layer_taper must be a tuple of (layer, keep) pairs, got {raw!r}")
+        steps = tuple((s[0], s[1]) for s in raw)
+        for layer, keep in steps:
+            _check_int("layer_taper layer", layer, 1)
+            _check_number("layer_taper keep", keep, 0.0, 1.0)
+        if any(a[0] >= b[0] or a[1] < b[1] for a, b in zip(steps, steps[1:])):
+            raise ConfigError(f"CacheConfig.layer_taper needs increasing layers and non-increasing keep fractions, "
+                              f"got {self.layer_taper!r}")
+        object.__setattr__(self, "layer_taper", steps)
+        if self.taper_rank not in TAPER_RANKS:
+            raise ConfigError(f"CacheConfig.taper_rank must be one of {list(TAPER_RANKS)}, got {self.taper_rank!r}")
 
     @property
     def max_variants(self) -> int:

@@ -43,7 +43,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -475,6 +475,35 @@ def allocate_by_need(counts: Sequence[int], needs: Sequence[float], sizes: Seque
         if out[i] < sizes[i]:
             out[i] += 1
             left -= 1
+    return out
+
+
+def taper_counts(counts: Mapping[int, int], steps: Sequence[tuple[int, float]],
+                 n_layers: int) -> list[tuple[int, dict[int, int]]]:
+    """Gradual filtering (``CacheConfig.layer_taper``): how many of each reused segment's
+    ``counts`` recompute tokens stay computed from each step's layer on.
+
+    ``steps``: ``(layer, keep)`` pairs, layers increasing, keep fractions non-increasing; a segment
+    keeps ``ceil(keep x count)`` tokens from ``layer`` on. Returns ``(layer, {segment: kept})``
+    for the steps inside the model (``layer < n_layers``) that stop at least one token, in layer
+    order; an empty list when the schedule changes nothing (every token through every layer).
+
+    >>> taper_counts({2: 70, 3: 69}, [(15, 0.5)], 30)
+    [(15, {2: 35, 3: 35})]
+    >>> taper_counts({2: 70}, [(10, 1.0), (20, 0.25), (40, 0.0)], 30)
+    [(20, {2: 18})]
+    >>> taper_counts({2: 70}, [(10, 1.0)], 30)
+    []
+    """
+    out: list[tuple[int, dict[int, int]]] = []
+    current = dict(counts)
+    for layer, keep in steps:
+        if layer >= n_layers:
+            break
+        kept = {i: min(current[i], math.ceil(keep * n - 1e-9)) for i, n in counts.items()}
+        if kept != current:
+            out.append((layer, kept))
+            current = kept
     return out
 
 

@@ -86,3 +86,21 @@ def test_bench_ttft_exact_repeat_rows(tiny_model_dir, tiny_corpus, tmp_path):
     assert default["approximations"]["chunk_reuse"] == 2  # the last two are exact prefix hits
     assert inline["exact_repeats"] == {"inline": 1} and inline["approximations"]["chunk_reuse"] == 1
     assert main(["bench", "ttft", "--exact-repeats", "2:idle"]) == 2  # refused before any model loads
+
+
+def test_bench_ttft_taper_rows(tiny_model_dir, tiny_corpus, tmp_path):
+    """``--tapers``: rows with a layer-wise budget (CacheConfig.layer_taper) beside the default, named
+    ``cachedrag:taper=SPEC``: the same tokens chosen, fewer of them through the later layers."""
+    corpus, questions = tiny_corpus
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--corpus", corpus, "--questions", questions, "--model", tiny_model_dir,
+                 "--top-k", "4", "--chunk-tokens", "48", "--max-new-tokens", "2", "--warmup", "1",
+                 "--modes", "full,prefix,cachedrag", "--tapers", "1:0.5,1:0/deviation@0.5", "--planning-chunks", "50",
+                 "--skip-simulation", "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    half, dev, default = modes["cachedrag:taper=1:0.5"], modes["cachedrag:taper=1:0/deviation@0.5"], modes["cachedrag"]
+    assert half["approximations"]["layer_taper"] == default["approximations"]["chunk_reuse"] > 0
+    assert "layer_taper" not in default["approximations"] and dev["approximations"]["layer_taper"] > 0
+    assert half["computed_token_fraction"] < default["computed_token_fraction"]
+    assert main(["bench", "ttft", "--tapers", "0:0.5"]) == 2  # refused before any model loads
+    assert main(["bench", "ttft", "--tapers", "15-0.5"]) == 2
