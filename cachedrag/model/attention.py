@@ -2,7 +2,8 @@
 
 Owns: ``decode_attention(q, k, v, start, end, scale)`` (``[H_q, D]`` query rows over the rows
 ``start..end-1`` of ``[H_kv, C, D]`` key/value buffers, GQA: query head ``h`` reads KV head
-``h // (H_q / H_kv)``), its torch reference (``decode_attention_reference``) and the small C++
+``h // (H_q / H_kv)``), ``decode_attention_batch`` (B requests' rows in one call, each bit for bit
+its single call: the server's batched step), its torch reference (``decode_attention_reference``) and the small C++
 kernel behind it, compiled with the system's C++ compiler at first use and cached on disk
 (``cache_home()/ext``, keyed by the source, torch's version and the CPU's flags, the library's
 SHA-256 beside it: a library whose bytes changed is rebuilt, never loaded). Without a compiler
@@ -41,6 +42,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -246,8 +248,8 @@ bool attend_avx512_g(const float* q, const KV* k, const KV* v, int64_t j0, int64
 #endif
 
 template <typename KV>
-void attend_any(const float* q, const KV* k, const KV* v, int64_t j0, int64_t j1, int G, int D,
-                float* m, float* l, float* acc) {
+__attribute__((noinline)) void attend_any(  // one copy: the single and batched entries run the same code
+    const float* q, const KV* k, const KV* v, int64_t j0, int64_t j1, int G, int D, float* m, float* l, float* acc) {
 #if defined(__AVX512F__)
   if (D == 64 && attend_avx512_g<KV, 4>(q, k, v, j0, j1, G, m, l, acc)) return;
   if (D == 128 && attend_avx512_g<KV, 8>(q, k, v, j0, j1, G, m, l, acc)) return;
@@ -290,44 +292,22 @@ int64_t auto_splits(int H_kv, int64_t T) {
   return std::max<int64_t>(1, std::min<int64_t>(splits, T / 64));
 }
 
-}  // namespace
-
-// q [H_q, D] (float32 or bfloat16), k/v [H_kv, C, D] (float32 or bfloat16, rows contiguous),
-// keys start..end-1; returns [H_q, D] in q's dtype. `splits`: key ranges per KV head (0: auto_splits).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t end,
-                               double scale, int64_t splits) {
-  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H_q, D], k/v [H_kv, C, D]");
-  const int H_q = q.size(0), D = q.size(1), H_kv = k.size(0);
-  TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D, "decode_attention: unsupported heads/dim");
-  TORCH_CHECK(k.size(2) == D && v.size(2) == D && v.size(0) == H_kv, "decode_attention: k/v shape");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D, "decode_attention: k/v rows must be contiguous");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "decode_attention: k/v dtypes differ");
-  TORCH_CHECK(0 <= start && start < end && end <= k.size(1) && end <= v.size(1), "decode_attention: key range");
-  TORCH_CHECK(splits >= 0, "decode_attention: splits >= 0");
-  const int G = H_q / H_kv;
-  if (splits == 0) splits = auto_splits(H_kv, end - start);
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "decode_attention: q must be float32 or bfloat16");
-  // scratch on the heap, not as tensors: per-call overhead matters at 30 calls per token
-  std::vector<float> qs(static_cast<size_t>(H_q) * D);  // [H_q, D] float32, scaled
-  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const at::BFloat16* qb = q_bf16 ? q.data_ptr<at::BFloat16>() : nullptr;
-  const float* qf = q_bf16 ? nullptr : q.data_ptr<float>();
+// The query rows of one request, scaled, as float32 [H_q, D] (q float32 or bfloat16, any strides).
+// Not inlined, like merge_splits: the single and the batched entry run the same machine code, so a
+// request's output is the same bits through either.
+__attribute__((noinline)) void scaled_query(const void* q, bool q_bf16, int64_t s0, int64_t s1, int H_q, int D,
+                                            float scale, float* qs) {
+  const at::BFloat16* qb = q_bf16 ? static_cast<const at::BFloat16*>(q) : nullptr;
+  const float* qf = q_bf16 ? nullptr : static_cast<const float*>(q);
   for (int h = 0; h < H_q; ++h)
     for (int d = 0; d < D; ++d)
-      qs[h * D + d] = (qb ? static_cast<float>(qb[h * qs0 + d * qs1]) : qf[h * qs0 + d * qs1]) * static_cast<float>(scale);
-  const int64_t tasks = static_cast<int64_t>(H_kv) * splits;
-  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
-  if (k.scalar_type() == torch::kFloat32) {
-    run<float>(qs.data(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0),
-               start, end, H_kv, G, D, splits, m.data(), l.data(), acc.data());
-  } else {
-    TORCH_CHECK(k.scalar_type() == torch::kBFloat16, "decode_attention: k/v must be float32 or bfloat16");
-    run<uint16_t>(qs.data(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), k.stride(0), v.stride(0),
-                  start, end, H_kv, G, D, splits, m.data(), l.data(), acc.data());
-  }
-  auto out = torch::empty({H_q, D}, q.options());  // merge the splits: out = sum e^(m_s - M) acc_s / sum e^(m_s - M) l_s
+      qs[h * D + d] = (qb ? static_cast<float>(qb[h * s0 + d * s1]) : qf[h * s0 + d * s1]) * scale;
+}
+
+// Merge one request's splits: out = sum e^(m_s - M) acc_s / sum e^(m_s - M) l_s, written as [H_q, D]
+// rows at `out` in float32 or bfloat16 (round to nearest even).
+__attribute__((noinline)) void merge_splits(const float* m, const float* l, const float* acc, int H_kv, int G, int D,
+                                            int64_t splits, void* out, bool out_bf16) {
   float o[MAX_D];
   for (int h = 0; h < H_kv; ++h) {
     for (int g = 0; g < G; ++g) {
@@ -340,25 +320,143 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         if (l[t * G + g] == 0.f) continue;
         const float w = std::exp(m[t * G + g] - M);
         L += w * l[t * G + g];
-        const float* a = acc.data() + (t * G + g) * D;
+        const float* a = acc + (t * G + g) * D;
         for (int d = 0; d < D; ++d) o[d] += w * a[d];
       }
       const float inv = 1.f / L;
       const int64_t row = (static_cast<int64_t>(h) * G + g) * D;
-      if (q_bf16) {
-        at::BFloat16* ob = out.data_ptr<at::BFloat16>() + row;
-        for (int d = 0; d < D; ++d) ob[d] = at::BFloat16(o[d] * inv);  // round to nearest even
+      if (out_bf16) {
+        at::BFloat16* ob = static_cast<at::BFloat16*>(out) + row;
+        for (int d = 0; d < D; ++d) ob[d] = at::BFloat16(o[d] * inv);
       } else {
-        float* of = out.data_ptr<float>() + row;
+        float* of = static_cast<float*>(out) + row;
         for (int d = 0; d < D; ++d) of[d] = o[d] * inv;
       }
     }
   }
+}
+
+void check_kv(const torch::Tensor& k, const torch::Tensor& v, int D, int H_kv) {
+  TORCH_CHECK(k.size(-1) == D && v.size(-1) == D && v.size(-3) == H_kv && k.size(-3) == H_kv, "decode_attention: k/v shape");
+  TORCH_CHECK(k.stride(-1) == 1 && k.stride(-2) == D && v.stride(-1) == 1 && v.stride(-2) == D, "decode_attention: k/v rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "decode_attention: k/v dtypes differ");
+  TORCH_CHECK(k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16, "decode_attention: k/v must be float32 or bfloat16");
+}
+
+}  // namespace
+
+// q [H_q, D] (float32 or bfloat16), k/v [H_kv, C, D] (float32 or bfloat16, rows contiguous),
+// keys start..end-1; returns [H_q, D] in q's dtype. `splits`: key ranges per KV head (0: auto_splits).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t end,
+                               double scale, int64_t splits) {
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H_q, D], k/v [H_kv, C, D]");
+  const int H_q = q.size(0), D = q.size(1), H_kv = k.size(0);
+  TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D, "decode_attention: unsupported heads/dim");
+  check_kv(k, v, D, H_kv);
+  TORCH_CHECK(0 <= start && start < end && end <= k.size(1) && end <= v.size(1), "decode_attention: key range");
+  TORCH_CHECK(splits >= 0, "decode_attention: splits >= 0");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "decode_attention: q must be float32 or bfloat16");
+  const int G = H_q / H_kv;
+  if (splits == 0) splits = auto_splits(H_kv, end - start);
+  // scratch on the heap, not as tensors: per-call overhead matters at 30 calls per token
+  std::vector<float> qs(static_cast<size_t>(H_q) * D);  // [H_q, D] float32, scaled
+  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
+  scaled_query(q.data_ptr(), q_bf16, q.stride(0), q.stride(1), H_q, D, static_cast<float>(scale), qs.data());
+  const int64_t tasks = static_cast<int64_t>(H_kv) * splits;
+  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+  if (k.scalar_type() == torch::kFloat32) {
+    run<float>(qs.data(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0),
+               start, end, H_kv, G, D, splits, m.data(), l.data(), acc.data());
+  } else {
+    run<uint16_t>(qs.data(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), k.stride(0), v.stride(0),
+                  start, end, H_kv, G, D, splits, m.data(), l.data(), acc.data());
+  }
+  auto out = torch::empty({H_q, D}, q.options());  // [H_q, D]
+  merge_splits(m.data(), l.data(), acc.data(), H_kv, G, D, splits, out.data_ptr(), q_bf16);
+  return out;
+}
+
+// B requests in ONE call (the server's batched step): q [H_q, B, D] (any strides), ks[b] / vs[b] the
+// whole buffers [L, H_kv, C, D] of request b (one dtype for all), their `layer`, keys starts[b]..ends[b]-1.
+// Returns [B, H_q*D] in q's dtype. Every (request, KV head, key range) task of the batch goes to one
+// parallel_for, and each request's splits, tasks and merge are those of `decode_attention` alone
+// (auto_splits): row b is bit for bit the single call on request b.
+torch::Tensor decode_attention_batch(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                                     int64_t layer, std::vector<int64_t> starts, std::vector<int64_t> ends,
+                                     double scale) {
+  TORCH_CHECK(q.dim() == 3, "decode_attention_batch: q [H_q, B, D]");
+  const int H_q = q.size(0), D = q.size(2);
+  const int64_t B = q.size(1);
+  TORCH_CHECK(static_cast<int64_t>(ks.size()) == B && static_cast<int64_t>(vs.size()) == B &&
+              static_cast<int64_t>(starts.size()) == B && static_cast<int64_t>(ends.size()) == B,
+              "decode_attention_batch: one buffer and key range per request");
+  TORCH_CHECK(B > 0, "decode_attention_batch: no request");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "decode_attention: q must be float32 or bfloat16");
+  const int H_kv = ks[0].size(1);
+  TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D, "decode_attention: unsupported heads/dim");
+  const bool kv_f32 = ks[0].scalar_type() == torch::kFloat32;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ks[b].dim() == 4 && vs[b].dim() == 4, "decode_attention_batch: k/v [L, H_kv, C, D]");
+    check_kv(ks[b], vs[b], D, H_kv);
+    TORCH_CHECK(ks[b].scalar_type() == ks[0].scalar_type(), "decode_attention_batch: one K/V dtype for the batch");
+    TORCH_CHECK(0 <= layer && layer < ks[b].size(0) && layer < vs[b].size(0), "decode_attention_batch: layer");
+    TORCH_CHECK(0 <= starts[b] && starts[b] < ends[b] && ends[b] <= ks[b].size(2) && ends[b] <= vs[b].size(2),
+                "decode_attention_batch: key range");
+  }
+  const int G = H_q / H_kv;
+  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
+  const int64_t elem = q_bf16 ? 2 : 4;
+  std::vector<int64_t> splits(B), first(B + 1, 0);  // request b's tasks: first[b] .. first[b + 1] - 1
+  for (int64_t b = 0; b < B; ++b) {
+    splits[b] = auto_splits(H_kv, ends[b] - starts[b]);
+    first[b + 1] = first[b] + H_kv * splits[b];
+  }
+  const int64_t tasks = first[B];
+  std::vector<float> qs(static_cast<size_t>(B) * H_q * D);  // [B, H_q, D] float32, scaled
+  for (int64_t b = 0; b < B; ++b)
+    scaled_query(static_cast<const char*>(q.data_ptr()) + b * q.stride(1) * elem, q_bf16, q.stride(0), q.stride(2),
+                 H_q, D, static_cast<float>(scale), qs.data() + b * H_q * D);
+  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+    int64_t b = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+    for (int64_t task = lo; task < hi; ++task) {
+      while (task >= first[b + 1]) ++b;
+      const int64_t local = task - first[b], sp_n = splits[b];
+      const int h = static_cast<int>(local / sp_n), sp = static_cast<int>(local % sp_n);
+      const int64_t T = ends[b] - starts[b], per = (T + sp_n - 1) / sp_n;
+      const int64_t j0 = starts[b] + sp * per, j1 = std::min(ends[b], j0 + per);
+      float* mt = m.data() + task * G;
+      float* lt = l.data() + task * G;
+      float* at = acc.data() + task * G * D;
+      if (j0 >= j1) {
+        for (int g = 0; g < G; ++g) { mt[g] = -std::numeric_limits<float>::infinity(); lt[g] = 0.f; }
+        std::memset(at, 0, sizeof(float) * G * D);
+        continue;
+      }
+      const float* qh = qs.data() + b * H_q * D + static_cast<int64_t>(h) * G * D;
+      const torch::Tensor& k = ks[b];
+      const torch::Tensor& v = vs[b];
+      if (kv_f32) {
+        attend_any(qh, k.data_ptr<float>() + layer * k.stride(0) + h * k.stride(1),
+                   v.data_ptr<float>() + layer * v.stride(0) + h * v.stride(1), j0, j1, G, D, mt, lt, at);
+      } else {
+        attend_any(qh, reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + layer * k.stride(0) + h * k.stride(1),
+                   reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + layer * v.stride(0) + h * v.stride(1),
+                   j0, j1, G, D, mt, lt, at);
+      }
+    }
+  });
+  auto out = torch::empty({B, static_cast<int64_t>(H_q) * D}, q.options());  // [B, H_q*D]
+  for (int64_t b = 0; b < B; ++b)
+    merge_splits(m.data() + first[b] * G, l.data() + first[b] * G, acc.data() + first[b] * G * D, H_kv, G, D, splits[b],
+                 static_cast<char*>(out.data_ptr()) + b * H_q * D * elem, q_bf16);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query row per head over KV rows, split-K (cachedrag)");
+  m.def("decode_attention_batch", &decode_attention_batch, "decode_attention for B requests in one call (cachedrag)");
 }
 """
 
@@ -478,3 +576,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     if mod is None:
         raise RuntimeError(f"decode attention kernel {kernel_status()}")
     return mod.decode_attention(q, k, v, start, end, scale, splits)
+
+
+def decode_attention_batch(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], layer: int,
+                           starts: list[int], ends: list[int], scale: float) -> torch.Tensor:
+    """B requests in one call (the server's batched step): ``q [H_q, B, D]`` (any strides), request
+    ``b``'s whole buffers ``ks[b], vs[b] [L, H_kv, C, D]`` at ``layer``, keys ``starts[b]..ends[b]-1``;
+    returns ``[B, H_q*D]``. Row ``b`` equals ``decode_attention(q[:, b], ks[b][layer], vs[b][layer],
+    starts[b], ends[b], scale)`` bit for bit: the same splits, tasks and merge, all the batch's tasks
+    in one parallel loop (one fork/join per layer instead of one per request)."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError(f"decode attention kernel {kernel_status()}")
+    return mod.decode_attention_batch(q, ks, vs, layer, starts, ends, scale)

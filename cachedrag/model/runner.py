@@ -672,7 +672,8 @@ class ModelRunner:
         over layer ``i``'s K/V rows up to it (a sliding window becomes a start row): ``[1, H_q*D]``.
         The split-K kernel (``decode_attention="kernel"``: float32 arithmetic, q as given, K/V read in
         the buffer's dtype) or SDPA with ``enable_gqa`` (q cast to the KV dtype). The batched server
-        step calls it per request, so one row there is this step bit for bit."""
+        step calls it per request, or the kernel's ``decode_attention_batch`` (each row bit for bit
+        this call), so one row there is this step bit for bit."""
         window = self.windows[i]
         start = 0 if window is None else max(0, position + 1 - window)
         if self._attn_kernel is not None:

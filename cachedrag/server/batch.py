@@ -10,8 +10,9 @@ indexed K/V write per layer and ONE attention call over whole 512-key blocks wit
 mask (``block_span_of``, ``_Views.block_span``), which gives each pooled request the same bits
 alone and beside any batch-mates (a row over its exact ``p + 1`` keys would not: the kernel
 rounds a block's sums by its length); the others (and all of them with ``pooled=False``, the
-reference) one call each over their exact keys through the runner's own ``_attend_row`` (its
-split-K kernel or SDPA), the runner's own arithmetic. Requests join and
+reference) over their exact keys with the runner's own arithmetic: with the split-K kernel
+(``model/attention.py``) one ``decode_attention_batch`` call for all of them per layer (each row
+bit for bit the runner's own call), else the runner's ``_attend_row`` (SDPA) per request. Requests join and
 leave between calls: nothing here persists across steps but the packed weights below (built
 once per runner).
 
@@ -212,6 +213,16 @@ class _Views:
                               + self.pos[:, None]).reshape(-1)  # [m*H_kv], in [m, H_kv] order
         self.k_rows = [kv.k[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
         self.v_rows = [kv.v[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
+        self.ks = [kv.k for kv in kvs[self.m:]]  # (B-m) x [L, H_kv, C, D]: the split-K kernel's batched call
+        self.vs = [kv.v for kv in kvs[self.m:]]
+        self._ranges: dict[int | None, tuple[list[int], list[int]]] = {}
+
+    def key_ranges(self, window: int | None) -> tuple[list[int], list[int]]:
+        """Per request past the pooled ones, its keys ``starts[r]..ends[r]-1``: ``p - window < j <= p``."""
+        if window not in self._ranges:
+            ps = self.positions[self.m:]
+            self._ranges[window] = ([0 if window is None else max(0, p + 1 - window) for p in ps], [p + 1 for p in ps])
+        return self._ranges[window]
 
     def block_span(self, window: int | None) -> tuple[int, int, torch.Tensor]:
         """Pooled rows: ``(lo, hi, mask)``: the one call reads keys ``[lo, hi)`` of the slots, both
@@ -280,8 +291,14 @@ def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, views: _Views
     for r in range(b - m):
         views.k_rows[r][i].copy_(qk[h_q:, m + r])  # [H_kv, D] into row p of request m + r
         views.v_rows[r][i].copy_(v[m + r])  # [H_kv, D]
-    outs += [runner._attend_row(i, qk[:h_q, m + r], p, kv)  # (B-m) x [1, H_q*D]: the runner's own attention
-             for r, (p, kv) in enumerate(zip(views.positions[m:], views.kvs[m:]))]  # (its kernel or SDPA)
+    kernel = runner._attn_kernel
+    if kernel is not None and b - m > 1:  # the split-K kernel, all requests in one call: each row
+        starts, ends = views.key_ranges(window)  # is bit for bit the runner's own call on that request
+        outs.append(kernel.decode_attention_batch(qk[:h_q, m:], views.ks, views.vs, i, starts, ends,
+                                                  runner.scaling))  # [B-m, H_q*D]
+    else:
+        outs += [runner._attend_row(i, qk[:h_q, m + r], p, kv)  # (B-m) x [1, H_q*D]: the runner's own attention
+                 for r, (p, kv) in enumerate(zip(views.positions[m:], views.kvs[m:]))]  # (its kernel or SDPA)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [B, H_q*D]
     h = hidden + o_w(out.to(hidden.dtype))  # [B, Dm]
     y = _rms_norm_rows(h, w2, eps2)  # [B, Dm]

@@ -53,6 +53,50 @@ def test_kernel_reads_views_of_the_layer_buffer_and_any_thread_count():
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_call_equals_each_single_call_bit_for_bit(kv_dtype, q_dtype, threads):
+    """``decode_attention_batch``: B requests of different lengths (one past a window start) in one
+    call give each request exactly the bits of its own ``decode_attention`` call, and the reference
+    to float rounding; q is a strided view, as the server's batched step passes it."""
+    g = torch.Generator().manual_seed(7)
+    spans = [(0, 1), (0, 37), (0, 600), (300, 1100), (0, 1300)]
+    bufs = [(torch.randn(3, 3, 1300 + 64 * b, 64, generator=g).to(kv_dtype),
+             torch.randn(3, 3, 1300 + 64 * b, 64, generator=g).to(kv_dtype)) for b in range(len(spans))]  # [L, H_kv, C, D]
+    qk = (torch.randn(len(spans), 12, 64, generator=g) * 3).to(q_dtype).transpose(0, 1)  # [H_q + H_kv, B, D] view
+    q = qk[:9]  # [H_q, B, D], strided
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = attention.decode_attention_batch(q, [k for k, _ in bufs], [v for _, v in bufs], 1,
+                                               [s for s, _ in spans], [e for _, e in spans], 0.125)
+        singles = [attention.decode_attention(q[:, b], k[1], v[1], s, e, 0.125).reshape(-1)
+                   for b, ((k, v), (s, e)) in enumerate(zip(bufs, spans))]
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (len(spans), 9 * 64) and got.dtype == q_dtype
+    for b, single in enumerate(singles):
+        assert torch.equal(got[b], single), f"request {b}"
+        want = attention.decode_attention_reference(q[:, b], bufs[b][0][1], bufs[b][1][1], *spans[b], 0.125)
+        tol = dict(rtol=1e-5, atol=1e-5) if q_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got[b], want.reshape(-1), **tol)
+
+
+@needs_kernel
+def test_batched_call_refuses_mismatched_requests():
+    q, kv = torch.randn(9, 2, 64), torch.randn(2, 3, 100, 64)
+    with pytest.raises(RuntimeError, match="one buffer and key range per request"):
+        attention.decode_attention_batch(q, [kv], [kv], 0, [0], [10], 0.125)
+    with pytest.raises(RuntimeError, match="key range"):
+        attention.decode_attention_batch(q, [kv, kv], [kv, kv], 0, [0, 5], [10, 5], 0.125)
+    with pytest.raises(RuntimeError, match="layer"):
+        attention.decode_attention_batch(q, [kv, kv], [kv, kv], 2, [0, 0], [10, 10], 0.125)
+    with pytest.raises(RuntimeError, match="one K/V dtype"):
+        attention.decode_attention_batch(q, [kv, kv.bfloat16()], [kv, kv.bfloat16()], 0, [0, 0], [10, 10], 0.125)
+
+
+@needs_kernel
 def test_kernel_refuses_bad_shapes():
     q, k = torch.randn(9, 64), torch.randn(3, 10, 64)
     with pytest.raises(RuntimeError, match="key range"):
@@ -132,7 +176,9 @@ def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, 
     from torch.utils import cpp_extension
 
     name = f"cachedrag_decode_attn_{attention._key()}"
-    shutil.copytree(attention._cache_dir() / name, tmp_path / name)
+    intact, changed = tmp_path / "intact", tmp_path / "changed"
+    for cache in (intact, changed):
+        shutil.copytree(attention._cache_dir() / name, cache / name)
     builds = []
 
     def no_build(**kwargs):
@@ -140,13 +186,15 @@ def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, 
         raise RuntimeError("build stubbed out")
 
     monkeypatch.setattr(cpp_extension, "load_inline", no_build)
-    module = attention._load(tmp_path)
+    module = attention._load(intact)
     assert builds == [] and module.decode_attention(torch.ones(2, 16), torch.ones(1, 4, 16), torch.ones(1, 4, 16),
                                                    0, 4, 0.25, 0).shape == (2, 16)
-    so = tmp_path / name / f"{name}.so"
+    # the flipped byte goes into the other copy: a library this process has mapped is never written
+    # (its code pages would change under it)
+    so = changed / name / f"{name}.so"
     data = bytearray(so.read_bytes())
     data[len(data) // 2] ^= 0x01
     so.write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match="build stubbed out"):
-        attention._load(tmp_path)
+        attention._load(changed)
     assert builds == [name] and not so.exists()
