@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from cachedrag.model.artifact import cpu_flags_digest, file_sha256
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -497,7 +499,7 @@ def kernel_status() -> str:
 
 
 def _key() -> str:
-    blob = "\n".join([_SOURCE, " ".join(_FLAGS), torch.__version__, _cpu_flags(), platform.machine()])
+    blob = "\n".join([_SOURCE, " ".join(_FLAGS), torch.__version__, cpu_flags_digest(), platform.machine()])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -520,7 +522,7 @@ def _load(cache_dir: Path | None = None):
 def _load_locked(name: str, directory: Path):
     so = directory / f"{name}.so"
     digest = directory / f"{name}.sha256"
-    if so.exists() and digest.exists() and digest.read_text().strip() == _sha256(so):
+    if so.exists() and digest.exists() and digest.read_text().strip() == file_sha256(so):
         spec = importlib.util.spec_from_file_location(name, so, loader=importlib.machinery.ExtensionFileLoader(name, str(so)))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -537,7 +539,7 @@ def _load_locked(name: str, directory: Path):
     module = cpp_extension.load_inline(name=name, cpp_sources=[_SOURCE], extra_cflags=_FLAGS,
                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     tmp = digest.with_suffix(".tmp")
-    tmp.write_text(_sha256(so))
+    tmp.write_text(file_sha256(so))
     os.replace(tmp, digest)  # the digest last: a library without one is never loaded
     _state["built"] = True
     return module
@@ -549,23 +551,6 @@ def _cache_dir() -> Path:
     return cache_home() / "ext"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return hashlib.sha256(line.encode()).hexdigest()[:16]
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int, scale: float,

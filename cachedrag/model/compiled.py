@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from cachedrag.errors import ConfigError
+from cachedrag.model.artifact import cpu_flags_digest, file_sha256
 from cachedrag.model.rope import rotate_half
 from cachedrag.model.weights import INT4_GROUP, PackedLinear
 
@@ -218,7 +219,7 @@ class CompiledDecode:
     def key(self, name: str) -> str:
         """Cache key of one segment's package: what the generated code depends on."""
         blob = json.dumps({"segment": name, "spec": self.spec, "version": FORMAT_VERSION, "torch": torch.__version__,
-                           "threads": self.threads, "cpu": _cpu_flags(), "machine": platform.machine()},
+                           "threads": self.threads, "cpu": cpu_flags_digest(), "machine": platform.machine()},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -227,7 +228,7 @@ class CompiledDecode:
         digest = path.with_suffix(".sha256")
         if path.exists():
             try:  # a package whose bytes changed since its build (bit rot, a truncated copy) is a miss:
-                if digest.read_text().strip() != _sha256(path):  # its kernels must never run
+                if digest.read_text().strip() != file_sha256(path):  # its kernels must never run
                     raise ValueError("package digest mismatch")
                 return torch._inductor.aoti_load_package(str(path))
             except Exception:  # a damaged or foreign package is a miss: rebuild it below  # noqa: BLE001
@@ -244,19 +245,12 @@ class CompiledDecode:
             os.close(fd)
             try:
                 torch._inductor.aoti_compile_and_package(program, package_path=tmp)
-                _write_atomic(digest, _sha256(Path(tmp)))  # the digest first: a package never lacks it
+                _write_atomic(digest, file_sha256(Path(tmp)))  # the digest first: a package never lacks it
                 os.replace(tmp, path)  # atomic: a half-written package is never loaded
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -271,14 +265,3 @@ def _default_cache_dir() -> Path:
 
     return cache_home() / "aoti"
 
-
-def _cpu_flags() -> str:
-    """A digest of the CPU's instruction-set flags (the generated kernels are vectorised for them)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return hashlib.sha256(line.encode()).hexdigest()[:16]
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
