@@ -2,7 +2,7 @@
 library): the digests that key and guard them.
 
 Owns: ``file_sha256`` (the digest stored beside an artefact: one whose bytes changed is rebuilt,
-never loaded) and ``cpu_flags_digest`` (part of an artefact's key: its kernels are vectorised for
+never loaded), ``write_atomic`` (how such a digest is written: whole or not at all) and ``cpu_flags_digest`` (part of an artefact's key: its kernels are vectorised for
 this CPU's instruction sets). Does not own: building, loading or where artefacts live
 (``compiled.py``, ``attention.py``, ``cachedrag.paths``).
 """
@@ -10,7 +10,9 @@ this CPU's instruction sets). Does not own: building, loading or where artefacts
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+import tempfile
 from pathlib import Path
 
 
@@ -33,3 +35,12 @@ def cpu_flags_digest() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same directory and a rename: a reader
+    sees the old file or the whole new one, never a part."""
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from cachedrag.model.artifact import cpu_flags_digest, file_sha256
+from cachedrag.model.artifact import cpu_flags_digest, file_sha256, write_atomic
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -538,9 +538,7 @@ def _load_locked(name: str, directory: Path):
         raise RuntimeError("ninja is not available")
     module = cpp_extension.load_inline(name=name, cpp_sources=[_SOURCE], extra_cflags=_FLAGS,
                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
-    tmp = digest.with_suffix(".tmp")
-    tmp.write_text(file_sha256(so))
-    os.replace(tmp, digest)  # the digest last: a library without one is never loaded
+    write_atomic(digest, file_sha256(so))  # the digest last: a library without one is never loaded
     _state["built"] = True
     return module
 

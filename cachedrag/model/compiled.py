@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from cachedrag.errors import ConfigError
-from cachedrag.model.artifact import cpu_flags_digest, file_sha256
+from cachedrag.model.artifact import cpu_flags_digest, file_sha256, write_atomic
 from cachedrag.model.rope import rotate_half
 from cachedrag.model.weights import INT4_GROUP, PackedLinear
 
@@ -245,19 +245,12 @@ class CompiledDecode:
             os.close(fd)
             try:
                 torch._inductor.aoti_compile_and_package(program, package_path=tmp)
-                _write_atomic(digest, file_sha256(Path(tmp)))  # the digest first: a package never lacks it
+                write_atomic(digest, file_sha256(Path(tmp)))  # the digest first: a package never lacks it
                 os.replace(tmp, path)  # atomic: a half-written package is never loaded
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
 
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _default_cache_dir() -> Path:
