@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from cachedrag.model.artifact import cpu_flags_digest, file_sha256, write_atomic
+from cachedrag.model.fused_decode import SOURCE as FUSED_DECODE_SOURCE
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -456,11 +457,18 @@ torch::Tensor decode_attention_batch(torch::Tensor q, std::vector<torch::Tensor>
   return out;
 }
 
+"""
+
+_BINDINGS = r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query row per head over KV rows, split-K (cachedrag)");
   m.def("decode_attention_batch", &decode_attention_batch, "decode_attention for B requests in one call (cachedrag)");
+  register_fused_decode(m);
 }
 """
+
+# One library: this kernel, then the fused decode step that calls it (``model/fused_decode.py``).
+_SOURCES = [_SOURCE, FUSED_DECODE_SOURCE, _BINDINGS]
 
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
           "-fopenmp"]
@@ -499,7 +507,7 @@ def kernel_status() -> str:
 
 
 def _key() -> str:
-    blob = "\n".join([_SOURCE, " ".join(_FLAGS), torch.__version__, cpu_flags_digest(), platform.machine()])
+    blob = "\n".join([*_SOURCES, " ".join(_FLAGS), torch.__version__, cpu_flags_digest(), platform.machine()])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -536,7 +544,7 @@ def _load_locked(name: str, directory: Path):
         raise RuntimeError("no C++ compiler (c++) on PATH")
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not available")
-    module = cpp_extension.load_inline(name=name, cpp_sources=[_SOURCE], extra_cflags=_FLAGS,
+    module = cpp_extension.load_inline(name=name, cpp_sources=_SOURCES, extra_cflags=_FLAGS,
                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     write_atomic(digest, file_sha256(so))  # the digest last: a library without one is never loaded
     _state["built"] = True

@@ -121,7 +121,7 @@ class ModelRunner:
     def __init__(self, model, tokenizer=None, kernel_backend: str = "auto", skinny_linear: bool = True, *,
                  dtype=None, weights: str = "dense", kv_store_dtype=None, fast: bool = True,
                  threads: int | None = None, block_causal: bool = True, compile: bool = False,
-                 compile_cache_dir=None, decode_attention: str = "auto"):
+                 compile_cache_dir=None, decode_attention: str = "auto", decode_step: str = "auto"):
         """``kernel_backend``: ``"auto"`` uses the Triton kernels (``cachedrag.kernels``) on CUDA
         and torch elsewhere; ``"torch"`` / ``"triton"`` force one (``"triton"`` on CPU needs
         ``TRITON_INTERPRET=1``; used by the equivalence tests).
@@ -148,6 +148,12 @@ class ModelRunner:
         the query heads sharing it; compiled at first use and cached on disk); ``"sdpa"``: torch's
         SDPA (the reference); ``"auto"`` (default): the kernel where it builds (fast CPU path), else
         SDPA, the reason in ``decode_attention_note``. The resolved choice is ``self.decode_attention``.
+        ``decode_step``: how the one-token step runs. ``"fused"``: every layer and the LM head in one
+        native call (``model/fused_decode.py``: float32/bfloat16 dense and int8 weights, the split-K
+        attention; built with the attention kernel); ``"torch"``: op by op (``_decode_layer``, or the
+        ``compile=True`` packages; the reference); ``"auto"`` (default): fused where it applies and
+        neither ``compile=True`` nor ``decode_attention="sdpa"`` asks for the torch step, the reason
+        otherwise in ``decode_step_note``. The resolved choice is ``self.decode_step_kind``.
         """
         if kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
@@ -210,6 +216,7 @@ class ModelRunner:
             from cachedrag.model.compiled import CompiledDecode
 
             self.compiled = CompiledDecode(self, compile_cache_dir)
+        self.decode_step_kind, self.decode_step_note, self.fused = self._pick_decode_step(decode_step)
 
     def _fast_weights(self, model) -> tuple[list[LayerWeights], PackedLinear]:
         """Every layer's fused projections and the LM head in the numerics' fast layout. With int4
@@ -304,6 +311,25 @@ class ModelRunner:
                 raise ConfigError(f"decode_attention='kernel': the kernel is {attention.kernel_status()}")
             return "sdpa", f"kernel {attention.kernel_status()}", None
         return "kernel", "", module
+
+    def _pick_decode_step(self, requested: str):
+        """``(choice, note, FusedDecode or None)`` for the one-token step."""
+        if requested not in ("auto", "fused", "torch"):
+            raise ConfigError(f"decode_step must be 'auto', 'fused' or 'torch', got {requested!r}")
+        if requested == "torch":
+            return "torch", "", None
+        from cachedrag.model.fused_decode import FusedDecode, unsupported_reason
+
+        reason = unsupported_reason(self)
+        if reason is None and self.compiled is not None:
+            reason = "compile=True (the compiled torch step)"
+        if reason is None and self.decode_attention != "kernel":
+            reason = f"decode_attention={self.decode_attention!r} ({self.decode_attention_note or 'asked for'})"
+        if reason is not None:
+            if requested == "fused":
+                raise ConfigError(f"decode_step='fused' needs the fast CPU step with the attention kernel: {reason}")
+            return "torch", reason, None
+        return "fused", "", FusedDecode(self)
 
     def _pick_backend(self, requested: str) -> str:
         if requested != "auto":
@@ -612,6 +638,8 @@ class ModelRunner:
         """One autoregressive step: token at ``position`` attends to rows ``[0, position]``; logits ``[V]``."""
         if position >= kv.capacity:
             raise ContextWindowError(f"position {position} exceeds the request buffer ({kv.capacity})")
+        if self.fused is not None:  # the whole step in one native call (model/fused_decode.py)
+            return self.fused.step(token_id, position, kv)
         if self.compiled is not None:  # compile=True: AOTInductor segments, attention eager (model/compiled.py)
             if torch.get_num_threads() == self.compiled.threads:
                 return self.compiled.step(token_id, position, kv)

@@ -144,7 +144,7 @@ def prepare(runner: ModelRunner, max_batch: int) -> None:
 @torch.inference_mode()
 def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: Sequence[int],
                         kvs: Sequence[KVBuffer], fast: bool | None = None, packed: bool | None = None,
-                        pooled: bool | None = None) -> torch.Tensor:
+                        pooled: bool | None = None, fused: bool | None = None) -> torch.Tensor:
     """Feed ``tokens[b]`` at ``positions[b]`` into ``kvs[b]`` for every b; returns logits ``[B, V]``.
 
     Each request's query attends to its buffer rows ``[0, positions[b]]`` (within the layer's
@@ -155,6 +155,9 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
     attention over leading requests held in a ``KVPool`` (slots ``0..m-1`` in order) as one call
     with one indexed K/V write per layer (None: where their real keys fill ``POOL_FILL`` of the
     padded batch; False: per request, the reference; True: whenever the layout allows).
+    ``fused``: the runner's fused native step (``model/fused_decode.py``: all B requests in one call,
+    each row bit for bit the runner's own ``decode_step``) where the runner has one and no request is
+    pooled (None: so, unless ``fast`` or ``packed`` forces the op-by-op path; False: op by op).
     """
     n = len(tokens)
     assert n == len(positions) == len(kvs) and n > 0, "one token, position and buffer per request"
@@ -162,6 +165,10 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
     for p, kv in zip(positions, kvs):
         if p >= kv.capacity:
             raise ContextWindowError(f"position {p} exceeds the request buffer ({kv.capacity})")
+    if fused is None:
+        fused = fast is None and packed is None
+    if fused and runner.fused is not None and (pooled is False or not pooled_prefix(kvs)[1]):
+        return runner.fused.step_batch(tokens, positions, kvs)  # [B, V]
     device = runner.device
     ids = torch.tensor(list(tokens), device=device)  # [B]
     pos = torch.tensor(positions, device=device)  # [B]

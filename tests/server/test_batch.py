@@ -63,13 +63,17 @@ def test_packed_weights_from_packed_rows_on_and_only_for_dense_float32():
     for p, kv in zip(prompts, kvs):
         runner.prefill(p, kv=kv)
     tokens, positions = [7] * len(prompts), [len(p) for p in prompts]
-    auto = batched_decode_step(runner, tokens, positions, kvs)  # [B, V] PACKED_ROWS rows: packed by default
-    forced = batched_decode_step(runner, tokens, positions, kvs, packed=True)
+    auto = batched_decode_step(runner, tokens, positions, kvs, fused=False)  # [B, V] the op-by-op step at
+    forced = batched_decode_step(runner, tokens, positions, kvs, packed=True)  # PACKED_ROWS rows: packed by default
     plain = batched_decode_step(runner, tokens, positions, kvs, packed=False)
     assert torch.equal(auto, forced)
     torch.testing.assert_close(auto, plain, rtol=1e-4, atol=1e-4)  # another kernel: equal to float rounding
-    one = batched_decode_step(runner, tokens[:1], positions[:1], kvs[:1])  # one row: the runner's own weights,
-    assert torch.equal(one[0], runner.decode_step(tokens[0], positions[0], kvs[0]))  # bit for bit its decode step
+    one = batched_decode_step(runner, tokens[:1], positions[:1], kvs[:1], fused=False)  # one row: the runner's own
+    with_torch_step = ModelRunner(runner.model, runner.tokenizer, decode_step="torch")  # weights, bit for bit its
+    assert torch.equal(one[0], with_torch_step.decode_step(tokens[0], positions[0], kvs[0]))  # op-by-op step
+    if runner.fused is not None:  # the default batched step: the fused one, each row bit for bit its decode step
+        fused = batched_decode_step(runner, tokens, positions, kvs)  # [B, V]
+        torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     prepare(runner, 8)  # builds once, runs each row count once
     assert batch_weights(runner) is batch_weights(runner)
     bf16 = ModelRunner(tiny_model(vocab_size=len(byte_tokenizer())), byte_tokenizer(), dtype="bfloat16")

@@ -1,0 +1,512 @@
+"""The fused decode step: every layer of the runner's one-token step, and the LM head, in ONE native call.
+
+Owns: ``FusedDecode`` (``ModelRunner(decode_step="fused")``, the default where it applies): the
+runner's fast one-token step (``ModelRunner._decode_layer`` x L, the final norm and the LM head)
+for B requests at once, each with its own KV buffer, as one call into the C++ library that also
+holds the split-K decode attention kernel (``model/attention.py`` builds and caches it; this
+module's source is compiled into it). Per layer: RMSNorm, the fused q/k/v projection, RoPE, the
+K/V row writes, the split-K attention (the very code ``decode_attention`` runs), the output
+projection, RMSNorm, gate/up, SiLU x up, down, the residuals. Formats: float32 and bfloat16 dense
+weights and int8 weight-only (the runner's ``PackedLinear`` weights as they are, no copy).
+
+Why hand-written: a decode step of a 135M model on a 2-core CPU is ~25 small ops per layer
+around 4 one-row matmuls; each op costs a dispatch (and, inside a step, reads its inputs from a
+cache the weights just flushed), which put our step 10-20% behind llama.cpp's at the same weight
+bytes (docs/speed.md). ``torch.compile`` (AOTInductor, ``compile=True``) fuses the elementwise ops
+but keeps one call per layer and the extern matmuls; the attention inside the package did not pay
+(round 6). Here one call runs the whole step: one-row matmuls as AVX-512 dot products over the
+weight rows in their stored layout (float32 FMA; bf16 pairs through AVX512-BF16 ``vdpbf16ps``;
+int8 rows widened to float32 and scaled per row, ``_weight_int8pack_mm``'s arithmetic), split over
+torch's intra-op threads by rows (``at::parallel_for``), the small ops in between as plain loops.
+
+Numerics: float32 accumulation everywhere; in a bfloat16 stream every value is rounded to bf16
+(round to nearest even) where the torch step rounds it (each projection's output, RoPE's two
+products and their sum, the attention output, each residual add, the norms, SiLU and its product),
+so it agrees with ``_decode_layer`` to the rounding of the dot products' summation order (tests:
+float32 logits to 1e-4; bf16/int8 relative to the logits' spread; greedy tokens). Row ``b`` of a
+batch is bit for bit the single call on request ``b``: every dot product and every attention task
+is computed in the same order whatever the batch (tests); so the server's batched step and
+``CachedEngine.generate`` decode alike.
+
+Does not own: building and caching the library (``model/attention.py``), which step the runner
+takes (``ModelRunner``), the batched server step's pooled-KV path (``server/batch.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cachedrag.errors import ConfigError
+
+# Compiled after the attention kernel's source (same translation unit: it calls ``run``,
+# ``scaled_query``, ``merge_splits`` and ``auto_splits``), bound by ``register_fused_decode``.
+SOURCE = r"""
+namespace fused {
+
+// float -> bfloat16 bits, round to nearest even (at::BFloat16's rounding), inline so loops vectorise
+inline uint16_t bf16_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float float_of(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float bf16r(float f) { return float_of(bf16_of(f)); }  // the nearest bfloat16 value
+
+enum Kind { F32 = 0, BF16 = 1, INT8 = 2 };
+
+struct Proj {
+  int kind = F32;
+  int64_t rows = 0, cols = 0;
+  torch::Tensor w;           // [rows, cols] float32 / bfloat16 / int8, contiguous (held: no copy)
+  std::vector<float> scale;  // int8: per row
+  std::vector<float> bias;   // empty: none
+};
+
+Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "fused decode: weights [O, I], contiguous, CPU");
+  Proj p;
+  p.rows = w.size(0);
+  p.cols = w.size(1);
+  p.w = w;
+  if (w.scalar_type() == torch::kFloat32) p.kind = F32;
+  else if (w.scalar_type() == torch::kBFloat16) p.kind = BF16;
+  else if (w.scalar_type() == torch::kInt8) p.kind = INT8;
+  else TORCH_CHECK(false, "fused decode: weights must be float32, bfloat16 or int8");
+  if (p.kind == INT8) {
+    TORCH_CHECK(scale.numel() == p.rows, "fused decode: int8 weights need one scale per row");
+    auto s = scale.to(torch::kFloat32).contiguous();
+    p.scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + p.rows);
+  }
+  if (bias.numel()) {
+    TORCH_CHECK(bias.numel() == p.rows, "fused decode: one bias per row");
+    auto b = bias.to(torch::kFloat32).contiguous();
+    p.bias.assign(b.data_ptr<float>(), b.data_ptr<float>() + p.rows);
+  }
+  return p;
+}
+
+// R consecutive weight rows (row stride K) dotted with one input row: out[r]. Float32 accumulators
+// over blocks of k in order, then one horizontal sum: a row's result does not depend on R.
+#if defined(__AVX512F__)
+inline __mmask16 tail16(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+
+template <int R>
+inline void dots_f32(const float* w, int64_t K, const float* x, const uint16_t*, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, acc[r]);
+  }
+  if (k < K) {
+    const __mmask16 m = tail16(K - k);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + r * K + k), xv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int R>
+inline void dots_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    for (int r = 0; r < R; ++r) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * K + k));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), xv, acc[r]);
+    }
+  }
+  for (; k < K; ++k) {  // a ragged tail (none on the supported models): one lane at a time, in order
+    for (int r = 0; r < R; ++r) {
+      const __m512 t = _mm512_maskz_mov_ps(1, _mm512_set1_ps(static_cast<float>(w[r * K + k]) * x[k]));
+      acc[r] = _mm512_add_ps(acc[r], t);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+#if defined(__AVX512BF16__)
+template <int R>
+inline void dots_bf16(const uint16_t* w, int64_t K, const float*, const uint16_t* xb, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
+  }
+  if (k < K) {
+    const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (K - k)) - 1);
+    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xb + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * K + k), xv);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#else
+template <int R>
+inline void dots_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * K + k), xv, acc[r]);
+  }
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_add_ps(acc[r], _mm512_maskz_mov_ps(1, _mm512_set1_ps(load(w + r * K, k) * x[k])));
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+#else  // no AVX-512: plain loops (the compiler vectorises what it can)
+template <int R>
+inline void dots_f32(const float* w, int64_t K, const float* x, const uint16_t*, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += w[r * K + k] * x[k];
+    out[r] = s;
+  }
+}
+template <int R>
+inline void dots_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += static_cast<float>(w[r * K + k]) * x[k];
+    out[r] = s;
+  }
+}
+template <int R>
+inline void dots_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += load(w + r * K, k) * x[k];
+    out[r] = s;
+  }
+}
+#endif
+
+constexpr int ROWS = 4;  // weight rows per task step (each row's dot products are independent of it)
+
+// y [B, rows] = x [B, cols] @ W^T (* scale) (+ bias), float32; x given as float32 and, for bf16
+// weights, as bf16 bits (the same values). Rows split over torch's intra-op threads; each block of
+// ROWS weight rows is read from memory once for all B input rows.
+template <typename W, void (*DOT4)(const W*, int64_t, const float*, const uint16_t*, float*),
+          void (*DOT1)(const W*, int64_t, const float*, const uint16_t*, float*)>
+void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
+  const W* w = static_cast<const W*>(p.w.data_ptr());
+  const int64_t K = p.cols, N = p.rows, blocks = (N + ROWS - 1) / ROWS;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n = blk * ROWS;
+      for (int64_t b = 0; b < B; ++b) {
+        float out[ROWS];
+        if (n + ROWS <= N) {
+          DOT4(w + n * K, K, x + b * K, xb + b * K, out);
+        } else {
+          for (int64_t r = 0; n + r < N; ++r) DOT1(w + (n + r) * K, K, x + b * K, xb + b * K, out + r);
+        }
+        for (int64_t r = 0; r < ROWS && n + r < N; ++r) {
+          float v = out[r];
+          if (p.kind == INT8) v *= p.scale[n + r];
+          if (!p.bias.empty()) v += p.bias[n + r];
+          y[b * N + n + r] = v;
+        }
+      }
+    }
+  });
+}
+
+void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
+  if (p.kind == F32) project_rows<float, dots_f32<ROWS>, dots_f32<1>>(p, B, x, xb, y);
+  else if (p.kind == BF16) project_rows<uint16_t, dots_bf16<ROWS>, dots_bf16<1>>(p, B, x, xb, y);
+  else project_rows<int8_t, dots_int8<ROWS>, dots_int8<1>>(p, B, x, xb, y);
+}
+
+class Step {
+ public:
+  // weights / scales / biases: 4 per layer (qkv, o, gate_up, down) and the LM head last (empty
+  // tensors where none); norms: 2 per layer (input, post-attention) and the final one, float32 [Dm];
+  // windows: per layer, 0 = none.
+  Step(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales, std::vector<torch::Tensor> biases,
+       std::vector<torch::Tensor> norms, std::vector<double> eps, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+       int64_t ff, std::vector<int64_t> windows, double scaling, bool bf16_stream)
+      : H_q(n_heads), H_kv(n_kv_heads), D(head_dim), FF(ff), windows_(windows), scaling_(scaling), bf16_(bf16_stream) {
+    L = static_cast<int64_t>(windows.size());
+    TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 4 * L + 1 && scales.size() == weights.size() &&
+                biases.size() == weights.size(), "fused decode: 4 projections per layer and the head");
+    TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), "fused decode: norms");
+    TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D && D % 2 == 0, "fused decode: heads/dim");
+    for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j]));
+    Dm = proj_[0].cols;
+    for (int64_t i = 0; i < L; ++i) {
+      TORCH_CHECK(proj_[4 * i].rows == (H_q + 2 * H_kv) * D && proj_[4 * i].cols == Dm, "fused decode: qkv shape");
+      TORCH_CHECK(proj_[4 * i + 1].rows == Dm && proj_[4 * i + 1].cols == H_q * D, "fused decode: o shape");
+      TORCH_CHECK(proj_[4 * i + 2].rows == 2 * FF && proj_[4 * i + 2].cols == Dm, "fused decode: gate/up shape");
+      TORCH_CHECK(proj_[4 * i + 3].rows == Dm && proj_[4 * i + 3].cols == FF, "fused decode: down shape");
+    }
+    TORCH_CHECK(proj_[4 * L].cols == Dm, "fused decode: head shape");
+    for (size_t j = 0; j < norms.size(); ++j) {
+      auto n = norms[j].to(torch::kFloat32).contiguous();
+      TORCH_CHECK(n.numel() == Dm, "fused decode: norm weight size");
+      norms_.emplace_back(n.data_ptr<float>(), n.data_ptr<float>() + Dm);
+      eps_.push_back(static_cast<float>(eps[j]));
+    }
+  }
+
+  int64_t vocab() const { return proj_[4 * L].rows; }
+
+  // hidden [B, Dm] (the embedded tokens, the stream's dtype), positions[b], cos/sin [B, D] (the
+  // stream's dtype), ks[b]/vs[b] [L, H_kv, C, D] (float32 or bfloat16, rows contiguous). Writes each
+  // request's K/V rows at its position; returns logits [B, V] float32.
+  torch::Tensor forward(torch::Tensor hidden, std::vector<int64_t> positions, torch::Tensor cos, torch::Tensor sin,
+                        std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs) const {
+    const int64_t B = hidden.size(0);
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == Dm && B > 0, "fused decode: hidden [B, Dm]");
+    TORCH_CHECK(static_cast<int64_t>(positions.size()) == B && static_cast<int64_t>(ks.size()) == B &&
+                static_cast<int64_t>(vs.size()) == B, "fused decode: one position and K/V buffer per request");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D && sin.sizes() == cos.sizes(), "fused decode: cos/sin [B, D]");
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ks[b].dim() == 4 && vs[b].dim() == 4 && ks[b].size(0) == L && vs[b].size(0) == L, "fused decode: k/v [L, H_kv, C, D]");
+      check_kv(ks[b], vs[b], static_cast<int>(D), static_cast<int>(H_kv));
+      TORCH_CHECK(0 <= positions[b] && positions[b] < ks[b].size(2) && positions[b] < vs[b].size(2), "fused decode: position");
+    }
+    std::vector<float> h = floats(hidden), cs = floats(cos), sn = floats(sin);  // [B, Dm], [B, D], [B, D]
+    const int64_t n_qkv = (H_q + 2 * H_kv) * D, width = std::max(Dm, std::max(FF, H_q * D));
+    std::vector<float> x(B * width), qkv(B * n_qkv), tmp(B * Dm), gu(B * 2 * FF);  // [B, .] each
+    std::vector<uint16_t> xb(B * width);
+    const int G = static_cast<int>(H_q / H_kv);
+    for (int64_t i = 0; i < L; ++i) {
+      norm(h.data(), B, 2 * i, x.data(), xb.data());
+      project(proj_[4 * i], B, x.data(), xb.data(), qkv.data());
+      round_all(qkv);
+      for (int64_t b = 0; b < B; ++b) {
+        float* row = qkv.data() + b * n_qkv;
+        rope(row, H_q + H_kv, cs.data() + b * D, sn.data() + b * D);
+        const int64_t p = positions[b];
+        write_kv(ks[b], i, p, row + H_q * D);
+        write_kv(vs[b], i, p, row + (H_q + H_kv) * D);
+        const int64_t w = windows_[i];
+        const int64_t start = w > 0 ? std::max<int64_t>(0, p + 1 - w) : 0, end = p + 1;
+        attend(row, ks[b], vs[b], i, start, end, G, x.data() + b * H_q * D);
+      }
+      round_all(x, B * H_q * D);
+      bits(x.data(), B * H_q * D, xb.data());
+      project(proj_[4 * i + 1], B, x.data(), xb.data(), tmp.data());
+      add_residual(h, tmp, B * Dm);
+      norm(h.data(), B, 2 * i + 1, x.data(), xb.data());
+      project(proj_[4 * i + 2], B, x.data(), xb.data(), gu.data());
+      for (int64_t b = 0; b < B; ++b) {
+        const float* g = gu.data() + b * 2 * FF;
+        float* a = x.data() + b * FF;
+#pragma omp simd
+        for (int64_t j = 0; j < FF; ++j) {  // SiLU(g) = g / (1 + e^-g), e^-|g| by the kernel's exp_neg
+          const float gj = r(g[j]), uj = r(g[FF + j]);
+          const float t = exp_neg(-std::fabs(gj));
+          const float silu = gj >= 0.f ? gj / (1.f + t) : gj * t / (1.f + t);
+          a[j] = r(r(silu) * uj);
+        }
+      }
+      bits(x.data(), B * FF, xb.data());
+      project(proj_[4 * i + 3], B, x.data(), xb.data(), tmp.data());
+      add_residual(h, tmp, B * Dm);
+    }
+    norm(h.data(), B, 2 * L, x.data(), xb.data());
+    auto logits = torch::empty({B, vocab()}, torch::kFloat32);  // [B, V]
+    float* lg = logits.data_ptr<float>();
+    project(proj_[4 * L], B, x.data(), xb.data(), lg);
+    if (bf16_) at::parallel_for(0, B * vocab(), 4096, [&](int64_t a, int64_t e) { for (int64_t j = a; j < e; ++j) lg[j] = bf16r(lg[j]); });
+    return logits;
+  }
+
+ private:
+  int64_t L = 0, Dm = 0, H_q, H_kv, D, FF;
+  std::vector<int64_t> windows_;
+  double scaling_;
+  bool bf16_;
+  std::vector<Proj> proj_;
+  std::vector<std::vector<float>> norms_;
+  std::vector<float> eps_;
+
+  float r(float v) const { return bf16_ ? bf16r(v) : v; }
+  void round_all(std::vector<float>& v, int64_t n = -1) const {
+    if (!bf16_) return;
+    const int64_t m = n < 0 ? static_cast<int64_t>(v.size()) : n;
+    for (int64_t j = 0; j < m; ++j) v[j] = bf16r(v[j]);
+  }
+  void bits(const float* x, int64_t n, uint16_t* xb) const {  // the bf16 weights' input (values bf16 already)
+    if (!bf16_) return;
+    for (int64_t j = 0; j < n; ++j) xb[j] = bf16_of(x[j]);
+  }
+  static std::vector<float> floats(const torch::Tensor& t) {
+    auto f = t.to(torch::kFloat32).contiguous();
+    return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+  }
+
+  // RMSNorm of each row into x (and its bf16 bits): float32 x * rsqrt(mean(x^2) + eps) * w; in a
+  // bf16 stream HF's order: the normalised row rounded to bf16, then times w, rounded.
+  void norm(const float* h, int64_t B, int64_t which, float* x, uint16_t* xb) const {
+    const float* w = norms_[which].data();
+    for (int64_t b = 0; b < B; ++b) {
+      const float* hr = h + b * Dm;
+      float ss = 0.f;
+      for (int64_t j = 0; j < Dm; ++j) ss += hr[j] * hr[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(Dm) + eps_[which]);
+      float* xr = x + b * Dm;
+      for (int64_t j = 0; j < Dm; ++j) xr[j] = bf16_ ? bf16r(w[j] * bf16r(hr[j] * inv)) : hr[j] * inv * w[j];
+    }
+    bits(x, B * Dm, xb);
+  }
+
+  // The first n_heads heads of a row [heads, D], rotated in place: x * cos + rotate_half(x) * sin.
+  void rope(float* row, int64_t heads, const float* c, const float* s) const {
+    const int64_t half = D / 2;
+    float tmp[MAX_D];
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      float* x = row + hh * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float rot = d < half ? -x[d + half] : x[d - half];
+        tmp[d] = r(r(x[d] * c[d]) + r(rot * s[d]));
+      }
+      std::memcpy(x, tmp, sizeof(float) * D);
+    }
+  }
+
+  void write_kv(const torch::Tensor& buf, int64_t layer, int64_t p, const float* rows /* [H_kv, D] */) const {
+    const int64_t s0 = buf.stride(0), s1 = buf.stride(1), s2 = buf.stride(2);
+    if (buf.scalar_type() == torch::kFloat32) {
+      float* base = buf.data_ptr<float>() + layer * s0 + p * s2;
+      for (int64_t hh = 0; hh < H_kv; ++hh) std::memcpy(base + hh * s1, rows + hh * D, sizeof(float) * D);
+    } else {
+      uint16_t* base = reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>()) + layer * s0 + p * s2;
+      for (int64_t hh = 0; hh < H_kv; ++hh)
+        for (int64_t d = 0; d < D; ++d) base[hh * s1 + d] = bf16_of(rows[hh * D + d]);
+    }
+  }
+
+  // decode_attention's arithmetic (the same splits, tasks and merge) on layer `layer` of one
+  // request's buffers; q = the row's first H_q heads; out [H_q * D] float32.
+  void attend(const float* q, const torch::Tensor& k, const torch::Tensor& v, int64_t layer, int64_t start, int64_t end,
+              int G, float* out) const {
+    const int iD = static_cast<int>(D), iHq = static_cast<int>(H_q), iHkv = static_cast<int>(H_kv);
+    std::vector<float> qs(H_q * D);
+    scaled_query(q, false, D, 1, iHq, iD, static_cast<float>(scaling_), qs.data());
+    const int64_t splits = auto_splits(iHkv, end - start), tasks = H_kv * splits;
+    std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+    if (k.scalar_type() == torch::kFloat32) {
+      run<float>(qs.data(), k.data_ptr<float>() + layer * k.stride(0), v.data_ptr<float>() + layer * v.stride(0),
+                 k.stride(1), v.stride(1), start, end, iHkv, G, iD, static_cast<int>(splits), m.data(), l.data(), acc.data());
+    } else {
+      run<uint16_t>(qs.data(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + layer * k.stride(0),
+                    reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + layer * v.stride(0),
+                    k.stride(1), v.stride(1), start, end, iHkv, G, iD, static_cast<int>(splits), m.data(), l.data(), acc.data());
+    }
+    merge_splits(m.data(), l.data(), acc.data(), iHkv, G, iD, splits, out, false);
+  }
+
+  void add_residual(std::vector<float>& h, const std::vector<float>& t, int64_t n) const {
+    for (int64_t j = 0; j < n; ++j) h[j] = r(h[j] + r(t[j]));
+  }
+};
+
+}  // namespace fused
+
+void register_fused_decode(pybind11::module_& m) {
+  pybind11::class_<fused::Step>(m, "FusedStep")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, std::vector<double>, int64_t, int64_t, int64_t, int64_t,
+                          std::vector<int64_t>, double, bool>())
+      .def("forward", &fused::Step::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
+"""
+
+SUPPORTED = ("float32 dense", "bfloat16 dense", "int8 weight-only")
+
+
+def unsupported_reason(runner) -> str | None:
+    """Why the fused step cannot run this runner's decode (None: it can)."""
+    if runner._decode_norms is None or runner.fast_layers is None:
+        return "not the fast CPU decode path (fast=True, torch kernels, Llama-family layers without q/k norms)"
+    if runner.device.type != "cpu":
+        return "not a CPU runner"
+    n = runner.numerics
+    if n.weights not in ("dense", "int8") or runner._decode_dtype != runner.dtype:
+        return f"{n.weights} weights (the fused step runs {', '.join(SUPPORTED)})"
+    if getattr(runner.config, "hidden_act", None) != "silu":
+        return f"activation {getattr(runner.config, 'hidden_act', None)!r} (the fused step runs SiLU MLPs)"
+    if getattr(runner.rotary, "attention_scaling", 1.0) is None:
+        return "no rotary table"
+    return None
+
+
+def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``PackedLinear``'s weight as the fused step reads it: (weight, int8 scales, bias)."""
+    empty = torch.empty(0)
+    if p.kind == "int8":
+        w, scale = p.qweight, p.scale
+    elif p.kind in ("dense", "mkldnn"):
+        w, scale = p.weight, empty
+    else:
+        raise ConfigError(f"the fused decode step does not read {p.kind} weights")
+    return w.contiguous(), scale, p.bias if p.bias is not None else empty
+
+
+class FusedDecode:
+    """The runner's one-token step for B requests as one native call (module docstring)."""
+
+    def __init__(self, runner):
+        reason = unsupported_reason(runner)
+        if reason is not None:
+            raise ConfigError(f"decode_step='fused' needs {reason}")
+        from cachedrag.model import attention
+
+        module = attention.kernel()
+        if module is None:
+            raise ConfigError(f"decode_step='fused': the native kernels are {attention.kernel_status()}")
+        self.runner = runner
+        weights, scales, biases = [], [], []
+        for p in [q for lw in runner.fast_layers for q in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [runner.fast_head]:
+            w, s, b = _parts(p)
+            weights.append(w)
+            scales.append(s)
+            biases.append(b)
+        norms, eps = [], []
+        for layer in runner.layers:
+            for n in (layer.input_layernorm, layer.post_attention_layernorm):
+                norms.append(n.weight.detach().to(runner.dtype).float())  # [Dm] the stream's values
+                eps.append(float(n.variance_epsilon))
+        final = runner.model.model.norm
+        norms.append(final.weight.detach().to(runner.dtype).float())
+        eps.append(float(final.variance_epsilon))
+        self._step = module.FusedStep(weights, scales, biases, norms, eps, runner.n_heads, runner.n_kv_heads,
+                                      runner.head_dim, runner.fast_layers[0].ff,
+                                      [w or 0 for w in runner.windows], runner.scaling,
+                                      runner.dtype == torch.bfloat16)
+
+    def step(self, token_id: int, position: int, kv) -> torch.Tensor:
+        """``ModelRunner.decode_step`` for one request (capacity checked by the caller): logits ``[V]``."""
+        return self.step_batch([token_id], [position], [kv])[0]
+
+    def step_batch(self, tokens: Sequence[int], positions: Sequence[int], kvs: Sequence) -> torch.Tensor:
+        """``tokens[b]`` at ``positions[b]`` into ``kvs[b]`` for every b: logits ``[B, V]`` float32; row b
+        is bit for bit ``step(tokens[b], positions[b], kvs[b])``."""
+        r = self.runner
+        positions = [int(p) for p in positions]
+        hidden = r.embed(torch.tensor(list(tokens), device=r.device))  # [B, Dm]
+        cos, sin = r.rotary.cos_sin(torch.tensor(positions, device=r.device), r.dtype, r.device)  # [B, D] each
+        logits = self._step.forward(hidden, positions, cos, sin, [kv.k for kv in kvs], [kv.v for kv in kvs])  # [B, V]
+        for p, kv in zip(positions, kvs):
+            kv.length = max(kv.length, p + 1)
+        return logits

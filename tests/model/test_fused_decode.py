@@ -1,0 +1,123 @@
+"""The fused native decode step (``model/fused_decode.py``) against the op-by-op torch step (the reference)."""
+
+import pytest
+import torch
+
+from cachedrag.errors import ConfigError
+from cachedrag.model import attention
+from cachedrag.model.runner import ModelRunner
+from cachedrag.testing import byte_tokenizer, tiny_model, tiny_runner
+
+needs_kernel = pytest.mark.skipif(attention.kernel() is None, reason=f"native kernels {attention.kernel_status()}")
+
+WIDE = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64}  # the AVX-512 dims
+
+
+def _pair(arch="llama", **kwargs):
+    """Two runners over the same random weights: the fused step and the torch step."""
+    tok = byte_tokenizer()
+    overrides = kwargs.pop("overrides", {})
+    return {c: ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, decode_step=c, **kwargs)
+            for c in ("fused", "torch")}
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("overrides", [{}, WIDE])
+def test_fused_step_equals_the_torch_step_in_float32(arch, overrides):
+    """float32 logits to 1e-4 and the same greedy tokens, step after step, past mistral's 24-token
+    sliding window (the window's start row), with qwen2's q/k/v biases; K/V rows written alike."""
+    runners = _pair(arch, overrides=overrides)
+    assert runners["fused"].decode_step_kind == "fused" and runners["torch"].decode_step_kind == "torch"
+    ids = torch.arange(3, 33)  # [30]
+    kvs = {c: r.new_kv(50) for c, r in runners.items()}
+    for c, r in runners.items():
+        r.prefill(ids, kv=kvs[c])
+    token = 5
+    for step in range(12):
+        got = runners["fused"].decode_step(token, 30 + step, kvs["fused"])  # [V]
+        want = runners["torch"].decode_step(token, 30 + step, kvs["torch"])  # [V]
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        assert int(got.argmax()) == int(want.argmax())
+        token = int(want.argmax())
+    assert kvs["fused"].length == kvs["torch"].length == 42
+    torch.testing.assert_close(kvs["fused"].k[:, :, :42], kvs["torch"].k[:, :, :42], rtol=0, atol=1e-5)
+    torch.testing.assert_close(kvs["fused"].v[:, :, :42], kvs["torch"].v[:, :, :42], rtol=0, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", ["dense", "int8"])
+@pytest.mark.parametrize("overrides", [{}, WIDE])
+def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides):
+    """bfloat16 stream (dense bf16 or int8 weights): every value rounded where the torch step rounds
+    it, so the two differ by the dot products' summation order only: close relative to the logits'
+    spread, and the bf16 K/V rows within a couple of bf16 steps."""
+    runners = _pair(overrides=overrides, dtype="bfloat16", weights=weights)
+    assert runners["fused"].decode_step_kind == "fused"
+    kvs = {c: r.new_kv(40) for c, r in runners.items()}
+    for c, r in runners.items():
+        r.prefill(torch.arange(3, 30), kv=kvs[c])
+    for step in range(6):
+        got = runners["fused"].decode_step(9 + step, 27 + step, kvs["fused"])  # [V]
+        want = runners["torch"].decode_step(9 + step, 27 + step, kvs["torch"])  # [V]
+        assert (got - want).abs().max() < 0.03 * (want.max() - want.min())
+        assert torch.equal(got, got.bfloat16().float())  # the logits are bf16 values, as the torch step's
+    k_f, k_t = kvs["fused"].k[:, :, :33].float(), kvs["torch"].k[:, :, :33].float()
+    assert (k_f - k_t).abs().max() <= 0.02 * k_t.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, arch):
+    """B requests of different lengths (mistral: some past the window) in one call: every row's
+    logits and K/V rows equal the single call on that request, bit for bit."""
+    runner = tiny_runner(arch, dtype=dtype)
+    assert runner.decode_step_kind == "fused"
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 31, 17, 40)]
+    batch, alone = [], []
+    for p in prompts:
+        for bufs in (batch, alone):
+            kv = runner.new_kv(len(p) + 4)
+            runner.prefill(p, kv=kv)
+            bufs.append(kv)
+    tokens, positions = [7, 8, 9, 10], [len(p) for p in prompts]
+    for _ in range(3):
+        logits = runner.fused.step_batch(tokens, positions, batch)  # [B, V]
+        for b in range(len(prompts)):
+            assert torch.equal(logits[b], runner.fused.step(tokens[b], positions[b], alone[b]))
+        tokens, positions = logits.argmax(-1).tolist(), [p + 1 for p in positions]
+    for a, b in zip(batch, alone):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.length == b.length
+
+
+def test_decode_step_choice():
+    """``auto`` takes the fused step where it applies and says why not elsewhere; ``fused`` where it
+    cannot apply is a ConfigError naming the reason; an unknown name is refused."""
+    if attention.kernel() is not None:
+        assert tiny_runner().decode_step_kind == "fused"
+        assert tiny_runner(dtype="bfloat16", weights="int8").decode_step_kind == "fused"
+    sdpa = tiny_runner(decode_attention="sdpa")
+    assert sdpa.decode_step_kind == "torch" and sdpa.fused is None and "sdpa" in sdpa.decode_step_note
+    int4 = tiny_runner(dtype="bfloat16", weights="int4")
+    assert int4.decode_step_kind == "torch" and "int4" in int4.decode_step_note
+    reference = tiny_runner(fast=False)
+    assert reference.decode_step_kind == "torch" and "fast CPU decode path" in reference.decode_step_note
+    assert tiny_runner(decode_step="torch").decode_step_kind == "torch"
+    with pytest.raises(ConfigError, match="decode_step='fused' needs"):
+        tiny_runner(decode_attention="sdpa", decode_step="fused")
+    with pytest.raises(ConfigError, match="decode_step must be"):
+        tiny_runner(decode_step="native")
+
+
+def test_without_the_kernel_the_runner_keeps_the_torch_step(monkeypatch):
+    monkeypatch.setattr(attention, "kernel", lambda: None)
+    monkeypatch.setattr(attention, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
+    runner = tiny_runner()
+    assert runner.decode_step_kind == "torch" and "no C++ compiler" in runner.decode_step_note
+    kv = runner.new_kv(20)
+    runner.prefill(torch.arange(3, 13), kv=kv)
+    assert torch.isfinite(runner.decode_step(4, 10, kv)).all()
+    with pytest.raises(ConfigError, match="no C\\+\\+ compiler"):
+        tiny_runner(decode_step="fused")
