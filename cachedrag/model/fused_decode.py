@@ -93,146 +93,104 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
   return p;
 }
 
-// R consecutive weight rows (row stride K) dotted with one input row: out[r]. Float32 accumulators
-// over blocks of k in order, then one horizontal sum: a row's result does not depend on R.
+// One weight row dotted with one input row. Two float32 accumulators take alternate blocks of k
+// (16 columns; bf16: 32 through vdpbf16ps), summed at the end, then one horizontal sum: a row's
+// result depends on nothing but the row and the input. Rows are visited one after another (one
+// sequential stream per thread): interleaving 4 rows, as a first version did, halved the bandwidth
+// the hardware prefetcher gave a core on the AMD EPYC this was measured on (docs/speed.md round 8).
 #if defined(__AVX512F__)
 inline __mmask16 tail16(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 
-template <int R>
-inline void dots_f32(const float* w, int64_t K, const float* x, const uint16_t*, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+inline float dot_f32(const float* w, int64_t K, const float* x, const uint16_t*) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, acc[r]);
-  }
+  int a = 0;
+  for (; k + 16 <= K; k += 16, a ^= 1) acc[a] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc[a]);
   if (k < K) {
     const __mmask16 m = tail16(K - k);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + r * K + k), xv, acc[r]);
+    acc[a] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + k), _mm512_maskz_loadu_ps(m, x + k), acc[a]);
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
 }
 
-template <int R>
-inline void dots_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+inline float dot_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
-    for (int r = 0; r < R; ++r) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * K + k));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), xv, acc[r]);
-    }
+  int a = 0;
+  for (; k + 16 <= K; k += 16, a ^= 1) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+    acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x + k), acc[a]);
   }
-  for (; k < K; ++k) {  // a ragged tail (none on the supported models): one lane at a time, in order
-    for (int r = 0; r < R; ++r) {
-      const __m512 t = _mm512_maskz_mov_ps(1, _mm512_set1_ps(static_cast<float>(w[r * K + k]) * x[k]));
-      acc[r] = _mm512_add_ps(acc[r], t);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  float tail = 0.f;  // a ragged tail (none on the supported models), in order
+  for (; k < K; ++k) tail += static_cast<float>(w[k]) * x[k];
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + tail;
 }
 
 #if defined(__AVX512BF16__)
-template <int R>
-inline void dots_bf16(const uint16_t* w, int64_t K, const float*, const uint16_t* xb, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+inline float dot_bf16(const uint16_t* w, int64_t K, const float*, const uint16_t* xb) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
-  }
+  int a = 0;
+  for (; k + 32 <= K; k += 32, a ^= 1)
+    acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(xb + k));
   if (k < K) {
-    const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (K - k)) - 1);
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xb + k);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * K + k), xv);
+    const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_maskz_loadu_epi16(m, w + k), (__m512bh)_mm512_maskz_loadu_epi16(m, xb + k));
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
 }
 #else
-template <int R>
-inline void dots_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+inline float dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * K + k), xv, acc[r]);
-  }
-  for (; k < K; ++k)
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_add_ps(acc[r], _mm512_maskz_mov_ps(1, _mm512_set1_ps(load(w + r * K, k) * x[k])));
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  int a = 0;
+  for (; k + 16 <= K; k += 16, a ^= 1) acc[a] = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), acc[a]);
+  float tail = 0.f;
+  for (; k < K; ++k) tail += load(w, k) * x[k];
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + tail;
 }
 #endif
 #else  // no AVX-512: plain loops (the compiler vectorises what it can)
-template <int R>
-inline void dots_f32(const float* w, int64_t K, const float* x, const uint16_t*, float* out) {
-  for (int r = 0; r < R; ++r) {
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += w[r * K + k] * x[k];
-    out[r] = s;
-  }
+inline float dot_f32(const float* w, int64_t K, const float* x, const uint16_t*) {
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += w[k] * x[k];
+  return s;
 }
-template <int R>
-inline void dots_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*, float* out) {
-  for (int r = 0; r < R; ++r) {
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += static_cast<float>(w[r * K + k]) * x[k];
-    out[r] = s;
-  }
+inline float dot_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*) {
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += static_cast<float>(w[k]) * x[k];
+  return s;
 }
-template <int R>
-inline void dots_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*, float* out) {
-  for (int r = 0; r < R; ++r) {
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += load(w + r * K, k) * x[k];
-    out[r] = s;
-  }
+inline float dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*) {
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += load(w, k) * x[k];
+  return s;
 }
 #endif
 
-constexpr int ROWS = 4;  // weight rows per task step (each row's dot products are independent of it)
-
 // y [B, rows] = x [B, cols] @ W^T (* scale) (+ bias), float32; x given as float32 and, for bf16
-// weights, as bf16 bits (the same values). Rows split over torch's intra-op threads; each block of
-// ROWS weight rows is read from memory once for all B input rows.
-template <typename W, void (*DOT4)(const W*, int64_t, const float*, const uint16_t*, float*),
-          void (*DOT1)(const W*, int64_t, const float*, const uint16_t*, float*)>
+// weights, as bf16 bits (the same values). Rows split over torch's intra-op threads in contiguous
+// ranges; each weight row is read from memory once for all B input rows (L1 after the first).
+template <typename W, float (*DOT)(const W*, int64_t, const float*, const uint16_t*)>
 void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
   const W* w = static_cast<const W*>(p.w.data_ptr());
-  const int64_t K = p.cols, N = p.rows, blocks = (N + ROWS - 1) / ROWS;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n = blk * ROWS;
+  const int64_t K = p.cols, N = p.rows;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
       for (int64_t b = 0; b < B; ++b) {
-        float out[ROWS];
-        if (n + ROWS <= N) {
-          DOT4(w + n * K, K, x + b * K, xb + b * K, out);
-        } else {
-          for (int64_t r = 0; n + r < N; ++r) DOT1(w + (n + r) * K, K, x + b * K, xb + b * K, out + r);
-        }
-        for (int64_t r = 0; r < ROWS && n + r < N; ++r) {
-          float v = out[r];
-          if (p.kind == INT8) v *= p.scale[n + r];
-          if (!p.bias.empty()) v += p.bias[n + r];
-          y[b * N + n + r] = v;
-        }
+        float v = DOT(w + n * K, K, x + b * K, xb + b * K);
+        if (p.kind == INT8) v *= p.scale[n];
+        if (!p.bias.empty()) v += p.bias[n];
+        y[b * N + n] = v;
       }
     }
   });
 }
 
 void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
-  if (p.kind == F32) project_rows<float, dots_f32<ROWS>, dots_f32<1>>(p, B, x, xb, y);
-  else if (p.kind == BF16) project_rows<uint16_t, dots_bf16<ROWS>, dots_bf16<1>>(p, B, x, xb, y);
-  else project_rows<int8_t, dots_int8<ROWS>, dots_int8<1>>(p, B, x, xb, y);
+  if (p.kind == F32) project_rows<float, dot_f32>(p, B, x, xb, y);
+  else if (p.kind == BF16) project_rows<uint16_t, dot_bf16>(p, B, x, xb, y);
+  else project_rows<int8_t, dot_int8>(p, B, x, xb, y);
 }
 
 class Step {

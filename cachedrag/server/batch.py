@@ -16,8 +16,13 @@ bit for bit the runner's own call), else the runner's ``_attend_row`` (SDPA) per
 leave between calls: nothing here persists across steps but the packed weights below (built
 once per runner).
 
-Two paths, chosen per runner:
+Three paths, chosen per runner:
 
+- fused (the default where the runner has one, ``ModelRunner.fused``, and no request is pooled):
+  the runner's native step (``model/fused_decode.py``) over the B requests in ONE call, every
+  block of weight rows read once for all rows; each row is bit for bit the runner's own
+  ``decode_step`` on that request, so a batch of one decodes as ``CachedEngine.generate`` and
+  batch-mates change nothing (tests).
 - fast (``_fast_layer``), where the runner's own one-token path applies (fused weights,
   RMSNorm, no q/k norms, torch attention: ``ModelRunner._decode_fast``): the same op sequence
   as ``ModelRunner._decode_layer`` with B rows, i.e. fused RMSNorm, q and k rotated in one
