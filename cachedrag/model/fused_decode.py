@@ -93,104 +93,146 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
   return p;
 }
 
-// One weight row dotted with one input row. Two float32 accumulators take alternate blocks of k
-// (16 columns; bf16: 32 through vdpbf16ps), summed at the end, then one horizontal sum: a row's
-// result depends on nothing but the row and the input. Rows are visited one after another (one
+// One weight row dotted with NB input rows (stride S apart): out[b]. Per input row, two float32
+// accumulators take alternate blocks of k (16 columns; bf16: 32 through vdpbf16ps), summed at the
+// end, then one horizontal sum: a (row, input) result depends on nothing but the two, whatever NB
+// (so a batched row is bit for bit the single step); NB > 1 loads each weight block once for all
+// inputs and gives the core NB x 2 independent chains. Rows are visited one after another (one
 // sequential stream per thread): interleaving 4 rows, as a first version did, halved the bandwidth
 // the hardware prefetcher gave a core on the AMD EPYC this was measured on (docs/speed.md round 8).
 #if defined(__AVX512F__)
 inline __mmask16 tail16(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 
-inline float dot_f32(const float* w, int64_t K, const float* x, const uint16_t*) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  int64_t k = 0;
-  int a = 0;
-  for (; k + 16 <= K; k += 16, a ^= 1) acc[a] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc[a]);
-  if (k < K) {
-    const __mmask16 m = tail16(K - k);
-    acc[a] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + k), _mm512_maskz_loadu_ps(m, x + k), acc[a]);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-}
-
-inline float dot_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+template <int NB>
+inline void dot_f32(const float* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
+  __m512 acc[NB][2];
+  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
   int64_t k = 0;
   int a = 0;
   for (; k + 16 <= K; k += 16, a ^= 1) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
-    acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x + k), acc[a]);
+    const __m512 wv = _mm512_loadu_ps(w + k);
+    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * S + k), acc[b][a]);
   }
-  float tail = 0.f;  // a ragged tail (none on the supported models), in order
-  for (; k < K; ++k) tail += static_cast<float>(w[k]) * x[k];
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + tail;
+  if (k < K) {
+    const __mmask16 m = tail16(K - k);
+    const __m512 wv = _mm512_maskz_loadu_ps(m, w + k);
+    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + b * S + k), acc[b][a]);
+  }
+  for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
+}
+
+template <int NB>
+inline void dot_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
+  __m512 acc[NB][2];
+  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  int a = 0;
+  for (; k + 16 <= K; k += 16, a ^= 1) {
+    const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
+    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * S + k), acc[b][a]);
+  }
+  for (int b = 0; b < NB; ++b) {
+    float tail = 0.f;  // a ragged tail (none on the supported models), in order
+    for (int64_t j = k; j < K; ++j) tail += static_cast<float>(w[j]) * x[b * S + j];
+    out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1])) + tail;
+  }
 }
 
 #if defined(__AVX512BF16__)
-inline float dot_bf16(const uint16_t* w, int64_t K, const float*, const uint16_t* xb) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+template <int NB>
+inline void dot_bf16(const uint16_t* w, int64_t K, const float*, const uint16_t* xb, int64_t S, float* out) {
+  __m512 acc[NB][2];
+  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
   int64_t k = 0;
   int a = 0;
-  for (; k + 32 <= K; k += 32, a ^= 1)
-    acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(xb + k));
+  for (; k + 32 <= K; k += 32, a ^= 1) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_dpbf16_ps(acc[b][a], wv, (__m512bh)_mm512_loadu_si512(xb + b * S + k));
+  }
   if (k < K) {
     const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_maskz_loadu_epi16(m, w + k), (__m512bh)_mm512_maskz_loadu_epi16(m, xb + k));
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
+    for (int b = 0; b < NB; ++b)
+      acc[b][a] = _mm512_dpbf16_ps(acc[b][a], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, xb + b * S + k));
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
 }
 #else
-inline float dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+template <int NB>
+inline void dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
+  __m512 acc[NB][2];
+  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
   int64_t k = 0;
   int a = 0;
-  for (; k + 16 <= K; k += 16, a ^= 1) acc[a] = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), acc[a]);
-  float tail = 0.f;
-  for (; k < K; ++k) tail += load(w, k) * x[k];
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + tail;
+  for (; k + 16 <= K; k += 16, a ^= 1) {
+    const __m512 wv = load16(w + k);
+    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * S + k), acc[b][a]);
+  }
+  for (int b = 0; b < NB; ++b) {
+    float tail = 0.f;
+    for (int64_t j = k; j < K; ++j) tail += load(w, j) * x[b * S + j];
+    out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1])) + tail;
+  }
 }
 #endif
 #else  // no AVX-512: plain loops (the compiler vectorises what it can)
-inline float dot_f32(const float* w, int64_t K, const float* x, const uint16_t*) {
-  float s = 0.f;
-  for (int64_t k = 0; k < K; ++k) s += w[k] * x[k];
-  return s;
+template <int NB>
+inline void dot_f32(const float* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
+  for (int b = 0; b < NB; ++b) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += w[k] * x[b * S + k];
+    out[b] = s;
+  }
 }
-inline float dot_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*) {
-  float s = 0.f;
-  for (int64_t k = 0; k < K; ++k) s += static_cast<float>(w[k]) * x[k];
-  return s;
+template <int NB>
+inline void dot_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
+  for (int b = 0; b < NB; ++b) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += static_cast<float>(w[k]) * x[b * S + k];
+    out[b] = s;
+  }
 }
-inline float dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*) {
-  float s = 0.f;
-  for (int64_t k = 0; k < K; ++k) s += load(w, k) * x[k];
-  return s;
+template <int NB>
+inline void dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
+  for (int b = 0; b < NB; ++b) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += load(w, k) * x[b * S + k];
+    out[b] = s;
+  }
 }
 #endif
 
 // y [B, rows] = x [B, cols] @ W^T (* scale) (+ bias), float32; x given as float32 and, for bf16
 // weights, as bf16 bits (the same values). Rows split over torch's intra-op threads in contiguous
-// ranges; each weight row is read from memory once for all B input rows (L1 after the first).
-template <typename W, float (*DOT)(const W*, int64_t, const float*, const uint16_t*)>
+// ranges; each weight row is read once for up to 4 input rows at a time (from L1 after the first 4).
+template <typename W, void (*DOT4)(const W*, int64_t, const float*, const uint16_t*, int64_t, float*),
+          void (*DOT2)(const W*, int64_t, const float*, const uint16_t*, int64_t, float*),
+          void (*DOT1)(const W*, int64_t, const float*, const uint16_t*, int64_t, float*)>
 void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
   const W* w = static_cast<const W*>(p.w.data_ptr());
   const int64_t K = p.cols, N = p.rows;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t b = 0; b < B; ++b) {
-        float v = DOT(w + n * K, K, x + b * K, xb + b * K);
-        if (p.kind == INT8) v *= p.scale[n];
-        if (!p.bias.empty()) v += p.bias[n];
-        y[b * N + n] = v;
+      for (int64_t b = 0; b < B;) {
+        float out[4];
+        const int nb = B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1);
+        (nb == 4 ? DOT4 : nb == 2 ? DOT2 : DOT1)(w + n * K, K, x + b * K, xb + b * K, K, out);
+        for (int j = 0; j < nb; ++j) {
+          float v = out[j];
+          if (p.kind == INT8) v *= p.scale[n];
+          if (!p.bias.empty()) v += p.bias[n];
+          y[(b + j) * N + n] = v;
+        }
+        b += nb;
       }
     }
   });
 }
 
 void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
-  if (p.kind == F32) project_rows<float, dot_f32>(p, B, x, xb, y);
-  else if (p.kind == BF16) project_rows<uint16_t, dot_bf16>(p, B, x, xb, y);
-  else project_rows<int8_t, dot_int8>(p, B, x, xb, y);
+  if (p.kind == F32) project_rows<float, dot_f32<4>, dot_f32<2>, dot_f32<1>>(p, B, x, xb, y);
+  else if (p.kind == BF16) project_rows<uint16_t, dot_bf16<4>, dot_bf16<2>, dot_bf16<1>>(p, B, x, xb, y);
+  else project_rows<int8_t, dot_int8<4>, dot_int8<2>, dot_int8<1>>(p, B, x, xb, y);
 }
 
 class Step {
