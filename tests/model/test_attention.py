@@ -159,11 +159,14 @@ def test_runner_falls_back_to_sdpa_without_the_kernel(monkeypatch):
     monkeypatch.setattr(attention, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
     runner = tiny_runner()
     assert runner.decode_attention == "sdpa" and "no C++ compiler" in runner.decode_attention_note
+    assert runner.decode_step_kind == "torch" and "no C++ compiler" in runner.decode_step_note  # nor the fused step
     kv = runner.new_kv(20)
     runner.prefill(torch.arange(3, 13), kv=kv)
     assert torch.isfinite(runner.decode_step(4, 10, kv)).all()
     with pytest.raises(ConfigError, match="no C\\+\\+ compiler"):
         tiny_runner(decode_attention="kernel")
+    with pytest.raises(ConfigError, match="no C\\+\\+ compiler"):
+        tiny_runner(decode_step="fused")
     with pytest.raises(ConfigError, match="decode_attention must be"):
         tiny_runner(decode_attention="flash")
     assert tiny_runner(fast=False).decode_attention == "sdpa"

@@ -110,14 +110,3 @@ def test_decode_step_choice():
     with pytest.raises(ConfigError, match="decode_step must be"):
         tiny_runner(decode_step="native")
 
-
-def test_without_the_kernel_the_runner_keeps_the_torch_step(monkeypatch):
-    monkeypatch.setattr(attention, "kernel", lambda: None)
-    monkeypatch.setattr(attention, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
-    runner = tiny_runner()
-    assert runner.decode_step_kind == "torch" and "no C++ compiler" in runner.decode_step_note
-    kv = runner.new_kv(20)
-    runner.prefill(torch.arange(3, 13), kv=kv)
-    assert torch.isfinite(runner.decode_step(4, 10, kv)).all()
-    with pytest.raises(ConfigError, match="no C\\+\\+ compiler"):
-        tiny_runner(decode_step="fused")
