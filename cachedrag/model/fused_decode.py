@@ -446,8 +446,6 @@ def unsupported_reason(runner) -> str | None:
         return f"{n.weights} weights (the fused step runs {', '.join(SUPPORTED)})"
     if getattr(runner.config, "hidden_act", None) != "silu":
         return f"activation {getattr(runner.config, 'hidden_act', None)!r} (the fused step runs SiLU MLPs)"
-    if getattr(runner.rotary, "attention_scaling", 1.0) is None:
-        return "no rotary table"
     return None
 
 

@@ -19,8 +19,8 @@ once per runner).
 Three paths, chosen per runner:
 
 - fused (the default where the runner has one, ``ModelRunner.fused``, and no request is pooled):
-  the runner's native step (``model/fused_decode.py``) over the B requests in ONE call, every
-  block of weight rows read once for all rows; each row is bit for bit the runner's own
+  the runner's native step (``model/fused_decode.py``) over the B requests in ONE call, each
+  weight row read from memory once for all of them; each row is bit for bit the runner's own
   ``decode_step`` on that request, so a batch of one decodes as ``CachedEngine.generate`` and
   batch-mates change nothing (tests).
 - fast (``_fast_layer``), where the runner's own one-token path applies (fused weights,
@@ -134,7 +134,10 @@ def block_span_of(position: int, window: int | None) -> tuple[int, int]:
 
 def prepare(runner: ModelRunner, max_batch: int) -> None:
     """Build the packed weights and run each batch size from ``PACKED_ROWS`` to ``max_batch``
-    once, so oneDNN's per-shape kernel setup happens now, not inside a request."""
+    once, so oneDNN's per-shape kernel setup happens now, not inside a request. Not for a runner
+    with the fused step: its batches never read them (a pooled batch builds them at first use)."""
+    if runner.fused is not None:
+        return
     bw = batch_weights(runner) if max_batch >= PACKED_ROWS else None
     if bw is None:
         return
