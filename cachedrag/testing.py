@@ -77,6 +77,15 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
     return model.eval()
 
 
+def prefilled(runners: dict, ids, capacity: int) -> dict:
+    """A fresh KV buffer of ``capacity`` positions per runner, each prefilled with ``ids`` (``[T]``):
+    ``{name: KVBuffer}`` (side-by-side decode comparisons of runners)."""
+    kvs = {name: r.new_kv(capacity) for name, r in runners.items()}
+    for name, r in runners.items():
+        r.prefill(ids, kv=kvs[name])
+    return kvs
+
+
 def tiny_runner(arch: str = "llama", seed: int = 0, **runner_kwargs):
     """``ModelRunner`` over ``tiny_model(arch)`` with the byte tokenizer (vocab sizes match);
     ``runner_kwargs`` go to ``ModelRunner`` (e.g. ``dtype``, ``weights``, ``threads``)."""

@@ -9,7 +9,7 @@ import torch
 from cachedrag.errors import ConfigError
 from cachedrag.model import attention
 from cachedrag.model.runner import ModelRunner
-from cachedrag.testing import byte_tokenizer, tiny_model, tiny_runner
+from cachedrag.testing import byte_tokenizer, prefilled, tiny_model, tiny_runner
 
 needs_kernel = pytest.mark.skipif(attention.kernel() is None, reason=f"decode attention kernel {attention.kernel_status()}")
 
@@ -122,9 +122,7 @@ def test_decode_step_with_kernel_equals_sdpa(arch, overrides):
         runners[choice] = ModelRunner(model, tok, decode_attention=choice)
     assert runners["kernel"].decode_attention == "kernel" and runners["sdpa"].decode_attention == "sdpa"
     ids = torch.arange(3, 33)  # [30]
-    kvs = {c: r.new_kv(50) for c, r in runners.items()}
-    for c, r in runners.items():
-        r.prefill(ids, kv=kvs[c])
+    kvs = prefilled(runners, ids, 50)
     token = 5
     for step in range(12):
         got = runners["kernel"].decode_step(token, 30 + step, kvs["kernel"])
@@ -145,9 +143,7 @@ def test_low_precision_step_with_kernel_is_close_to_sdpa(weights):
     tok = byte_tokenizer()
     runners = {c: ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, weights=weights, decode_attention=c)
                for c in ("kernel", "sdpa")}
-    kvs = {c: r.new_kv(40) for c, r in runners.items()}
-    for c, r in runners.items():
-        r.prefill(torch.arange(3, 30), kv=kvs[c])
+    kvs = prefilled(runners, torch.arange(3, 30), 40)
     for step in range(6):
         got = runners["kernel"].decode_step(9 + step, 27 + step, kvs["kernel"])
         want = runners["sdpa"].decode_step(9 + step, 27 + step, kvs["sdpa"])

@@ -6,7 +6,7 @@ import torch
 from cachedrag.errors import ConfigError
 from cachedrag.model import attention
 from cachedrag.model.runner import ModelRunner
-from cachedrag.testing import byte_tokenizer, tiny_model, tiny_runner
+from cachedrag.testing import byte_tokenizer, prefilled, tiny_model, tiny_runner
 
 needs_kernel = pytest.mark.skipif(attention.kernel() is None, reason=f"native kernels {attention.kernel_status()}")
 
@@ -30,9 +30,7 @@ def test_fused_step_equals_the_torch_step_in_float32(arch, overrides):
     runners = _pair(arch, overrides=overrides)
     assert runners["fused"].decode_step_kind == "fused" and runners["torch"].decode_step_kind == "torch"
     ids = torch.arange(3, 33)  # [30]
-    kvs = {c: r.new_kv(50) for c, r in runners.items()}
-    for c, r in runners.items():
-        r.prefill(ids, kv=kvs[c])
+    kvs = prefilled(runners, ids, 50)
     token = 5
     for step in range(12):
         got = runners["fused"].decode_step(token, 30 + step, kvs["fused"])  # [V]
@@ -55,9 +53,7 @@ def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides):
     spread, and the bf16 K/V rows within a couple of bf16 steps."""
     runners = _pair(overrides=overrides, dtype="bfloat16", weights=weights)
     assert runners["fused"].decode_step_kind == "fused"
-    kvs = {c: r.new_kv(40) for c, r in runners.items()}
-    for c, r in runners.items():
-        r.prefill(torch.arange(3, 30), kv=kvs[c])
+    kvs = prefilled(runners, torch.arange(3, 30), 40)
     for step in range(6):
         got = runners["fused"].decode_step(9 + step, 27 + step, kvs["fused"])  # [V]
         want = runners["torch"].decode_step(9 + step, 27 + step, kvs["torch"])  # [V]
