@@ -348,6 +348,30 @@ void check_kv(const torch::Tensor& k, const torch::Tensor& v, int D, int H_kv) {
 
 }  // namespace
 
+// One request's attention, the arithmetic of every single call (``decode_attention`` and the fused
+// decode step): q rows [H_q, D] (float32 or bfloat16, strides s0/s1) over the K/V heads at k / v
+// (float32 or bfloat16, head strides given, rows contiguous), keys start..end-1; writes [H_q, D] at
+// `out` in float32 or bfloat16. `splits`: key ranges per KV head (0: auto_splits).
+void attend_request(const void* q, bool q_bf16, int64_t s0, int64_t s1, const void* k, const void* v, bool kv_f32,
+                    int64_t k_head_stride, int64_t v_head_stride, int64_t start, int64_t end, int H_q, int H_kv,
+                    int D, float scale, int64_t splits, void* out, bool out_bf16) {
+  const int G = H_q / H_kv;
+  if (splits == 0) splits = auto_splits(H_kv, end - start);
+  // scratch on the heap, not as tensors: per-call overhead matters at 30 calls per token
+  std::vector<float> qs(static_cast<size_t>(H_q) * D);  // [H_q, D] float32, scaled
+  scaled_query(q, q_bf16, s0, s1, H_q, D, scale, qs.data());
+  const int64_t tasks = static_cast<int64_t>(H_kv) * splits;
+  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+  if (kv_f32) {
+    run<float>(qs.data(), static_cast<const float*>(k), static_cast<const float*>(v), k_head_stride, v_head_stride,
+               start, end, H_kv, G, D, static_cast<int>(splits), m.data(), l.data(), acc.data());
+  } else {
+    run<uint16_t>(qs.data(), static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), k_head_stride,
+                  v_head_stride, start, end, H_kv, G, D, static_cast<int>(splits), m.data(), l.data(), acc.data());
+  }
+  merge_splits(m.data(), l.data(), acc.data(), H_kv, G, D, splits, out, out_bf16);
+}
+
 // q [H_q, D] (float32 or bfloat16), k/v [H_kv, C, D] (float32 or bfloat16, rows contiguous),
 // keys start..end-1; returns [H_q, D] in q's dtype. `splits`: key ranges per KV head (0: auto_splits).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t end,
@@ -359,24 +383,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(0 <= start && start < end && end <= k.size(1) && end <= v.size(1), "decode_attention: key range");
   TORCH_CHECK(splits >= 0, "decode_attention: splits >= 0");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "decode_attention: q must be float32 or bfloat16");
-  const int G = H_q / H_kv;
-  if (splits == 0) splits = auto_splits(H_kv, end - start);
-  // scratch on the heap, not as tensors: per-call overhead matters at 30 calls per token
-  std::vector<float> qs(static_cast<size_t>(H_q) * D);  // [H_q, D] float32, scaled
-  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
-  scaled_query(q.data_ptr(), q_bf16, q.stride(0), q.stride(1), H_q, D, static_cast<float>(scale), qs.data());
-  const int64_t tasks = static_cast<int64_t>(H_kv) * splits;
-  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
-  if (k.scalar_type() == torch::kFloat32) {
-    run<float>(qs.data(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0),
-               start, end, H_kv, G, D, splits, m.data(), l.data(), acc.data());
-  } else {
-    run<uint16_t>(qs.data(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), k.stride(0), v.stride(0),
-                  start, end, H_kv, G, D, splits, m.data(), l.data(), acc.data());
-  }
   auto out = torch::empty({H_q, D}, q.options());  // [H_q, D]
-  merge_splits(m.data(), l.data(), acc.data(), H_kv, G, D, splits, out.data_ptr(), q_bf16);
+  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
+  attend_request(q.data_ptr(), q_bf16, q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+                 k.scalar_type() == torch::kFloat32, k.stride(0), v.stride(0), start, end, H_q, H_kv, D,
+                 static_cast<float>(scale), splits, out.data_ptr(), q_bf16);
   return out;
 }
 

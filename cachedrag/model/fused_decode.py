@@ -251,6 +251,7 @@ class Step {
     TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D && D % 2 == 0, "fused decode: heads/dim");
     for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j]));
     Dm = proj_[0].cols;
+    for (const Proj& p : proj_) bf16_weights_ = bf16_weights_ || p.kind == BF16;
     for (int64_t i = 0; i < L; ++i) {
       TORCH_CHECK(proj_[4 * i].rows == (H_q + 2 * H_kv) * D && proj_[4 * i].cols == Dm, "fused decode: qkv shape");
       TORCH_CHECK(proj_[4 * i + 1].rows == Dm && proj_[4 * i + 1].cols == H_q * D, "fused decode: o shape");
@@ -287,7 +288,6 @@ class Step {
     const int64_t n_qkv = (H_q + 2 * H_kv) * D, width = std::max(Dm, std::max(FF, H_q * D));
     std::vector<float> x(B * width), qkv(B * n_qkv), tmp(B * Dm), gu(B * 2 * FF);  // [B, .] each
     std::vector<uint16_t> xb(B * width);
-    const int G = static_cast<int>(H_q / H_kv);
     for (int64_t i = 0; i < L; ++i) {
       norm(h.data(), B, 2 * i, x.data(), xb.data());
       project(proj_[4 * i], B, x.data(), xb.data(), qkv.data());
@@ -300,7 +300,7 @@ class Step {
         write_kv(vs[b], i, p, row + (H_q + H_kv) * D);
         const int64_t w = windows_[i];
         const int64_t start = w > 0 ? std::max<int64_t>(0, p + 1 - w) : 0, end = p + 1;
-        attend(row, ks[b], vs[b], i, start, end, G, x.data() + b * H_q * D);
+        attend(row, ks[b], vs[b], i, start, end, x.data() + b * H_q * D);
       }
       round_all(x, B * H_q * D);
       bits(x.data(), B * H_q * D, xb.data());
@@ -336,6 +336,7 @@ class Step {
   std::vector<int64_t> windows_;
   double scaling_;
   bool bf16_;
+  bool bf16_weights_ = false;  // some projection reads bf16 input bits (int8 and float32 ones read floats)
   std::vector<Proj> proj_;
   std::vector<std::vector<float>> norms_;
   std::vector<float> eps_;
@@ -347,7 +348,7 @@ class Step {
     for (int64_t j = 0; j < m; ++j) v[j] = bf16r(v[j]);
   }
   void bits(const float* x, int64_t n, uint16_t* xb) const {  // the bf16 weights' input (values bf16 already)
-    if (!bf16_) return;
+    if (!bf16_weights_) return;
     for (int64_t j = 0; j < n; ++j) xb[j] = bf16_of(x[j]);
   }
   static std::vector<float> floats(const torch::Tensor& t) {
@@ -396,24 +397,15 @@ class Step {
     }
   }
 
-  // decode_attention's arithmetic (the same splits, tasks and merge) on layer `layer` of one
-  // request's buffers; q = the row's first H_q heads; out [H_q * D] float32.
+  // decode_attention's arithmetic (attend_request: the same splits, tasks and merge) on layer
+  // `layer` of one request's buffers; q = the row's first H_q heads; out [H_q * D] float32.
   void attend(const float* q, const torch::Tensor& k, const torch::Tensor& v, int64_t layer, int64_t start, int64_t end,
-              int G, float* out) const {
-    const int iD = static_cast<int>(D), iHq = static_cast<int>(H_q), iHkv = static_cast<int>(H_kv);
-    std::vector<float> qs(H_q * D);
-    scaled_query(q, false, D, 1, iHq, iD, static_cast<float>(scaling_), qs.data());
-    const int64_t splits = auto_splits(iHkv, end - start), tasks = H_kv * splits;
-    std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
-    if (k.scalar_type() == torch::kFloat32) {
-      run<float>(qs.data(), k.data_ptr<float>() + layer * k.stride(0), v.data_ptr<float>() + layer * v.stride(0),
-                 k.stride(1), v.stride(1), start, end, iHkv, G, iD, static_cast<int>(splits), m.data(), l.data(), acc.data());
-    } else {
-      run<uint16_t>(qs.data(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + layer * k.stride(0),
-                    reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + layer * v.stride(0),
-                    k.stride(1), v.stride(1), start, end, iHkv, G, iD, static_cast<int>(splits), m.data(), l.data(), acc.data());
-    }
-    merge_splits(m.data(), l.data(), acc.data(), iHkv, G, iD, splits, out, false);
+              float* out) const {
+    const char* kb = static_cast<const char*>(k.data_ptr()) + layer * k.stride(0) * k.element_size();
+    const char* vb = static_cast<const char*>(v.data_ptr()) + layer * v.stride(0) * v.element_size();
+    attend_request(q, false, D, 1, kb, vb, k.scalar_type() == torch::kFloat32, k.stride(1), v.stride(1), start, end,
+                   static_cast<int>(H_q), static_cast<int>(H_kv), static_cast<int>(D), static_cast<float>(scaling_), 0,
+                   out, false);
   }
 
   void add_residual(std::vector<float>& h, const std::vector<float>& t, int64_t n) const {
