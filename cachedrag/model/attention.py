@@ -391,6 +391,62 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+// B requests' attention in ONE parallel_for: request b's scaled float32 query rows at qs + b*H_q*D,
+// its whole buffers ks[b] / vs[b] [L, H_kv, C, D] (one dtype for all, rows contiguous: checked by
+// the callers) at `layer`, keys starts[b]..ends[b]-1; writes its [H_q, D] rows at out + b*H_q*D
+// (float32 or bfloat16). Each request's splits, tasks and merge are those of `attend_request` alone
+// (auto_splits): request b's rows are bit for bit the single call's, whatever the batch.
+void attend_batch(const float* qs, const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                  int64_t layer, const int64_t* starts, const int64_t* ends, int H_q, int H_kv, int D, void* out,
+                  bool out_bf16) {
+  const int64_t B = static_cast<int64_t>(ks.size());
+  const int G = H_q / H_kv;
+  const bool kv_f32 = ks[0].scalar_type() == torch::kFloat32;
+  std::vector<const char*> k(B), v(B);  // request b's layer
+  for (int64_t b = 0; b < B; ++b) {
+    k[b] = static_cast<const char*>(ks[b].data_ptr()) + layer * ks[b].stride(0) * ks[b].element_size();
+    v[b] = static_cast<const char*>(vs[b].data_ptr()) + layer * vs[b].stride(0) * vs[b].element_size();
+  }
+  std::vector<int64_t> splits(B), first(B + 1, 0);  // request b's tasks: first[b] .. first[b + 1] - 1
+  for (int64_t b = 0; b < B; ++b) {
+    splits[b] = auto_splits(H_kv, ends[b] - starts[b]);
+    first[b + 1] = first[b] + H_kv * splits[b];
+  }
+  const int64_t tasks = first[B];
+  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+    int64_t b = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+    for (int64_t task = lo; task < hi; ++task) {
+      while (task >= first[b + 1]) ++b;
+      const int64_t local = task - first[b], sp_n = splits[b];
+      const int h = static_cast<int>(local / sp_n), sp = static_cast<int>(local % sp_n);
+      const int64_t T = ends[b] - starts[b], per = (T + sp_n - 1) / sp_n;
+      const int64_t j0 = starts[b] + sp * per, j1 = std::min(ends[b], j0 + per);
+      float* mt = m.data() + task * G;
+      float* lt = l.data() + task * G;
+      float* at = acc.data() + task * G * D;
+      if (j0 >= j1) {
+        for (int g = 0; g < G; ++g) { mt[g] = -std::numeric_limits<float>::infinity(); lt[g] = 0.f; }
+        std::memset(at, 0, sizeof(float) * G * D);
+        continue;
+      }
+      const float* qh = qs + b * H_q * D + static_cast<int64_t>(h) * G * D;
+      const int64_t kh = h * ks[b].stride(1), vh = h * vs[b].stride(1);
+      if (kv_f32) {
+        attend_any(qh, reinterpret_cast<const float*>(k[b]) + kh, reinterpret_cast<const float*>(v[b]) + vh, j0, j1, G, D,
+                   mt, lt, at);
+      } else {
+        attend_any(qh, reinterpret_cast<const uint16_t*>(k[b]) + kh, reinterpret_cast<const uint16_t*>(v[b]) + vh, j0, j1,
+                   G, D, mt, lt, at);
+      }
+    }
+  });
+  const int64_t elem = out_bf16 ? 2 : 4;
+  for (int64_t b = 0; b < B; ++b)
+    merge_splits(m.data() + first[b] * G, l.data() + first[b] * G, acc.data() + first[b] * G * D, H_kv, G, D, splits[b],
+                 static_cast<char*>(out) + b * H_q * D * elem, out_bf16);
+}
+
 // B requests in ONE call (the server's batched step): q [H_q, B, D] (any strides), ks[b] / vs[b] the
 // whole buffers [L, H_kv, C, D] of request b (one dtype for all), their `layer`, keys starts[b]..ends[b]-1.
 // Returns [B, H_q*D] in q's dtype. Every (request, KV head, key range) task of the batch goes to one
@@ -409,7 +465,6 @@ torch::Tensor decode_attention_batch(torch::Tensor q, std::vector<torch::Tensor>
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "decode_attention: q must be float32 or bfloat16");
   const int H_kv = ks[0].size(1);
   TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D, "decode_attention: unsupported heads/dim");
-  const bool kv_f32 = ks[0].scalar_type() == torch::kFloat32;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(ks[b].dim() == 4 && vs[b].dim() == 4, "decode_attention_batch: k/v [L, H_kv, C, D]");
     check_kv(ks[b], vs[b], D, H_kv);
@@ -418,53 +473,14 @@ torch::Tensor decode_attention_batch(torch::Tensor q, std::vector<torch::Tensor>
     TORCH_CHECK(0 <= starts[b] && starts[b] < ends[b] && ends[b] <= ks[b].size(2) && ends[b] <= vs[b].size(2),
                 "decode_attention_batch: key range");
   }
-  const int G = H_q / H_kv;
   const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
   const int64_t elem = q_bf16 ? 2 : 4;
-  std::vector<int64_t> splits(B), first(B + 1, 0);  // request b's tasks: first[b] .. first[b + 1] - 1
-  for (int64_t b = 0; b < B; ++b) {
-    splits[b] = auto_splits(H_kv, ends[b] - starts[b]);
-    first[b + 1] = first[b] + H_kv * splits[b];
-  }
-  const int64_t tasks = first[B];
   std::vector<float> qs(static_cast<size_t>(B) * H_q * D);  // [B, H_q, D] float32, scaled
   for (int64_t b = 0; b < B; ++b)
     scaled_query(static_cast<const char*>(q.data_ptr()) + b * q.stride(1) * elem, q_bf16, q.stride(0), q.stride(2),
                  H_q, D, static_cast<float>(scale), qs.data() + b * H_q * D);
-  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
-  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
-    int64_t b = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
-    for (int64_t task = lo; task < hi; ++task) {
-      while (task >= first[b + 1]) ++b;
-      const int64_t local = task - first[b], sp_n = splits[b];
-      const int h = static_cast<int>(local / sp_n), sp = static_cast<int>(local % sp_n);
-      const int64_t T = ends[b] - starts[b], per = (T + sp_n - 1) / sp_n;
-      const int64_t j0 = starts[b] + sp * per, j1 = std::min(ends[b], j0 + per);
-      float* mt = m.data() + task * G;
-      float* lt = l.data() + task * G;
-      float* at = acc.data() + task * G * D;
-      if (j0 >= j1) {
-        for (int g = 0; g < G; ++g) { mt[g] = -std::numeric_limits<float>::infinity(); lt[g] = 0.f; }
-        std::memset(at, 0, sizeof(float) * G * D);
-        continue;
-      }
-      const float* qh = qs.data() + b * H_q * D + static_cast<int64_t>(h) * G * D;
-      const torch::Tensor& k = ks[b];
-      const torch::Tensor& v = vs[b];
-      if (kv_f32) {
-        attend_any(qh, k.data_ptr<float>() + layer * k.stride(0) + h * k.stride(1),
-                   v.data_ptr<float>() + layer * v.stride(0) + h * v.stride(1), j0, j1, G, D, mt, lt, at);
-      } else {
-        attend_any(qh, reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + layer * k.stride(0) + h * k.stride(1),
-                   reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + layer * v.stride(0) + h * v.stride(1),
-                   j0, j1, G, D, mt, lt, at);
-      }
-    }
-  });
   auto out = torch::empty({B, static_cast<int64_t>(H_q) * D}, q.options());  // [B, H_q*D]
-  for (int64_t b = 0; b < B; ++b)
-    merge_splits(m.data() + first[b] * G, l.data() + first[b] * G, acc.data() + first[b] * G * D, H_kv, G, D, splits[b],
-                 static_cast<char*>(out.data_ptr()) + b * H_q * D * elem, q_bf16);
+  attend_batch(qs.data(), ks, vs, layer, starts.data(), ends.data(), H_q, H_kv, D, out.data_ptr(), q_bf16);
   return out;
 }
 

@@ -93,107 +93,99 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
   return p;
 }
 
-// One weight row dotted with NB input rows (stride S apart): out[b]. Per input row, two float32
-// accumulators take alternate blocks of k (16 columns; bf16: 32 through vdpbf16ps), summed at the
-// end, then one horizontal sum: a (row, input) result depends on nothing but the two, whatever NB
-// (so a batched row is bit for bit the single step); NB > 1 loads each weight block once for all
-// inputs and gives the core NB x 2 independent chains. Rows are visited one after another (one
-// sequential stream per thread): interleaving 4 rows, as a first version did, halved the bandwidth
-// the hardware prefetcher gave a core on the AMD EPYC this was measured on (docs/speed.md round 8).
+// The three weight formats as one dot-product kernel's "block" operations (AVX-512): a block is
+// BLK columns; `w` loads a weight block (widened where needed), `madd` adds the block's products
+// with one input row to a float32 accumulator. Inputs: float32 rows, or for bf16 weights on
+// AVX512-BF16 the rows' bf16 bits (vdpbf16ps multiplies bf16 pairs).
 #if defined(__AVX512F__)
-inline __mmask16 tail16(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
-
-template <int NB>
-inline void dot_f32(const float* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
-  __m512 acc[NB][2];
-  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
-  int64_t k = 0;
-  int a = 0;
-  for (; k + 16 <= K; k += 16, a ^= 1) {
-    const __m512 wv = _mm512_loadu_ps(w + k);
-    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * S + k), acc[b][a]);
+struct F32Block {
+  using W = float;
+  using X = float;
+  using WV = __m512;
+  static constexpr int BLK = 16;
+  static WV w(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 madd(__m512 acc, WV wv, const float* x) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc); }
+};
+struct Int8Block {  // int8 rows widened to float32 (the per-row scale is applied to the sum)
+  using W = int8_t;
+  using X = float;
+  using WV = __m512;
+  static constexpr int BLK = 16;
+  static WV w(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  if (k < K) {
-    const __mmask16 m = tail16(K - k);
-    const __m512 wv = _mm512_maskz_loadu_ps(m, w + k);
-    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + b * S + k), acc[b][a]);
-  }
-  for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
-}
-
-template <int NB>
-inline void dot_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
-  __m512 acc[NB][2];
-  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
-  int64_t k = 0;
-  int a = 0;
-  for (; k + 16 <= K; k += 16, a ^= 1) {
-    const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
-    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * S + k), acc[b][a]);
-  }
-  for (int b = 0; b < NB; ++b) {
-    float tail = 0.f;  // a ragged tail (none on the supported models), in order
-    for (int64_t j = k; j < K; ++j) tail += static_cast<float>(w[j]) * x[b * S + j];
-    out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1])) + tail;
-  }
-}
-
+  static __m512 madd(__m512 acc, WV wv, const float* x) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc); }
+};
 #if defined(__AVX512BF16__)
-template <int NB>
-inline void dot_bf16(const uint16_t* w, int64_t K, const float*, const uint16_t* xb, int64_t S, float* out) {
-  __m512 acc[NB][2];
-  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
-  int64_t k = 0;
-  int a = 0;
-  for (; k + 32 <= K; k += 32, a ^= 1) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_dpbf16_ps(acc[b][a], wv, (__m512bh)_mm512_loadu_si512(xb + b * S + k));
-  }
-  if (k < K) {
-    const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
-    for (int b = 0; b < NB; ++b)
-      acc[b][a] = _mm512_dpbf16_ps(acc[b][a], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, xb + b * S + k));
-  }
-  for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
-}
+struct BF16Block {
+  using W = uint16_t;
+  using X = uint16_t;
+  using WV = __m512bh;
+  static constexpr int BLK = 32;
+  static WV w(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512 madd(__m512 acc, WV wv, const uint16_t* x) { return _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_loadu_si512(x)); }
+};
 #else
-template <int NB>
-inline void dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
-  __m512 acc[NB][2];
-  for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
-  int64_t k = 0;
-  int a = 0;
-  for (; k + 16 <= K; k += 16, a ^= 1) {
-    const __m512 wv = load16(w + k);
-    for (int b = 0; b < NB; ++b) acc[b][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * S + k), acc[b][a]);
-  }
-  for (int b = 0; b < NB; ++b) {
-    float tail = 0.f;
-    for (int64_t j = k; j < K; ++j) tail += load(w, j) * x[b * S + j];
-    out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1])) + tail;
-  }
-}
+struct BF16Block {  // no AVX512-BF16: bf16 weights widened to float32, float32 inputs
+  using W = uint16_t;
+  using X = float;
+  using WV = __m512;
+  static constexpr int BLK = 16;
+  static WV w(const uint16_t* p) { return load16(p); }
+  static __m512 madd(__m512 acc, WV wv, const float* x) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc); }
+};
 #endif
-#else  // no AVX-512: plain loops (the compiler vectorises what it can)
-template <int NB>
-inline void dot_f32(const float* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
-  for (int b = 0; b < NB; ++b) {
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += w[k] * x[b * S + k];
-    out[b] = s;
+
+// One weight row dotted with NB input rows (stride S apart): out[b]. Per input row, two float32
+// accumulators take alternate blocks (even blocks a0, odd a1; a ragged tail is one more block,
+// zero-padded), summed at the end, then one horizontal sum: a (row, input) result depends on
+// nothing but the two, whatever NB (so a batched row is bit for bit the single step); NB > 1 loads
+// each weight block once for all inputs and gives the core NB x 2 independent chains. The two
+// accumulators are named, not indexed by a running parity: indexed, the compiler kept them on the
+// stack and every block paid a store-to-load round trip (what bounded int8 and batched steps).
+// Rows are visited one after another (one sequential stream per thread): interleaving 4 rows, as
+// a first version did, halved the bandwidth the hardware prefetcher gave a core on the AMD EPYC
+// this was measured on (docs/speed.md round 8).
+template <class T, int NB>
+inline void dot(const typename T::W* w, int64_t K, const typename T::X* x, int64_t S, float* out) {
+  constexpr int BLK = T::BLK;
+  __m512 a0[NB], a1[NB];
+  for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 * BLK <= K; k += 2 * BLK) {
+    const typename T::WV w0 = T::w(w + k), w1 = T::w(w + k + BLK);
+    for (int b = 0; b < NB; ++b) {
+      a0[b] = T::madd(a0[b], w0, x + b * S + k);
+      a1[b] = T::madd(a1[b], w1, x + b * S + k + BLK);
+    }
   }
-}
-template <int NB>
-inline void dot_int8(const int8_t* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
-  for (int b = 0; b < NB; ++b) {
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += static_cast<float>(w[k]) * x[b * S + k];
-    out[b] = s;
+  bool odd = false;  // the next block goes to a1
+  if (k + BLK <= K) {
+    const typename T::WV w0 = T::w(w + k);
+    for (int b = 0; b < NB; ++b) a0[b] = T::madd(a0[b], w0, x + b * S + k);
+    k += BLK;
+    odd = true;
   }
+  if (k < K) {  // a ragged tail (none on the supported models): the block padded with zeros
+    typename T::W wp[BLK] = {};
+    std::memcpy(wp, w + k, sizeof(typename T::W) * (K - k));
+    const typename T::WV wv = T::w(wp);
+    for (int b = 0; b < NB; ++b) {
+      typename T::X xp[BLK] = {};
+      std::memcpy(xp, x + b * S + k, sizeof(typename T::X) * (K - k));
+      if (odd) a1[b] = T::madd(a1[b], wv, xp);
+      else a0[b] = T::madd(a0[b], wv, xp);
+    }
+  }
+  for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b]));
 }
-template <int NB>
-inline void dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_t*, int64_t S, float* out) {
+#else  // no AVX-512: plain loops (the compiler vectorises what it can), float32 inputs
+struct F32Block { using W = float; using X = float; };
+struct Int8Block { using W = int8_t; using X = float; };
+struct BF16Block { using W = uint16_t; using X = float; };
+
+template <class T, int NB>
+inline void dot(const typename T::W* w, int64_t K, const float* x, int64_t S, float* out) {
   for (int b = 0; b < NB; ++b) {
     float s = 0.f;
     for (int64_t k = 0; k < K; ++k) s += load(w, k) * x[b * S + k];
@@ -202,21 +194,28 @@ inline void dot_bf16(const uint16_t* w, int64_t K, const float* x, const uint16_
 }
 #endif
 
+template <class T>
+inline const typename T::X* input(const float* x, const uint16_t* xb) {
+  if constexpr (std::is_same_v<typename T::X, float>) return x;
+  else return xb;
+}
+
 // y [B, rows] = x [B, cols] @ W^T (* scale) (+ bias), float32; x given as float32 and, for bf16
 // weights, as bf16 bits (the same values). Rows split over torch's intra-op threads in contiguous
 // ranges; each weight row is read once for up to 4 input rows at a time (from L1 after the first 4).
-template <typename W, void (*DOT4)(const W*, int64_t, const float*, const uint16_t*, int64_t, float*),
-          void (*DOT2)(const W*, int64_t, const float*, const uint16_t*, int64_t, float*),
-          void (*DOT1)(const W*, int64_t, const float*, const uint16_t*, int64_t, float*)>
+template <class T>
 void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
-  const W* w = static_cast<const W*>(p.w.data_ptr());
+  const typename T::W* w = static_cast<const typename T::W*>(p.w.data_ptr());
+  const typename T::X* in = input<T>(x, xb);
   const int64_t K = p.cols, N = p.rows;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t b = 0; b < B;) {
         float out[4];
         const int nb = B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1);
-        (nb == 4 ? DOT4 : nb == 2 ? DOT2 : DOT1)(w + n * K, K, x + b * K, xb + b * K, K, out);
+        if (nb == 4) dot<T, 4>(w + n * K, K, in + b * K, K, out);
+        else if (nb == 2) dot<T, 2>(w + n * K, K, in + b * K, K, out);
+        else dot<T, 1>(w + n * K, K, in + b * K, K, out);
         for (int j = 0; j < nb; ++j) {
           float v = out[j];
           if (p.kind == INT8) v *= p.scale[n];
@@ -230,9 +229,9 @@ void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, 
 }
 
 void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
-  if (p.kind == F32) project_rows<float, dot_f32<4>, dot_f32<2>, dot_f32<1>>(p, B, x, xb, y);
-  else if (p.kind == BF16) project_rows<uint16_t, dot_bf16<4>, dot_bf16<2>, dot_bf16<1>>(p, B, x, xb, y);
-  else project_rows<int8_t, dot_int8<4>, dot_int8<2>, dot_int8<1>>(p, B, x, xb, y);
+  if (p.kind == F32) project_rows<F32Block>(p, B, x, xb, y);
+  else if (p.kind == BF16) project_rows<BF16Block>(p, B, x, xb, y);
+  else project_rows<Int8Block>(p, B, x, xb, y);
 }
 
 class Step {
@@ -282,12 +281,14 @@ class Step {
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(ks[b].dim() == 4 && vs[b].dim() == 4 && ks[b].size(0) == L && vs[b].size(0) == L, "fused decode: k/v [L, H_kv, C, D]");
       check_kv(ks[b], vs[b], static_cast<int>(D), static_cast<int>(H_kv));
+      TORCH_CHECK(ks[b].scalar_type() == ks[0].scalar_type(), "fused decode: one K/V dtype for the batch");
       TORCH_CHECK(0 <= positions[b] && positions[b] < ks[b].size(2) && positions[b] < vs[b].size(2), "fused decode: position");
     }
     std::vector<float> h = floats(hidden), cs = floats(cos), sn = floats(sin);  // [B, Dm], [B, D], [B, D]
     const int64_t n_qkv = (H_q + 2 * H_kv) * D, width = std::max(Dm, std::max(FF, H_q * D));
     std::vector<float> x(B * width), qkv(B * n_qkv), tmp(B * Dm), gu(B * 2 * FF);  // [B, .] each
     std::vector<uint16_t> xb(B * width);
+    std::vector<int64_t> starts(B), ends(B);  // each request's keys in the layer (its sliding window)
     for (int64_t i = 0; i < L; ++i) {
       norm(h.data(), B, 2 * i, x.data(), xb.data());
       project(proj_[4 * i], B, x.data(), xb.data(), qkv.data());
@@ -299,9 +300,10 @@ class Step {
         write_kv(ks[b], i, p, row + H_q * D);
         write_kv(vs[b], i, p, row + (H_q + H_kv) * D);
         const int64_t w = windows_[i];
-        const int64_t start = w > 0 ? std::max<int64_t>(0, p + 1 - w) : 0, end = p + 1;
-        attend(row, ks[b], vs[b], i, start, end, x.data() + b * H_q * D);
+        starts[b] = w > 0 ? std::max<int64_t>(0, p + 1 - w) : 0;
+        ends[b] = p + 1;
       }
+      attend(qkv.data(), n_qkv, ks, vs, i, starts, ends, x.data());
       round_all(x, B * H_q * D);
       bits(x.data(), B * H_q * D, xb.data());
       project(proj_[4 * i + 1], B, x.data(), xb.data(), tmp.data());
@@ -397,15 +399,18 @@ class Step {
     }
   }
 
-  // decode_attention's arithmetic (attend_request: the same splits, tasks and merge) on layer
-  // `layer` of one request's buffers; q = the row's first H_q heads; out [H_q * D] float32.
-  void attend(const float* q, const torch::Tensor& k, const torch::Tensor& v, int64_t layer, int64_t start, int64_t end,
-              float* out) const {
-    const char* kb = static_cast<const char*>(k.data_ptr()) + layer * k.stride(0) * k.element_size();
-    const char* vb = static_cast<const char*>(v.data_ptr()) + layer * v.stride(0) * v.element_size();
-    attend_request(q, false, D, 1, kb, vb, k.scalar_type() == torch::kFloat32, k.stride(1), v.stride(1), start, end,
-                   static_cast<int>(H_q), static_cast<int>(H_kv), static_cast<int>(D), static_cast<float>(scaling_), 0,
-                   out, false);
+  // decode_attention's arithmetic (attend_batch: every request's splits, tasks and merge those of
+  // attend_request alone, all the batch's tasks in one parallel loop) on layer `layer` of each
+  // request's buffers; q = the first H_q heads of each qkv row (rows `stride` apart); out [B, H_q * D].
+  void attend(const float* qkv, int64_t stride, const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+              int64_t layer, const std::vector<int64_t>& starts, const std::vector<int64_t>& ends, float* out) const {
+    const int64_t B = static_cast<int64_t>(ks.size());
+    std::vector<float> qs(B * H_q * D);  // [B, H_q, D] scaled
+    for (int64_t b = 0; b < B; ++b)
+      scaled_query(qkv + b * stride, false, D, 1, static_cast<int>(H_q), static_cast<int>(D), static_cast<float>(scaling_),
+                   qs.data() + b * H_q * D);
+    attend_batch(qs.data(), ks, vs, layer, starts.data(), ends.data(), static_cast<int>(H_q), static_cast<int>(H_kv),
+                 static_cast<int>(D), out, false);
   }
 
   void add_residual(std::vector<float>& h, const std::vector<float>& t, int64_t n) const {

@@ -57,6 +57,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT8_KERNEL_ROWS = 16  # up to this many rows, the int8 kernel; above, dequantise + bf16 matmul
+# torch's int8 kernel (_weight_int8pack_mm) reads input columns 16 at a time: at other widths it
+# returns garbage or crashes (torch 2.x, measured); those weights take the dequantised matmul
+INT8_KERNEL_COLUMNS = 16
 INT4_KERNEL_ROWS = 16  # up to this many rows, the int4 kernel; above, oneDNN bf16 on the dequantised weight
 INT4_GROUP = 32  # input columns per int4 scale/zero group (= llama.cpp's Q4_1 block)
 _INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel wants a multiple of 16 output rows (padded with zero rows)
@@ -207,7 +210,8 @@ class PackedLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.kind == "int8":
             rows = x.numel() // x.shape[-1]
-            if 0 < rows <= INT8_KERNEL_ROWS:
+            kernel = self.dynamic is not None or self.in_features % INT8_KERNEL_COLUMNS == 0
+            if 0 < rows <= INT8_KERNEL_ROWS and kernel:
                 flat = x.reshape(rows, x.shape[-1])  # [N, I]
                 if self.dynamic is not None:  # fbgemm: float32 in and out, bias inside; out in x's dtype
                     out = torch.ops.quantized.linear_dynamic(flat.float(), self.dynamic, False).to(x.dtype)  # [N, O]

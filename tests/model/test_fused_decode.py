@@ -11,6 +11,10 @@ from cachedrag.testing import byte_tokenizer, prefilled, tiny_model, tiny_runner
 needs_kernel = pytest.mark.skipif(attention.kernel() is None, reason=f"native kernels {attention.kernel_status()}")
 
 WIDE = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64}  # the AVX-512 dims
+# widths that are no whole number of the dot kernel's block pairs: an odd last block and a ragged
+# tail (88 = 5 x 16 + 8 float32 columns, 2 x 32 + 24 bf16 ones; 200 = 12 x 16 + 8; 32 = 1 x 32)
+RAGGED = {"hidden_size": 88, "intermediate_size": 200, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "head_dim": 16}
 
 
 def _pair(arch="llama", **kwargs):
@@ -23,7 +27,7 @@ def _pair(arch="llama", **kwargs):
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("overrides", [{}, WIDE])
+@pytest.mark.parametrize("overrides", [{}, WIDE, RAGGED])
 def test_fused_step_equals_the_torch_step_in_float32(arch, overrides):
     """float32 logits to 1e-4 and the same greedy tokens, step after step, past mistral's 24-token
     sliding window (the window's start row), with qwen2's q/k/v biases; K/V rows written alike."""
@@ -46,7 +50,7 @@ def test_fused_step_equals_the_torch_step_in_float32(arch, overrides):
 
 @needs_kernel
 @pytest.mark.parametrize("weights", ["dense", "int8"])
-@pytest.mark.parametrize("overrides", [{}, WIDE])
+@pytest.mark.parametrize("overrides", [{}, WIDE, RAGGED])
 def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides):
     """bfloat16 stream (dense bf16 or int8 weights): every value rounded where the torch step rounds
     it, so the two differ by the dot products' summation order only: close relative to the logits'
@@ -64,21 +68,23 @@ def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, arch):
+@pytest.mark.parametrize("dtype,weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")])
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {}), ("llama", RAGGED)])
+def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, weights, arch, overrides):
     """B requests of different lengths (mistral: some past the window) in one call: every row's
-    logits and K/V rows equal the single call on that request, bit for bit."""
-    runner = tiny_runner(arch, dtype=dtype)
+    logits and K/V rows equal the single call on that request, bit for bit (7 requests: the dot
+    kernel takes 4 inputs per weight row, then 2, then 1)."""
+    tok = byte_tokenizer()
+    runner = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, dtype=dtype, weights=weights)
     assert runner.decode_step_kind == "fused"
-    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 31, 17, 40)]
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 31, 17, 40, 12, 8, 26)]
     batch, alone = [], []
     for p in prompts:
         for bufs in (batch, alone):
             kv = runner.new_kv(len(p) + 4)
             runner.prefill(p, kv=kv)
             bufs.append(kv)
-    tokens, positions = [7, 8, 9, 10], [len(p) for p in prompts]
+    tokens, positions = list(range(7, 14)), [len(p) for p in prompts]
     for _ in range(3):
         logits = runner.fused.step_batch(tokens, positions, batch)  # [B, V]
         for b in range(len(prompts)):
