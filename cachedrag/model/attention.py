@@ -71,7 +71,7 @@ inline float load(const uint16_t* p, int64_t i) {
 // exp(x) for x <= 0 (scores minus their running max) as straight-line arithmetic the compiler
 // vectorises (libm's expf is a scalar call: most of the kernel's time before). Cephes' expf
 // polynomial after x = n ln2 + r, |r| <= ln2/2; relative error ~2 ulp; x < -87 gives 0.
-inline float exp_neg(float x) {
+__attribute__((always_inline)) inline float exp_neg(float x) {
   x = std::max(x, -87.0f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   float r = x - n * 0.693359375f;

@@ -45,12 +45,13 @@ from cachedrag.errors import ConfigError
 SOURCE = r"""
 namespace fused {
 
-// float -> bfloat16 bits, round to nearest even (at::BFloat16's rounding), inline so loops vectorise
+// float -> bfloat16 bits, round to nearest even (at::BFloat16's rounding; NaN stays NaN), inline and
+// branch-free so loops vectorise
 inline uint16_t bf16_of(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t nan = (u >> 16) | 0x40u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 inline float float_of(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -311,15 +312,8 @@ class Step {
       norm(h.data(), B, 2 * i + 1, x.data(), xb.data());
       project(proj_[4 * i + 2], B, x.data(), xb.data(), gu.data());
       for (int64_t b = 0; b < B; ++b) {
-        const float* g = gu.data() + b * 2 * FF;
-        float* a = x.data() + b * FF;
-#pragma omp simd
-        for (int64_t j = 0; j < FF; ++j) {  // SiLU(g) = g / (1 + e^-g), e^-|g| by the kernel's exp_neg
-          const float gj = r(g[j]), uj = r(g[FF + j]);
-          const float t = exp_neg(-std::fabs(gj));
-          const float silu = gj >= 0.f ? gj / (1.f + t) : gj * t / (1.f + t);
-          a[j] = r(r(silu) * uj);
-        }
+        if (bf16_) silu_mul<true>(gu.data() + b * 2 * FF, FF, x.data() + b * FF);
+        else silu_mul<false>(gu.data() + b * 2 * FF, FF, x.data() + b * FF);
       }
       bits(x.data(), B * FF, xb.data());
       project(proj_[4 * i + 3], B, x.data(), xb.data(), tmp.data());
@@ -329,7 +323,7 @@ class Step {
     auto logits = torch::empty({B, vocab()}, torch::kFloat32);  // [B, V]
     float* lg = logits.data_ptr<float>();
     project(proj_[4 * L], B, x.data(), xb.data(), lg);
-    if (bf16_) at::parallel_for(0, B * vocab(), 4096, [&](int64_t a, int64_t e) { for (int64_t j = a; j < e; ++j) lg[j] = bf16r(lg[j]); });
+    if (bf16_) at::parallel_for(0, B * vocab(), 4096, [&](int64_t a, int64_t e) { round_range(lg + a, e - a); });
     return logits;
   }
 
@@ -343,15 +337,37 @@ class Step {
   std::vector<std::vector<float>> norms_;
   std::vector<float> eps_;
 
-  float r(float v) const { return bf16_ ? bf16r(v) : v; }
+  // The small ops' loops come in two forms, a bf16 stream's (R: every value rounded where the torch
+  // step rounds it) and a float32 one, so no loop tests the stream per element and each vectorises.
+  template <bool R>
+  static float rd(float v) {
+    if constexpr (R) return bf16r(v);
+    else return v;
+  }
+  static void round_range(float* v, int64_t n) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) v[j] = bf16r(v[j]);
+  }
   void round_all(std::vector<float>& v, int64_t n = -1) const {
-    if (!bf16_) return;
-    const int64_t m = n < 0 ? static_cast<int64_t>(v.size()) : n;
-    for (int64_t j = 0; j < m; ++j) v[j] = bf16r(v[j]);
+    if (bf16_) round_range(v.data(), n < 0 ? static_cast<int64_t>(v.size()) : n);
+  }
+  static void bits_of(const float* x, int64_t n, uint16_t* xb) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) xb[j] = bf16_of(x[j]);
   }
   void bits(const float* x, int64_t n, uint16_t* xb) const {  // the bf16 weights' input (values bf16 already)
-    if (!bf16_weights_) return;
-    for (int64_t j = 0; j < n; ++j) xb[j] = bf16_of(x[j]);
+    if (bf16_weights_) bits_of(x, n, xb);
+  }
+  // a [FF] = SiLU(g) * u for one row g|u [2 * FF]: SiLU(g) = g / (1 + e^-g), e^-|g| by the kernel's exp_neg
+  template <bool R>
+  static void silu_mul(const float* gu, int64_t FF, float* a) {
+#pragma omp simd
+    for (int64_t j = 0; j < FF; ++j) {
+      const float gj = rd<R>(gu[j]), uj = rd<R>(gu[FF + j]);
+      const float t = exp_neg(-std::fabs(gj));
+      const float silu = gj >= 0.f ? gj / (1.f + t) : gj * t / (1.f + t);
+      a[j] = rd<R>(rd<R>(silu) * uj);
+    }
   }
   static std::vector<float> floats(const torch::Tensor& t) {
     auto f = t.to(torch::kFloat32).contiguous();
@@ -368,21 +384,32 @@ class Step {
       for (int64_t j = 0; j < Dm; ++j) ss += hr[j] * hr[j];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(Dm) + eps_[which]);
       float* xr = x + b * Dm;
-      for (int64_t j = 0; j < Dm; ++j) xr[j] = bf16_ ? bf16r(w[j] * bf16r(hr[j] * inv)) : hr[j] * inv * w[j];
+      if (bf16_) {
+#pragma omp simd
+        for (int64_t j = 0; j < Dm; ++j) xr[j] = bf16r(w[j] * bf16r(hr[j] * inv));
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < Dm; ++j) xr[j] = hr[j] * inv * w[j];
+      }
     }
     bits(x, B * Dm, xb);
   }
 
   // The first n_heads heads of a row [heads, D], rotated in place: x * cos + rotate_half(x) * sin.
   void rope(float* row, int64_t heads, const float* c, const float* s) const {
+    if (bf16_) rope_heads<true>(row, heads, D, c, s);
+    else rope_heads<false>(row, heads, D, c, s);
+  }
+  template <bool R>
+  static void rope_heads(float* row, int64_t heads, int64_t D, const float* c, const float* s) {
     const int64_t half = D / 2;
-    float tmp[MAX_D];
+    alignas(64) float tmp[MAX_D];
     for (int64_t hh = 0; hh < heads; ++hh) {
       float* x = row + hh * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float rot = d < half ? -x[d + half] : x[d - half];
-        tmp[d] = r(r(x[d] * c[d]) + r(rot * s[d]));
-      }
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) tmp[d] = rd<R>(rd<R>(x[d] * c[d]) + rd<R>(-x[d + half] * s[d]));
+#pragma omp simd
+      for (int64_t d = half; d < D; ++d) tmp[d] = rd<R>(rd<R>(x[d] * c[d]) + rd<R>(x[d - half] * s[d]));
       std::memcpy(x, tmp, sizeof(float) * D);
     }
   }
@@ -394,8 +421,7 @@ class Step {
       for (int64_t hh = 0; hh < H_kv; ++hh) std::memcpy(base + hh * s1, rows + hh * D, sizeof(float) * D);
     } else {
       uint16_t* base = reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>()) + layer * s0 + p * s2;
-      for (int64_t hh = 0; hh < H_kv; ++hh)
-        for (int64_t d = 0; d < D; ++d) base[hh * s1 + d] = bf16_of(rows[hh * D + d]);
+      for (int64_t hh = 0; hh < H_kv; ++hh) bits_of(rows + hh * D, D, base + hh * s1);
     }
   }
 
@@ -414,7 +440,13 @@ class Step {
   }
 
   void add_residual(std::vector<float>& h, const std::vector<float>& t, int64_t n) const {
-    for (int64_t j = 0; j < n; ++j) h[j] = r(h[j] + r(t[j]));
+    if (bf16_) residual<true>(h.data(), t.data(), n);
+    else residual<false>(h.data(), t.data(), n);
+  }
+  template <bool R>
+  static void residual(float* h, const float* t, int64_t n) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) h[j] = rd<R>(h[j] + rd<R>(t[j]));
   }
 };
 
