@@ -185,11 +185,15 @@ struct F32Block { using W = float; using X = float; };
 struct Int8Block { using W = int8_t; using X = float; };
 struct BF16Block { using W = uint16_t; using X = float; };
 
+inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(uint16_t v) { return float_of(v); }
+
 template <class T, int NB>
 inline void dot(const typename T::W* w, int64_t K, const float* x, int64_t S, float* out) {
   for (int b = 0; b < NB; ++b) {
     float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += load(w, k) * x[b * S + k];
+    for (int64_t k = 0; k < K; ++k) s += widen(w[k]) * x[b * S + k];
     out[b] = s;
   }
 }

@@ -197,3 +197,23 @@ def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, 
     with pytest.raises(RuntimeError, match="build stubbed out"):
         attention._load(changed)
     assert builds == [name] and not so.exists()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+@pytest.mark.parametrize("target", [["-march=x86-64-v3"], ["-march=x86-64-v4", "-mno-avx512bf16"]],
+                         ids=["avx2", "avx512-without-bf16"])
+def test_native_source_compiles_for_cpus_without_avx512_or_its_bf16(target, tmp_path):
+    """The library is built with -march=native, so CI compiles only this CPU's branches of the source;
+    the branches for CPUs without AVX-512 (plain loops) or without AVX512-BF16 (bf16 widened to float32)
+    must compile too."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    src = tmp_path / "native.cpp"
+    src.write_text("\n".join(attention._SOURCES))
+    includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    done = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-fopenmp", *target, "-DTORCH_EXTENSION_NAME=check",
+                           *includes, str(src)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
