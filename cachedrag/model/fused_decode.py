@@ -99,23 +99,21 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
 // with one input row to a float32 accumulator. Inputs: float32 rows, or for bf16 weights on
 // AVX512-BF16 the rows' bf16 bits (vdpbf16ps multiplies bf16 pairs).
 #if defined(__AVX512F__)
-struct F32Block {
-  using W = float;
+struct FloatInput {  // float32 input rows against weights widened to float32 blocks of 16: FMA
   using X = float;
   using WV = __m512;
   static constexpr int BLK = 16;
-  static WV w(const float* p) { return _mm512_loadu_ps(p); }
   static __m512 madd(__m512 acc, WV wv, const float* x) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc); }
 };
-struct Int8Block {  // int8 rows widened to float32 (the per-row scale is applied to the sum)
+struct F32Block : FloatInput {
+  using W = float;
+  static WV w(const float* p) { return _mm512_loadu_ps(p); }
+};
+struct Int8Block : FloatInput {  // int8 rows widened to float32 (the per-row scale is applied to the sum)
   using W = int8_t;
-  using X = float;
-  using WV = __m512;
-  static constexpr int BLK = 16;
   static WV w(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static __m512 madd(__m512 acc, WV wv, const float* x) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc); }
 };
 #if defined(__AVX512BF16__)
 struct BF16Block {
@@ -127,13 +125,9 @@ struct BF16Block {
   static __m512 madd(__m512 acc, WV wv, const uint16_t* x) { return _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_loadu_si512(x)); }
 };
 #else
-struct BF16Block {  // no AVX512-BF16: bf16 weights widened to float32, float32 inputs
+struct BF16Block : FloatInput {  // no AVX512-BF16: bf16 weights widened to float32, float32 inputs
   using W = uint16_t;
-  using X = float;
-  using WV = __m512;
-  static constexpr int BLK = 16;
   static WV w(const uint16_t* p) { return load16(p); }
-  static __m512 madd(__m512 acc, WV wv, const float* x) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc); }
 };
 #endif
 
