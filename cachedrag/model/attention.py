@@ -571,7 +571,9 @@ def _load_locked(name: str, directory: Path):
         raise RuntimeError("no C++ compiler (c++) on PATH")
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not available")
-    module = cpp_extension.load_inline(name=name, cpp_sources=_SOURCES, extra_cflags=_FLAGS,
+    # a copy: load_inline inserts an #include into the list it is given, which changed _key() for the
+    # rest of a process that built the library (a second build, or a test, looked under another name)
+    module = cpp_extension.load_inline(name=name, cpp_sources=list(_SOURCES), extra_cflags=list(_FLAGS),
                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     write_atomic(digest, file_sha256(so))  # the digest last: a library without one is never loaded
     _state["built"] = True

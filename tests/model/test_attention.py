@@ -199,6 +199,27 @@ def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, 
     assert builds == [name] and not so.exists()
 
 
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_a_build_leaves_the_library_key_unchanged(tmp_path, monkeypatch):
+    """torch's load_inline inserts an #include into the source list it is given; the build hands it a
+    copy, so the key (the library's name) stays the same for the rest of the process (it did not, and
+    a process that had built the library looked for it under another name after)."""
+    from torch.utils import cpp_extension
+
+    key = attention._key()
+
+    def build_as_torch_does(name, cpp_sources, build_directory, **kwargs):
+        cpp_sources.insert(0, "#include <torch/extension.h>")
+        (tmp_path / name / f"{name}.so").write_bytes(b"a library")
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load_inline", build_as_torch_does)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(attention, "_state", {})
+    assert attention._load(tmp_path) == "module"
+    assert attention._key() == key
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 @pytest.mark.parametrize("target", [["-march=x86-64-v3"], ["-march=x86-64-v4", "-mno-avx512bf16"]],
                          ids=["avx2", "avx512-without-bf16"])
