@@ -65,11 +65,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the cores this process may use)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per thread count (medians)")
     parser.add_argument("--new-tokens", type=int, default=24, help="decode steps timed per round")
-    parser.add_argument("--stream", type=int, default=14, help="requests of the ttft stream for end_to_end and miss_ratio")
+    parser.add_argument("--stream", type=int, default=14, help="requests of the ttft stream for end_to_end (0: skip it)")
     parser.add_argument("--fidelity-prompts", type=int, default=3, help="prompts of the per-dtype fidelity check (0: skip)")
     parser.add_argument("--fidelity-tokens", type=int, default=32, help="teacher-forced tokens per fidelity prompt")
     parser.add_argument("--skip-first-request", action="store_true", help="skip the fresh-process first-request probe")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+
+
+def _bad_arguments(args) -> str | None:
+    """What is wrong with the counts given (None: nothing), checked before anything is measured."""
+    if args.rounds < 1 or args.new_tokens < 1:
+        return "--rounds and --new-tokens must be at least 1"
+    if args.stream == 1 or args.stream < 0:
+        return "--stream must be 0 (skip end_to_end) or at least 2 (its first quarter, at least one request, is not timed)"
+    if args.fidelity_prompts < 0 or args.fidelity_tokens < 1:
+        return "--fidelity-prompts must be at least 0 and --fidelity-tokens at least 1"
+    if args.threads is not None:
+        counts = [t.strip() for t in args.threads.split(",")]
+        if not all(t.isdigit() and int(t) > 0 for t in counts):
+            return f"--threads must be positive whole numbers separated by commas, got {args.threads!r}"
+    return None
 
 
 def _median(xs):
@@ -123,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     from cachedrag.model.runner import ModelRunner, default_threads, set_threads
     from cachedrag.model.weights import vnni_available
 
+    bad = _bad_arguments(args)
+    if bad:
+        print(f"cachedrag: error: {bad}", file=sys.stderr)
+        return 2
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in ALL_SYSTEMS]
     if unknown:
@@ -149,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
                                  decode_step="torch" if name in _TORCH_STEP else "auto")
                for name, (d, w) in _NUMERICS.items() if name in systems or name == "cachedrag-fp32"}
     tokenizer = runners["cachedrag-fp32"].tokenizer
-    work = build_workload(tokenizer, top_k=5, chunk_tokens=256, n_requests=max(args.stream, args.rounds + 1), seed=0)
+    work = build_workload(tokenizer, top_k=5, chunk_tokens=256, n_requests=max(args.stream, 2 * args.rounds + 2),
+                          seed=0)
     from cachedrag.engine import CachedEngine
 
     probe = CachedEngine(runners["cachedrag-fp32"])
@@ -210,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
               if (name in systems or name == "cachedrag-fp32") and name not in _COMPILED + _TORCH_STEP}
     results["miss_ratio"], results["miss"] = misses["cachedrag-fp32"]["ratio"], misses["cachedrag-fp32"]
     results["miss_by_system"] = misses
-    results["end_to_end"] = _end_to_end(runners, work, results["systems"], args.stream)
+    results["end_to_end"] = _end_to_end(runners, work, results["systems"], args.stream) if args.stream else {}
     results["first_request_ratio"] = None
     if not args.skip_first_request:
         results["first_request_ratio"], results["first_request"] = _first_request(threads[0])

@@ -2,6 +2,7 @@
 
 import gguf
 import numpy as np
+import pytest
 
 from cachedrag.bench import speed
 from cachedrag.bench.anchor import dequantize_gguf
@@ -99,6 +100,25 @@ def test_unknown_system_is_a_clear_error(capsys):
     speed.add_arguments(parser)
     assert speed.run(parser.parse_args(["--systems", "cachedrag-fp64"])) == 2
     assert "unknown systems" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--stream", "1"], "--stream must be 0"),
+    (["--rounds", "0"], "--rounds and --new-tokens"),
+    (["--threads", "2,x"], "--threads must be positive whole numbers"),
+    (["--fidelity-prompts", "-1"], "--fidelity-prompts must be at least 0"),
+])
+def test_bad_counts_are_one_clear_error_before_anything_is_measured(argv, message, capsys, monkeypatch):
+    import argparse
+
+    from cachedrag.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model for a bad argument"))
+    parser = argparse.ArgumentParser()
+    speed.add_arguments(parser)
+    assert speed.run(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_fidelity_compares_each_dtype_with_fp32_teacher_forced():
