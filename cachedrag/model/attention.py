@@ -262,30 +262,6 @@ __attribute__((noinline)) void attend_any(  // one copy: the single and batched 
   else attend_range<KV, 0>(q, k, v, j0, j1, G, D, m, l, acc);
 }
 
-template <typename KV>
-void run(const float* qs, const KV* k, const KV* v, int64_t k_head_stride, int64_t v_head_stride,
-         int64_t start, int64_t end, int H_kv, int G, int D, int splits,
-         float* m, float* l, float* acc) {
-  const int64_t T = end - start;
-  const int64_t per = (T + splits - 1) / splits;
-  at::parallel_for(0, static_cast<int64_t>(H_kv) * splits, 1, [&](int64_t b, int64_t e) {
-    for (int64_t task = b; task < e; ++task) {
-      const int h = static_cast<int>(task / splits), sp = static_cast<int>(task % splits);
-      const int64_t j0 = start + sp * per, j1 = std::min(end, j0 + per);
-      float* mt = m + task * G;
-      float* lt = l + task * G;
-      float* at = acc + task * G * D;
-      if (j0 >= j1) {
-        for (int g = 0; g < G; ++g) { mt[g] = -std::numeric_limits<float>::infinity(); lt[g] = 0.f; }
-        std::memset(at, 0, sizeof(float) * G * D);
-        continue;
-      }
-      attend_any(qs + static_cast<int64_t>(h) * G * D, k + h * k_head_stride, v + h * v_head_stride,
-                   j0, j1, G, D, mt, lt, at);
-    }
-  });
-}
-
 // Key ranges per KV head: the fewest that give every thread the same number of tasks, doubled while
 // each thread would still get <= 2 tasks of >= 512 keys; never ranges under 64 keys.
 int64_t auto_splits(int H_kv, int64_t T) {
@@ -348,57 +324,15 @@ void check_kv(const torch::Tensor& k, const torch::Tensor& v, int D, int H_kv) {
 
 }  // namespace
 
-// One request's attention, the arithmetic of every single call (``decode_attention`` and the fused
-// decode step): q rows [H_q, D] (float32 or bfloat16, strides s0/s1) over the K/V heads at k / v
-// (float32 or bfloat16, head strides given, rows contiguous), keys start..end-1; writes [H_q, D] at
-// `out` in float32 or bfloat16. `splits`: key ranges per KV head (0: auto_splits).
-void attend_request(const void* q, bool q_bf16, int64_t s0, int64_t s1, const void* k, const void* v, bool kv_f32,
-                    int64_t k_head_stride, int64_t v_head_stride, int64_t start, int64_t end, int H_q, int H_kv,
-                    int D, float scale, int64_t splits, void* out, bool out_bf16) {
-  const int G = H_q / H_kv;
-  if (splits == 0) splits = auto_splits(H_kv, end - start);
-  // scratch on the heap, not as tensors: per-call overhead matters at 30 calls per token
-  std::vector<float> qs(static_cast<size_t>(H_q) * D);  // [H_q, D] float32, scaled
-  scaled_query(q, q_bf16, s0, s1, H_q, D, scale, qs.data());
-  const int64_t tasks = static_cast<int64_t>(H_kv) * splits;
-  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
-  if (kv_f32) {
-    run<float>(qs.data(), static_cast<const float*>(k), static_cast<const float*>(v), k_head_stride, v_head_stride,
-               start, end, H_kv, G, D, static_cast<int>(splits), m.data(), l.data(), acc.data());
-  } else {
-    run<uint16_t>(qs.data(), static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), k_head_stride,
-                  v_head_stride, start, end, H_kv, G, D, static_cast<int>(splits), m.data(), l.data(), acc.data());
-  }
-  merge_splits(m.data(), l.data(), acc.data(), H_kv, G, D, splits, out, out_bf16);
-}
-
-// q [H_q, D] (float32 or bfloat16), k/v [H_kv, C, D] (float32 or bfloat16, rows contiguous),
-// keys start..end-1; returns [H_q, D] in q's dtype. `splits`: key ranges per KV head (0: auto_splits).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t end,
-                               double scale, int64_t splits) {
-  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H_q, D], k/v [H_kv, C, D]");
-  const int H_q = q.size(0), D = q.size(1), H_kv = k.size(0);
-  TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D, "decode_attention: unsupported heads/dim");
-  check_kv(k, v, D, H_kv);
-  TORCH_CHECK(0 <= start && start < end && end <= k.size(1) && end <= v.size(1), "decode_attention: key range");
-  TORCH_CHECK(splits >= 0, "decode_attention: splits >= 0");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "decode_attention: q must be float32 or bfloat16");
-  auto out = torch::empty({H_q, D}, q.options());  // [H_q, D]
-  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
-  attend_request(q.data_ptr(), q_bf16, q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
-                 k.scalar_type() == torch::kFloat32, k.stride(0), v.stride(0), start, end, H_q, H_kv, D,
-                 static_cast<float>(scale), splits, out.data_ptr(), q_bf16);
-  return out;
-}
-
-// B requests' attention in ONE parallel_for: request b's scaled float32 query rows at qs + b*H_q*D,
-// its whole buffers ks[b] / vs[b] [L, H_kv, C, D] (one dtype for all, rows contiguous: checked by
-// the callers) at `layer`, keys starts[b]..ends[b]-1; writes its [H_q, D] rows at out + b*H_q*D
-// (float32 or bfloat16). Each request's splits, tasks and merge are those of `attend_request` alone
-// (auto_splits): request b's rows are bit for bit the single call's, whatever the batch.
+// The attention of B requests (one is the single call) in ONE parallel_for: request b's scaled
+// float32 query rows at qs + b*H_q*D, its whole buffers ks[b] / vs[b] [L, H_kv, C, D] (one dtype
+// for all, rows contiguous: checked by the callers) at `layer`, keys starts[b]..ends[b]-1; writes
+// its [H_q, D] rows at out + b*H_q*D (float32 or bfloat16). Each request's splits (key ranges per KV
+// head: `splits`, 0 = auto_splits of its own length), tasks and merge depend on that request alone,
+// so request b's rows are bit for bit the single call's, whatever the batch.
 void attend_batch(const float* qs, const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
                   int64_t layer, const int64_t* starts, const int64_t* ends, int H_q, int H_kv, int D, void* out,
-                  bool out_bf16) {
+                  bool out_bf16, int64_t splits_given = 0) {
   const int64_t B = static_cast<int64_t>(ks.size());
   const int G = H_q / H_kv;
   const bool kv_f32 = ks[0].scalar_type() == torch::kFloat32;
@@ -409,7 +343,7 @@ void attend_batch(const float* qs, const std::vector<torch::Tensor>& ks, const s
   }
   std::vector<int64_t> splits(B), first(B + 1, 0);  // request b's tasks: first[b] .. first[b + 1] - 1
   for (int64_t b = 0; b < B; ++b) {
-    splits[b] = auto_splits(H_kv, ends[b] - starts[b]);
+    splits[b] = splits_given > 0 ? splits_given : auto_splits(H_kv, ends[b] - starts[b]);
     first[b + 1] = first[b] + H_kv * splits[b];
   }
   const int64_t tasks = first[B];
@@ -445,6 +379,27 @@ void attend_batch(const float* qs, const std::vector<torch::Tensor>& ks, const s
   for (int64_t b = 0; b < B; ++b)
     merge_splits(m.data() + first[b] * G, l.data() + first[b] * G, acc.data() + first[b] * G * D, H_kv, G, D, splits[b],
                  static_cast<char*>(out) + b * H_q * D * elem, out_bf16);
+}
+
+// q [H_q, D] (float32 or bfloat16), k/v [H_kv, C, D] (float32 or bfloat16, rows contiguous),
+// keys start..end-1; returns [H_q, D] in q's dtype. `splits`: key ranges per KV head (0: auto_splits).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t end,
+                               double scale, int64_t splits) {
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [H_q, D], k/v [H_kv, C, D]");
+  const int H_q = q.size(0), D = q.size(1), H_kv = k.size(0);
+  TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D, "decode_attention: unsupported heads/dim");
+  check_kv(k, v, D, H_kv);
+  TORCH_CHECK(0 <= start && start < end && end <= k.size(1) && end <= v.size(1), "decode_attention: key range");
+  TORCH_CHECK(splits >= 0, "decode_attention: splits >= 0");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "decode_attention: q must be float32 or bfloat16");
+  auto out = torch::empty({H_q, D}, q.options());  // [H_q, D]
+  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
+  // scratch on the heap, not as tensors: per-call overhead matters at 30 calls per token
+  std::vector<float> qs(static_cast<size_t>(H_q) * D);  // [H_q, D] float32, scaled
+  scaled_query(q.data_ptr(), q_bf16, q.stride(0), q.stride(1), H_q, D, static_cast<float>(scale), qs.data());
+  const std::vector<torch::Tensor> ks{k.unsqueeze(0)}, vs{v.unsqueeze(0)};  // [1, H_kv, C, D]: one layer
+  attend_batch(qs.data(), ks, vs, 0, &start, &end, H_q, H_kv, D, out.data_ptr(), q_bf16, splits);
+  return out;
 }
 
 // B requests in ONE call (the server's batched step): q [H_q, B, D] (any strides), ks[b] / vs[b] the

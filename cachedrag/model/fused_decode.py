@@ -424,7 +424,7 @@ class Step {
   }
 
   // decode_attention's arithmetic (attend_batch: every request's splits, tasks and merge those of
-  // attend_request alone, all the batch's tasks in one parallel loop) on layer `layer` of each
+  // the single call alone, all the batch's tasks in one parallel loop) on layer `layer` of each
   // request's buffers; q = the first H_q heads of each qkv row (rows `stride` apart); out [B, H_q * D].
   void attend(const float* qkv, int64_t stride, const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
               int64_t layer, const std::vector<int64_t>& starts, const std::vector<int64_t>& ends, float* out) const {
