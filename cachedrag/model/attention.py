@@ -46,6 +46,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <numeric>

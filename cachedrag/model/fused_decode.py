@@ -140,8 +140,12 @@ struct BF16Block : FloatInput {  // no AVX512-BF16: bf16 weights widened to floa
 // stack and every block paid a store-to-load round trip (what bounded int8 and batched steps).
 // Rows are visited one after another (one sequential stream per thread): interleaving 4 rows, as
 // a first version did, halved the bandwidth the hardware prefetcher gave a core on the AMD EPYC
-// this was measured on (docs/speed.md round 8).
-template <class T, int NB>
+// this was measured on (docs/speed.md round 8). PF > 0: each pair of blocks also prefetches the
+// same columns PF rows ahead (software prefetch; nothing computed changes). With 4 input rows per
+// weight row a core spends long enough on each row that the hardware prefetcher alone fell behind
+// (docs/speed.md round 10: -17/-20% at B = 4/8); with 1-2 inputs the stream is bandwidth-bound and
+// the extra instructions cost, so the caller asks for it only with NB = 4.
+template <class T, int NB, int PF = 0>
 inline void dot(const typename T::W* w, int64_t K, const typename T::X* x, int64_t S, float* out) {
   constexpr int BLK = T::BLK;
   __m512 a0[NB], a1[NB];
@@ -149,6 +153,10 @@ inline void dot(const typename T::W* w, int64_t K, const typename T::X* x, int64
   int64_t k = 0;
   for (; k + 2 * BLK <= K; k += 2 * BLK) {
     const typename T::WV w0 = T::w(w + k), w1 = T::w(w + k + BLK);
+    if constexpr (PF > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + PF * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + PF * K + k + BLK), _MM_HINT_T0);
+    }
     for (int b = 0; b < NB; ++b) {
       a0[b] = T::madd(a0[b], w0, x + b * S + k);
       a1[b] = T::madd(a1[b], w1, x + b * S + k + BLK);
@@ -183,7 +191,7 @@ inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(uint16_t v) { return float_of(v); }
 
-template <class T, int NB>
+template <class T, int NB, int PF = 0>
 inline void dot(const typename T::W* w, int64_t K, const float* x, int64_t S, float* out) {
   for (int b = 0; b < NB; ++b) {
     float s = 0.f;
@@ -200,19 +208,25 @@ inline const typename T::X* input(const float* x, const uint16_t* xb) {
 }
 
 // y [B, rows] = x [B, cols] @ W^T (* scale) (+ bias), float32; x given as float32 and, for bf16
-// weights, as bf16 bits (the same values). Rows split over torch's intra-op threads in contiguous
-// ranges; each weight row is read once for up to 4 input rows at a time (from L1 after the first 4).
-template <class T>
-void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
+// weights, as bf16 bits (the same values). Rows split over torch's intra-op threads: `dynamic`, in
+// chunks of about 1/8 of a thread's share that each thread takes from a shared counter as it
+// finishes one (a thread the OS preempts, on a 2-core machine shared with the server's other
+// threads, no longer holds up the whole region with its half; 0-9% faster steps, docs/speed.md
+// round 10); else one contiguous range per thread (at::parallel_for, the reference). A row's value
+// does not depend on the thread. Each weight row is read once for up to 4 input rows at a time
+// (from L1 after the first 4).
+// PF: the rows-ahead prefetch distance of the 4-input dot products (0: none; see ``dot``).
+template <class T, int PF>
+void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic) {
   const typename T::W* w = static_cast<const typename T::W*>(p.w.data_ptr());
   const typename T::X* in = input<T>(x, xb);
   const int64_t K = p.cols, N = p.rows;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  auto rows = [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t b = 0; b < B;) {
         float out[4];
         const int nb = B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1);
-        if (nb == 4) dot<T, 4>(w + n * K, K, in + b * K, K, out);
+        if (nb == 4) dot<T, 4, PF>(w + n * K, K, in + b * K, K, out);
         else if (nb == 2) dot<T, 2>(w + n * K, K, in + b * K, K, out);
         else dot<T, 1>(w + n * K, K, in + b * K, K, out);
         for (int j = 0; j < nb; ++j) {
@@ -224,13 +238,31 @@ void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, 
         b += nb;
       }
     }
+  };
+  const int threads = at::get_num_threads();
+  if (!dynamic || threads == 1) {
+    at::parallel_for(0, N, 16, rows);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(16, (N / (8 * threads) + 15) / 16 * 16);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t n0; (n0 = next.fetch_add(chunk)) < N;) rows(n0, std::min(N, n0 + chunk));
   });
 }
 
-void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y) {
-  if (p.kind == F32) project_rows<F32Block>(p, B, x, xb, y);
-  else if (p.kind == BF16) project_rows<BF16Block>(p, B, x, xb, y);
-  else project_rows<Int8Block>(p, B, x, xb, y);
+template <int PF>
+void project_as(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic) {
+  if (p.kind == F32) project_rows<F32Block, PF>(p, B, x, xb, y, dynamic);
+  else if (p.kind == BF16) project_rows<BF16Block, PF>(p, B, x, xb, y, dynamic);
+  else project_rows<Int8Block, PF>(p, B, x, xb, y, dynamic);
+}
+
+constexpr int PREFETCH_ROWS = 2;  // the prefetch distance (rows) when on: measured best of 1-4 (round 10)
+
+void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool prefetch, bool dynamic) {
+  if (prefetch) project_as<PREFETCH_ROWS>(p, B, x, xb, y, dynamic);
+  else project_as<0>(p, B, x, xb, y, dynamic);
 }
 
 class Step {
@@ -266,6 +298,10 @@ class Step {
   }
 
   int64_t vocab() const { return proj_[4 * L].rows; }
+  // software prefetch in the projections of 4+ requests, rows handed out in chunks (both on by
+  // default; off: the reference, one static range per thread; every value the same either way)
+  void set_prefetch(bool on) { prefetch_ = on; }
+  void set_dynamic(bool on) { dynamic_ = on; }
 
   // hidden [B, Dm] (the embedded tokens, the stream's dtype), positions[b], cos/sin [B, D] (the
   // stream's dtype), ks[b]/vs[b] [L, H_kv, C, D] (float32 or bfloat16, rows contiguous). Writes each
@@ -290,7 +326,7 @@ class Step {
     std::vector<int64_t> starts(B), ends(B);  // each request's keys in the layer (its sliding window)
     for (int64_t i = 0; i < L; ++i) {
       norm(h.data(), B, 2 * i, x.data(), xb.data());
-      project(proj_[4 * i], B, x.data(), xb.data(), qkv.data());
+      project(proj_[4 * i], B, x.data(), xb.data(), qkv.data(), prefetch_, dynamic_);
       round_all(qkv);
       for (int64_t b = 0; b < B; ++b) {
         float* row = qkv.data() + b * n_qkv;
@@ -305,22 +341,22 @@ class Step {
       attend(qkv.data(), n_qkv, ks, vs, i, starts, ends, x.data());
       round_all(x, B * H_q * D);
       bits(x.data(), B * H_q * D, xb.data());
-      project(proj_[4 * i + 1], B, x.data(), xb.data(), tmp.data());
+      project(proj_[4 * i + 1], B, x.data(), xb.data(), tmp.data(), prefetch_, dynamic_);
       add_residual(h, tmp, B * Dm);
       norm(h.data(), B, 2 * i + 1, x.data(), xb.data());
-      project(proj_[4 * i + 2], B, x.data(), xb.data(), gu.data());
+      project(proj_[4 * i + 2], B, x.data(), xb.data(), gu.data(), prefetch_, dynamic_);
       for (int64_t b = 0; b < B; ++b) {
         if (bf16_) silu_mul<true>(gu.data() + b * 2 * FF, FF, x.data() + b * FF);
         else silu_mul<false>(gu.data() + b * 2 * FF, FF, x.data() + b * FF);
       }
       bits(x.data(), B * FF, xb.data());
-      project(proj_[4 * i + 3], B, x.data(), xb.data(), tmp.data());
+      project(proj_[4 * i + 3], B, x.data(), xb.data(), tmp.data(), prefetch_, dynamic_);
       add_residual(h, tmp, B * Dm);
     }
     norm(h.data(), B, 2 * L, x.data(), xb.data());
     auto logits = torch::empty({B, vocab()}, torch::kFloat32);  // [B, V]
     float* lg = logits.data_ptr<float>();
-    project(proj_[4 * L], B, x.data(), xb.data(), lg);
+    project(proj_[4 * L], B, x.data(), xb.data(), lg, prefetch_, dynamic_);
     if (bf16_) at::parallel_for(0, B * vocab(), 4096, [&](int64_t a, int64_t e) { round_range(lg + a, e - a); });
     return logits;
   }
@@ -330,6 +366,8 @@ class Step {
   std::vector<int64_t> windows_;
   double scaling_;
   bool bf16_;
+  bool prefetch_ = true;
+  bool dynamic_ = true;
   bool bf16_weights_ = false;  // some projection reads bf16 input bits (int8 and float32 ones read floats)
   std::vector<Proj> proj_;
   std::vector<std::vector<float>> norms_;
@@ -455,6 +493,8 @@ void register_fused_decode(pybind11::module_& m) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<double>, int64_t, int64_t, int64_t, int64_t,
                           std::vector<int64_t>, double, bool>())
+      .def("set_prefetch", &fused::Step::set_prefetch)
+      .def("set_dynamic", &fused::Step::set_dynamic)
       .def("forward", &fused::Step::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 """
@@ -491,7 +531,10 @@ def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 class FusedDecode:
     """The runner's one-token step for B requests as one native call (module docstring)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, *, prefetch: bool = True, dynamic_rows: bool = True):
+        """``prefetch``: software prefetch of weight rows in the projections of 4+ requests;
+        ``dynamic_rows``: projection rows handed to threads in chunks, not one range each. Both
+        only move speed (every value the same); False, False is the reference."""
         reason = unsupported_reason(runner)
         if reason is not None:
             raise ConfigError(f"decode_step='fused' needs {reason}")
@@ -519,6 +562,8 @@ class FusedDecode:
                                       runner.head_dim, runner.fast_layers[0].ff,
                                       [w or 0 for w in runner.windows], runner.scaling,
                                       runner.dtype == torch.bfloat16)
+        self._step.set_prefetch(prefetch)
+        self._step.set_dynamic(dynamic_rows)
 
     def step(self, token_id: int, position: int, kv) -> torch.Tensor:
         """``ModelRunner.decode_step`` for one request (capacity checked by the caller): logits ``[V]``."""

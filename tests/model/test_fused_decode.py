@@ -94,6 +94,41 @@ def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, weights, arch
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.length == b.length
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype,weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")])
+@pytest.mark.parametrize("overrides", [{}, RAGGED])
+def test_prefetch_and_row_chunks_change_no_value(dtype, weights, overrides):
+    """The projections' software prefetch (4+ requests) and rows handed to threads in chunks against
+    the step with neither (the reference: one static row range per thread): 9 requests (4 + 4 + 1
+    inputs per weight row), logits and K/V rows bit for bit, on 2 threads (chunks taken in turn)."""
+    from cachedrag.model.fused_decode import FusedDecode
+
+    tok = byte_tokenizer()
+    runner = ModelRunner(tiny_model("llama", vocab_size=len(tok), **overrides), tok, dtype=dtype, weights=weights)
+    steps = {"prefetch": FusedDecode(runner), "reference": FusedDecode(runner, prefetch=False, dynamic_rows=False)}
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in range(5, 14)]
+    kvs = {}
+    for name in steps:
+        kvs[name] = []
+        for p in prompts:
+            kv = runner.new_kv(len(p) + 4)
+            runner.prefill(p, kv=kv)
+            kvs[name].append(kv)
+    tokens, positions = list(range(7, 16)), [len(p) for p in prompts]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(3):
+            got = steps["prefetch"].step_batch(tokens, positions, kvs["prefetch"])  # [B, V]
+            want = steps["reference"].step_batch(tokens, positions, kvs["reference"])  # [B, V]
+            assert torch.equal(got, want)
+            tokens, positions = want.argmax(-1).tolist(), [p + 1 for p in positions]
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(kvs["prefetch"], kvs["reference"]):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
 def test_decode_step_choice():
     """``auto`` takes the fused step where it applies and says why not elsewhere; ``fused`` where it
     cannot apply is a ConfigError naming the reason; an unknown name is refused."""
