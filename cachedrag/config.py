@@ -29,6 +29,8 @@ FIDELITY_PRESETS: dict[str, dict] = {
     # the same run once the reuse path's question pre-pass ran in bfloat16 (1.88 on the reference path; 1.89 / 1.93
     # in earlier runs; 0.2: 2.40, TF 0.972, ROUGE-L 0.863); bench fidelity: KL a quarter of the order noise,
     # so order-aware off (docs/fidelity.md)
+    # (round 10: the recomputed rows' matmuls in bfloat16, CacheConfig.recompute_dtype's default, keep those figures
+    # at x_prefix 2.51 / 1.96 on bench ttft's two streams, 1.99 / 1.80 with float32 repairs in the same runs)
     # (round 9: a layer-wise budget, layer_taper=((15, 0.5),), met bench ttft's bars at x_prefix 2.41 / 2.00 but
     # raised teacher-forced KL 38-59% and lost gold answers on all-reused requests: opt-in, docs/fidelity.md)
     "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27},

@@ -43,7 +43,7 @@ from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
 from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
-from cachedrag.model.scoring import scoring_layers
+from cachedrag.model.scoring import RowSplitLayer, scoring_layers
 from cachedrag.model.textgen import check_context, stream_tokens
 from cachedrag.prompt import CHUNK_SEPARATOR, PromptBuilder, Segment
 
@@ -257,12 +257,15 @@ class CachedEngine:
 
     def _prepare_question_pass(self) -> None:
         """Build the question pre-pass's bfloat16 weight copies now (``model/scoring.py``: ~130 ms
-        and 120 MB for the default model), so the first reuse-served request does not pay them.
+        and 120 MB for the default model; every layer's with ``recompute_dtype="bfloat16"``, which
+        its recomputed rows run on), so the first reuse-served request does not pay them.
         Only where this engine's default can use them: mode ``cachedrag`` with a question token
         choice and ``question_dtype="bfloat16"`` (a per-call ``mode="cachedrag"`` on an engine
         with another default builds them on its first reuse instead)."""
         cache = self.config.cache
-        if (self.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
+        if self.config.mode == "cachedrag" and cache.recompute_dtype == "bfloat16":  # every layer's copy
+            scoring_layers(self.runner, self.runner.n_layers)
+        elif (self.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
                 and cache.question_dtype == "bfloat16"):
             scoring_layers(self.runner, max(self._question_layers()) + 1)
 
@@ -690,6 +693,14 @@ class CachedEngine:
                 and len(chunk_seg) > 1):
             tracker = FocusTracker.from_config(len(chunk_seg), self.config.cache)
 
+        # recompute_dtype="bfloat16": the rows computed for reused chunks run their matmuls on bfloat16 copies
+        low_layers, reuse_t, low_rows = None, None, False
+        reuse_pos = [p for i, a in enumerate(actions) if a is Action.REUSE
+                     for p in range(plan.segments[i].start, plan.segments[i].end)]
+        if mode is Mode.CACHEDRAG and cfg.recompute_dtype == "bfloat16" and reuse_pos:
+            low_layers = scoring_layers(runner, runner.n_layers)
+            reuse_t = torch.tensor(reuse_pos, device=device)  # [Tr]
+
         # 3. partial prefill, layer by layer
         t_prefill = time.perf_counter()
         paused = 0.0  # spent in between_layers (other requests' decode steps), not in this prefill
@@ -726,8 +737,14 @@ class CachedEngine:
                 raw: dict = {}
                 last = (layer + 1 == runner.n_layers and not all_logits  # only the last row's output is read
                         and not (refine and layer == cfg.refine_layer))
+                lw = None
+                if low_layers is not None:
+                    low = torch.isin(positions, reuse_t)  # [Tc] rows of reused chunks
+                    if bool(low.any()):
+                        lw = RowSplitLayer(runner.fast_layers[layer], low_layers[layer], low, low[-1:] if last else low)
+                        low_rows = True
                 hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope, blocks=blocks,
-                                              out_rows=slice(-1, None) if last else None)
+                                              out_rows=slice(-1, None) if last else None, weights=lw)
                 token_layers += positions.shape[0]
                 if refine and layer == cfg.refine_layer:
                     narrow(self._refine(layer, raw["q"], positions, kv, total, plan, refine, recompute_pos,
@@ -796,6 +813,8 @@ class CachedEngine:
                 approximations.append("early_termination")
             if tapered:
                 approximations.append("layer_taper")
+            if low_rows:
+                approximations.append("recompute_bfloat16")
         info = {
             "prompt_tokens": total,
             "computed_tokens": len(full_depth),

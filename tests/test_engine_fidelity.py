@@ -170,7 +170,7 @@ def test_full_chunk_last_recomputes_the_chunk_next_to_the_question(runner):
 
 
 def test_full_chunks_of_every_chunk_equals_full_prefill(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 1.0, "full_chunks": 3})
+    engine = _engine(runner, cache={"recompute_ratio": 1.0, "full_chunks": 3, "recompute_dtype": "float32"})
     _warm(engine)
     segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
     torch.testing.assert_close(engine.prefill_logits(segs), engine.prefill_logits(segs, mode="full"),
@@ -179,8 +179,10 @@ def test_full_chunks_of_every_chunk_equals_full_prefill(runner):
 
 def test_dense_layers_compute_every_reused_token_through_the_first_layers(runner):
     """Layer 0's K/V depend on the token and its position only, so computing every reused token
-    through layer 0 (dense_layers=1) changes no logit; through every layer it is full prefill."""
-    engines = {d: _engine(runner, cache={"recompute_ratio": 0.2, "dense_layers": d}) for d in (0, 1, 2)}
+    through layer 0 (dense_layers=1) changes no logit; through every layer it is full prefill (the recomputed rows in the runner's
+    precision)."""
+    engines = {d: _engine(runner, cache={"recompute_ratio": 0.2, "dense_layers": d, "recompute_dtype": "float32"})
+               for d in (0, 1, 2)}
     out = {}
     for d, e in engines.items():
         _warm(e)
@@ -217,7 +219,8 @@ def test_second_stage_keeps_the_budget_after_probing_candidates(runner):
 
 
 def test_question_choice_at_full_recompute_equals_full_prefill(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 1.0, "token_choice": "question", "need_weight": 1.0})
+    engine = _engine(runner, cache={"recompute_ratio": 1.0, "token_choice": "question", "need_weight": 1.0,
+                                    "recompute_dtype": "float32"})
     _warm(engine)
     segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
     torch.testing.assert_close(engine.prefill_logits(segs), engine.prefill_logits(segs, mode="full"),
@@ -285,7 +288,7 @@ def test_default_engine_reports_its_approximations(runner):
     engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
     r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
     assert r.chunks_hit == 3 and r.token_choice == "question+inter"
-    assert r.approximations == ["chunk_reuse", "partial_recompute:question+inter"]
+    assert r.approximations == ["chunk_reuse", "partial_recompute:question+inter", "recompute_bfloat16"]
     assert r.focus_layer is None and r.checked_tokens == 0  # no early termination, no probe of reused tokens
     sizes = [len(s.ids) for s in engine.prompts.chat(ORDER, QUESTION, SYSTEM)[1:4]]
     assert [len(c) for c in r.chunk_recompute] == [math.ceil(0.27 * n) for n in sizes]  # 27% of each reused chunk

@@ -27,7 +27,8 @@ def runner():
 
 
 def _engine(runner, dtype: str, **cache):
-    cache = {"recompute_ratio": 0.27, "token_choice": "question+inter", "question_dtype": dtype, **cache}
+    cache = {"recompute_ratio": 0.27, "token_choice": "question+inter", "question_dtype": dtype,
+             "recompute_dtype": "float32", **cache}
     return CachedEngine(runner, config=EngineConfig(cache=CacheConfig(**cache)))
 
 
@@ -137,3 +138,74 @@ def test_engine_builds_the_bf16_copies_at_construction_not_on_the_first_reuse():
     fast = tiny_runner("llama", seed=6)
     engine = _engine(fast, "bfloat16")
     assert built(fast) == max(engine._question_layers()) + 1
+
+
+# --- the recomputed rows of reused chunks on the bfloat16 copies (CacheConfig.recompute_dtype) ---
+
+
+def test_row_split_layer_computes_each_row_on_its_own_weights(runner):
+    """``RowSplitLayer``: the masked rows are the bf16 copy's matmul over those rows, the others the
+    runner's float32 one over theirs, bit for bit; an all-true / all-false mask is one weight set."""
+    from cachedrag.model.scoring import RowSplitLayer
+
+    low_w, w = ScoringLayer(runner.layers[0]), runner.fast_layers[0]
+    low = torch.tensor([True, False, True, True, False, False, True])  # [T]
+    x = torch.randn(7, runner.model.config.hidden_size)  # [T, Dm]
+    xo = torch.randn(7, w.o.in_features)  # [T, H_q*D]
+    split = RowSplitLayer(w, low_w, low)
+    for name, xin in (("qkv", x), ("o", xo), ("mlp", x)):
+        got = getattr(split, name)(xin)
+        assert torch.equal(got[low], getattr(low_w, name)(xin[low]))
+        assert torch.equal(got[~low], getattr(w, name)(xin[~low]))
+    assert torch.equal(RowSplitLayer(w, low_w, torch.ones(7, dtype=torch.bool)).qkv(x), low_w.qkv(x))
+    assert torch.equal(RowSplitLayer(w, low_w, torch.zeros(7, dtype=torch.bool)).qkv(x), w.qkv(x))
+    last = RowSplitLayer(w, low_w, low, low[-1:])  # the last layer: qkv over every row, o / mlp over the last
+    assert torch.equal(last.mlp(x[-1:]), low_w.mlp(x[-1:])) and torch.equal(last.qkv(x)[~low], w.qkv(x[~low]))
+
+
+@pytest.mark.parametrize("order", [[0, 2, 1], [1, 0, 2, 3]])  # every chunk reused / a fresh chunk after reused ones
+def test_bf16_recompute_runs_exactly_the_reused_rows_on_the_copies(runner, order):
+    """With ``recompute_dtype="bfloat16"`` every prefill layer splits its rows: the reused chunks'
+    recomputed rows (all of them, nothing else) on the bf16 copies, question and fresh rows on the
+    float32 weights. Same choice as the float32 setting (the pre-pass runs before), logits close
+    to it but not equal (the path really ran), and the response names the approximation."""
+    from cachedrag.model.scoring import RowSplitLayer
+
+    got, _, got_weights = _prefill(_engine(runner, "bfloat16", recompute_dtype="bfloat16"), order)
+    want, _, want_weights = _prefill(_engine(runner, "bfloat16"), order)
+    assert got.info["chunk_recompute"] == want.info["chunk_recompute"]
+    prefill_layers = [w for w in got_weights if isinstance(w, RowSplitLayer)]
+    assert len(prefill_layers) == runner.n_layers
+    n_recomputed = sum(len(c) for c in got.info["chunk_recompute"] if c)
+    assert n_recomputed > 0
+    for w in prefill_layers:
+        assert int(w._low.sum()) == n_recomputed  # the reused chunks' rows, every layer
+        assert not bool(w._low[-1])  # the question's last row (the logits' row) stays float32
+    assert not any(isinstance(w, RowSplitLayer) for w in want_weights)
+    assert "recompute_bfloat16" in got.info["approximations"]
+    assert "recompute_bfloat16" not in want.info["approximations"]
+    g, r = got.logits, want.logits
+    assert not torch.equal(g, r)
+    assert (g - r).abs().max() < 0.05 * float(r.max() - r.min())
+
+
+def test_bf16_recompute_leaves_a_request_without_reuse_unchanged(runner):
+    """A cold request (every chunk fresh) has no reused rows: the setting changes nothing."""
+    prompts = [CHUNKS[i] for i in (2, 1, 0)]
+    logits = {}
+    for dt in ("bfloat16", "float32"):
+        engine = _engine(runner, "bfloat16", recompute_dtype=dt)
+        pre = engine.prefill(engine.prompts.chat(prompts, "which chunk?", SYSTEM), 2)
+        assert "recompute_bfloat16" not in pre.info["approximations"]
+        logits[dt] = pre.logits
+    assert torch.equal(logits["bfloat16"], logits["float32"])
+
+
+def test_recompute_dtype_is_validated_and_builds_every_layer_at_construction():
+    from cachedrag.model import scoring
+
+    with pytest.raises(ConfigError, match="recompute_dtype"):
+        CacheConfig(recompute_dtype="float16")
+    r = tiny_runner("llama", seed=6)
+    _engine(r, "bfloat16", recompute_dtype="bfloat16")
+    assert len(scoring._BUILT.get(r, [])) == r.n_layers

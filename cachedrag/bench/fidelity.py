@@ -75,6 +75,8 @@ VARIANTS = {
     "taper10dev": {"layer_taper": ((10, 0.5),), "taper_rank": "deviation"},
     "taper22": {"layer_taper": ((22, 0.25),), "taper_rank": "choice"},
     "taper2step": {"layer_taper": ((10, 0.7), (20, 0.4)), "taper_rank": "choice"},
+    # the recomputed rows' matmuls on bfloat16 copies (CacheConfig.recompute_dtype; docs/fidelity.md round 10)
+    "bf16": {"recompute_dtype": "bfloat16"},
 }
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "

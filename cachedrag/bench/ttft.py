@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "LAYER:KEEP joined by '+', e.g. off,10:0.7+20:0.4/deviation@0.3 (rows 'cachedrag:taper=SPEC'; "
                         "/deviation: taper_rank 'deviation', else 'choice'; off: every chosen token through every layer; "
                         "@RATIO: recompute_ratio, else the default's)")
+    parser.add_argument("--recompute-dtypes", default="", help="also run cachedrag with the recomputed rows' "
+                        "matmuls in these dtypes (CacheConfig.recompute_dtype), comma-separated DTYPE[@RATIO], e.g. "
+                        "bfloat16,bfloat16@0.35 (rows 'cachedrag:recompute=SPEC'; @RATIO: recompute_ratio, else the default's)")
     parser.add_argument("--previous-default", action="store_true",
                         help="also run the engine default before the frontier picked one (row 'cachedrag:previous': "
                              "deviation choice, per-chunk CFO counts, early termination on), for a before/after")
@@ -105,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         modes.insert(0, "full")  # the fidelity reference
     repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}
     tapers = {spec: taper_setting(spec) for spec in [x.strip() for x in args.tapers.split(",") if x.strip()]}
+    recompute = {spec: recompute_setting(spec) for spec in [x.strip() for x in args.recompute_dtypes.split(",") if x.strip()]}
     runner = ModelRunner(*load_model(args.model))
     work = build_workload(runner.tokenizer, args.corpus, args.questions, top_k=args.top_k,
                           chunk_tokens=args.chunk_tokens, n_requests=args.requests, zipf_s=args.zipf, seed=args.seed)
@@ -148,11 +152,12 @@ def run(args: argparse.Namespace) -> int:
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
-    for spec, setting in tapers.items():
-        name = f"cachedrag:taper={spec}"
-        cache = CacheConfig(**{**cache_kwargs, **setting})
-        engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
-        modes.append(name)
+    for prefix, settings in (("taper", tapers), ("recompute", recompute)):
+        for spec, setting in settings.items():
+            name = f"cachedrag:{prefix}={spec}"
+            cache = CacheConfig(**{**cache_kwargs, **setting})
+            engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
+            modes.append(name)
 
     if args.previous_default:
         cache = CacheConfig(**{**cache_kwargs, **PREVIOUS_DEFAULT["cache"]})
@@ -244,6 +249,30 @@ def _repeat_setting(spec: str) -> dict:
     if not n.isdigit() or when not in ("", "inline", "after_response"):
         raise ConfigError(f"--exact-repeats: {spec!r} is not 'off', N or N:inline")
     return {"exact_repeats": int(n), "exact_repeats_when": when or "after_response"}
+
+
+def recompute_setting(spec: str) -> dict:
+    """``--recompute-dtypes`` spec -> CacheConfig fields.
+
+    >>> recompute_setting("bfloat16@0.35")
+    {'recompute_dtype': 'bfloat16', 'recompute_ratio': 0.35}
+    >>> recompute_setting("float32")
+    {'recompute_dtype': 'float32'}
+    """
+    from cachedrag.kvcache.config import RECOMPUTE_DTYPES
+
+    dtype, _, ratio = spec.partition("@")
+    if dtype not in RECOMPUTE_DTYPES:
+        raise ConfigError(f"--recompute-dtypes: {spec!r}: the dtype must be one of {list(RECOMPUTE_DTYPES)}")
+    out: dict = {"recompute_dtype": dtype}
+    if ratio:
+        try:
+            out["recompute_ratio"] = float(ratio)
+        except ValueError:
+            raise ConfigError(f"--recompute-dtypes: {spec!r}: {ratio!r} is not a ratio") from None
+        if not 0.0 <= out["recompute_ratio"] <= 1.0:
+            raise ConfigError(f"--recompute-dtypes: {spec!r}: the ratio must be in [0, 1]")
+    return out
 
 
 def taper_setting(spec: str) -> dict:

@@ -26,6 +26,8 @@ QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
 FULL_CHUNK_PICKS = ("need", "last")
 #: precision of the question pre-pass's projections (``CacheConfig.question_dtype``)
 QUESTION_DTYPES = ("bfloat16", "float32")
+#: precision of the projections of recomputed reused tokens (``CacheConfig.recompute_dtype``)
+RECOMPUTE_DTYPES = ("float32", "bfloat16")
 #: which fresh rows the question pre-pass computes (``CacheConfig.question_pass_fresh``)
 QUESTION_PASS_FRESH = ("leading", "all")
 #: how ``CacheConfig.layer_taper`` ranks the rows it stops computing
@@ -112,6 +114,18 @@ class CacheConfig:
         chose the same tokens but 1 in 350, and bfloat16 made the pass 52 -> 38 ms. A request whose
         fresh chunks lead every reused one runs the pass in the runner's precision: the prefill
         takes those rows over (``engine._Lead``), so they must be computed exactly.
+      recompute_dtype: precision of the projections (q/k/v, output, MLP) of the rows a prefill
+        computes for reused chunks (the recomputed tokens; also probed and dense rows):
+        "bfloat16" (default: ``model/scoring.py``'s bfloat16 copies of every layer, fp32
+        accumulation; the residual stream, norms, RoPE and attention stay in the runner's
+        precision; a float32 runner with fused fast layers only, else its own precision) or
+        "float32" (the runner's own weights, the reference). Those rows only repair approximate
+        cached K/V, so their precision is a fidelity/speed setting like the ratio; question, fresh
+        and system rows keep the runner's precision. On the frontier (8 requests, 2 seeds) the
+        teacher-forced KL at 27 / 35 / 45% is the float32 setting's to 3 decimals, x full 2.95 ->
+        3.80 at 27%; on ``bench ttft``'s streams the same fidelity figures and x prefix 1.99 ->
+        2.51 (seed 0), 1.80 -> 1.96 (seed 1) (docs/fidelity.md, round 10). Costs a bfloat16 copy
+        of every layer (SmolLM2-135M: 212 MB).
       question_pass_fresh: which fresh (missed) rows the question pre-pass computes besides the
         question: "leading" (default) only those before every reused chunk (the prefill takes them
         over, ``engine._Lead``: computed once); fresh chunks after a reused one are left out of
@@ -215,6 +229,7 @@ class CacheConfig:
     question_layers: tuple[int, ...] = (4, 8, 12, 16)
     question_dtype: str = "bfloat16"
     question_pass_fresh: str = "leading"
+    recompute_dtype: str = "bfloat16"
     question_weight: float = 0.5
     need_weight: float = 0.0
     sink_tokens: int = 0
@@ -262,6 +277,9 @@ class CacheConfig:
         if self.question_dtype not in QUESTION_DTYPES:
             raise ConfigError(f"CacheConfig.question_dtype must be one of {list(QUESTION_DTYPES)}, "
                               f"got {self.question_dtype!r}")
+        if self.recompute_dtype not in RECOMPUTE_DTYPES:
+            raise ConfigError(f"CacheConfig.recompute_dtype must be one of {list(RECOMPUTE_DTYPES)}, "
+                              f"got {self.recompute_dtype!r}")
         if self.question_pass_fresh not in QUESTION_PASS_FRESH:
             raise ConfigError(f"CacheConfig.question_pass_fresh must be one of {list(QUESTION_PASS_FRESH)}, "
                               f"got {self.question_pass_fresh!r}")

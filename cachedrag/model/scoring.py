@@ -1,9 +1,13 @@
-"""Lower-precision copies of a runner's first layers, for passes whose output is only a ranking.
+"""Lower-precision copies of a runner's layers, for rows whose precision is a setting: passes whose
+output is only a ranking, and the recomputed rows of reused chunks.
 
 Owns: ``ScoringLayer`` (one decoder layer's fused projections in bfloat16 behind the
 ``LayerWeights`` interface the runner calls: ``qkv``, ``o``, ``mlp``; it takes and returns the
-runner's dtype) and ``scoring_layers(runner, n)``, the first ``n`` of them, built
-once per runner (by the engine at construction, or on first use) and shared by every engine on it.
+runner's dtype), ``scoring_layers(runner, n)``, the first ``n`` of them, built
+once per runner (by the engine at construction, or on first use) and shared by every engine on it,
+and ``RowSplitLayer``: one layer's projections with some rows through the bfloat16 copy and the
+others through the runner's own weights (``CacheConfig.recompute_dtype="bfloat16"``: a prefill's
+recomputed reused-chunk rows in bfloat16, its question and fresh rows in the runner's precision).
 
 Why: the engine's question pre-pass (``CachedEngine._question_scores``) runs the question's
 ~20 tokens through the first 17 layers only to rank reused tokens by the question's attention.
@@ -13,7 +17,11 @@ compute faster: the pre-pass of a request that reuses 5 chunks fell from 52 to 3
 docs/fidelity.md). The pass produces a ranking, never KV or logits of the answer: the prefill
 overwrites every row it wrote. Residual stream, norms, RoPE and attention stay in the runner's
 dtype; only the matmuls round their inputs and outputs to bfloat16 (fp32 accumulation).
-Costs one bfloat16 copy of those layers' projections (17 layers of SmolLM2-135M: 120 MB).
+Costs one bfloat16 copy of those layers' projections (17 layers of SmolLM2-135M: 120 MB; all 30,
+212 MB, with ``recompute_dtype="bfloat16"``). The same copies serve the recomputed rows of reused
+chunks when asked (``RowSplitLayer``): those rows only repair approximate cached K/V, and their
+matmuls are most of a reuse-served request's time; in bfloat16 they run ~2x faster here
+(docs/fidelity.md, round 10).
 
 Does not own: the pre-pass or when it may use these (``engine.py``), the runner's own weight
 formats (``weights.py``).
@@ -48,6 +56,40 @@ class ScoringLayer:
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self._lw.mlp(x.to(torch.bfloat16)).to(x.dtype)  # [T, Dm]
+
+
+class RowSplitLayer:
+    """Layer projections (``LayerWeights``' interface) computing the rows in ``low`` (a bool mask over
+    ``qkv``'s input rows) through ``low_weights`` and the others through ``weights``; ``o`` and
+    ``mlp`` take the rows of ``low_out`` (the same mask, or its last row where the runner's last
+    layer computes only the last row's output). Each group of rows is one matmul on its own
+    weights; a row never mixes the two."""
+
+    def __init__(self, weights, low_weights, low: torch.Tensor, low_out: torch.Tensor | None = None):
+        self._w, self._low_w = weights, low_weights
+        self._low, self._low_out = low, low if low_out is None else low_out
+        self.q_out, self.kv_out = weights.q_out, weights.kv_out
+
+    @staticmethod
+    def _split(x: torch.Tensor, low: torch.Tensor, full_fn, low_fn) -> torch.Tensor:
+        if not bool(low.any()):
+            return full_fn(x)
+        if bool(low.all()):
+            return low_fn(x)
+        out_low = low_fn(x[low])  # [T_low, N]
+        out = torch.empty(x.shape[0], out_low.shape[1], dtype=out_low.dtype, device=x.device)  # [T, N]
+        out[low] = out_low
+        out[~low] = full_fn(x[~low])  # [T_full, N]
+        return out
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return self._split(x, self._low, self._w.qkv, self._low_w.qkv)  # [T, H_q*D + 2*H_kv*D]
+
+    def o(self, x: torch.Tensor) -> torch.Tensor:
+        return self._split(x, self._low_out, self._w.o, self._low_w.o)  # [T_out, Dm]
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self._split(x, self._low_out, self._w.mlp, self._low_w.mlp)  # [T_out, Dm]
 
 
 def scoring_layers(runner, n: int) -> list[ScoringLayer] | None:

@@ -377,7 +377,7 @@ def test_idle_loop_promotes_a_recurring_sequence_to_an_exact_path():
                     time.sleep(0.01)
     finally:
         loop.stop()
-    assert got[0].stats["approximations"] == ["chunk_reuse", "partial_recompute:question+inter"]
+    assert got[0].stats["approximations"] == ["chunk_reuse", "partial_recompute:question+inter", "recompute_bfloat16"]
     assert got[1].stats["exact_repeat"] == "promote" and loop.promotions == 1
     assert got[2].stats["approximations"] == [] and got[2].stats["exact_repeat"] is None  # an exact prefix hit
     full = engine.generate(docs[:2], QUESTIONS[2], max_new_tokens=3, mode="full")
