@@ -77,6 +77,7 @@ VARIANTS = {
     "taper2step": {"layer_taper": ((10, 0.7), (20, 0.4)), "taper_rank": "choice"},
     # the recomputed rows' matmuls on bfloat16 copies (CacheConfig.recompute_dtype; docs/fidelity.md round 10)
     "bf16": {"recompute_dtype": "bfloat16"},
+    "fp32": {"recompute_dtype": "float32"},  # the reference repairs (the default before round 10)
 }
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
