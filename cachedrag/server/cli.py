@@ -11,6 +11,7 @@ Does not own: the app (``app``) or the loop.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import socket
@@ -129,12 +130,25 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, config)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_s,
                                            access_log=args.log_level == "debug"))
+    freeze_startup_objects()
     # printed whatever the log level: scripts (bench serve, tests) read the address from this line
     print(f"cachedrag serve: listening on http://{host}:{port} (model {name}, mode {args.mode}, "
           f"max batch {args.max_batch}, order {args.order})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     print("cachedrag serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive after startup (model, tokenizer, engine, app: ~430k for the default
+    model) out of the garbage collector's scans (``gc.freeze``), after one collection; returns how
+    many. They live as long as the process, and a full collection over them paused the whole
+    server for 240-280 ms (measured on the default model, bf16); after the freeze one takes ~0 ms,
+    so the collections that long uptime brings no longer stall running requests. Only the
+    ``cachedrag serve`` process does this (``create_app`` leaves an embedding process's collector alone)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def build_engine(args: argparse.Namespace):

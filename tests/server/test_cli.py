@@ -85,3 +85,19 @@ def test_build_engine_uses_the_requested_numerics():
     assert engine.namespace.dtype == "bfloat16+int8w"  # its caches never serve a float32 engine
     text = engine.generate(["heapq pushes items onto a heap."], "What does heapq do?", max_new_tokens=3).text
     assert isinstance(text, str)
+
+
+def test_startup_objects_leave_the_collectors_scans():
+    """``cachedrag serve`` freezes what startup built: a later full collection no longer walks it."""
+    import gc
+
+    from cachedrag.server.cli import freeze_startup_objects
+
+    keep = [[i] for i in range(10_000)]  # long-lived objects, as the model and engine are
+    try:
+        frozen = freeze_startup_objects()
+        assert frozen == gc.get_freeze_count() >= len(keep)
+        gc.collect()  # unfrozen, a full collection leaves keep[0] in the oldest generation it scans
+        assert not any(o is keep[0] for o in gc.get_objects(generation=2))
+    finally:
+        gc.unfreeze()
