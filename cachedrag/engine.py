@@ -656,8 +656,7 @@ class CachedEngine:
         dense_pos: set[int] = set()
         if mode is Mode.CACHEDRAG and dense_layers > 0 and not deferred:
             chosen = {p for ps in recompute_pos.values() for p in ps}
-            dense_pos = {p for i, a in enumerate(actions) if a is Action.REUSE
-                         for p in range(plan.segments[i].start, plan.segments[i].end)} - chosen
+            dense_pos = set(_reused_positions(plan, actions)) - chosen
         compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos)
                          | set(probe_pos) | dense_pos)
         # layer_taper: from each step's layer on, each reused chunk computes only its best-ranked share
@@ -695,11 +694,10 @@ class CachedEngine:
 
         # recompute_dtype="bfloat16": the rows computed for reused chunks run their matmuls on bfloat16 copies
         low_layers, reuse_t, low_rows = None, None, False
-        reuse_pos = [p for i, a in enumerate(actions) if a is Action.REUSE
-                     for p in range(plan.segments[i].start, plan.segments[i].end)]
-        if mode is Mode.CACHEDRAG and cfg.recompute_dtype == "bfloat16" and reuse_pos:
+        low, low_of = None, None  # the reused rows of the compute set, for ``low_of`` (recomputed when it changes)
+        if mode is Mode.CACHEDRAG and cfg.recompute_dtype == "bfloat16" and Action.REUSE in actions:
             low_layers = scoring_layers(runner, runner.n_layers)
-            reuse_t = torch.tensor(reuse_pos, device=device)  # [Tr]
+            reuse_t = torch.tensor(_reused_positions(plan, actions), device=device)  # [Tr]
 
         # 3. partial prefill, layer by layer
         t_prefill = time.perf_counter()
@@ -739,7 +737,8 @@ class CachedEngine:
                         and not (refine and layer == cfg.refine_layer))
                 lw = None
                 if low_layers is not None:
-                    low = torch.isin(positions, reuse_t)  # [Tc] rows of reused chunks
+                    if low_of is not positions:
+                        low, low_of = torch.isin(positions, reuse_t), positions  # [Tc] rows of reused chunks
                     if bool(low.any()):
                         lw = RowSplitLayer(runner.fast_layers[layer], low_layers[layer], low, low[-1:] if last else low)
                         low_rows = True
@@ -1135,6 +1134,11 @@ class CachedEngine:
             prefix_keys=tuple(keys[j] for j in prior), inter=inter, intra=float(intra_t.mean()),
             token_inter=token_inter,
         )
+
+
+def _reused_positions(plan, actions) -> list[int]:
+    """Prompt positions of the chunks a plan serves from reuse, in order."""
+    return [p for sp, a in zip(plan.segments, actions) if a is Action.REUSE for p in range(sp.start, sp.end)]
 
 
 def _rows(positions: torch.Tensor, wanted: torch.Tensor) -> slice | torch.Tensor:
