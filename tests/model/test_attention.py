@@ -238,3 +238,139 @@ def test_native_source_compiles_for_cpus_without_avx512_or_its_bf16(target, tmp_
     done = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-fopenmp", *target, "-DTORCH_EXTENSION_NAME=check",
                            *includes, str(src)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the prefill kernel
+needs_prefill_kernel = pytest.mark.skipif(attention.prefill_module() is None,
+                                          reason=f"prefill attention kernel: {attention.kernel_status()} (AVX-512 only)")
+
+
+def _position_sets(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    scattered = torch.nonzero(torch.rand(n, generator=g) < 0.3).flatten()  # [T] sorted
+    return {
+        "leading": torch.arange(0, n),  # a full prefill
+        "tail": torch.arange(37, n),  # prefix caching: a cached system prompt, then every row
+        "scattered": torch.cat([scattered[scattered < n - 9], torch.arange(n - 9, n)]),  # recompute rows + question
+        "one": torch.tensor([n // 2]),
+        "seventeen": torch.arange(n - 17, n),  # a partial last task and tile
+    }
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,dim", [((9, 3), 64), ((8, 2), 128), ((4, 4), 64), ((16, 2), 64)])
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("hidden", [False, True])
+def test_prefill_kernel_equals_reference(heads, dim, kv_dtype, q_dtype, hidden):
+    """Every kind of query-position set a prefill passes, GQA 1-8 query heads per KV head, head dims
+    64 / 128, float32 or bf16 K/V and queries, with and without hidden keys; rows past ``kv_len``
+    hold NaN (never read)."""
+    h_q, h_kv = heads
+    g = torch.Generator().manual_seed(h_q * dim + hidden)
+    n, capacity = 301, 340
+    k = torch.randn(h_kv, capacity, dim, generator=g).to(kv_dtype)  # [H_kv, C, D]
+    v = torch.randn(h_kv, capacity, dim, generator=g).to(kv_dtype)  # [H_kv, C, D]
+    k[:, n:] = float("nan")
+    v[:, n:] = float("nan")
+    for name, pos in _position_sets(n, g).items():
+        q = (torch.randn(len(pos), h_q, dim, generator=g) * 3).to(q_dtype).transpose(0, 1)  # [H_q, T, D] view
+        hide = None
+        if hidden:
+            hide = torch.rand(n, generator=g) < 0.2  # [T_k]
+            hide[pos] = False  # a computed row's own key is never hidden
+        got = attention.prefill_attention(q, k, v, pos, n, dim ** -0.5, hide)
+        want = attention.prefill_attention_reference(q, k, v, pos, n, dim ** -0.5, hide)
+        assert got.dtype == q_dtype and got.shape == (len(pos), h_q * dim), name
+        tol = dict(rtol=1e-5, atol=1e-5) if q_dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_kernel_reads_layer_views_at_any_thread_count(threads):
+    """The runner hands a layer of its ``[L, H_kv, C, D]`` buffer; the thread count only changes who
+    computes a task, never its value."""
+    g = torch.Generator().manual_seed(7)
+    buf = torch.randn(3, 3, 200, 64, generator=g)  # [L, H_kv, C, D]
+    pos = torch.nonzero(torch.rand(180, generator=g) < 0.5).flatten()
+    q = torch.randn(9, len(pos), 64, generator=g)  # [H_q, T, D]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = attention.prefill_attention(q, buf[1], buf[2], pos, 180, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, attention.prefill_attention(q, buf[1].clone(), buf[2].clone(), pos, 180, 0.125))
+    torch.testing.assert_close(got, attention.prefill_attention_reference(q, buf[1], buf[2], pos, 180, 0.125),
+                               rtol=1e-5, atol=2e-6)
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_refuses_bad_input():
+    q, k = torch.randn(9, 4, 64), torch.randn(3, 50, 64)
+    with pytest.raises(RuntimeError, match="ascend"):
+        attention.prefill_attention(q, k, k, torch.tensor([3, 2, 5, 6]), 40, 0.125)
+    with pytest.raises(RuntimeError, match="ascend"):
+        attention.prefill_attention(q, k, k, torch.tensor([3, 4, 5, 40]), 40, 0.125)  # past kv_len
+    with pytest.raises(RuntimeError, match="head dim"):
+        attention.prefill_attention(torch.randn(9, 4, 32), torch.randn(3, 50, 32), torch.randn(3, 50, 32),
+                                    torch.arange(4), 40, 0.125)
+    with pytest.raises(RuntimeError, match="query heads"):
+        attention.prefill_attention(torch.randn(18, 4, 64), torch.randn(2, 50, 64), torch.randn(2, 50, 64),
+                                    torch.arange(4), 40, 0.125)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_with_kernel_equals_sdpa(dtype):
+    """A runner with the prefill kernel against one on SDPA (the same weights), on the AVX-512 path's
+    dims: a full prefill, a prefix-cached one and a scattered partial one (the reuse path) give the
+    same logits to float rounding."""
+    tok = byte_tokenizer()
+    dims = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64}
+    runners = {c: ModelRunner(tiny_model("llama", vocab_size=len(tok), **dims), tok, dtype=dtype, prefill_attention=c)
+               for c in ("kernel", "sdpa")}
+    assert runners["kernel"].prefill_attention == "kernel" and runners["sdpa"].prefill_attention == "sdpa"
+    n = 260
+    ids = torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(4)
+    scattered = torch.nonzero(torch.rand(n, generator=g) < 0.3).flatten()
+    sets = [torch.arange(0, n), torch.arange(20, n), torch.cat([scattered[scattered < n - 8], torch.arange(n - 8, n)])]
+    tol = dict(rtol=0, atol=2e-4) if dtype == "float32" else dict(rtol=0, atol=0.1)
+    for pos in sets:
+        out = {}
+        for choice, runner in runners.items():
+            kv = runner.new_kv(n)
+            runner.prefill(ids, kv=kv)  # every row valid
+            out[choice] = runner.prefill(ids[pos], pos, kv=kv, kv_len=n, all_logits=True).float()  # [T, V]
+        torch.testing.assert_close(out["kernel"], out["sdpa"], **tol)
+    # keys a pass leaves out (the question pre-pass): the kernel reads them from the block plan
+    pos = sets[2]
+    hidden = torch.zeros(n, dtype=torch.bool)
+    hidden[torch.arange(1, n, 3)] = True
+    hidden[pos] = False
+    kv = runners["sdpa"].new_kv(n)
+    runners["sdpa"].prefill(ids, kv=kv)
+    q = torch.randn(3, len(pos), 64, generator=g).to(runners["sdpa"].dtype)  # [H_q, T, D]
+    got, want = (r.attend(1, q, pos, kv, n, r.causal_blocks(pos, n, hidden)).float() for r in runners.values())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 if dtype == "float32" else 2e-2)
+    ref = attention.prefill_attention_reference(q, kv.k[1], kv.v[1], pos, n, runners["sdpa"].scaling, hidden).float()
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 if dtype == "float32" else 2e-2)
+
+
+def test_runner_keeps_sdpa_for_the_prefill_where_the_kernel_does_not_apply(monkeypatch):
+    runner = tiny_runner()  # head dim 16: not a kernel shape
+    assert runner.prefill_attention == "sdpa" and "head dim 16" in runner.prefill_attention_note
+    with pytest.raises(ConfigError, match="head dim 16"):
+        tiny_runner(prefill_attention="kernel")
+    with pytest.raises(ConfigError, match="prefill_attention must be"):
+        tiny_runner(prefill_attention="flash")
+    monkeypatch.setattr(attention, "kernel", lambda: None)
+    monkeypatch.setattr(attention, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
+    tok = byte_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok), hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                       head_dim=64)
+    runner = ModelRunner(model, tok)
+    assert runner.prefill_attention == "sdpa" and "no C++ compiler" in runner.prefill_attention_note
+    kv = runner.new_kv(80)
+    assert torch.isfinite(runner.prefill(torch.arange(3, 70), kv=kv)).all()
