@@ -13,7 +13,9 @@ Figures (all measured in this run; the machine is shared, so compare ratios, not
   pair, the same count for every implementation), for the Triton kernel with and without the
   segment-mass by-product, the torch reference, and ``scaled_dot_product_attention`` on the
   dense masked equivalent (boolean mask, ``enable_gqa``);
-* max abs error of each Triton output against the reference.
+* max abs error of each Triton output against the reference;
+* on the CPU, the runner's prefill kernel (``cachedrag.model.attention.prefill_attention``) on the
+  same workload, its speedup over SDPA and its max abs error.
 
 On a machine without CUDA only the torch implementations run (smaller default sizes); the
 output says so, and Triton entries are reported as skipped. GPU figures need a GPU.
@@ -158,6 +160,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         attention_out["triton_speedup_vs_sdpa"] = at_results["torch_sdpa_dense"]["ms"] / at_results["triton"]["ms"]
     else:
         attention_out["skipped"] = {"triton": skip_reason}
+    if device.type == "cpu":  # the runner's CPU prefill kernel (model/attention.py) on the same workload
+        from cachedrag.model import attention as native
+
+        module = native.prefill_module()
+        why = None if module is not None else f"native library: {native.kernel_status()} (AVX-512 only)"
+        if why is None and (D not in (64, 128) or args.q_heads // H_kv > 8 or dtype not in (torch.float32, torch.bfloat16)):
+            why = "head dim 64/128, at most 8 query heads per KV head, float32/bfloat16 only"
+        if why is None:
+            add("cpu_prefill_kernel", lambda: native.prefill_attention(q, k, v, pos, context, D ** -0.5))
+            got = native.prefill_attention(q, k, v, pos, context, D ** -0.5)  # [T_q, H_q*D]
+            expected = ref_out.transpose(0, 1).reshape(q.shape[1], -1)  # [T_q, H_q*D]
+            attention_out["max_abs_err_cpu_prefill_kernel"] = (got.float() - expected.float()).abs().max().item()
+            attention_out["cpu_prefill_kernel_speedup_vs_sdpa"] = (
+                at_results["torch_sdpa_dense"]["ms"] / at_results["cpu_prefill_kernel"]["ms"])
+        else:
+            attention_out.setdefault("skipped", {})["cpu_prefill_kernel"] = why
 
     return {
         "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
@@ -285,6 +303,9 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"  {name:<20}{r['ms']:>10.3f}{r['tflop_per_s']:>10.3f}")
     for name, why in at.get("skipped", {}).items():
         lines.append(f"  {name:<20}{'skipped: ' + why:>30}")
+    if "max_abs_err_cpu_prefill_kernel" in at:
+        lines.append(f"  cpu prefill kernel vs sdpa {at['cpu_prefill_kernel_speedup_vs_sdpa']:.2f}x; "
+                     f"max abs err {at['max_abs_err_cpu_prefill_kernel']:.2e}")
     if "max_abs_err_out" in at:
         lines.append(f"  triton vs torch {at['triton_speedup_vs_torch']:.2f}x, "
                      f"vs sdpa {at['triton_speedup_vs_sdpa']:.2f}x; max abs err out {at['max_abs_err_out']:.2e}, "

@@ -160,7 +160,7 @@ class ModelRunner:
         otherwise in ``decode_step_note``. The resolved choice is ``self.decode_step_kind``.
         ``prefill_attention``: a prefill's attention (any sorted set of query positions over the
         request's KV, causal by position). ``"kernel"``: the C++ kernel of ``model/attention.py``
-        (AVX-512 CPUs; 1.4-1.9x faster than SDPA per layer); ``"sdpa"``: torch's SDPA with the
+        (AVX-512 CPUs; 1.3-1.6x faster than SDPA per layer); ``"sdpa"``: torch's SDPA with the
         block-causal plan (the reference); ``"auto"`` (default): the kernel where it builds, on CPU
         with torch kernels, else SDPA (the reason in ``prefill_attention_note``). Layers with a
         sliding window, and float32 calls of fewer than ``_KERNEL_MIN_ROWS`` rows, keep SDPA.

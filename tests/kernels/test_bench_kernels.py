@@ -39,6 +39,25 @@ def test_bench_kernels_cpu_json(tmp_path, capsys):
         assert r["ms"] > 0 and r["tflop_per_s"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU report")
+def test_bench_kernels_times_the_cpu_prefill_kernel_beside_sdpa(tmp_path, capsys):
+    from cachedrag.model import attention
+
+    out = tmp_path / "kernels.json"
+    rc = main(["bench", "kernels", "--device", "cpu", "--context", "200", "--recompute", "0.4", "--q-heads", "6",
+               "--kv-heads", "2", "--head-dim", "64", "--segments", "4", "--repeats", "1", "--warmup", "0",
+               "--copy-mib", "1", "--json", str(out)])
+    assert rc == 0
+    at = json.loads(out.read_text())["selective_attention"]
+    if attention.prefill_module() is None:
+        assert "cpu_prefill_kernel" in at["skipped"] and "cpu_prefill_kernel" not in at["results"]
+        return
+    assert at["results"]["cpu_prefill_kernel"]["ms"] > 0
+    assert at["max_abs_err_cpu_prefill_kernel"] < 1e-4  # against the torch reference, float32
+    assert at["cpu_prefill_kernel_speedup_vs_sdpa"] > 0
+    assert "cpu prefill kernel vs sdpa" in capsys.readouterr().out
+
+
 def test_bench_kernels_rejects_bad_sizes(capsys):
     assert main(["bench", "kernels", "--device", "cpu", "--q-heads", "6", "--kv-heads", "4"]) == 2
     assert "multiple" in capsys.readouterr().err

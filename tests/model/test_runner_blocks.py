@@ -172,3 +172,32 @@ def test_hidden_keys_equal_rows_absent(arch, with_lead):
     ref = runner.segment_attention_mass(layer, q, compact_pos, ref_kv, keep.shape[0], list(range(keep.shape[0] + 1)))
     assert float(mass[:, hidden].abs().max()) == 0.0
     torch.testing.assert_close(mass[:, keep], ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("choice", ["question+inter", "deviation"])
+def test_reuse_requests_with_the_prefill_kernel_match_sdpa(choice):
+    """The whole reuse path (question pre-pass with hidden keys, recompute choice, partial prefill)
+    on a runner with the C++ prefill kernel against one on SDPA, same weights: the same plans, and
+    logits equal to float rounding, request after request."""
+    from cachedrag.model import attention
+    from cachedrag.model.runner import ModelRunner
+    from cachedrag.testing import byte_tokenizer, tiny_model
+
+    if attention.prefill_module() is None:
+        pytest.skip(f"prefill attention kernel: {attention.kernel_status()} (AVX-512 only)")
+    tok = byte_tokenizer()
+    dims = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64}
+    engines = {}
+    for c in ("kernel", "sdpa"):
+        runner = ModelRunner(tiny_model("llama", vocab_size=len(tok), **dims), tok, prefill_attention=c)
+        runner.model.generation_config.eos_token_id = tok.eos_token_id
+        assert runner.prefill_attention == c
+        engines[c] = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(
+            recompute_ratio=0.3, token_choice=choice, recompute_dtype="float32")))
+    chunks = [f"Chunk {i}: the quick brown fox jumps over the lazy dog {i} times; pack my box." for i in range(5)]
+    for order in [(0, 1, 2), (2, 0, 1), (3, 1, 0, 4), (4, 2, 3)]:
+        segs = {c: e.prompts.chat([chunks[i] for i in order], "which chunk?", "sys") for c, e in engines.items()}
+        got = {c: e.prefill_logits(segs[c], mode="cachedrag") for c, e in engines.items()}  # [V]
+        torch.testing.assert_close(got["kernel"], got["sdpa"], rtol=0, atol=1e-4)
+        for e in engines.values():
+            e.generate([chunks[i] for i in order], "which chunk?", "sys", max_new_tokens=1)  # cache what it computed
