@@ -251,6 +251,7 @@ def _position_sets(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
         "leading": torch.arange(0, n),  # a full prefill
         "tail": torch.arange(37, n),  # prefix caching: a cached system prompt, then every row
         "scattered": torch.cat([scattered[scattered < n - 9], torch.arange(n - 9, n)]),  # recompute rows + question
+        "sparse": torch.arange(3, n, 19),  # a 16-row block spans ~300 positions: tiles skip its early rows
         "one": torch.tensor([n // 2]),
         "seventeen": torch.arange(n - 17, n),  # a partial last task and tile
     }
