@@ -35,10 +35,10 @@ never skips, and runs its score and value products at about half the machine's f
 transposes each head's K once per call, computes a tile of 32 keys for 12 query vectors at once
 (the query heads that share a KV head and 16 rows: each K and V element is read once for all of
 them), masks only the tiles a row's position cuts, skips per tile the rows that end before it, and
-hands tasks (16 rows x KV head, the longest first) to threads from a counter. Probe (SmolLM2-135M shapes, 1.3k keys, 2 threads, through
-``ModelRunner.attend``): 1.3-1.6x faster than the SDPA path per layer in float32 and bfloat16
-(docs/speed.md "Prefill attention, round 11").
-AVX-512 only (``prefill_module()`` is None elsewhere: the runner keeps SDPA).
+hands tasks (16 rows x KV head, the longest first) to threads from a counter. Probe (SmolLM2-135M
+shapes, 1.3k keys, 2 threads, through ``ModelRunner.attend``): 1.3-1.6x faster than the SDPA path
+per layer in float32 and bfloat16 (docs/speed.md "Prefill attention, round 11"). AVX-512 only
+(``prefill_module()`` is None elsewhere: the runner keeps SDPA).
 
 Does not own: where the KV lives or its dtype (``runner.py``), which rows a prefill computes.
 """
