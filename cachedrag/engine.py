@@ -43,7 +43,7 @@ from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
 from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
-from cachedrag.model.scoring import RowSplitLayer, scoring_layers
+from cachedrag.model.scoring import RowSplit, RowSplitLayer, scoring_layers
 from cachedrag.model.textgen import check_context, stream_tokens
 from cachedrag.prompt import CHUNK_SEPARATOR, PromptBuilder, Segment
 
@@ -694,7 +694,7 @@ class CachedEngine:
 
         # recompute_dtype="bfloat16": the rows computed for reused chunks run their matmuls on bfloat16 copies
         low_layers, reuse_t, low_rows = None, None, False
-        low, low_of = None, None  # the reused rows of the compute set, for ``low_of`` (recomputed when it changes)
+        low = low_last = low_of = None  # the reused rows of the compute set ``low_of`` (rebuilt when it changes)
         if mode is Mode.CACHEDRAG and cfg.recompute_dtype == "bfloat16" and Action.REUSE in actions:
             low_layers = scoring_layers(runner, runner.n_layers)
             reuse_t = torch.tensor(_reused_positions(plan, actions), device=device)  # [Tr]
@@ -738,9 +738,11 @@ class CachedEngine:
                 lw = None
                 if low_layers is not None:
                     if low_of is not positions:
-                        low, low_of = torch.isin(positions, reuse_t), positions  # [Tc] rows of reused chunks
-                    if bool(low.any()):
-                        lw = RowSplitLayer(runner.fast_layers[layer], low_layers[layer], low, low[-1:] if last else low)
+                        mask = torch.isin(positions, reuse_t)  # [Tc] rows of reused chunks
+                        low, low_last, low_of = RowSplit(mask), RowSplit(mask[-1:]), positions
+                    if low.low is not None:
+                        lw = RowSplitLayer(runner.fast_layers[layer], low_layers[layer], low,
+                                           low_last if last else low)
                         low_rows = True
                 hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope, blocks=blocks,
                                               out_rows=slice(-1, None) if last else None, weights=lw)

@@ -266,13 +266,18 @@ def recompute_setting(spec: str) -> dict:
         raise ConfigError(f"--recompute-dtypes: {spec!r}: the dtype must be one of {list(RECOMPUTE_DTYPES)}")
     out: dict = {"recompute_dtype": dtype}
     if ratio:
-        try:
-            out["recompute_ratio"] = float(ratio)
-        except ValueError:
-            raise ConfigError(f"--recompute-dtypes: {spec!r}: {ratio!r} is not a ratio") from None
+        out["recompute_ratio"] = _ratio("--recompute-dtypes", spec, ratio)
         if not 0.0 <= out["recompute_ratio"] <= 1.0:
             raise ConfigError(f"--recompute-dtypes: {spec!r}: the ratio must be in [0, 1]")
     return out
+
+
+def _ratio(option: str, spec: str, ratio: str) -> float:
+    """The ``@RATIO`` of a ``spec`` given to ``option``, as a float (one clear error otherwise)."""
+    try:
+        return float(ratio)
+    except ValueError:
+        raise ConfigError(f"{option}: {spec!r}: {ratio!r} is not a ratio") from None
 
 
 def taper_setting(spec: str) -> dict:
@@ -288,13 +293,7 @@ def taper_setting(spec: str) -> dict:
     """
     body, _, ratio = spec.partition("@")
     if body == "off":
-        out = {"layer_taper": ()}
-        try:
-            if ratio:
-                out["recompute_ratio"] = float(ratio)
-        except ValueError:
-            raise ConfigError(f"--tapers: {spec!r}: {ratio!r} is not a ratio") from None
-        return out
+        return {"layer_taper": (), **({"recompute_ratio": _ratio("--tapers", spec, ratio)} if ratio else {})}
     steps_text, _, rank = body.partition("/")
     try:
         steps = tuple((int(layer), float(keep)) for layer, keep in (s.split(":") for s in steps_text.split("+")))

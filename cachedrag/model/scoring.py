@@ -58,38 +58,56 @@ class ScoringLayer:
         return self._lw.mlp(x.to(torch.bfloat16)).to(x.dtype)  # [T, Dm]
 
 
+class RowSplit:
+    """A bool row mask ``[T]`` with the row indices ``RowSplitLayer`` gathers with: ``low`` (the masked
+    rows) and ``full`` (the others), each None when empty. Built once per row set and shared by every
+    layer and projection that splits those rows (a mask would be turned into indices at each)."""
+
+    __slots__ = ("mask", "low", "full")
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask  # [T] bool
+        self.low = mask.nonzero().flatten() if bool(mask.any()) else None  # [T_low]
+        self.full = (~mask).nonzero().flatten() if not bool(mask.all()) else None  # [T_full]
+
+
 class RowSplitLayer:
     """Layer projections (``LayerWeights``' interface) computing the rows in ``low`` (a bool mask over
-    ``qkv``'s input rows) through ``low_weights`` and the others through ``weights``; ``o`` and
-    ``mlp`` take the rows of ``low_out`` (the same mask, or its last row where the runner's last
-    layer computes only the last row's output). Each group of rows is one matmul on its own
-    weights; a row never mixes the two."""
+    ``qkv``'s input rows, or its ``RowSplit``) through ``low_weights`` and the others through
+    ``weights``; ``o`` and ``mlp`` take the rows of ``low_out`` (the same, or its last row where the
+    runner's last layer computes only the last row's output). Each group of rows is one matmul on its
+    own weights; a row never mixes the two."""
 
-    def __init__(self, weights, low_weights, low: torch.Tensor, low_out: torch.Tensor | None = None):
+    def __init__(self, weights, low_weights, low: torch.Tensor | RowSplit,
+                 low_out: torch.Tensor | RowSplit | None = None):
         self._w, self._low_w = weights, low_weights
-        self._low, self._low_out = low, low if low_out is None else low_out
+        self._rows = low if isinstance(low, RowSplit) else RowSplit(low)
+        if low_out is None:
+            low_out = self._rows
+        self._rows_out = low_out if isinstance(low_out, RowSplit) else RowSplit(low_out)
+        self._low = self._rows.mask  # [T] bool: the rows on the low-precision copy
         self.q_out, self.kv_out = weights.q_out, weights.kv_out
 
     @staticmethod
-    def _split(x: torch.Tensor, low: torch.Tensor, full_fn, low_fn) -> torch.Tensor:
-        if not bool(low.any()):
+    def _split(x: torch.Tensor, rows: RowSplit, full_fn, low_fn) -> torch.Tensor:
+        if rows.low is None:
             return full_fn(x)
-        if bool(low.all()):
+        if rows.full is None:
             return low_fn(x)
-        out_low = low_fn(x[low])  # [T_low, N]
+        out_low = low_fn(x.index_select(0, rows.low))  # [T_low, N]
         out = torch.empty(x.shape[0], out_low.shape[1], dtype=out_low.dtype, device=x.device)  # [T, N]
-        out[low] = out_low
-        out[~low] = full_fn(x[~low])  # [T_full, N]
+        out.index_copy_(0, rows.low, out_low)
+        out.index_copy_(0, rows.full, full_fn(x.index_select(0, rows.full)))  # [T_full, N] rows
         return out
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return self._split(x, self._low, self._w.qkv, self._low_w.qkv)  # [T, H_q*D + 2*H_kv*D]
+        return self._split(x, self._rows, self._w.qkv, self._low_w.qkv)  # [T, H_q*D + 2*H_kv*D]
 
     def o(self, x: torch.Tensor) -> torch.Tensor:
-        return self._split(x, self._low_out, self._w.o, self._low_w.o)  # [T_out, Dm]
+        return self._split(x, self._rows_out, self._w.o, self._low_w.o)  # [T_out, Dm]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self._split(x, self._low_out, self._w.mlp, self._low_w.mlp)  # [T_out, Dm]
+        return self._split(x, self._rows_out, self._w.mlp, self._low_w.mlp)  # [T_out, Dm]
 
 
 def scoring_layers(runner, n: int) -> list[ScoringLayer] | None:
