@@ -18,6 +18,10 @@ but keeps one call per layer and the extern matmuls; the attention inside the pa
 weight rows in their stored layout (float32 FMA; bf16 pairs through AVX512-BF16 ``vdpbf16ps``;
 int8 rows widened to float32 and scaled per row, ``_weight_int8pack_mm``'s arithmetic), split over
 torch's intra-op threads by rows (``at::parallel_for``), the small ops in between as plain loops.
+bf16 weights are read from a packed copy where the CPU has AVX512-BF16 (``packed``, default for
+copies up to ``PACK_LIMIT_BYTES``): tiles of 32 rows interleaved by column pairs, one 64-byte load
+per pair of columns of 16 rows, the inputs' pairs broadcast, no horizontal sums; a batch of 8 is
+then bounded by the weight stream rather than by the load ports (docs/speed.md round 12).
 
 Numerics: float32 accumulation everywhere; in a bfloat16 stream every value is rounded to bf16
 (round to nearest even) where the torch step rounds it (each projection's output, RoPE's two
@@ -69,9 +73,23 @@ struct Proj {
   torch::Tensor w;           // [rows, cols] float32 / bfloat16 / int8, contiguous (held: no copy)
   std::vector<float> scale;  // int8: per row
   std::vector<float> bias;   // empty: none
+  torch::Tensor packed;      // bf16 only, when packed: tiles of TILE rows, each [cols / 2][TILE][2] (undefined: none)
 };
 
-Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias) {
+// The packed layout of bf16 weights: TILE (32) consecutive rows interleaved by column pairs, so one
+// 64-byte load holds 16 rows' pair (k, k + 1) and one vdpbf16ps adds that pair's products for 16
+// rows at once against the input pair broadcast (see ``tile_dot``). Rows past the end are zeros.
+constexpr int64_t TILE = 32;
+
+torch::Tensor pack_tiles(const torch::Tensor& w) {  // w [N, K] bfloat16 (K even) -> [tiles * TILE * K] int16
+  const int64_t N = w.size(0), K = w.size(1), tiles = (N + TILE - 1) / TILE;
+  auto padded = torch::zeros({tiles * TILE, K}, w.options());  // [tiles * TILE, K]
+  padded.narrow(0, 0, N).copy_(w);
+  // [tiles, TILE, K / 2, 2] -> [tiles, K / 2, TILE, 2]
+  return padded.view({tiles, TILE, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view(torch::kInt16).view({-1});
+}
+
+Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "fused decode: weights [O, I], contiguous, CPU");
   Proj p;
   p.rows = w.size(0);
@@ -86,6 +104,7 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
     auto s = scale.to(torch::kFloat32).contiguous();
     p.scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + p.rows);
   }
+  if (pack && p.kind == BF16 && p.cols % 2 == 0) p.packed = pack_tiles(w);
   if (bias.numel()) {
     TORCH_CHECK(bias.numel() == p.rows, "fused decode: one bias per row");
     auto b = bias.to(torch::kFloat32).contiguous();
@@ -102,8 +121,10 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
 struct FloatInput {  // float32 input rows against weights widened to float32 blocks of 16: FMA
   using X = float;
   using WV = __m512;
+  using XV = __m512;
   static constexpr int BLK = 16;
-  static __m512 madd(__m512 acc, WV wv, const float* x) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc); }
+  static XV x(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 madd(__m512 acc, WV wv, XV xv) { return _mm512_fmadd_ps(wv, xv, acc); }
 };
 struct F32Block : FloatInput {
   using W = float;
@@ -120,9 +141,11 @@ struct BF16Block {
   using W = uint16_t;
   using X = uint16_t;
   using WV = __m512bh;
+  using XV = __m512bh;
   static constexpr int BLK = 32;
   static WV w(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static __m512 madd(__m512 acc, WV wv, const uint16_t* x) { return _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_loadu_si512(x)); }
+  static XV x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512 madd(__m512 acc, WV wv, XV xv) { return _mm512_dpbf16_ps(acc, wv, xv); }
 };
 #else
 struct BF16Block : FloatInput {  // no AVX512-BF16: bf16 weights widened to float32, float32 inputs
@@ -131,58 +154,106 @@ struct BF16Block : FloatInput {  // no AVX512-BF16: bf16 weights widened to floa
 };
 #endif
 
-// One weight row dotted with NB input rows (stride S apart): out[b]. Per input row, two float32
-// accumulators take alternate blocks (even blocks a0, odd a1; a ragged tail is one more block,
-// zero-padded), summed at the end, then one horizontal sum: a (row, input) result depends on
-// nothing but the two, whatever NB (so a batched row is bit for bit the single step); NB > 1 loads
-// each weight block once for all inputs and gives the core NB x 2 independent chains. The two
-// accumulators are named, not indexed by a running parity: indexed, the compiler kept them on the
-// stack and every block paid a store-to-load round trip (what bounded int8 and batched steps).
-// Rows are visited one after another (one sequential stream per thread): interleaving 4 rows, as
-// a first version did, halved the bandwidth the hardware prefetcher gave a core on the AMD EPYC
-// this was measured on (docs/speed.md round 8). PF > 0: each pair of blocks also prefetches the
-// same columns PF rows ahead (software prefetch; nothing computed changes). With 4 input rows per
-// weight row a core spends long enough on each row that the hardware prefetcher alone fell behind
-// (docs/speed.md round 10: -17/-20% at B = 4/8); with 1-2 inputs the stream is bandwidth-bound and
-// the extra instructions cost, so the caller asks for it only with NB = 4.
-template <class T, int NB, int PF = 0>
-inline void dot(const typename T::W* w, int64_t K, const typename T::X* x, int64_t S, float* out) {
+// R weight rows (K apart) dotted with NB input rows (stride S apart): out[r * NB + b]. Per (row,
+// input), two float32 accumulators take alternate blocks (even blocks a0, odd a1; a ragged tail is
+// one more block, zero-padded), summed at the end, then one horizontal sum: a (row, input) result
+// depends on nothing but the two, whatever R and NB (so a batched row is bit for bit the single
+// step); NB > 1 loads each weight block once for all inputs, R > 1 each input block once for all
+// rows (R = 2, NB = 4: 12 loads per 16 vdpbf16ps, against 10 per 8 with R = 1, which bounded the
+// batched step by the load ports: docs/speed.md round 12), and the core gets R x NB x 2
+// independent chains. The accumulators are named arrays the compiler keeps in registers (indexed by
+// a running parity, it kept them on the stack and every block paid a store-to-load round trip).
+// Each row is read front to back (R sequential streams per thread): interleaving 4 rows, as a
+// first version did, halved the bandwidth the hardware prefetcher gave a core on the AMD EPYC this
+// was measured on (docs/speed.md round 8). PF > 0: each pair of blocks also prefetches the same
+// columns of the rows PF rows ahead (software prefetch; nothing computed changes). With 4 input
+// rows per weight row a core spends long enough on each row that the hardware prefetcher alone
+// fell behind (docs/speed.md round 10: -17/-20% at B = 4/8); with 1-2 inputs the stream is
+// bandwidth-bound and the extra instructions cost, so the caller asks for it only with NB = 4.
+template <class T, int R, int NB, int PF = 0>
+inline void dot_rows(const typename T::W* w, int64_t K, const typename T::X* x, int64_t S, float* out) {
   constexpr int BLK = T::BLK;
-  __m512 a0[NB], a1[NB];
-  for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
+  __m512 a0[R][NB], a1[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) a0[r][b] = a1[r][b] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 2 * BLK <= K; k += 2 * BLK) {
-    const typename T::WV w0 = T::w(w + k), w1 = T::w(w + k + BLK);
-    if constexpr (PF > 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + PF * K + k), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + PF * K + k + BLK), _MM_HINT_T0);
+    typename T::WV w0[R], w1[R];
+    for (int r = 0; r < R; ++r) {
+      w0[r] = T::w(w + r * K + k);
+      w1[r] = T::w(w + r * K + k + BLK);
+      if constexpr (PF > 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (PF + r) * K + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (PF + r) * K + k + BLK), _MM_HINT_T0);
+      }
     }
     for (int b = 0; b < NB; ++b) {
-      a0[b] = T::madd(a0[b], w0, x + b * S + k);
-      a1[b] = T::madd(a1[b], w1, x + b * S + k + BLK);
+      const typename T::XV x0 = T::x(x + b * S + k), x1 = T::x(x + b * S + k + BLK);
+      for (int r = 0; r < R; ++r) {
+        a0[r][b] = T::madd(a0[r][b], w0[r], x0);
+        a1[r][b] = T::madd(a1[r][b], w1[r], x1);
+      }
     }
   }
   bool odd = false;  // the next block goes to a1
   if (k + BLK <= K) {
-    const typename T::WV w0 = T::w(w + k);
-    for (int b = 0; b < NB; ++b) a0[b] = T::madd(a0[b], w0, x + b * S + k);
+    for (int b = 0; b < NB; ++b) {
+      const typename T::XV x0 = T::x(x + b * S + k);
+      for (int r = 0; r < R; ++r) a0[r][b] = T::madd(a0[r][b], T::w(w + r * K + k), x0);
+    }
     k += BLK;
     odd = true;
   }
   if (k < K) {  // a ragged tail (none on the supported models): the block padded with zeros
-    typename T::W wp[BLK] = {};
-    std::memcpy(wp, w + k, sizeof(typename T::W) * (K - k));
-    const typename T::WV wv = T::w(wp);
-    for (int b = 0; b < NB; ++b) {
-      typename T::X xp[BLK] = {};
-      std::memcpy(xp, x + b * S + k, sizeof(typename T::X) * (K - k));
-      if (odd) a1[b] = T::madd(a1[b], wv, xp);
-      else a0[b] = T::madd(a0[b], wv, xp);
+    for (int r = 0; r < R; ++r) {
+      typename T::W wp[BLK] = {};
+      std::memcpy(wp, w + r * K + k, sizeof(typename T::W) * (K - k));
+      const typename T::WV wv = T::w(wp);
+      for (int b = 0; b < NB; ++b) {
+        typename T::X xp[BLK] = {};
+        std::memcpy(xp, x + b * S + k, sizeof(typename T::X) * (K - k));
+        if (odd) a1[r][b] = T::madd(a1[r][b], wv, T::x(xp));
+        else a0[r][b] = T::madd(a0[r][b], wv, T::x(xp));
+      }
     }
   }
-  for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b]));
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) out[r * NB + b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][b], a1[r][b]));
 }
+#if defined(__AVX512BF16__)
+constexpr bool CAN_PACK = true;
+// One tile of TILE packed bf16 rows (``pack_tiles``) against NB input rows (stride S apart, bf16
+// bits): out[b * TILE + r]. Per column pair k: two 64-byte loads hold the pair for all 32 rows, the
+// input's pair is broadcast, and one vdpbf16ps per 16 rows adds both products: each (row, input)
+// sum is one float32 lane accumulating the pairs in column order, whatever NB (a batched row is bit
+// for bit the single step), and no horizontal sums. Against ``dot_rows`` (weights row-major): a
+// weight load serves NB inputs, an input load (4 bytes, broadcast) 32 rows, so the batched step is
+// no longer bounded by the load ports (docs/speed.md round 12: the projections of 8 requests 13.9
+// -> 8.6 ms a step, of one 9.2 -> 8.3).
+template <int NB>
+inline void tile_dot(const uint16_t* t, int64_t K, const uint16_t* x, int64_t S, float* out) {
+  __m512 a0[NB], a1[NB];  // rows 0-15, 16-31
+  for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2, t += 2 * TILE) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t), w1 = (__m512bh)_mm512_loadu_si512(t + TILE);
+    for (int b = 0; b < NB; ++b) {
+      int32_t pair;
+      std::memcpy(&pair, x + b * S + k, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      a0[b] = _mm512_dpbf16_ps(a0[b], w0, xv);
+      a1[b] = _mm512_dpbf16_ps(a1[b], w1, xv);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    _mm512_storeu_ps(out + b * TILE, a0[b]);
+    _mm512_storeu_ps(out + b * TILE + 16, a1[b]);
+  }
+}
+#else
+constexpr bool CAN_PACK = false;
+#endif
 #else  // no AVX-512: plain loops (the compiler vectorises what it can), float32 inputs
+constexpr bool CAN_PACK = false;
 struct F32Block { using W = float; using X = float; };
 struct Int8Block { using W = int8_t; using X = float; };
 struct BF16Block { using W = uint16_t; using X = float; };
@@ -191,13 +262,14 @@ inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(uint16_t v) { return float_of(v); }
 
-template <class T, int NB, int PF = 0>
-inline void dot(const typename T::W* w, int64_t K, const float* x, int64_t S, float* out) {
-  for (int b = 0; b < NB; ++b) {
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += widen(w[k]) * x[b * S + k];
-    out[b] = s;
-  }
+template <class T, int R, int NB, int PF = 0>
+inline void dot_rows(const typename T::W* w, int64_t K, const float* x, int64_t S, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += widen(w[r * K + k]) * x[b * S + k];
+      out[r * NB + b] = s;
+    }
 }
 #endif
 
@@ -215,29 +287,47 @@ inline const typename T::X* input(const float* x, const uint16_t* xb) {
 // round 10); else one contiguous range per thread (at::parallel_for, the reference). A row's value
 // does not depend on the thread. Each weight row is read once for up to 4 input rows at a time
 // (from L1 after the first 4).
-// PF: the rows-ahead prefetch distance of the 4-input dot products (0: none; see ``dot``).
+// PF: the rows-ahead prefetch distance of the 4-input dot products (0: none; see ``dot_rows``).
 template <class T, int PF>
 void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic) {
   const typename T::W* w = static_cast<const typename T::W*>(p.w.data_ptr());
   const typename T::X* in = input<T>(x, xb);
   const int64_t K = p.cols, N = p.rows;
+  auto put = [&](int64_t n, int64_t b, int nb, const float* out) {  // out[j]: row n, input b + j
+    for (int j = 0; j < nb; ++j) {
+      float v = out[j];
+      if (p.kind == INT8) v *= p.scale[n];
+      if (!p.bias.empty()) v += p.bias[n];
+      y[(b + j) * N + n] = v;
+    }
+  };
+  auto rest = [&](int64_t n, int64_t b) {  // row n against inputs b.. in groups of 4, 2, 1
+    while (b < B) {
+      float out[4];
+      const int nb = B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1);
+      if (nb == 4) dot_rows<T, 1, 4, PF>(w + n * K, K, in + b * K, K, out);
+      else if (nb == 2) dot_rows<T, 1, 2>(w + n * K, K, in + b * K, K, out);
+      else dot_rows<T, 1, 1>(w + n * K, K, in + b * K, K, out);
+      put(n, b, nb, out);
+      b += nb;
+    }
+  };
   auto rows = [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t b = 0; b < B;) {
-        float out[4];
-        const int nb = B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1);
-        if (nb == 4) dot<T, 4, PF>(w + n * K, K, in + b * K, K, out);
-        else if (nb == 2) dot<T, 2>(w + n * K, K, in + b * K, K, out);
-        else dot<T, 1>(w + n * K, K, in + b * K, K, out);
-        for (int j = 0; j < nb; ++j) {
-          float v = out[j];
-          if (p.kind == INT8) v *= p.scale[n];
-          if (!p.bias.empty()) v += p.bias[n];
-          y[(b + j) * N + n] = v;
+    int64_t n = n0;
+    if (B >= 4) {  // two rows at a time against each group of 4 inputs
+      for (; n + 2 <= n1; n += 2) {
+        int64_t b = 0;
+        for (; B - b >= 4; b += 4) {
+          float out[8];
+          dot_rows<T, 2, 4, PF>(w + n * K, K, in + b * K, K, out);
+          put(n, b, 4, out);
+          put(n + 1, b, 4, out + 4);
         }
-        b += nb;
+        rest(n, b);
+        rest(n + 1, b);
       }
     }
+    for (; n < n1; ++n) rest(n, 0);
   };
   const int threads = at::get_num_threads();
   if (!dynamic || threads == 1) {
@@ -251,8 +341,52 @@ void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, 
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// y [B, rows] = x [B, cols] @ W^T (+ bias) from the packed tiles (``tile_dot``): tiles split over
+// the threads as ``project_rows`` splits rows (chunks from a shared counter, or one static range
+// each), inputs 8, 4, 2, 1 at a time. A row's value depends on neither.
+void project_packed(const Proj& p, int64_t B, const uint16_t* xb, float* y, bool dynamic) {
+  const uint16_t* packed = reinterpret_cast<const uint16_t*>(p.packed.data_ptr<int16_t>());
+  const int64_t K = p.cols, N = p.rows, tiles = (N + TILE - 1) / TILE;
+  auto run = [&](int64_t t0, int64_t t1) {
+    alignas(64) float out[8 * TILE];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* tp = packed + t * TILE * K;
+      const int64_t n0 = t * TILE, rows = std::min(TILE, N - n0);
+      for (int64_t b = 0; b < B;) {
+        const int nb = B - b >= 8 ? 8 : (B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1));
+        if (nb == 8) tile_dot<8>(tp, K, xb + b * K, K, out);
+        else if (nb == 4) tile_dot<4>(tp, K, xb + b * K, K, out);
+        else if (nb == 2) tile_dot<2>(tp, K, xb + b * K, K, out);
+        else tile_dot<1>(tp, K, xb + b * K, K, out);
+        for (int j = 0; j < nb; ++j) {
+          float* yr = y + (b + j) * N + n0;
+          const float* o = out + j * TILE;
+          if (p.bias.empty()) std::memcpy(yr, o, sizeof(float) * rows);
+          else for (int64_t r = 0; r < rows; ++r) yr[r] = o[r] + p.bias[n0 + r];
+        }
+        b += nb;
+      }
+    }
+  };
+  const int threads = at::get_num_threads();
+  if (!dynamic || threads == 1) {
+    at::parallel_for(0, tiles, 1, run);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, tiles / (8 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t0; (t0 = next.fetch_add(chunk)) < tiles;) run(t0, std::min(tiles, t0 + chunk));
+  });
+}
+#endif
+
 template <int PF>
 void project_as(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (p.packed.defined()) return project_packed(p, B, xb, y, dynamic);
+#endif
   if (p.kind == F32) project_rows<F32Block, PF>(p, B, x, xb, y, dynamic);
   else if (p.kind == BF16) project_rows<BF16Block, PF>(p, B, x, xb, y, dynamic);
   else project_rows<Int8Block, PF>(p, B, x, xb, y, dynamic);
@@ -272,14 +406,14 @@ class Step {
   // windows: per layer, 0 = none.
   Step(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales, std::vector<torch::Tensor> biases,
        std::vector<torch::Tensor> norms, std::vector<double> eps, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-       int64_t ff, std::vector<int64_t> windows, double scaling, bool bf16_stream)
+       int64_t ff, std::vector<int64_t> windows, double scaling, bool bf16_stream, bool pack)
       : H_q(n_heads), H_kv(n_kv_heads), D(head_dim), FF(ff), windows_(windows), scaling_(scaling), bf16_(bf16_stream) {
     L = static_cast<int64_t>(windows.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 4 * L + 1 && scales.size() == weights.size() &&
                 biases.size() == weights.size(), "fused decode: 4 projections per layer and the head");
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), "fused decode: norms");
     TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D && D % 2 == 0, "fused decode: heads/dim");
-    for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j]));
+    for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK));
     Dm = proj_[0].cols;
     for (const Proj& p : proj_) bf16_weights_ = bf16_weights_ || p.kind == BF16;
     for (int64_t i = 0; i < L; ++i) {
@@ -298,6 +432,17 @@ class Step {
   }
 
   int64_t vocab() const { return proj_[4 * L].rows; }
+  // how many projections read packed tiles, and the bytes those copies hold
+  int64_t packed_count() const {
+    int64_t n = 0;
+    for (const Proj& p : proj_) n += p.packed.defined();
+    return n;
+  }
+  int64_t packed_bytes() const {
+    int64_t n = 0;
+    for (const Proj& p : proj_) n += p.packed.defined() ? p.packed.numel() * 2 : 0;
+    return n;
+  }
   // software prefetch in the projections of 4+ requests, rows handed out in chunks (both on by
   // default; off: the reference, one static range per thread; every value the same either way)
   void set_prefetch(bool on) { prefetch_ = on; }
@@ -492,7 +637,9 @@ void register_fused_decode(pybind11::module_& m) {
   pybind11::class_<fused::Step>(m, "FusedStep")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<double>, int64_t, int64_t, int64_t, int64_t,
-                          std::vector<int64_t>, double, bool>())
+                          std::vector<int64_t>, double, bool, bool>())
+      .def("packed_count", &fused::Step::packed_count)
+      .def("packed_bytes", &fused::Step::packed_bytes)
       .def("set_prefetch", &fused::Step::set_prefetch)
       .def("set_dynamic", &fused::Step::set_dynamic)
       .def("forward", &fused::Step::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -500,6 +647,11 @@ void register_fused_decode(pybind11::module_& m) {
 """
 
 SUPPORTED = ("float32 dense", "bfloat16 dense", "int8 weight-only")
+
+# The largest packed copy of bf16 projections made by default (``FusedDecode(packed=None)``): the
+# copy doubles those weights' memory, cheap for small models (the default SmolLM2-135M: ~270 MB),
+# not for a 7B model on a CPU (~14 GB more), which keeps the row-major dot products.
+PACK_LIMIT_BYTES = 1 << 30
 
 
 def unsupported_reason(runner) -> str | None:
@@ -531,10 +683,14 @@ def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 class FusedDecode:
     """The runner's one-token step for B requests as one native call (module docstring)."""
 
-    def __init__(self, runner, *, prefetch: bool = True, dynamic_rows: bool = True):
+    def __init__(self, runner, *, prefetch: bool = True, dynamic_rows: bool = True, packed: bool | None = None):
         """``prefetch``: software prefetch of weight rows in the projections of 4+ requests;
         ``dynamic_rows``: projection rows handed to threads in chunks, not one range each. Both
-        only move speed (every value the same); False, False is the reference."""
+        only move speed (every value the same); False, False is the reference. ``packed``: bf16
+        projections read from a copy in tiles of 32 rows interleaved by column pairs (one more copy
+        of those weights in memory; sums in another order than the row-major dot products, so
+        another rounding, the same for every batch size); None: packed where the CPU has
+        AVX512-BF16 and the copy is at most ``PACK_LIMIT_BYTES``."""
         reason = unsupported_reason(runner)
         if reason is not None:
             raise ConfigError(f"decode_step='fused' needs {reason}")
@@ -558,10 +714,15 @@ class FusedDecode:
         final = runner.model.model.norm
         norms.append(final.weight.detach().to(runner.dtype).float())
         eps.append(float(final.variance_epsilon))
+        if packed is None:
+            bf16_bytes = sum(w.numel() * 2 for w in weights if w.dtype == torch.bfloat16)
+            packed = 0 < bf16_bytes <= PACK_LIMIT_BYTES
         self._step = module.FusedStep(weights, scales, biases, norms, eps, runner.n_heads, runner.n_kv_heads,
                                       runner.head_dim, runner.fast_layers[0].ff,
                                       [w or 0 for w in runner.windows], runner.scaling,
-                                      runner.dtype == torch.bfloat16)
+                                      runner.dtype == torch.bfloat16, bool(packed))
+        self.packed_projections = self._step.packed_count()  # how many read packed tiles (0: none)
+        self.packed_bytes = self._step.packed_bytes()  # the tiles' memory
         self._step.set_prefetch(prefetch)
         self._step.set_dynamic(dynamic_rows)
 
