@@ -121,10 +121,8 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
 struct FloatInput {  // float32 input rows against weights widened to float32 blocks of 16: FMA
   using X = float;
   using WV = __m512;
-  using XV = __m512;
   static constexpr int BLK = 16;
-  static XV x(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 madd(__m512 acc, WV wv, XV xv) { return _mm512_fmadd_ps(wv, xv, acc); }
+  static __m512 madd(__m512 acc, WV wv, const float* x) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), acc); }
 };
 struct F32Block : FloatInput {
   using W = float;
@@ -141,11 +139,9 @@ struct BF16Block {
   using W = uint16_t;
   using X = uint16_t;
   using WV = __m512bh;
-  using XV = __m512bh;
   static constexpr int BLK = 32;
   static WV w(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static XV x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static __m512 madd(__m512 acc, WV wv, XV xv) { return _mm512_dpbf16_ps(acc, wv, xv); }
+  static __m512 madd(__m512 acc, WV wv, const uint16_t* x) { return _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_loadu_si512(x)); }
 };
 #else
 struct BF16Block : FloatInput {  // no AVX512-BF16: bf16 weights widened to float32, float32 inputs
@@ -154,71 +150,56 @@ struct BF16Block : FloatInput {  // no AVX512-BF16: bf16 weights widened to floa
 };
 #endif
 
-// R weight rows (K apart) dotted with NB input rows (stride S apart): out[r * NB + b]. Per (row,
-// input), two float32 accumulators take alternate blocks (even blocks a0, odd a1; a ragged tail is
-// one more block, zero-padded), summed at the end, then one horizontal sum: a (row, input) result
-// depends on nothing but the two, whatever R and NB (so a batched row is bit for bit the single
-// step); NB > 1 loads each weight block once for all inputs, R > 1 each input block once for all
-// rows (R = 2, NB = 4: 12 loads per 16 vdpbf16ps, against 10 per 8 with R = 1, which bounded the
-// batched step by the load ports: docs/speed.md round 12), and the core gets R x NB x 2
-// independent chains. The accumulators are named arrays the compiler keeps in registers (indexed by
-// a running parity, it kept them on the stack and every block paid a store-to-load round trip).
-// Each row is read front to back (R sequential streams per thread): interleaving 4 rows, as a
-// first version did, halved the bandwidth the hardware prefetcher gave a core on the AMD EPYC this
-// was measured on (docs/speed.md round 8). PF > 0: each pair of blocks also prefetches the same
-// columns of the rows PF rows ahead (software prefetch; nothing computed changes). With 4 input
-// rows per weight row a core spends long enough on each row that the hardware prefetcher alone
-// fell behind (docs/speed.md round 10: -17/-20% at B = 4/8); with 1-2 inputs the stream is
-// bandwidth-bound and the extra instructions cost, so the caller asks for it only with NB = 4.
-template <class T, int R, int NB, int PF = 0>
-inline void dot_rows(const typename T::W* w, int64_t K, const typename T::X* x, int64_t S, float* out) {
+// One weight row dotted with NB input rows (stride S apart): out[b]. Per input row, two float32
+// accumulators take alternate blocks (even blocks a0, odd a1; a ragged tail is one more block,
+// zero-padded), summed at the end, then one horizontal sum: a (row, input) result depends on
+// nothing but the two, whatever NB (so a batched row is bit for bit the single step); NB > 1 loads
+// each weight block once for all inputs and gives the core NB x 2 independent chains. The two
+// accumulators are named, not indexed by a running parity: indexed, the compiler kept them on the
+// stack and every block paid a store-to-load round trip (what bounded int8 and batched steps).
+// Rows are visited one after another (one sequential stream per thread): interleaving 4 rows, as
+// a first version did, halved the bandwidth the hardware prefetcher gave a core on the AMD EPYC
+// this was measured on (docs/speed.md round 8). PF > 0: each pair of blocks also prefetches the
+// same columns PF rows ahead (software prefetch; nothing computed changes). With 4 input rows per
+// weight row a core spends long enough on each row that the hardware prefetcher alone fell behind
+// (docs/speed.md round 10: -17/-20% at B = 4/8); with 1-2 inputs the stream is bandwidth-bound and
+// the extra instructions cost, so the caller asks for it only with NB = 4.
+template <class T, int NB, int PF = 0>
+inline void dot(const typename T::W* w, int64_t K, const typename T::X* x, int64_t S, float* out) {
   constexpr int BLK = T::BLK;
-  __m512 a0[R][NB], a1[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) a0[r][b] = a1[r][b] = _mm512_setzero_ps();
+  __m512 a0[NB], a1[NB];
+  for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 2 * BLK <= K; k += 2 * BLK) {
-    typename T::WV w0[R], w1[R];
-    for (int r = 0; r < R; ++r) {
-      w0[r] = T::w(w + r * K + k);
-      w1[r] = T::w(w + r * K + k + BLK);
-      if constexpr (PF > 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (PF + r) * K + k), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + (PF + r) * K + k + BLK), _MM_HINT_T0);
-      }
+    const typename T::WV w0 = T::w(w + k), w1 = T::w(w + k + BLK);
+    if constexpr (PF > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + PF * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + PF * K + k + BLK), _MM_HINT_T0);
     }
     for (int b = 0; b < NB; ++b) {
-      const typename T::XV x0 = T::x(x + b * S + k), x1 = T::x(x + b * S + k + BLK);
-      for (int r = 0; r < R; ++r) {
-        a0[r][b] = T::madd(a0[r][b], w0[r], x0);
-        a1[r][b] = T::madd(a1[r][b], w1[r], x1);
-      }
+      a0[b] = T::madd(a0[b], w0, x + b * S + k);
+      a1[b] = T::madd(a1[b], w1, x + b * S + k + BLK);
     }
   }
   bool odd = false;  // the next block goes to a1
   if (k + BLK <= K) {
-    for (int b = 0; b < NB; ++b) {
-      const typename T::XV x0 = T::x(x + b * S + k);
-      for (int r = 0; r < R; ++r) a0[r][b] = T::madd(a0[r][b], T::w(w + r * K + k), x0);
-    }
+    const typename T::WV w0 = T::w(w + k);
+    for (int b = 0; b < NB; ++b) a0[b] = T::madd(a0[b], w0, x + b * S + k);
     k += BLK;
     odd = true;
   }
   if (k < K) {  // a ragged tail (none on the supported models): the block padded with zeros
-    for (int r = 0; r < R; ++r) {
-      typename T::W wp[BLK] = {};
-      std::memcpy(wp, w + r * K + k, sizeof(typename T::W) * (K - k));
-      const typename T::WV wv = T::w(wp);
-      for (int b = 0; b < NB; ++b) {
-        typename T::X xp[BLK] = {};
-        std::memcpy(xp, x + b * S + k, sizeof(typename T::X) * (K - k));
-        if (odd) a1[r][b] = T::madd(a1[r][b], wv, T::x(xp));
-        else a0[r][b] = T::madd(a0[r][b], wv, T::x(xp));
-      }
+    typename T::W wp[BLK] = {};
+    std::memcpy(wp, w + k, sizeof(typename T::W) * (K - k));
+    const typename T::WV wv = T::w(wp);
+    for (int b = 0; b < NB; ++b) {
+      typename T::X xp[BLK] = {};
+      std::memcpy(xp, x + b * S + k, sizeof(typename T::X) * (K - k));
+      if (odd) a1[b] = T::madd(a1[b], wv, xp);
+      else a0[b] = T::madd(a0[b], wv, xp);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) out[r * NB + b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][b], a1[r][b]));
+  for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b]));
 }
 #if defined(__AVX512BF16__)
 constexpr bool CAN_PACK = true;
@@ -226,10 +207,11 @@ constexpr bool CAN_PACK = true;
 // bits): out[b * TILE + r]. Per column pair k: two 64-byte loads hold the pair for all 32 rows, the
 // input's pair is broadcast, and one vdpbf16ps per 16 rows adds both products: each (row, input)
 // sum is one float32 lane accumulating the pairs in column order, whatever NB (a batched row is bit
-// for bit the single step), and no horizontal sums. Against ``dot_rows`` (weights row-major): a
-// weight load serves NB inputs, an input load (4 bytes, broadcast) 32 rows, so the batched step is
-// no longer bounded by the load ports (docs/speed.md round 12: the projections of 8 requests 13.9
-// -> 8.6 ms a step, of one 9.2 -> 8.3).
+// for bit the single step), and no horizontal sums. Against ``dot`` (weights row-major: a weight
+// block load and an input block load per vdpbf16ps, so 4-8 inputs were bounded by the load ports)
+// a weight load serves NB inputs and an input load (4 bytes, broadcast) 32 rows (docs/speed.md
+// round 12: the default model's projections for 8 inputs 13.9 -> 8.6 ms, for one 9.2 -> 8.3).
+// Blocking 2 rows x 4 inputs of the row-major layout instead was slower (two streams per thread).
 template <int NB>
 inline void tile_dot(const uint16_t* t, int64_t K, const uint16_t* x, int64_t S, float* out) {
   __m512 a0[NB], a1[NB];  // rows 0-15, 16-31
@@ -262,14 +244,13 @@ inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(uint16_t v) { return float_of(v); }
 
-template <class T, int R, int NB, int PF = 0>
-inline void dot_rows(const typename T::W* w, int64_t K, const float* x, int64_t S, float* out) {
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += widen(w[r * K + k]) * x[b * S + k];
-      out[r * NB + b] = s;
-    }
+template <class T, int NB, int PF = 0>
+inline void dot(const typename T::W* w, int64_t K, const float* x, int64_t S, float* out) {
+  for (int b = 0; b < NB; ++b) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += widen(w[k]) * x[b * S + k];
+    out[b] = s;
+  }
 }
 #endif
 
@@ -287,47 +268,29 @@ inline const typename T::X* input(const float* x, const uint16_t* xb) {
 // round 10); else one contiguous range per thread (at::parallel_for, the reference). A row's value
 // does not depend on the thread. Each weight row is read once for up to 4 input rows at a time
 // (from L1 after the first 4).
-// PF: the rows-ahead prefetch distance of the 4-input dot products (0: none; see ``dot_rows``).
+// PF: the rows-ahead prefetch distance of the 4-input dot products (0: none; see ``dot``).
 template <class T, int PF>
 void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic) {
   const typename T::W* w = static_cast<const typename T::W*>(p.w.data_ptr());
   const typename T::X* in = input<T>(x, xb);
   const int64_t K = p.cols, N = p.rows;
-  auto put = [&](int64_t n, int64_t b, int nb, const float* out) {  // out[j]: row n, input b + j
-    for (int j = 0; j < nb; ++j) {
-      float v = out[j];
-      if (p.kind == INT8) v *= p.scale[n];
-      if (!p.bias.empty()) v += p.bias[n];
-      y[(b + j) * N + n] = v;
-    }
-  };
-  auto rest = [&](int64_t n, int64_t b) {  // row n against inputs b.. in groups of 4, 2, 1
-    while (b < B) {
-      float out[4];
-      const int nb = B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1);
-      if (nb == 4) dot_rows<T, 1, 4, PF>(w + n * K, K, in + b * K, K, out);
-      else if (nb == 2) dot_rows<T, 1, 2>(w + n * K, K, in + b * K, K, out);
-      else dot_rows<T, 1, 1>(w + n * K, K, in + b * K, K, out);
-      put(n, b, nb, out);
-      b += nb;
-    }
-  };
   auto rows = [&](int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    if (B >= 4) {  // two rows at a time against each group of 4 inputs
-      for (; n + 2 <= n1; n += 2) {
-        int64_t b = 0;
-        for (; B - b >= 4; b += 4) {
-          float out[8];
-          dot_rows<T, 2, 4, PF>(w + n * K, K, in + b * K, K, out);
-          put(n, b, 4, out);
-          put(n + 1, b, 4, out + 4);
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t b = 0; b < B;) {
+        float out[4];
+        const int nb = B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1);
+        if (nb == 4) dot<T, 4, PF>(w + n * K, K, in + b * K, K, out);
+        else if (nb == 2) dot<T, 2>(w + n * K, K, in + b * K, K, out);
+        else dot<T, 1>(w + n * K, K, in + b * K, K, out);
+        for (int j = 0; j < nb; ++j) {
+          float v = out[j];
+          if (p.kind == INT8) v *= p.scale[n];
+          if (!p.bias.empty()) v += p.bias[n];
+          y[(b + j) * N + n] = v;
         }
-        rest(n, b);
-        rest(n + 1, b);
+        b += nb;
       }
     }
-    for (; n < n1; ++n) rest(n, 0);
   };
   const int threads = at::get_num_threads();
   if (!dynamic || threads == 1) {
