@@ -18,10 +18,11 @@ but keeps one call per layer and the extern matmuls; the attention inside the pa
 weight rows in their stored layout (float32 FMA; bf16 pairs through AVX512-BF16 ``vdpbf16ps``;
 int8 rows widened to float32 and scaled per row, ``_weight_int8pack_mm``'s arithmetic), split over
 torch's intra-op threads by rows (``at::parallel_for``), the small ops in between as plain loops.
-bf16 weights are read from a packed copy where the CPU has AVX512-BF16 (``packed``, default for
-copies up to ``PACK_LIMIT_BYTES``): tiles of 32 rows interleaved by column pairs, one 64-byte load
-per pair of columns of 16 rows, the inputs' pairs broadcast, no horizontal sums; a batch of 8 is
-then bounded by the weight stream rather than by the load ports (docs/speed.md round 12).
+float32 and bf16 weights are read from a packed copy (``packed``, default for copies up to
+``PACK_LIMIT_BYTES``; bf16 where the CPU has AVX512-BF16): tiles of 32 rows interleaved by columns
+(bf16: column pairs), one 64-byte load per column (pair) of 16 rows, the inputs' values broadcast,
+no horizontal sums; a batch of 8 is then bounded by the weight stream rather than by the load
+ports (docs/speed.md round 12).
 
 Numerics: float32 accumulation everywhere; in a bfloat16 stream every value is rounded to bf16
 (round to nearest even) where the torch step rounds it (each projection's output, RoPE's two
@@ -73,23 +74,25 @@ struct Proj {
   torch::Tensor w;           // [rows, cols] float32 / bfloat16 / int8, contiguous (held: no copy)
   std::vector<float> scale;  // int8: per row
   std::vector<float> bias;   // empty: none
-  torch::Tensor packed;      // bf16 only, when packed: tiles of TILE rows, each [cols / 2][TILE][2] (undefined: none)
+  torch::Tensor packed;      // float32 / bf16, when packed: tiles of TILE rows, [cols / P][TILE][P] each (undefined: none)
 };
 
-// The packed layout of bf16 weights: TILE (32) consecutive rows interleaved by column pairs, so one
-// 64-byte load holds 16 rows' pair (k, k + 1) and one vdpbf16ps adds that pair's products for 16
-// rows at once against the input pair broadcast (see ``tile_dot``). Rows past the end are zeros.
+// The packed layout: TILE (32) consecutive rows interleaved by groups of P columns (bf16: P = 2, the
+// pair one vdpbf16ps multiplies; float32: P = 1), so one 64-byte load holds one group of 16 rows and
+// one vdpbf16ps / FMA adds that group's products for 16 rows at once against the input's group
+// broadcast (``tile_dot``). Rows past the end are zeros.
 constexpr int64_t TILE = 32;
 
-torch::Tensor pack_tiles(const torch::Tensor& w) {  // w [N, K] bfloat16 (K even) -> [tiles * TILE * K] int16
+torch::Tensor pack_tiles(const torch::Tensor& w, int64_t P) {  // w [N, K] (K % P == 0) -> [tiles * TILE * K]
   const int64_t N = w.size(0), K = w.size(1), tiles = (N + TILE - 1) / TILE;
   auto padded = torch::zeros({tiles * TILE, K}, w.options());  // [tiles * TILE, K]
   padded.narrow(0, 0, N).copy_(w);
-  // [tiles, TILE, K / 2, 2] -> [tiles, K / 2, TILE, 2]
-  return padded.view({tiles, TILE, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view(torch::kInt16).view({-1});
+  // [tiles, TILE, K / P, P] -> [tiles, K / P, TILE, P]
+  return padded.view({tiles, TILE, K / P, P}).permute({0, 2, 1, 3}).contiguous().view({-1});
 }
 
-Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack) {
+Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack_f32,
+               bool pack_bf16) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "fused decode: weights [O, I], contiguous, CPU");
   Proj p;
   p.rows = w.size(0);
@@ -104,7 +107,8 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
     auto s = scale.to(torch::kFloat32).contiguous();
     p.scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + p.rows);
   }
-  if (pack && p.kind == BF16 && p.cols % 2 == 0) p.packed = pack_tiles(w);
+  if (pack_bf16 && p.kind == BF16 && p.cols % 2 == 0) p.packed = pack_tiles(w, 2);
+  if (pack_f32 && p.kind == F32) p.packed = pack_tiles(w, 1);
   if (bias.numel()) {
     TORCH_CHECK(bias.numel() == p.rows, "fused decode: one bias per row");
     auto b = bias.to(torch::kFloat32).contiguous();
@@ -201,17 +205,35 @@ inline void dot(const typename T::W* w, int64_t K, const typename T::X* x, int64
   }
   for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b]));
 }
+// One tile of TILE packed rows (``pack_tiles``) against NB input rows (stride S apart): out[b * TILE
+// + r]. Per column group: two 64-byte loads hold it for all 32 rows, the input's group is
+// broadcast, and one vdpbf16ps (bf16: a column pair, both products) or FMA (float32: one column)
+// per 16 rows: each (row, input) sum is one float32 lane accumulating the groups in column order,
+// whatever NB (a batched row is bit for bit the single step), with no horizontal sums. Against
+// ``dot`` (weights row-major: a weight block load and an input block load per vdpbf16ps / FMA, so
+// 4-8 inputs were bounded by the load ports) a weight load serves NB inputs and an input load (a
+// 4-byte broadcast) 32 rows (docs/speed.md round 12, the default model's projections: bf16 for 8
+// inputs 13.9 -> 8.6 ms, for one 9.2 -> 8.3; float32 33.0 -> 16.3 and 17.6 -> 16.6). Blocking 2
+// rows x 4 inputs of the row-major layout instead was slower (two weight streams per thread).
+template <int NB>
+inline void tile_dot(const float* t, int64_t K, const float* x, int64_t S, float* out) {
+  __m512 a0[NB], a1[NB];  // rows 0-15, 16-31
+  for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, t += TILE) {
+    const __m512 w0 = _mm512_loadu_ps(t), w1 = _mm512_loadu_ps(t + 16);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 xv = _mm512_set1_ps(x[b * S + k]);
+      a0[b] = _mm512_fmadd_ps(w0, xv, a0[b]);
+      a1[b] = _mm512_fmadd_ps(w1, xv, a1[b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    _mm512_storeu_ps(out + b * TILE, a0[b]);
+    _mm512_storeu_ps(out + b * TILE + 16, a1[b]);
+  }
+}
 #if defined(__AVX512BF16__)
-constexpr bool CAN_PACK = true;
-// One tile of TILE packed bf16 rows (``pack_tiles``) against NB input rows (stride S apart, bf16
-// bits): out[b * TILE + r]. Per column pair k: two 64-byte loads hold the pair for all 32 rows, the
-// input's pair is broadcast, and one vdpbf16ps per 16 rows adds both products: each (row, input)
-// sum is one float32 lane accumulating the pairs in column order, whatever NB (a batched row is bit
-// for bit the single step), and no horizontal sums. Against ``dot`` (weights row-major: a weight
-// block load and an input block load per vdpbf16ps, so 4-8 inputs were bounded by the load ports)
-// a weight load serves NB inputs and an input load (4 bytes, broadcast) 32 rows (docs/speed.md
-// round 12: the default model's projections for 8 inputs 13.9 -> 8.6 ms, for one 9.2 -> 8.3).
-// Blocking 2 rows x 4 inputs of the row-major layout instead was slower (two streams per thread).
+constexpr bool CAN_PACK_BF16 = true;
 template <int NB>
 inline void tile_dot(const uint16_t* t, int64_t K, const uint16_t* x, int64_t S, float* out) {
   __m512 a0[NB], a1[NB];  // rows 0-15, 16-31
@@ -232,10 +254,11 @@ inline void tile_dot(const uint16_t* t, int64_t K, const uint16_t* x, int64_t S,
   }
 }
 #else
-constexpr bool CAN_PACK = false;
+constexpr bool CAN_PACK_BF16 = false;
 #endif
+constexpr bool CAN_PACK = true;
 #else  // no AVX-512: plain loops (the compiler vectorises what it can), float32 inputs
-constexpr bool CAN_PACK = false;
+constexpr bool CAN_PACK = false, CAN_PACK_BF16 = false;
 struct F32Block { using W = float; using X = float; };
 struct Int8Block { using W = int8_t; using X = float; };
 struct BF16Block { using W = uint16_t; using X = float; };
@@ -304,24 +327,26 @@ void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, 
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// y [B, rows] = x [B, cols] @ W^T (+ bias) from the packed tiles (``tile_dot``): tiles split over
-// the threads as ``project_rows`` splits rows (chunks from a shared counter, or one static range
-// each), inputs 8, 4, 2, 1 at a time. A row's value depends on neither.
-void project_packed(const Proj& p, int64_t B, const uint16_t* xb, float* y, bool dynamic) {
-  const uint16_t* packed = reinterpret_cast<const uint16_t*>(p.packed.data_ptr<int16_t>());
+#if defined(__AVX512F__)
+// y [B, rows] = x [B, cols] @ W^T (+ bias) from the packed tiles (``tile_dot``; E: float for float32
+// weights and inputs, uint16_t for bf16 bits): tiles split over the threads as ``project_rows``
+// splits rows (chunks from a shared counter, or one static range each), inputs 8, 4, 2, 1 at a
+// time. A row's value depends on neither.
+template <class E>
+void project_packed(const Proj& p, int64_t B, const E* in, float* y, bool dynamic) {
+  const E* packed = static_cast<const E*>(p.packed.data_ptr());
   const int64_t K = p.cols, N = p.rows, tiles = (N + TILE - 1) / TILE;
   auto run = [&](int64_t t0, int64_t t1) {
     alignas(64) float out[8 * TILE];
     for (int64_t t = t0; t < t1; ++t) {
-      const uint16_t* tp = packed + t * TILE * K;
+      const E* tp = packed + t * TILE * K;
       const int64_t n0 = t * TILE, rows = std::min(TILE, N - n0);
       for (int64_t b = 0; b < B;) {
         const int nb = B - b >= 8 ? 8 : (B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1));
-        if (nb == 8) tile_dot<8>(tp, K, xb + b * K, K, out);
-        else if (nb == 4) tile_dot<4>(tp, K, xb + b * K, K, out);
-        else if (nb == 2) tile_dot<2>(tp, K, xb + b * K, K, out);
-        else tile_dot<1>(tp, K, xb + b * K, K, out);
+        if (nb == 8) tile_dot<8>(tp, K, in + b * K, K, out);
+        else if (nb == 4) tile_dot<4>(tp, K, in + b * K, K, out);
+        else if (nb == 2) tile_dot<2>(tp, K, in + b * K, K, out);
+        else tile_dot<1>(tp, K, in + b * K, K, out);
         for (int j = 0; j < nb; ++j) {
           float* yr = y + (b + j) * N + n0;
           const float* o = out + j * TILE;
@@ -347,8 +372,11 @@ void project_packed(const Proj& p, int64_t B, const uint16_t* xb, float* y, bool
 
 template <int PF>
 void project_as(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if (p.packed.defined()) return project_packed(p, B, xb, y, dynamic);
+#if defined(__AVX512F__)
+  if (p.packed.defined() && p.kind == F32) return project_packed<float>(p, B, x, y, dynamic);
+#if defined(__AVX512BF16__)
+  if (p.packed.defined()) return project_packed<uint16_t>(p, B, xb, y, dynamic);
+#endif
 #endif
   if (p.kind == F32) project_rows<F32Block, PF>(p, B, x, xb, y, dynamic);
   else if (p.kind == BF16) project_rows<BF16Block, PF>(p, B, x, xb, y, dynamic);
@@ -376,7 +404,7 @@ class Step {
                 biases.size() == weights.size(), "fused decode: 4 projections per layer and the head");
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), "fused decode: norms");
     TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D && D % 2 == 0, "fused decode: heads/dim");
-    for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK));
+    for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK, pack && CAN_PACK_BF16));
     Dm = proj_[0].cols;
     for (const Proj& p : proj_) bf16_weights_ = bf16_weights_ || p.kind == BF16;
     for (int64_t i = 0; i < L; ++i) {
@@ -403,7 +431,7 @@ class Step {
   }
   int64_t packed_bytes() const {
     int64_t n = 0;
-    for (const Proj& p : proj_) n += p.packed.defined() ? p.packed.numel() * 2 : 0;
+    for (const Proj& p : proj_) n += p.packed.defined() ? p.packed.numel() * p.packed.element_size() : 0;
     return n;
   }
   // software prefetch in the projections of 4+ requests, rows handed out in chunks (both on by
@@ -611,9 +639,10 @@ void register_fused_decode(pybind11::module_& m) {
 
 SUPPORTED = ("float32 dense", "bfloat16 dense", "int8 weight-only")
 
-# The largest packed copy of bf16 projections made by default (``FusedDecode(packed=None)``): the
-# copy doubles those weights' memory, cheap for small models (the default SmolLM2-135M: ~270 MB),
-# not for a 7B model on a CPU (~14 GB more), which keeps the row-major dot products.
+# The largest packed copy of float32 / bf16 projections made by default (``FusedDecode(packed=None)``):
+# the copy doubles those weights' memory, cheap for small models (the default SmolLM2-135M: ~270 MB
+# in bf16, ~540 MB in float32), not for a 7B model on a CPU (~14 GB more in bf16), which keeps the
+# row-major dot products.
 PACK_LIMIT_BYTES = 1 << 30
 
 
@@ -649,11 +678,12 @@ class FusedDecode:
     def __init__(self, runner, *, prefetch: bool = True, dynamic_rows: bool = True, packed: bool | None = None):
         """``prefetch``: software prefetch of weight rows in the projections of 4+ requests;
         ``dynamic_rows``: projection rows handed to threads in chunks, not one range each. Both
-        only move speed (every value the same); False, False is the reference. ``packed``: bf16
-        projections read from a copy in tiles of 32 rows interleaved by column pairs (one more copy
-        of those weights in memory; sums in another order than the row-major dot products, so
-        another rounding, the same for every batch size); None: packed where the CPU has
-        AVX512-BF16 and the copy is at most ``PACK_LIMIT_BYTES``."""
+        only move speed (every value the same); False, False is the reference. ``packed``: float32
+        and bf16 projections read from a copy in tiles of 32 rows interleaved by columns (bf16: by
+        column pairs; one more copy of those weights in memory; sums in another order than the
+        row-major dot products, so another rounding, the same for every batch size; int8 weights
+        stay row-major); None: packed where the copy is at most ``PACK_LIMIT_BYTES`` (bf16 ones
+        only on CPUs with AVX512-BF16)."""
         reason = unsupported_reason(runner)
         if reason is not None:
             raise ConfigError(f"decode_step='fused' needs {reason}")
@@ -678,8 +708,8 @@ class FusedDecode:
         norms.append(final.weight.detach().to(runner.dtype).float())
         eps.append(float(final.variance_epsilon))
         if packed is None:
-            bf16_bytes = sum(w.numel() * 2 for w in weights if w.dtype == torch.bfloat16)
-            packed = 0 < bf16_bytes <= PACK_LIMIT_BYTES
+            dense_bytes = sum(w.numel() * w.element_size() for w in weights if w.dtype != torch.int8)
+            packed = 0 < dense_bytes <= PACK_LIMIT_BYTES
         self._step = module.FusedStep(weights, scales, biases, norms, eps, runner.n_heads, runner.n_kv_heads,
                                       runner.head_dim, runner.fast_layers[0].ff,
                                       [w or 0 for w in runner.windows], runner.scaling,

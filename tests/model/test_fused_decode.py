@@ -73,11 +73,11 @@ def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides):
 def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, weights, arch, overrides):
     """B requests of different lengths (mistral: some past the window) in one call: every row's
     logits and K/V rows equal the single call on that request, bit for bit (7 requests: the dot
-    kernel takes 4 inputs per weight row, then 2, then 1; 9: the packed bf16 tiles take 8, then 1)."""
+    kernel takes 4 inputs per weight row, then 2, then 1; 9 with dense weights: the packed tiles take 8, then 1)."""
     tok = byte_tokenizer()
     runner = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, dtype=dtype, weights=weights)
     assert runner.decode_step_kind == "fused"
-    lengths = (5, 31, 17, 40, 12, 8, 26) + ((19, 3) if dtype == "bfloat16" and weights == "dense" else ())
+    lengths = (5, 31, 17, 40, 12, 8, 26) + ((19, 3) if weights == "dense" else ())
     prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
     batch, alone = [], []
     for p in prompts:
@@ -95,50 +95,62 @@ def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, weights, arch
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.length == b.length
 
 
-needs_packing = pytest.mark.skipif(
-    attention.kernel() is None or "avx512_bf16" not in open("/proc/cpuinfo").read(),
-    reason="the packed bf16 tiles need the native kernels on a CPU with AVX512-BF16")
+def _cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return flag in f.read().split()
 
 
-@needs_packing
+# the packed tiles: float32 ones on AVX-512 CPUs, bf16 ones on AVX512-BF16 CPUs
+PACKS = {"float32": attention.kernel() is not None and _cpu_has("avx512f"),
+         "bfloat16": attention.kernel() is not None and _cpu_has("avx512_bf16")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("overrides", [{}, RAGGED])
-def test_packed_tiles_are_close_to_the_row_major_step(arch, overrides):
-    """bf16 projections from the packed tiles (32 rows interleaved by column pairs; row counts that
-    are no multiple of 32, qwen2's biases) against the row-major dot products: the same values to
-    the summation order (close relative to the logits' spread), K/V rows within a bf16 step or two;
-    every projection of the step packed."""
+def test_packed_tiles_are_close_to_the_row_major_step(dtype, arch, overrides):
+    """Projections from the packed tiles (32 rows interleaved by columns, bf16 by column pairs; row
+    counts that are no multiple of 32, qwen2's biases) against the row-major dot products: the same
+    values to the summation order (float32: to 1e-4; bf16: close relative to the logits' spread,
+    K/V rows within a bf16 step or two); every projection of the step packed."""
+    if not PACKS[dtype]:
+        pytest.skip(f"no packed {dtype} tiles on this CPU")
     from cachedrag.model.fused_decode import FusedDecode
 
     tok = byte_tokenizer()
-    runner = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, dtype="bfloat16")
+    runner = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, dtype=dtype)
     steps = {"packed": FusedDecode(runner, packed=True), "row-major": FusedDecode(runner, packed=False)}
     layers = len(runner.layers)
     assert steps["packed"].packed_projections == 4 * layers + 1 and steps["row-major"].packed_projections == 0
-    assert steps["packed"].packed_bytes >= sum(p.weight.numel() * 2 for lw in runner.fast_layers
+    assert steps["packed"].packed_bytes >= sum(p.weight.numel() * p.weight.element_size() for lw in runner.fast_layers
                                                for p in (lw.qkv, lw.o, lw.gate_up, lw.down))
     kvs = prefilled({name: runner for name in steps}, torch.arange(3, 30), 40)
     for step in range(5):
         got = steps["packed"].step(9 + step, 27 + step, kvs["packed"])  # [V]
         want = steps["row-major"].step(9 + step, 27 + step, kvs["row-major"])  # [V]
-        assert (got - want).abs().max() < 0.03 * (want.max() - want.min())
+        if dtype == "float32":
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        else:
+            assert (got - want).abs().max() < 0.03 * (want.max() - want.min())
     k_p, k_r = kvs["packed"].k[:, :, :32].float(), kvs["row-major"].k[:, :, :32].float()
-    assert (k_p - k_r).abs().max() <= 0.02 * k_r.abs().max()
+    assert (k_p - k_r).abs().max() <= (1e-5 if dtype == "float32" else 0.02 * k_r.abs().max())
 
 
 @needs_kernel
 def test_packing_by_default_only_where_it_applies(monkeypatch):
-    """``packed=None``: bf16 dense weights are packed, float32 and int8 ones are not, nor bf16 ones
-    past ``PACK_LIMIT_BYTES`` (the copy doubles their memory)."""
+    """``packed=None``: float32 and bf16 dense weights are packed (where the CPU has the
+    instructions), int8 ones are not, nor any past ``PACK_LIMIT_BYTES`` (the copy doubles their
+    memory)."""
     from cachedrag.model import fused_decode
 
-    bf16 = tiny_runner(dtype="bfloat16")
-    expected = 4 * len(bf16.layers) + 1 if "avx512_bf16" in open("/proc/cpuinfo").read() else 0
-    assert bf16.fused.packed_projections == expected
-    assert tiny_runner().fused.packed_projections == 0
+    bf16, fp32 = tiny_runner(dtype="bfloat16"), tiny_runner()
+    every = 4 * len(bf16.layers) + 1
+    assert bf16.fused.packed_projections == (every if PACKS["bfloat16"] else 0)
+    assert fp32.fused.packed_projections == (every if PACKS["float32"] else 0)
     assert tiny_runner(dtype="bfloat16", weights="int8").fused.packed_projections == 0
     monkeypatch.setattr(fused_decode, "PACK_LIMIT_BYTES", 0)
     assert fused_decode.FusedDecode(bf16).packed_projections == 0
+    assert fused_decode.FusedDecode(fp32).packed_projections == 0
 
 
 @needs_kernel
