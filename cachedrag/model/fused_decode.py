@@ -75,6 +75,7 @@ struct Proj {
   std::vector<float> scale;  // int8: per row
   std::vector<float> bias;   // empty: none
   torch::Tensor packed;      // float32 / bf16, when packed: tiles of TILE rows, [cols / P][TILE][P] each (undefined: none)
+  bool gate_up_tiles = false;  // packed gate/up: tile t holds gate rows 16t.. then up rows 16t.. (``GATE_UP`` epilogue)
 };
 
 // The packed layout: TILE (32) consecutive rows interleaved by groups of P columns (bf16: P = 2, the
@@ -91,8 +92,19 @@ torch::Tensor pack_tiles(const torch::Tensor& w, int64_t P) {  // w [N, K] (K % 
   return padded.view({tiles, TILE, K / P, P}).permute({0, 2, 1, 3}).contiguous().view({-1});
 }
 
+// gate/up [2 * FF, K] -> rows reordered so each TILE of the packed copy holds 16 gate rows and the
+// 16 up rows of the same units (units past FF: zero rows): the tile's epilogue then has both
+// halves of SiLU(gate) * up for 16 units.
+torch::Tensor gate_up_rows(const torch::Tensor& w) {
+  const int64_t FF = w.size(0) / 2, K = w.size(1), half = TILE / 2, tiles = (FF + half - 1) / half;
+  auto g = torch::zeros({tiles * half, K}, w.options()), u = torch::zeros({tiles * half, K}, w.options());
+  g.narrow(0, 0, FF).copy_(w.narrow(0, 0, FF));
+  u.narrow(0, 0, FF).copy_(w.narrow(0, FF, FF));
+  return torch::cat({g.view({tiles, half, K}), u.view({tiles, half, K})}, 1).view({tiles * TILE, K});
+}
+
 Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack_f32,
-               bool pack_bf16) {
+               bool pack_bf16, bool gate_up) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "fused decode: weights [O, I], contiguous, CPU");
   Proj p;
   p.rows = w.size(0);
@@ -107,8 +119,9 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
     auto s = scale.to(torch::kFloat32).contiguous();
     p.scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + p.rows);
   }
-  if (pack_bf16 && p.kind == BF16 && p.cols % 2 == 0) p.packed = pack_tiles(w, 2);
-  if (pack_f32 && p.kind == F32) p.packed = pack_tiles(w, 1);
+  const bool pack = (pack_bf16 && p.kind == BF16 && p.cols % 2 == 0) || (pack_f32 && p.kind == F32);
+  p.gate_up_tiles = pack && gate_up && bias.numel() == 0 && p.rows % 2 == 0;
+  if (pack) p.packed = pack_tiles(p.gate_up_tiles ? gate_up_rows(w) : w, p.kind == BF16 ? 2 : 1);
   if (bias.numel()) {
     TORCH_CHECK(bias.numel() == p.rows, "fused decode: one bias per row");
     auto b = bias.to(torch::kFloat32).contiguous();
@@ -277,6 +290,42 @@ inline void dot(const typename T::W* w, int64_t K, const float* x, int64_t S, fl
 }
 #endif
 
+// What a projection does with each output value (after the int8 scale and the bias), inside its
+// parallel region instead of a serial pass over the batch afterwards (each value the same either
+// way: the same per-element arithmetic): STORE y = v; ROUND y = v rounded to bf16 (a bf16 stream);
+// RESIDUAL y += v, y the residual stream [B, N] (a bf16 stream: y = bf16(y + bf16(v)), the torch
+// step's two roundings); GATE_UP (packed gate/up tiles only) y [B, N / 2] = SiLU(gate) * up as
+// ``silu_mul``, and its bf16 bits into ``bits``.
+struct Epilogue {
+  enum Kind { STORE, ROUND, RESIDUAL, GATE_UP };
+  Kind kind = STORE;
+  bool bf16 = false;        // the stream rounds to bf16
+  uint16_t* bits = nullptr; // GATE_UP: the outputs' bf16 bits (null: not needed)
+};
+
+template <bool R>
+inline float rdv(float v) {
+  if constexpr (R) return bf16r(v);
+  else return v;
+}
+// SiLU(g) * u for one unit, rounded where the torch step rounds: SiLU(g) = g / (1 + e^-g), e^-|g| by
+// the attention kernel's exp_neg
+template <bool R>
+inline float silu_times(float g, float u) {
+  const float gj = rdv<R>(g), uj = rdv<R>(u);
+  const float t = exp_neg(-std::fabs(gj));
+  const float silu = gj >= 0.f ? gj / (1.f + t) : gj * t / (1.f + t);
+  return rdv<R>(rdv<R>(silu) * uj);
+}
+
+// One output value v of row n for input b under `ep` (STORE, ROUND, RESIDUAL; y [B, N])
+inline void finish(const Epilogue& ep, float* y, int64_t N, int64_t b, int64_t n, float v) {
+  float* dst = y + b * N + n;
+  if (ep.kind == Epilogue::RESIDUAL) *dst = ep.bf16 ? bf16r(*dst + bf16r(v)) : *dst + v;
+  else if (ep.kind == Epilogue::ROUND && ep.bf16) *dst = bf16r(v);
+  else *dst = v;
+}
+
 template <class T>
 inline const typename T::X* input(const float* x, const uint16_t* xb) {
   if constexpr (std::is_same_v<typename T::X, float>) return x;
@@ -293,7 +342,8 @@ inline const typename T::X* input(const float* x, const uint16_t* xb) {
 // (from L1 after the first 4).
 // PF: the rows-ahead prefetch distance of the 4-input dot products (0: none; see ``dot``).
 template <class T, int PF>
-void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic) {
+void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic,
+                  const Epilogue& ep) {
   const typename T::W* w = static_cast<const typename T::W*>(p.w.data_ptr());
   const typename T::X* in = input<T>(x, xb);
   const int64_t K = p.cols, N = p.rows;
@@ -309,7 +359,7 @@ void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, 
           float v = out[j];
           if (p.kind == INT8) v *= p.scale[n];
           if (!p.bias.empty()) v += p.bias[n];
-          y[(b + j) * N + n] = v;
+          finish(ep, y, N, b + j, n, v);
         }
         b += nb;
       }
@@ -333,9 +383,9 @@ void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, 
 // splits rows (chunks from a shared counter, or one static range each), inputs 8, 4, 2, 1 at a
 // time. A row's value depends on neither.
 template <class E>
-void project_packed(const Proj& p, int64_t B, const E* in, float* y, bool dynamic) {
+void project_packed(const Proj& p, int64_t B, const E* in, float* y, bool dynamic, const Epilogue& ep) {
   const E* packed = static_cast<const E*>(p.packed.data_ptr());
-  const int64_t K = p.cols, N = p.rows, tiles = (N + TILE - 1) / TILE;
+  const int64_t K = p.cols, N = p.rows, tiles = p.packed.numel() / (TILE * K), FF = N / 2, half = TILE / 2;
   auto run = [&](int64_t t0, int64_t t1) {
     alignas(64) float out[8 * TILE];
     for (int64_t t = t0; t < t1; ++t) {
@@ -348,10 +398,24 @@ void project_packed(const Proj& p, int64_t B, const E* in, float* y, bool dynami
         else if (nb == 2) tile_dot<2>(tp, K, in + b * K, K, out);
         else tile_dot<1>(tp, K, in + b * K, K, out);
         for (int j = 0; j < nb; ++j) {
-          float* yr = y + (b + j) * N + n0;
           const float* o = out + j * TILE;
-          if (p.bias.empty()) std::memcpy(yr, o, sizeof(float) * rows);
-          else for (int64_t r = 0; r < rows; ++r) yr[r] = o[r] + p.bias[n0 + r];
+          if (ep.kind == Epilogue::GATE_UP) {  // tile t: units t * 16.. (gate rows, then up rows)
+            const int64_t u0 = t * half, units = std::min(half, FF - u0);
+            float* yr = y + (b + j) * FF + u0;
+            if (ep.bf16) for (int64_t r = 0; r < units; ++r) yr[r] = silu_times<true>(o[r], o[half + r]);
+            else for (int64_t r = 0; r < units; ++r) yr[r] = silu_times<false>(o[r], o[half + r]);
+            if (ep.bits) for (int64_t r = 0; r < units; ++r) ep.bits[(b + j) * FF + u0 + r] = bf16_of(yr[r]);
+          } else if (p.gate_up_tiles) {  // the rows back in their order: gate units, then up units
+            const int64_t u0 = t * half, units = std::min(half, FF - u0);
+            for (int64_t r = 0; r < units; ++r) {
+              finish(ep, y, N, b + j, u0 + r, o[r]);
+              finish(ep, y, N, b + j, FF + u0 + r, o[half + r]);
+            }
+          } else if (ep.kind == Epilogue::STORE && p.bias.empty()) {
+            std::memcpy(y + (b + j) * N + n0, o, sizeof(float) * rows);
+          } else {
+            for (int64_t r = 0; r < rows; ++r) finish(ep, y, N, b + j, n0 + r, p.bias.empty() ? o[r] : o[r] + p.bias[n0 + r]);
+          }
         }
         b += nb;
       }
@@ -371,23 +435,26 @@ void project_packed(const Proj& p, int64_t B, const E* in, float* y, bool dynami
 #endif
 
 template <int PF>
-void project_as(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic) {
+void project_as(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic,
+                const Epilogue& ep) {
+  TORCH_CHECK(ep.kind != Epilogue::GATE_UP || p.gate_up_tiles, "fused decode: the gate/up epilogue needs gate/up tiles");
 #if defined(__AVX512F__)
-  if (p.packed.defined() && p.kind == F32) return project_packed<float>(p, B, x, y, dynamic);
+  if (p.packed.defined() && p.kind == F32) return project_packed<float>(p, B, x, y, dynamic, ep);
 #if defined(__AVX512BF16__)
-  if (p.packed.defined()) return project_packed<uint16_t>(p, B, xb, y, dynamic);
+  if (p.packed.defined()) return project_packed<uint16_t>(p, B, xb, y, dynamic, ep);
 #endif
 #endif
-  if (p.kind == F32) project_rows<F32Block, PF>(p, B, x, xb, y, dynamic);
-  else if (p.kind == BF16) project_rows<BF16Block, PF>(p, B, x, xb, y, dynamic);
-  else project_rows<Int8Block, PF>(p, B, x, xb, y, dynamic);
+  if (p.kind == F32) project_rows<F32Block, PF>(p, B, x, xb, y, dynamic, ep);
+  else if (p.kind == BF16) project_rows<BF16Block, PF>(p, B, x, xb, y, dynamic, ep);
+  else project_rows<Int8Block, PF>(p, B, x, xb, y, dynamic, ep);
 }
 
 constexpr int PREFETCH_ROWS = 2;  // the prefetch distance (rows) when on: measured best of 1-4 (round 10)
 
-void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool prefetch, bool dynamic) {
-  if (prefetch) project_as<PREFETCH_ROWS>(p, B, x, xb, y, dynamic);
-  else project_as<0>(p, B, x, xb, y, dynamic);
+void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool prefetch, bool dynamic,
+             const Epilogue& ep = Epilogue()) {
+  if (prefetch) project_as<PREFETCH_ROWS>(p, B, x, xb, y, dynamic, ep);
+  else project_as<0>(p, B, x, xb, y, dynamic, ep);
 }
 
 class Step {
@@ -404,7 +471,8 @@ class Step {
                 biases.size() == weights.size(), "fused decode: 4 projections per layer and the head");
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), "fused decode: norms");
     TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D && D % 2 == 0, "fused decode: heads/dim");
-    for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK, pack && CAN_PACK_BF16));
+    for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK, pack && CAN_PACK_BF16,
+                                  j % 4 == 2 && static_cast<int64_t>(j) < 4 * L));
     Dm = proj_[0].cols;
     for (const Proj& p : proj_) bf16_weights_ = bf16_weights_ || p.kind == BF16;
     for (int64_t i = 0; i < L; ++i) {
@@ -437,6 +505,9 @@ class Step {
   // software prefetch in the projections of 4+ requests, rows handed out in chunks (both on by
   // default; off: the reference, one static range per thread; every value the same either way)
   void set_prefetch(bool on) { prefetch_ = on; }
+  // the small ops after a projection inside its parallel region (``Epilogue``; on by default) or as
+  // serial passes over the batch afterwards (off: the reference; every value the same either way)
+  void set_epilogues(bool on) { epilogues_ = on; }
   void set_dynamic(bool on) { dynamic_ = on; }
 
   // hidden [B, Dm] (the embedded tokens, the stream's dtype), positions[b], cos/sin [B, D] (the
@@ -457,13 +528,25 @@ class Step {
     }
     std::vector<float> h = floats(hidden), cs = floats(cos), sn = floats(sin);  // [B, Dm], [B, D], [B, D]
     const int64_t n_qkv = (H_q + 2 * H_kv) * D, width = std::max(Dm, std::max(FF, H_q * D));
-    std::vector<float> x(B * width), qkv(B * n_qkv), tmp(B * Dm), gu(B * 2 * FF);  // [B, .] each
-    std::vector<uint16_t> xb(B * width);
+    std::vector<float> x(B * width), qkv(B * n_qkv), gu(B * 2 * FF);  // [B, .] each
+    std::vector<uint16_t> xb(B * width), gub(B * FF);  // bf16 bits of x, of the MLP's activations
     std::vector<int64_t> starts(B), ends(B);  // each request's keys in the layer (its sliding window)
+    Epilogue round, residual, gate_up;  // inside the projections' parallel regions (``Epilogue``)
+    round.kind = Epilogue::ROUND;
+    residual.kind = Epilogue::RESIDUAL;
+    gate_up.kind = Epilogue::GATE_UP;
+    round.bf16 = residual.bf16 = gate_up.bf16 = bf16_;
+    gate_up.bits = bf16_weights_ ? gub.data() : nullptr;
+    const Epilogue store;
+    std::vector<float> tmp(epilogues_ ? 0 : B * Dm);  // [B, Dm] the reference path's projection outputs
+    auto add_residual = [&]() {  // the reference path: h += tmp as a serial pass
+      if (bf16_) residual_pass<true>(h.data(), tmp.data(), B * Dm);
+      else residual_pass<false>(h.data(), tmp.data(), B * Dm);
+    };
     for (int64_t i = 0; i < L; ++i) {
       norm(h.data(), B, 2 * i, x.data(), xb.data());
-      project(proj_[4 * i], B, x.data(), xb.data(), qkv.data(), prefetch_, dynamic_);
-      round_all(qkv);
+      project(proj_[4 * i], B, x.data(), xb.data(), qkv.data(), prefetch_, dynamic_, epilogues_ ? round : store);
+      if (!epilogues_) round_all(qkv);
       for (int64_t b = 0; b < B; ++b) {
         float* row = qkv.data() + b * n_qkv;
         rope(row, H_q + H_kv, cs.data() + b * D, sn.data() + b * D);
@@ -477,17 +560,30 @@ class Step {
       attend(qkv.data(), n_qkv, ks, vs, i, starts, ends, x.data());
       round_all(x, B * H_q * D);
       bits(x.data(), B * H_q * D, xb.data());
-      project(proj_[4 * i + 1], B, x.data(), xb.data(), tmp.data(), prefetch_, dynamic_);
-      add_residual(h, tmp, B * Dm);
+      if (epilogues_) {
+        project(proj_[4 * i + 1], B, x.data(), xb.data(), h.data(), prefetch_, dynamic_, residual);
+      } else {
+        project(proj_[4 * i + 1], B, x.data(), xb.data(), tmp.data(), prefetch_, dynamic_, store);
+        add_residual();
+      }
       norm(h.data(), B, 2 * i + 1, x.data(), xb.data());
-      project(proj_[4 * i + 2], B, x.data(), xb.data(), gu.data(), prefetch_, dynamic_);
+      if (epilogues_ && proj_[4 * i + 2].gate_up_tiles) {  // SiLU(gate) * up in the projection: gu [B, FF], bits gub
+        project(proj_[4 * i + 2], B, x.data(), xb.data(), gu.data(), prefetch_, dynamic_, gate_up);
+        project(proj_[4 * i + 3], B, gu.data(), gub.data(), h.data(), prefetch_, dynamic_, residual);
+        continue;
+      }
+      project(proj_[4 * i + 2], B, x.data(), xb.data(), gu.data(), prefetch_, dynamic_, store);
       for (int64_t b = 0; b < B; ++b) {
         if (bf16_) silu_mul<true>(gu.data() + b * 2 * FF, FF, x.data() + b * FF);
         else silu_mul<false>(gu.data() + b * 2 * FF, FF, x.data() + b * FF);
       }
       bits(x.data(), B * FF, xb.data());
-      project(proj_[4 * i + 3], B, x.data(), xb.data(), tmp.data(), prefetch_, dynamic_);
-      add_residual(h, tmp, B * Dm);
+      if (epilogues_) {
+        project(proj_[4 * i + 3], B, x.data(), xb.data(), h.data(), prefetch_, dynamic_, residual);
+      } else {
+        project(proj_[4 * i + 3], B, x.data(), xb.data(), tmp.data(), prefetch_, dynamic_, store);
+        add_residual();
+      }
     }
     norm(h.data(), B, 2 * L, x.data(), xb.data());
     auto logits = torch::empty({B, vocab()}, torch::kFloat32);  // [B, V]
@@ -504,18 +600,15 @@ class Step {
   bool bf16_;
   bool prefetch_ = true;
   bool dynamic_ = true;
+  bool epilogues_ = true;
   bool bf16_weights_ = false;  // some projection reads bf16 input bits (int8 and float32 ones read floats)
   std::vector<Proj> proj_;
   std::vector<std::vector<float>> norms_;
   std::vector<float> eps_;
 
   // The small ops' loops come in two forms, a bf16 stream's (R: every value rounded where the torch
-  // step rounds it) and a float32 one, so no loop tests the stream per element and each vectorises.
-  template <bool R>
-  static float rd(float v) {
-    if constexpr (R) return bf16r(v);
-    else return v;
-  }
+  // step rounds it, ``rdv``) and a float32 one, so no loop tests the stream per element and each
+  // vectorises.
   static void round_range(float* v, int64_t n) {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) v[j] = bf16r(v[j]);
@@ -532,14 +625,14 @@ class Step {
   }
   // a [FF] = SiLU(g) * u for one row g|u [2 * FF]: SiLU(g) = g / (1 + e^-g), e^-|g| by the kernel's exp_neg
   template <bool R>
+  static void residual_pass(float* h, const float* t, int64_t n) {  // h = h + t, rounded as the torch step rounds
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) h[j] = rdv<R>(h[j] + rdv<R>(t[j]));
+  }
+  template <bool R>
   static void silu_mul(const float* gu, int64_t FF, float* a) {
 #pragma omp simd
-    for (int64_t j = 0; j < FF; ++j) {
-      const float gj = rd<R>(gu[j]), uj = rd<R>(gu[FF + j]);
-      const float t = exp_neg(-std::fabs(gj));
-      const float silu = gj >= 0.f ? gj / (1.f + t) : gj * t / (1.f + t);
-      a[j] = rd<R>(rd<R>(silu) * uj);
-    }
+    for (int64_t j = 0; j < FF; ++j) a[j] = silu_times<R>(gu[j], gu[FF + j]);
   }
   static std::vector<float> floats(const torch::Tensor& t) {
     auto f = t.to(torch::kFloat32).contiguous();
@@ -579,9 +672,9 @@ class Step {
     for (int64_t hh = 0; hh < heads; ++hh) {
       float* x = row + hh * D;
 #pragma omp simd
-      for (int64_t d = 0; d < half; ++d) tmp[d] = rd<R>(rd<R>(x[d] * c[d]) + rd<R>(-x[d + half] * s[d]));
+      for (int64_t d = 0; d < half; ++d) tmp[d] = rdv<R>(rdv<R>(x[d] * c[d]) + rdv<R>(-x[d + half] * s[d]));
 #pragma omp simd
-      for (int64_t d = half; d < D; ++d) tmp[d] = rd<R>(rd<R>(x[d] * c[d]) + rd<R>(x[d - half] * s[d]));
+      for (int64_t d = half; d < D; ++d) tmp[d] = rdv<R>(rdv<R>(x[d] * c[d]) + rdv<R>(x[d - half] * s[d]));
       std::memcpy(x, tmp, sizeof(float) * D);
     }
   }
@@ -610,16 +703,6 @@ class Step {
     attend_batch(qs.data(), ks, vs, layer, starts.data(), ends.data(), static_cast<int>(H_q), static_cast<int>(H_kv),
                  static_cast<int>(D), out, false);
   }
-
-  void add_residual(std::vector<float>& h, const std::vector<float>& t, int64_t n) const {
-    if (bf16_) residual<true>(h.data(), t.data(), n);
-    else residual<false>(h.data(), t.data(), n);
-  }
-  template <bool R>
-  static void residual(float* h, const float* t, int64_t n) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) h[j] = rd<R>(h[j] + rd<R>(t[j]));
-  }
 };
 
 }  // namespace fused
@@ -633,6 +716,7 @@ void register_fused_decode(pybind11::module_& m) {
       .def("packed_bytes", &fused::Step::packed_bytes)
       .def("set_prefetch", &fused::Step::set_prefetch)
       .def("set_dynamic", &fused::Step::set_dynamic)
+      .def("set_epilogues", &fused::Step::set_epilogues)
       .def("forward", &fused::Step::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 """
@@ -675,10 +759,13 @@ def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 class FusedDecode:
     """The runner's one-token step for B requests as one native call (module docstring)."""
 
-    def __init__(self, runner, *, prefetch: bool = True, dynamic_rows: bool = True, packed: bool | None = None):
+    def __init__(self, runner, *, prefetch: bool = True, dynamic_rows: bool = True, epilogues: bool = True,
+                 packed: bool | None = None):
         """``prefetch``: software prefetch of weight rows in the projections of 4+ requests;
-        ``dynamic_rows``: projection rows handed to threads in chunks, not one range each. Both
-        only move speed (every value the same); False, False is the reference. ``packed``: float32
+        ``dynamic_rows``: projection rows handed to threads in chunks, not one range each;
+        ``epilogues``: the rounding, residual adds and SiLU(gate) * up after a projection done inside
+        its parallel region, not as serial passes. All three only move speed (every value the
+        same); False, False, False is the reference. ``packed``: float32
         and bf16 projections read from a copy in tiles of 32 rows interleaved by columns (bf16: by
         column pairs; one more copy of those weights in memory; sums in another order than the
         row-major dot products, so another rounding, the same for every batch size; int8 weights
@@ -718,6 +805,7 @@ class FusedDecode:
         self.packed_bytes = self._step.packed_bytes()  # the tiles' memory
         self._step.set_prefetch(prefetch)
         self._step.set_dynamic(dynamic_rows)
+        self._step.set_epilogues(epilogues)
 
     def step(self, token_id: int, position: int, kv) -> torch.Tensor:
         """``ModelRunner.decode_step`` for one request (capacity checked by the caller): logits ``[V]``."""

@@ -156,15 +156,19 @@ def test_packing_by_default_only_where_it_applies(monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("dtype,weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")])
 @pytest.mark.parametrize("overrides", [{}, RAGGED])
-def test_prefetch_and_row_chunks_change_no_value(dtype, weights, overrides):
-    """The projections' software prefetch (4+ requests) and rows handed to threads in chunks against
-    the step with neither (the reference: one static row range per thread): 9 requests (4 + 4 + 1
-    inputs per weight row), logits and K/V rows bit for bit, on 2 threads (chunks taken in turn)."""
+@pytest.mark.parametrize("packed", [None, False])
+def test_speed_options_change_no_value(dtype, weights, overrides, packed):
+    """The projections' software prefetch (4+ requests), rows handed to threads in chunks and the
+    small ops in the projections' epilogues (rounding, residual adds, SiLU(gate) * up from gate/up
+    tiles) against the step with none of them (the reference: one static row range per thread,
+    serial passes after each projection), packed tiles or row-major: 9 requests (4 + 4 + 1 or
+    8 + 1 inputs per weight row), logits and K/V rows bit for bit, on 2 threads (chunks taken in turn)."""
     from cachedrag.model.fused_decode import FusedDecode
 
     tok = byte_tokenizer()
     runner = ModelRunner(tiny_model("llama", vocab_size=len(tok), **overrides), tok, dtype=dtype, weights=weights)
-    steps = {"prefetch": FusedDecode(runner), "reference": FusedDecode(runner, prefetch=False, dynamic_rows=False)}
+    steps = {"prefetch": FusedDecode(runner, packed=packed),
+             "reference": FusedDecode(runner, prefetch=False, dynamic_rows=False, epilogues=False, packed=packed)}
     prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in range(5, 14)]
     kvs = {}
     for name in steps:
