@@ -326,6 +326,23 @@ inline void finish(const Epilogue& ep, float* y, int64_t N, int64_t b, int64_t n
   else *dst = v;
 }
 
+// ``finish`` over n consecutive rows of one input (dst = y + b * N + n0, v their values): the
+// kind and the stream tested once, each loop vectorised
+inline void finish_range(const Epilogue& ep, float* dst, const float* v, int64_t n) {
+  if (ep.kind == Epilogue::RESIDUAL && ep.bf16) {
+#pragma omp simd
+    for (int64_t r = 0; r < n; ++r) dst[r] = bf16r(dst[r] + bf16r(v[r]));
+  } else if (ep.kind == Epilogue::RESIDUAL) {
+#pragma omp simd
+    for (int64_t r = 0; r < n; ++r) dst[r] += v[r];
+  } else if (ep.kind == Epilogue::ROUND && ep.bf16) {
+#pragma omp simd
+    for (int64_t r = 0; r < n; ++r) dst[r] = bf16r(v[r]);
+  } else {
+    std::memcpy(dst, v, sizeof(float) * n);
+  }
+}
+
 template <class T>
 inline const typename T::X* input(const float* x, const uint16_t* xb) {
   if constexpr (std::is_same_v<typename T::X, float>) return x;
@@ -407,14 +424,16 @@ void project_packed(const Proj& p, int64_t B, const E* in, float* y, bool dynami
             if (ep.bits) for (int64_t r = 0; r < units; ++r) ep.bits[(b + j) * FF + u0 + r] = bf16_of(yr[r]);
           } else if (p.gate_up_tiles) {  // the rows back in their order: gate units, then up units
             const int64_t u0 = t * half, units = std::min(half, FF - u0);
-            for (int64_t r = 0; r < units; ++r) {
-              finish(ep, y, N, b + j, u0 + r, o[r]);
-              finish(ep, y, N, b + j, FF + u0 + r, o[half + r]);
-            }
-          } else if (ep.kind == Epilogue::STORE && p.bias.empty()) {
-            std::memcpy(y + (b + j) * N + n0, o, sizeof(float) * rows);
+            finish_range(ep, y + (b + j) * N + u0, o, units);
+            finish_range(ep, y + (b + j) * N + FF + u0, o + half, units);
           } else {
-            for (int64_t r = 0; r < rows; ++r) finish(ep, y, N, b + j, n0 + r, p.bias.empty() ? o[r] : o[r] + p.bias[n0 + r]);
+            const float* v = o;
+            alignas(64) float biased[TILE];
+            if (!p.bias.empty()) {
+              for (int64_t r = 0; r < rows; ++r) biased[r] = o[r] + p.bias[n0 + r];
+              v = biased;
+            }
+            finish_range(ep, y + (b + j) * N + n0, v, rows);
           }
         }
         b += nb;
