@@ -22,7 +22,9 @@ float32 and bf16 weights are read from a packed copy (``packed``, default for co
 ``PACK_LIMIT_BYTES``; bf16 where the CPU has AVX512-BF16): tiles of 32 rows interleaved by columns
 (bf16: column pairs), one 64-byte load per column (pair) of 16 rows, the inputs' values broadcast,
 no horizontal sums; a batch of 8 is then bounded by the weight stream rather than by the load
-ports (docs/speed.md round 12).
+ports (docs/speed.md round 12). The small ops that follow a projection (bf16 rounding, residual
+adds, SiLU(gate) * up from gate/up tiles that hold 16 units' gate and up rows) run in its parallel
+region on each tile's outputs (``Epilogue``), not as serial passes over the batch.
 
 Numerics: float32 accumulation everywhere; in a bfloat16 stream every value is rounded to bf16
 (round to nearest even) where the torch step rounds it (each projection's output, RoPE's two
