@@ -492,8 +492,10 @@ class Step {
                 biases.size() == weights.size(), "fused decode: 4 projections per layer and the head");
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), "fused decode: norms");
     TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D && D % 2 == 0, "fused decode: heads/dim");
-    for (size_t j = 0; j < weights.size(); ++j) proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK, pack && CAN_PACK_BF16,
-                                  j % 4 == 2 && static_cast<int64_t>(j) < 4 * L));
+    for (size_t j = 0; j < weights.size(); ++j) {
+      const bool gate_up = j % 4 == 2 && static_cast<int64_t>(j) < 4 * L;
+      proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK, pack && CAN_PACK_BF16, gate_up));
+    }
     Dm = proj_[0].cols;
     for (const Proj& p : proj_) bf16_weights_ = bf16_weights_ || p.kind == BF16;
     for (int64_t i = 0; i < L; ++i) {
