@@ -18,9 +18,9 @@ but keeps one call per layer and the extern matmuls; the attention inside the pa
 weight rows in their stored layout (float32 FMA; bf16 pairs through AVX512-BF16 ``vdpbf16ps``;
 int8 rows widened to float32 and scaled per row, ``_weight_int8pack_mm``'s arithmetic), split over
 torch's intra-op threads by rows (``at::parallel_for``), the small ops in between as plain loops.
-float32 and bf16 weights are read from a packed copy (``packed``, default for copies up to
+float32, bf16 and int8 weights are read from a packed copy (``packed``, default for copies up to
 ``PACK_LIMIT_BYTES``; bf16 where the CPU has AVX512-BF16): tiles of 32 rows interleaved by columns
-(bf16: column pairs), one 64-byte load per column (pair) of 16 rows, the inputs' values broadcast,
+(bf16: column pairs), one load per column (pair) of 16 rows, the inputs' values broadcast,
 no horizontal sums; a batch of 8 is then bounded by the weight stream rather than by the load
 ports (docs/speed.md round 12). The small ops that follow a projection (bf16 rounding, residual
 adds, SiLU(gate) * up from gate/up tiles that hold 16 units' gate and up rows) run in its parallel
@@ -76,14 +76,14 @@ struct Proj {
   torch::Tensor w;           // [rows, cols] float32 / bfloat16 / int8, contiguous (held: no copy)
   std::vector<float> scale;  // int8: per row
   std::vector<float> bias;   // empty: none
-  torch::Tensor packed;      // float32 / bf16, when packed: tiles of TILE rows, [cols / P][TILE][P] each (undefined: none)
+  torch::Tensor packed;      // when packed: tiles of TILE rows, [cols / P][TILE][P] each, the weights' dtype (undefined: none)
   bool gate_up_tiles = false;  // packed gate/up: tile t holds gate rows 16t.. then up rows 16t.. (``GATE_UP`` epilogue)
 };
 
 // The packed layout: TILE (32) consecutive rows interleaved by groups of P columns (bf16: P = 2, the
-// pair one vdpbf16ps multiplies; float32: P = 1), so one 64-byte load holds one group of 16 rows and
-// one vdpbf16ps / FMA adds that group's products for 16 rows at once against the input's group
-// broadcast (``tile_dot``). Rows past the end are zeros.
+// pair one vdpbf16ps multiplies; float32 and int8: P = 1), so one load holds one group of 16 rows
+// (64 bytes; int8: 16, widened to float32) and one vdpbf16ps / FMA adds that group's products for
+// 16 rows at once against the input's group broadcast (``tile_dot``). Rows past the end are zeros.
 constexpr int64_t TILE = 32;
 
 torch::Tensor pack_tiles(const torch::Tensor& w, int64_t P) {  // w [N, K] (K % P == 0) -> [tiles * TILE * K]
@@ -105,7 +105,7 @@ torch::Tensor gate_up_rows(const torch::Tensor& w) {
   return torch::cat({g.view({tiles, half, K}), u.view({tiles, half, K})}, 1).view({tiles * TILE, K});
 }
 
-Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack_f32,
+Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack_any,
                bool pack_bf16, bool gate_up) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "fused decode: weights [O, I], contiguous, CPU");
   Proj p;
@@ -121,7 +121,7 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
     auto s = scale.to(torch::kFloat32).contiguous();
     p.scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + p.rows);
   }
-  const bool pack = (pack_bf16 && p.kind == BF16 && p.cols % 2 == 0) || (pack_f32 && p.kind == F32);
+  const bool pack = (pack_bf16 && p.kind == BF16 && p.cols % 2 == 0) || (pack_any && p.kind != BF16);
   p.gate_up_tiles = pack && gate_up && bias.numel() == 0 && p.rows % 2 == 0;
   if (pack) p.packed = pack_tiles(p.gate_up_tiles ? gate_up_rows(w) : w, p.kind == BF16 ? 2 : 1);
   if (bias.numel()) {
@@ -236,6 +236,26 @@ inline void tile_dot(const float* t, int64_t K, const float* x, int64_t S, float
   for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k, t += TILE) {
     const __m512 w0 = _mm512_loadu_ps(t), w1 = _mm512_loadu_ps(t + 16);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 xv = _mm512_set1_ps(x[b * S + k]);
+      a0[b] = _mm512_fmadd_ps(w0, xv, a0[b]);
+      a1[b] = _mm512_fmadd_ps(w1, xv, a1[b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    _mm512_storeu_ps(out + b * TILE, a0[b]);
+    _mm512_storeu_ps(out + b * TILE + 16, a1[b]);
+  }
+}
+// int8 rows widened to float32 (16 bytes -> 16 floats per 16 rows, once for all NB inputs); the
+// per-row scale is applied to the sums after (``project_packed``), as ``dot``'s int8 rows are
+template <int NB>
+inline void tile_dot(const int8_t* t, int64_t K, const float* x, int64_t S, float* out) {
+  __m512 a0[NB], a1[NB];  // rows 0-15, 16-31
+  for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, t += TILE) {
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))));
+    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16))));
     for (int b = 0; b < NB; ++b) {
       const __m512 xv = _mm512_set1_ps(x[b * S + k]);
       a0[b] = _mm512_fmadd_ps(w0, xv, a0[b]);
@@ -397,18 +417,19 @@ void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, 
 }
 
 #if defined(__AVX512F__)
-// y [B, rows] = x [B, cols] @ W^T (+ bias) from the packed tiles (``tile_dot``; E: float for float32
-// weights and inputs, uint16_t for bf16 bits): tiles split over the threads as ``project_rows``
-// splits rows (chunks from a shared counter, or one static range each), inputs 8, 4, 2, 1 at a
-// time. A row's value depends on neither.
-template <class E>
-void project_packed(const Proj& p, int64_t B, const E* in, float* y, bool dynamic, const Epilogue& ep) {
-  const E* packed = static_cast<const E*>(p.packed.data_ptr());
+// y [B, rows] = x [B, cols] @ W^T (* scale) (+ bias) from the packed tiles (``tile_dot``; W / X:
+// float / float for float32 weights, int8_t / float for int8 ones, uint16_t / uint16_t for bf16
+// weights and bits): tiles split over the threads as ``project_rows`` splits rows (chunks from a
+// shared counter, or one static range each), inputs 8, 4, 2, 1 at a time. A row's value depends
+// on neither.
+template <class W, class X>
+void project_packed(const Proj& p, int64_t B, const X* in, float* y, bool dynamic, const Epilogue& ep) {
+  const W* packed = static_cast<const W*>(p.packed.data_ptr());
   const int64_t K = p.cols, N = p.rows, tiles = p.packed.numel() / (TILE * K), FF = N / 2, half = TILE / 2;
   auto run = [&](int64_t t0, int64_t t1) {
     alignas(64) float out[8 * TILE];
     for (int64_t t = t0; t < t1; ++t) {
-      const E* tp = packed + t * TILE * K;
+      const W* tp = packed + t * TILE * K;
       const int64_t n0 = t * TILE, rows = std::min(TILE, N - n0);
       for (int64_t b = 0; b < B;) {
         const int nb = B - b >= 8 ? 8 : (B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1));
@@ -418,25 +439,37 @@ void project_packed(const Proj& p, int64_t B, const E* in, float* y, bool dynami
         else tile_dot<1>(tp, K, in + b * K, K, out);
         for (int j = 0; j < nb; ++j) {
           const float* o = out + j * TILE;
-          if (ep.kind == Epilogue::GATE_UP) {  // tile t: units t * 16.. (gate rows, then up rows)
+          alignas(64) float scaled[TILE];
+          if (p.gate_up_tiles) {  // tile t: units t * 16.. (gate rows, then up rows; no bias)
             const int64_t u0 = t * half, units = std::min(half, FF - u0);
-            float* yr = y + (b + j) * FF + u0;
-            if (ep.bf16) for (int64_t r = 0; r < units; ++r) yr[r] = silu_times<true>(o[r], o[half + r]);
-            else for (int64_t r = 0; r < units; ++r) yr[r] = silu_times<false>(o[r], o[half + r]);
-            if (ep.bits) for (int64_t r = 0; r < units; ++r) ep.bits[(b + j) * FF + u0 + r] = bf16_of(yr[r]);
-          } else if (p.gate_up_tiles) {  // the rows back in their order: gate units, then up units
-            const int64_t u0 = t * half, units = std::min(half, FF - u0);
-            finish_range(ep, y + (b + j) * N + u0, o, units);
-            finish_range(ep, y + (b + j) * N + FF + u0, o + half, units);
-          } else {
-            const float* v = o;
-            alignas(64) float biased[TILE];
-            if (!p.bias.empty()) {
-              for (int64_t r = 0; r < rows; ++r) biased[r] = o[r] + p.bias[n0 + r];
-              v = biased;
+            if (p.kind == INT8) {
+              for (int64_t r = 0; r < units; ++r) {
+                scaled[r] = o[r] * p.scale[u0 + r];
+                scaled[half + r] = o[half + r] * p.scale[FF + u0 + r];
+              }
+              o = scaled;
             }
-            finish_range(ep, y + (b + j) * N + n0, v, rows);
+            if (ep.kind == Epilogue::GATE_UP) {
+              float* yr = y + (b + j) * FF + u0;
+              if (ep.bf16) for (int64_t r = 0; r < units; ++r) yr[r] = silu_times<true>(o[r], o[half + r]);
+              else for (int64_t r = 0; r < units; ++r) yr[r] = silu_times<false>(o[r], o[half + r]);
+              if (ep.bits) for (int64_t r = 0; r < units; ++r) ep.bits[(b + j) * FF + u0 + r] = bf16_of(yr[r]);
+            } else {  // the rows back in their order: gate units, then up units
+              finish_range(ep, y + (b + j) * N + u0, o, units);
+              finish_range(ep, y + (b + j) * N + FF + u0, o + half, units);
+            }
+            continue;
           }
+          if (p.kind == INT8 || !p.bias.empty()) {  // dot * scale + bias, as ``project_rows``
+            for (int64_t r = 0; r < rows; ++r) {
+              float v = o[r];
+              if (p.kind == INT8) v *= p.scale[n0 + r];
+              if (!p.bias.empty()) v += p.bias[n0 + r];
+              scaled[r] = v;
+            }
+            o = scaled;
+          }
+          finish_range(ep, y + (b + j) * N + n0, o, rows);
         }
         b += nb;
       }
@@ -460,9 +493,10 @@ void project_as(const Proj& p, int64_t B, const float* x, const uint16_t* xb, fl
                 const Epilogue& ep) {
   TORCH_CHECK(ep.kind != Epilogue::GATE_UP || p.gate_up_tiles, "fused decode: the gate/up epilogue needs gate/up tiles");
 #if defined(__AVX512F__)
-  if (p.packed.defined() && p.kind == F32) return project_packed<float>(p, B, x, y, dynamic, ep);
+  if (p.packed.defined() && p.kind == F32) return project_packed<float, float>(p, B, x, y, dynamic, ep);
+  if (p.packed.defined() && p.kind == INT8) return project_packed<int8_t, float>(p, B, x, y, dynamic, ep);
 #if defined(__AVX512BF16__)
-  if (p.packed.defined()) return project_packed<uint16_t>(p, B, xb, y, dynamic, ep);
+  if (p.packed.defined()) return project_packed<uint16_t, uint16_t>(p, B, xb, y, dynamic, ep);
 #endif
 #endif
   if (p.kind == F32) project_rows<F32Block, PF>(p, B, x, xb, y, dynamic, ep);
@@ -746,10 +780,10 @@ void register_fused_decode(pybind11::module_& m) {
 
 SUPPORTED = ("float32 dense", "bfloat16 dense", "int8 weight-only")
 
-# The largest packed copy of float32 / bf16 projections made by default (``FusedDecode(packed=None)``):
-# the copy doubles those weights' memory, cheap for small models (the default SmolLM2-135M: ~270 MB
-# in bf16, ~540 MB in float32), not for a 7B model on a CPU (~14 GB more in bf16), which keeps the
-# row-major dot products.
+# The largest packed copy of the projections made by default (``FusedDecode(packed=None)``): the copy
+# doubles those weights' memory, cheap for small models (the default SmolLM2-135M: ~270 MB in bf16,
+# ~540 MB in float32, ~135 MB int8), not for a 7B model on a CPU (~14 GB more in bf16), which keeps
+# the row-major dot products.
 PACK_LIMIT_BYTES = 1 << 30
 
 
@@ -788,12 +822,11 @@ class FusedDecode:
         ``dynamic_rows``: projection rows handed to threads in chunks, not one range each;
         ``epilogues``: the rounding, residual adds and SiLU(gate) * up after a projection done inside
         its parallel region, not as serial passes. All three only move speed (every value the
-        same); False, False, False is the reference. ``packed``: float32
-        and bf16 projections read from a copy in tiles of 32 rows interleaved by columns (bf16: by
-        column pairs; one more copy of those weights in memory; sums in another order than the
-        row-major dot products, so another rounding, the same for every batch size; int8 weights
-        stay row-major); None: packed where the copy is at most ``PACK_LIMIT_BYTES`` (bf16 ones
-        only on CPUs with AVX512-BF16)."""
+        same); False, False, False is the reference. ``packed``: the projections (float32, bf16
+        or int8) read from a copy in tiles of 32 rows interleaved by columns (bf16: by column
+        pairs; one more copy of those weights in memory; sums in another order than the row-major
+        dot products, so another rounding, the same for every batch size); None: packed where the
+        copy is at most ``PACK_LIMIT_BYTES`` (bf16 ones only on CPUs with AVX512-BF16)."""
         reason = unsupported_reason(runner)
         if reason is not None:
             raise ConfigError(f"decode_step='fused' needs {reason}")
@@ -818,8 +851,8 @@ class FusedDecode:
         norms.append(final.weight.detach().to(runner.dtype).float())
         eps.append(float(final.variance_epsilon))
         if packed is None:
-            dense_bytes = sum(w.numel() * w.element_size() for w in weights if w.dtype != torch.int8)
-            packed = 0 < dense_bytes <= PACK_LIMIT_BYTES
+            weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+            packed = 0 < weight_bytes <= PACK_LIMIT_BYTES
         self._step = module.FusedStep(weights, scales, biases, norms, eps, runner.n_heads, runner.n_kv_heads,
                                       runner.head_dim, runner.fast_layers[0].ff,
                                       [w or 0 for w in runner.windows], runner.scaling,

@@ -72,12 +72,12 @@ def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides):
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {}), ("llama", RAGGED)])
 def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, weights, arch, overrides):
     """B requests of different lengths (mistral: some past the window) in one call: every row's
-    logits and K/V rows equal the single call on that request, bit for bit (7 requests: the dot
-    kernel takes 4 inputs per weight row, then 2, then 1; 9 with dense weights: the packed tiles take 8, then 1)."""
+    logits and K/V rows equal the single call on that request, bit for bit (9 requests: the row-major dot
+    kernel takes 4 inputs per weight row, then 4, then 1; the packed tiles 8, then 1)."""
     tok = byte_tokenizer()
     runner = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, dtype=dtype, weights=weights)
     assert runner.decode_step_kind == "fused"
-    lengths = (5, 31, 17, 40, 12, 8, 26) + ((19, 3) if weights == "dense" else ())
+    lengths = (5, 31, 17, 40, 12, 8, 26, 19, 3)
     prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
     batch, alone = [], []
     for p in prompts:
@@ -105,25 +105,27 @@ PACKS = {"float32": attention.kernel() is not None and _cpu_has("avx512f"),
          "bfloat16": attention.kernel() is not None and _cpu_has("avx512_bf16")}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("overrides", [{}, RAGGED])
-def test_packed_tiles_are_close_to_the_row_major_step(dtype, arch, overrides):
-    """Projections from the packed tiles (32 rows interleaved by columns, bf16 by column pairs; row
-    counts that are no multiple of 32, qwen2's biases) against the row-major dot products: the same
-    values to the summation order (float32: to 1e-4; bf16: close relative to the logits' spread,
-    K/V rows within a bf16 step or two); every projection of the step packed."""
-    if not PACKS[dtype]:
-        pytest.skip(f"no packed {dtype} tiles on this CPU")
+def test_packed_tiles_are_close_to_the_row_major_step(dtype, weights, arch, overrides):
+    """Projections from the packed tiles (32 rows interleaved by columns, bf16 by column pairs, int8
+    widened with its row scales; row counts that are no multiple of 32, qwen2's biases) against the
+    row-major dot products: the same values to the summation order (float32: to 1e-4; bf16 stream:
+    close relative to the logits' spread, K/V rows within a bf16 step or two); every projection of
+    the step packed."""
+    if not PACKS["float32" if weights == "int8" else dtype]:
+        pytest.skip(f"no packed {dtype} {weights} tiles on this CPU")
     from cachedrag.model.fused_decode import FusedDecode
 
     tok = byte_tokenizer()
-    runner = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, dtype=dtype)
+    runner = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, dtype=dtype, weights=weights)
     steps = {"packed": FusedDecode(runner, packed=True), "row-major": FusedDecode(runner, packed=False)}
     layers = len(runner.layers)
     assert steps["packed"].packed_projections == 4 * layers + 1 and steps["row-major"].packed_projections == 0
-    assert steps["packed"].packed_bytes >= sum(p.weight.numel() * p.weight.element_size() for lw in runner.fast_layers
-                                               for p in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    assert steps["packed"].packed_bytes >= sum(w.numel() * w.element_size() for lw in runner.fast_layers
+                                               for w in (lw.qkv.qweight if weights == "int8" else lw.qkv.weight,
+                                                         lw.down.qweight if weights == "int8" else lw.down.weight))
     kvs = prefilled({name: runner for name in steps}, torch.arange(3, 30), 40)
     for step in range(5):
         got = steps["packed"].step(9 + step, 27 + step, kvs["packed"])  # [V]
@@ -138,19 +140,21 @@ def test_packed_tiles_are_close_to_the_row_major_step(dtype, arch, overrides):
 
 @needs_kernel
 def test_packing_by_default_only_where_it_applies(monkeypatch):
-    """``packed=None``: float32 and bf16 dense weights are packed (where the CPU has the
-    instructions), int8 ones are not, nor any past ``PACK_LIMIT_BYTES`` (the copy doubles their
-    memory)."""
+    """``packed=None``: float32, bf16 and int8 weights are packed (where the CPU has the
+    instructions; int8's bf16 LM head with bf16's), none past ``PACK_LIMIT_BYTES`` (the copy doubles
+    their memory)."""
     from cachedrag.model import fused_decode
 
-    bf16, fp32 = tiny_runner(dtype="bfloat16"), tiny_runner()
+    bf16, fp32, int8 = tiny_runner(dtype="bfloat16"), tiny_runner(), tiny_runner(dtype="bfloat16", weights="int8")
     every = 4 * len(bf16.layers) + 1
     assert bf16.fused.packed_projections == (every if PACKS["bfloat16"] else 0)
     assert fp32.fused.packed_projections == (every if PACKS["float32"] else 0)
-    assert tiny_runner(dtype="bfloat16", weights="int8").fused.packed_projections == 0
+    head_bf16 = int8.fast_head.kind != "int8"
+    expected_int8 = (every - 1 if PACKS["float32"] else 0) + (1 if PACKS["bfloat16" if head_bf16 else "float32"] else 0)
+    assert int8.fused.packed_projections == expected_int8
     monkeypatch.setattr(fused_decode, "PACK_LIMIT_BYTES", 0)
-    assert fused_decode.FusedDecode(bf16).packed_projections == 0
-    assert fused_decode.FusedDecode(fp32).packed_projections == 0
+    for runner in (bf16, fp32, int8):
+        assert fused_decode.FusedDecode(runner).packed_projections == 0
 
 
 @needs_kernel
