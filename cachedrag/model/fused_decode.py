@@ -220,42 +220,29 @@ inline void dot(const typename T::W* w, int64_t K, const typename T::X* x, int64
   }
   for (int b = 0; b < NB; ++b) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b]));
 }
+// 16 rows' weights of one column as float32: float32 as they are, int8 widened (the per-row scale is
+// applied to the sums after, in ``project_packed``, as ``dot``'s int8 rows are)
+inline __m512 tile16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 tile16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // One tile of TILE packed rows (``pack_tiles``) against NB input rows (stride S apart): out[b * TILE
 // + r]. Per column group: two 64-byte loads hold it for all 32 rows, the input's group is
-// broadcast, and one vdpbf16ps (bf16: a column pair, both products) or FMA (float32: one column)
-// per 16 rows: each (row, input) sum is one float32 lane accumulating the groups in column order,
+// broadcast, and one vdpbf16ps (bf16: a column pair, both products) or FMA (float32, int8: one
+// column) per 16 rows: each (row, input) sum is one float32 lane accumulating the groups in column order,
 // whatever NB (a batched row is bit for bit the single step), with no horizontal sums. Against
 // ``dot`` (weights row-major: a weight block load and an input block load per vdpbf16ps / FMA, so
 // 4-8 inputs were bounded by the load ports) a weight load serves NB inputs and an input load (a
 // 4-byte broadcast) 32 rows (docs/speed.md round 12, the default model's projections: bf16 for 8
 // inputs 13.9 -> 8.6 ms, for one 9.2 -> 8.3; float32 33.0 -> 16.3 and 17.6 -> 16.6). Blocking 2
 // rows x 4 inputs of the row-major layout instead was slower (two weight streams per thread).
-template <int NB>
-inline void tile_dot(const float* t, int64_t K, const float* x, int64_t S, float* out) {
+template <int NB, class W>
+inline void tile_dot(const W* t, int64_t K, const float* x, int64_t S, float* out) {
   __m512 a0[NB], a1[NB];  // rows 0-15, 16-31
   for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k, t += TILE) {
-    const __m512 w0 = _mm512_loadu_ps(t), w1 = _mm512_loadu_ps(t + 16);
-    for (int b = 0; b < NB; ++b) {
-      const __m512 xv = _mm512_set1_ps(x[b * S + k]);
-      a0[b] = _mm512_fmadd_ps(w0, xv, a0[b]);
-      a1[b] = _mm512_fmadd_ps(w1, xv, a1[b]);
-    }
-  }
-  for (int b = 0; b < NB; ++b) {
-    _mm512_storeu_ps(out + b * TILE, a0[b]);
-    _mm512_storeu_ps(out + b * TILE + 16, a1[b]);
-  }
-}
-// int8 rows widened to float32 (16 bytes -> 16 floats per 16 rows, once for all NB inputs); the
-// per-row scale is applied to the sums after (``project_packed``), as ``dot``'s int8 rows are
-template <int NB>
-inline void tile_dot(const int8_t* t, int64_t K, const float* x, int64_t S, float* out) {
-  __m512 a0[NB], a1[NB];  // rows 0-15, 16-31
-  for (int b = 0; b < NB; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k, t += TILE) {
-    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))));
-    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16))));
+    const __m512 w0 = tile16(t), w1 = tile16(t + 16);  // widened once for the NB inputs
     for (int b = 0; b < NB; ++b) {
       const __m512 xv = _mm512_set1_ps(x[b * S + k]);
       a0[b] = _mm512_fmadd_ps(w0, xv, a0[b]);
