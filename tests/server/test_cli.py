@@ -96,7 +96,9 @@ def test_startup_objects_leave_the_collectors_scans():
     keep = [[i] for i in range(10_000)]  # long-lived objects, as the model and engine are
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() >= len(keep)
+        # frozen objects may still be freed (another thread of the test process dropping its last
+        # reference), so the count can only have fallen since the call returned it
+        assert frozen >= gc.get_freeze_count() >= len(keep)
         gc.collect()  # unfrozen, a full collection leaves keep[0] in the oldest generation it scans
         assert not any(o is keep[0] for o in gc.get_objects(generation=2))
     finally:
