@@ -327,16 +327,8 @@ inline float silu_times(float g, float u) {
   return rdv<R>(rdv<R>(silu) * uj);
 }
 
-// One output value v of row n for input b under `ep` (STORE, ROUND, RESIDUAL; y [B, N])
-inline void finish(const Epilogue& ep, float* y, int64_t N, int64_t b, int64_t n, float v) {
-  float* dst = y + b * N + n;
-  if (ep.kind == Epilogue::RESIDUAL) *dst = ep.bf16 ? bf16r(*dst + bf16r(v)) : *dst + v;
-  else if (ep.kind == Epilogue::ROUND && ep.bf16) *dst = bf16r(v);
-  else *dst = v;
-}
-
-// ``finish`` over n consecutive rows of one input (dst = y + b * N + n0, v their values): the
-// kind and the stream tested once, each loop vectorised
+// `ep` (STORE, ROUND, RESIDUAL) on n consecutive output rows of one input (dst = y + b * N + n0, v
+// their values): the kind and the stream tested once, each loop vectorised
 inline void finish_range(const Epilogue& ep, float* dst, const float* v, int64_t n) {
   if (ep.kind == Epilogue::RESIDUAL && ep.bf16) {
 #pragma omp simd
@@ -385,7 +377,7 @@ void project_rows(const Proj& p, int64_t B, const float* x, const uint16_t* xb, 
           float v = out[j];
           if (p.kind == INT8) v *= p.scale[n];
           if (!p.bias.empty()) v += p.bias[n];
-          finish(ep, y, N, b + j, n, v);
+          finish_range(ep, y + (b + j) * N + n, &v, 1);
         }
         b += nb;
       }

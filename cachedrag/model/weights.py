@@ -235,18 +235,22 @@ class PackedLinear:
 
 
 @lru_cache(maxsize=1)
-def vnni_available() -> bool:
-    """True when the CPU has VNNI (int8 dot products into int32: full 8-bit activations without
-    int16 saturation in fbgemm). Read from /proc/cpuinfo (Linux); False where it cannot be read."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags from /proc/cpuinfo (Linux); empty where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return "avx512_vnni" in flags or "avx_vnni" in flags
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def vnni_available() -> bool:
+    """True when the CPU has VNNI (int8 dot products into int32: full 8-bit activations without
+    int16 saturation in fbgemm)."""
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
 def _prepack_dynamic(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):

@@ -6,6 +6,7 @@ import torch
 from cachedrag.errors import ConfigError
 from cachedrag.model import attention
 from cachedrag.model.runner import ModelRunner
+from cachedrag.model.weights import cpu_flags
 from cachedrag.testing import byte_tokenizer, prefilled, tiny_model, tiny_runner
 
 needs_kernel = pytest.mark.skipif(attention.kernel() is None, reason=f"native kernels {attention.kernel_status()}")
@@ -95,14 +96,9 @@ def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, weights, arch
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.length == b.length
 
 
-def _cpu_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return flag in f.read().split()
-
-
-# the packed tiles: float32 ones on AVX-512 CPUs, bf16 ones on AVX512-BF16 CPUs
-PACKS = {"float32": attention.kernel() is not None and _cpu_has("avx512f"),
-         "bfloat16": attention.kernel() is not None and _cpu_has("avx512_bf16")}
+# the packed tiles: float32 (and int8) ones on AVX-512 CPUs, bf16 ones on AVX512-BF16 CPUs
+PACKS = {"float32": attention.kernel() is not None and "avx512f" in cpu_flags(),
+         "bfloat16": attention.kernel() is not None and "avx512_bf16" in cpu_flags()}
 
 
 @pytest.mark.parametrize("dtype,weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")])
