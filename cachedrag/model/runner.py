@@ -164,6 +164,9 @@ class ModelRunner:
         block-causal plan (the reference); ``"auto"`` (default): the kernel where it builds, on CPU
         with torch kernels, else SDPA (the reason in ``prefill_attention_note``). Layers with a
         sliding window, and float32 calls of fewer than ``_KERNEL_MIN_ROWS`` rows, keep SDPA.
+        With bfloat16 K/V and queries on an AVX512-BF16 CPU the kernel multiplies bf16 pairs
+        (``vdpbf16ps``; the softmax probabilities rounded to bf16 for the value products, as GPU flash
+        attention does): ``self.prefill_pairs`` (True; False widens every element to float32 first).
         """
         if kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
@@ -229,6 +232,7 @@ class ModelRunner:
         self.decode_step_kind, self.decode_step_note, self.fused = self._pick_decode_step(decode_step)
         self.prefill_attention, self.prefill_attention_note, self._prefill_kernel = self._pick_prefill_attention(
             prefill_attention)
+        self.prefill_pairs = True
 
     def _fast_weights(self, model) -> tuple[list[LayerWeights], PackedLinear]:
         """Every layer's fused projections and the LM head in the numerics' fast layout. With int4
@@ -491,7 +495,7 @@ class ModelRunner:
                 and (q.dtype == torch.bfloat16 or q.shape[1] >= _KERNEL_MIN_ROWS)):
             hidden = _NO_HIDDEN if blocks is None or blocks.hidden is None else blocks.hidden
             return self._prefill_kernel.prefill_attention(q, kv.k[i], kv.v[i], positions.to(torch.int64), kv_len,
-                                                          self.scaling, hidden)  # [T_q, H_q*D]
+                                                          self.scaling, hidden, self.prefill_pairs)  # [T_q, H_q*D]
         if self._leading_causal(i, positions, kv_len):  # rows 0..T_q-1: SDPA's causal mode skips masked blocks
             t = q.shape[1]
             out = F.scaled_dot_product_attention(
@@ -802,8 +806,9 @@ class ModelRunner:
         """``segment_attention_mass`` as attention over indicator values: with ``V[j, s] = 1`` iff key
         ``j`` lies in segment ``s``, the attention output of a query is its mass per segment. SDPA's
         fused CPU kernel never materialises the ``[H, T_q, T_k]`` probabilities, so this costs one
-        attention call (~5x less than the blockwise softmax at 1.3k tokens, measured). Values are
-        padded to ``head_dim`` columns: SDPA's fast CPU kernel wants equal q/k/v head sizes.
+        attention call (~5x less than the blockwise softmax at 1.3k tokens, measured); the prefill
+        kernel's where ``attend`` would take it. Values are padded to ``head_dim`` columns (SDPA's
+        fast CPU kernel wants equal q/k/v head sizes, the kernel a head dim of 64 or 128).
         Equal to the reference to float rounding (tests); bf16 runners get masses rounded to bf16."""
         k = kv.k[i, :, :kv_len]  # [H_kv, T_k, D]
         n_seg = len(bounds) - 1
@@ -811,6 +816,11 @@ class ModelRunner:
         seg = torch.bucketize(torch.arange(kv_len, device=self.device), edges, right=True)  # [T_k] segment of each key
         ind = seg[:, None] == torch.arange(self.head_dim, device=self.device)[None, :]  # [T_k, D], columns >= S empty
         values = ind.to(k.dtype).expand(self.n_kv_heads, kv_len, self.head_dim)  # [H_kv, T_k, D]
+        if (self._prefill_kernel is not None and self.windows[i] is None
+                and (q.dtype == torch.bfloat16 or q.shape[1] >= _KERNEL_MIN_ROWS)):  # as ``attend`` picks
+            out = self._prefill_kernel.prefill_attention(q, k, values, positions.to(torch.int64), kv_len, self.scaling,
+                                                         _NO_HIDDEN, self.prefill_pairs)  # [T_q, H_q*D]
+            return out.view(q.shape[1], self.n_heads, self.head_dim)[:, :, :n_seg].float().mean(1)  # [T_q, S]
         if self._leading_causal(i, positions, kv_len):  # keys past row T_q-1 are invisible to every query
             t = positions.shape[0]
             out = F.scaled_dot_product_attention(

@@ -9,6 +9,7 @@ import torch
 from cachedrag.errors import ConfigError
 from cachedrag.model import attention
 from cachedrag.model.runner import ModelRunner
+from cachedrag.model.weights import cpu_flags
 from cachedrag.testing import byte_tokenizer, prefilled, tiny_model, tiny_runner
 
 needs_kernel = pytest.mark.skipif(attention.kernel() is None, reason=f"decode attention kernel {attention.kernel_status()}")
@@ -286,6 +287,44 @@ def test_prefill_kernel_equals_reference(heads, dim, kv_dtype, q_dtype, hidden):
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
 
 
+PAIRS = attention.prefill_module() is not None and "avx512_bf16" in cpu_flags()
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,dim", [((9, 3), 64), ((8, 2), 128)])
+def test_prefill_kernel_bf16_pairs_equal_the_widened_path(heads, dim):
+    """bf16 queries and K/V multiply bf16 pairs (AVX512-BF16; probabilities rounded to bf16 for the
+    value products): within bf16 rounding of the path that widens everything to float32 and of the
+    float32 reference, at either thread count bit for bit the same, and really another arithmetic
+    where the CPU has the instructions (``pairs=False`` is the widened path everywhere)."""
+    h_q, h_kv = heads
+    g = torch.Generator().manual_seed(dim)
+    n = 301
+    k = torch.randn(h_kv, 340, dim, generator=g).to(torch.bfloat16)  # [H_kv, C, D]
+    v = torch.randn(h_kv, 340, dim, generator=g).to(torch.bfloat16)  # [H_kv, C, D]
+    k[:, n:] = float("nan")  # past kv_len: never read, not even by the pair layouts' padding
+    v[:, n:] = float("nan")
+    before = torch.get_num_threads()
+    for name, pos in _position_sets(n, g).items():
+        q = (torch.randn(len(pos), h_q, dim, generator=g) * 3).to(torch.bfloat16).transpose(0, 1)  # [H_q, T, D]
+        hide = torch.rand(n, generator=g) < 0.2  # [T_k]
+        hide[pos] = False
+        pairs = attention.prefill_attention(q, k, v, pos, n, dim ** -0.5, hide)  # [T, H_q*D]
+        widened = attention.prefill_attention(q, k, v, pos, n, dim ** -0.5, hide, pairs=False)
+        ref = attention.prefill_attention_reference(q.float(), k.float(), v.float(), pos, n, dim ** -0.5, hide)
+        assert not pairs.isnan().any(), name
+        torch.testing.assert_close(pairs.float(), widened.float(), rtol=1.6e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
+        err, err_widened = (pairs.float() - ref).abs().mean(), (widened.float() - ref).abs().mean()
+        assert err <= 1.5 * err_widened + 1e-6, f"{name}: mean error {err:.2e} vs the widened path's {err_widened:.2e}"
+        if PAIRS and len(pos) > 1:
+            assert not torch.equal(pairs, widened), f"{name}: the pairs path did not run"
+        torch.set_num_threads(1 if before > 1 else 2)
+        try:
+            assert torch.equal(pairs, attention.prefill_attention(q, k, v, pos, n, dim ** -0.5, hide)), name
+        finally:
+            torch.set_num_threads(before)
+
+
 @needs_prefill_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prefill_kernel_reads_layer_views_at_any_thread_count(threads):
@@ -305,6 +344,35 @@ def test_prefill_kernel_reads_layer_views_at_any_thread_count(threads):
     torch.testing.assert_close(got, attention.prefill_attention_reference(q, buf[1], buf[2], pos, 180, 0.125),
                                rtol=1e-5, atol=2e-6)
 
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_segment_mass_through_the_kernel_equals_reference(dtype):
+    """Segment masses (the chunk metadata's and early termination's) through the prefill kernel, on
+    the AVX-512 path's dims: equal to the blockwise softmax and to the SDPA runner's, for a fresh-row
+    subset, a question's rows (fewer than the float32 threshold: SDPA there) and a full prefill."""
+    tok = byte_tokenizer()
+    dims = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64}
+    runners = {c: ModelRunner(tiny_model("llama", vocab_size=len(tok), **dims), tok, dtype=dtype, prefill_attention=c)
+               for c in ("kernel", "sdpa")}
+    assert runners["kernel"]._prefill_kernel is not None and runners["sdpa"]._prefill_kernel is None
+    n = 200
+    ids = torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(5))
+    bounds = [0, 12, 70, 131, 180, n]
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == "float32" else dict(atol=1.5e-2, rtol=0)
+    for rows in (torch.arange(70, 180), torch.arange(n - 20, n), torch.arange(n)):
+        got = {}
+        for choice, runner in runners.items():
+            kv = runner.new_kv(n)
+            runner.prefill(ids, kv=kv)
+            raw = {}
+            runner.forward_layer(1, runner.embed(ids), torch.arange(n), kv, n, raw_out=raw)
+            got[choice] = runner.segment_attention_mass(1, raw["q"][:, rows], rows, kv, n, bounds)  # [R, S]
+            ref = runner.segment_attention_mass(1, raw["q"][:, rows], rows, kv, n, bounds, reference=True)  # [R, S]
+            torch.testing.assert_close(got[choice], ref, **tol)
+        torch.testing.assert_close(got["kernel"], got["sdpa"], **tol)
+        torch.testing.assert_close(got["kernel"].sum(-1), torch.ones(len(rows)), atol=2 * tol["atol"], rtol=0)
 
 @needs_prefill_kernel
 def test_prefill_kernel_refuses_bad_input():
@@ -345,6 +413,17 @@ def test_prefill_with_kernel_equals_sdpa(dtype):
             runner.prefill(ids, kv=kv)  # every row valid
             out[choice] = runner.prefill(ids[pos], pos, kv=kv, kv_len=n, all_logits=True).float()  # [T, V]
         torch.testing.assert_close(out["kernel"], out["sdpa"], **tol)
+    if dtype == "bfloat16":  # the runner's switch reaches the kernel: the widened path, as close to SDPA
+        runner = runners["kernel"]
+        runner.prefill_pairs = False
+        try:
+            kv = runner.new_kv(n)
+            runner.prefill(ids, kv=kv)
+            widened = runner.prefill(ids[pos], pos, kv=kv, kv_len=n, all_logits=True).float()  # [T, V]
+        finally:
+            runner.prefill_pairs = True
+        torch.testing.assert_close(widened, out["sdpa"], **tol)
+        assert not PAIRS or not torch.equal(widened, out["kernel"])
     # keys a pass leaves out (the question pre-pass): the kernel reads them from the block plan
     pos = sets[2]
     hidden = torch.zeros(n, dtype=torch.bool)
