@@ -339,6 +339,13 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         "decode_step_s_mean": (grew("cachedrag_time_per_output_token_seconds_sum")
                                / max(1.0, grew("cachedrag_time_per_output_token_seconds_count"))) if steps else None,
         "decode_batch_mean": (grew("cachedrag_decode_batch_size_sum") / steps) if steps else None,
+        # prefill compute of the level's finished requests (no batch shares it): its share of the wall,
+        # rows per request (whole-depth equivalents) and the rate it computed them at
+        "prefill_s_sum": grew("cachedrag_prefill_seconds_sum"),
+        "prefill_share": grew("cachedrag_prefill_seconds_sum") / wall,
+        "prefill_rows_mean": grew("cachedrag_prefill_rows_total") / len(ok) if ok else 0.0,
+        "prefill_rows_per_s": (grew("cachedrag_prefill_rows_total") / grew("cachedrag_prefill_seconds_sum")
+                               if grew("cachedrag_prefill_seconds_sum") > 0 else None),
         "cached_tokens_share": cached / prompt if prompt else 0.0,
         "completion_tokens_mean": out_tokens / len(ok) if ok else 0.0,
         # how much the admission order could matter: admissions made with a choice, and ahead of an older request
@@ -533,8 +540,8 @@ def _print(results: dict) -> None:
     cols = [("requests_per_s", "req/s"), ("output_tokens_per_s", "tok/s"), ("ttft_p50_s", "ttft50"),
             ("ttft_p95_s", "ttft95"), ("ttft_mean_s", "ttftavg"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
             ("cached_tokens_share", "cached"), ("completion_tokens_mean", "tok/req"), ("decode_batch_mean", "batch"),
-            ("decode_step_s_mean", "step"), ("contested_share", "contest"), ("reordered_share", "reorder"),
-            ("busy_output_tokens_per_s", "busy t/s")]
+            ("decode_step_s_mean", "step"), ("prefill_share", "prefill"), ("prefill_rows_mean", "rows/req"),
+            ("contested_share", "contest"), ("reordered_share", "reorder"), ("busy_output_tokens_per_s", "busy t/s")]
     cfg = results["config"]
     numerics = cfg["dtype"] + ("" if cfg["weights"] == "dense" else f"+{cfg['weights']}")
     print(f"\nserve: {cfg['requests_per_level']} requests per level, max_tokens {cfg['max_tokens']}, "

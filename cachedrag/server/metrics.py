@@ -72,6 +72,10 @@ class ServerMetrics:
         self.batch = Histogram("cachedrag_decode_batch_size", "requests in one batched decode forward",
                                buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.e2e = Histogram("cachedrag_request_seconds", "arrival to last token", buckets=_LATENCY, registry=r)
+        self.prefill = Histogram("cachedrag_prefill_seconds", "a finished request's prefill compute (cache loads and "
+                                 "decode steps run between its layers excluded)", buckets=_LATENCY, registry=r)
+        self.prefill_rows = Counter("cachedrag_prefill_rows", "prompt rows finished requests' prefills computed, "
+                                    "in whole-depth equivalents (token-layers / layers)", registry=r)
         self.prompt_tokens = Counter("cachedrag_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("cachedrag_cached_prompt_tokens", "prompt tokens served from the chunk cache",
                                      registry=r)
@@ -100,6 +104,9 @@ class ServerMetrics:
 
     def on_finished(self, done) -> None:
         self.e2e.observe(done.total_s)
+        if "prefill_s" in done.stats:
+            self.prefill.observe(done.stats["prefill_s"])
+            self.prefill_rows.inc(done.stats.get("computed_fraction", 0.0) * done.prompt_tokens)
         self.prompt_tokens.inc(done.prompt_tokens)
         self.cached_tokens.inc(done.cached_tokens)
         self.completion_tokens.inc(done.completion_tokens)

@@ -75,4 +75,7 @@ def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
         assert row["requests"] == row["completed"] == 4
         assert row["ttft_mean_s"] > 0 and 0.0 <= row["reordered_share"] <= row["contested_share"] <= 1.0
         assert len(row["ttft_s_by_request"]) == 4 and all(x > 0 for x in row["ttft_s_by_request"])
+        # the server's prefill time and rows: part of the level's wall, every request computed its question
+        assert 0 < row["prefill_s_sum"] <= row["wall_s"] and 0 < row["prefill_share"] <= 1.0
+        assert row["prefill_rows_mean"] >= 1 and row["prefill_rows_per_s"] > 0
     assert "c_vs_d_ttft_mean_c3q" in data["ratios"]

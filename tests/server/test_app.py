@@ -29,10 +29,11 @@ def test_health_models_and_metrics(live_server):
     s = live_server()
     assert httpx.get(s.url + "/health").json()["status"] == "ok"
     assert [m.id for m in _client(s).models.list()] == ["tiny"]
-    _client(s).chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=3, temperature=0)
+    first = _client(s).chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=3, temperature=0)
     text = httpx.get(s.url + "/metrics").text
     for name in ("cachedrag_requests_total", "cachedrag_time_to_first_token_seconds_bucket",
                  "cachedrag_time_per_output_token_seconds_bucket", "cachedrag_decode_batch_size_bucket",
+                 "cachedrag_prefill_seconds_bucket",
                  "cachedrag_queue_length", "cachedrag_chunk_hits_total", "cachedrag_chunk_misses_total",
                  "cachedrag_cache_bytes"):
         assert name in text, name
@@ -40,6 +41,9 @@ def test_health_models_and_metrics(live_server):
     # one request alone: admitted without a choice to make
     assert "cachedrag_admissions_total 1.0" in text and "cachedrag_contested_admissions_total 0.0" in text
     assert "cachedrag_reordered_admissions_total 0.0" in text
+    # nothing cached yet: its prefill computed every prompt row through every layer
+    assert "cachedrag_prefill_seconds_count 1.0" in text
+    assert f"cachedrag_prefill_rows_total {float(first.usage.prompt_tokens)}" in text
 
 
 def test_chat_non_stream_and_stream_agree_and_count_cached_tokens(live_server):
