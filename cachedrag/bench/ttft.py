@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", help="directory of .txt/.md files or a JSONL of {id, text} (default: stdlib docs)")
     parser.add_argument("--questions", help="one question per line, used in order (default: a Zipf stream of stdlib questions)")
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="the runner's numerics in every mode (default: the model's, float32 for the embedded "
+                             "one; bfloat16 is what `cachedrag serve` runs by default)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated subset of " + ",".join(ALL_MODES))
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}
     tapers = {spec: taper_setting(spec) for spec in [x.strip() for x in args.tapers.split(",") if x.strip()]}
     recompute = {spec: recompute_setting(spec) for spec in [x.strip() for x in args.recompute_dtypes.split(",") if x.strip()]}
-    runner = ModelRunner(*load_model(args.model))
+    runner = ModelRunner(*load_model(args.model), dtype=args.dtype)
     work = build_workload(runner.tokenizer, args.corpus, args.questions, top_k=args.top_k,
                           chunk_tokens=args.chunk_tokens, n_requests=args.requests, zipf_s=args.zipf, seed=args.seed)
     n = len(work.questions)
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         "n_chunks": len(work.chunks), "top_k": args.top_k, "chunk_tokens": args.chunk_tokens, "modes": modes,
         "warmup": warmup, "max_new_tokens": args.max_new_tokens, "cache": config.cache.to_dict(),
         "early_termination": config.early_termination, "torch_threads": torch.get_num_threads(),
-        "device": str(runner.device),
+        "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
     }, "n_requests": n - warmup, "modes": {}}
     full = records["full"]
     for m in modes:

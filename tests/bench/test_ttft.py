@@ -51,6 +51,21 @@ def test_bench_ttft_runs_the_default_beside_the_previous_one(tiny_model_dir, tin
     assert reused > 0 and modes["cachedrag"]["approximations"]["partial_recompute:question+inter"] == reused
 
 
+def test_bench_ttft_in_bfloat16(tiny_model_dir, tiny_corpus, tmp_path):
+    """``--dtype bfloat16``: every mode on a bf16 runner (the server's default numerics), recorded in
+    the config; prefix reuse stays exact there too."""
+    corpus, questions = tiny_corpus
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--corpus", corpus, "--questions", questions, "--model", tiny_model_dir,
+                 "--dtype", "bfloat16", "--top-k", "2", "--chunk-tokens", "48", "--max-new-tokens", "3",
+                 "--warmup", "1", "--modes", "full,prefix", "--planning-chunks", "50", "--skip-simulation",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["dtype"] == "bfloat16"
+    prefix = data["modes"]["prefix"]
+    assert prefix["chunk_hit_rate"] > 0 and prefix["rouge_l_vs_full"] == 1.0 and prefix["teacher_forced_top1"] == 1.0
+
+
 def test_bench_ttft_reference_rows_run_the_reference_reuse_path(tiny_model_dir, tiny_corpus, tmp_path):
     """``--reference-ratios``: rows on the float32 pre-pass and zero-filled buffer beside the default
     fast paths, named ``cachedrag@R:ref``, reusing and recomputing as much as the fast rows."""
