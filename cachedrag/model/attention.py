@@ -684,8 +684,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
         uint32_t* kd = kp.data() + h * (D / 2) * ld;
         uint32_t* vd = vp.data() + h * (ld / 2) * D;
         for (int64_t j = j0; j < j1; ++j) {
-          uint32_t word[MAX_D / 2] = {};
+          uint32_t word[MAX_D / 2];
           if (j < kend) std::memcpy(word, kh + j * D, sizeof(uint16_t) * D);
+          else std::memset(word, 0, sizeof(uint16_t) * D);
           for (int i = 0; i < D / 2; ++i) kd[i * ld + j] = word[i];
         }
         for (int64_t j = j0; j < j1; j += 2) {  // j0 and ld are even: word d = (v[j][d], v[j + 1][d])
@@ -940,7 +941,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       scale: float, hidden_keys: torch.Tensor | None = None, pairs: bool = True) -> torch.Tensor:
     """``prefill_attention_reference`` through the compiled kernel (raises when it is unavailable:
     callers check ``prefill_module()`` first). ``positions`` must ascend (as every prefill passes
-    them); ``hidden_keys``: bool ``[kv_len]`` or None. Returns ``[T, H_q*D]``."""
+    them); ``hidden_keys``: bool ``[kv_len]`` or None; ``pairs``: bf16 ``q`` and K/V multiply bf16
+    pairs on AVX512-BF16 CPUs (False, or other dtypes / CPUs: every element widened to float32).
+    Returns ``[T, H_q*D]``."""
     mod = prefill_module()
     if mod is None:
         raise RuntimeError(f"prefill attention kernel unavailable ({kernel_status()})")
