@@ -38,12 +38,12 @@ them), masks only the tiles a row's position cuts, skips per tile the rows that 
 hands tasks (16 rows x KV head, the longest first) to threads from a counter. Probe (SmolLM2-135M
 shapes, 1.3k keys, 2 threads, through ``ModelRunner.attend``): 1.3-1.6x faster than the SDPA path
 per layer in float32 and bfloat16 (docs/speed.md "Prefill attention, round 11"). With bf16 queries
-and K/V on AVX512-BF16 CPUs (``pairs=True``, the default) both products run on bf16 pairs
-(``vdpbf16ps``, two exact products a float32 lane): K copied per call as words of two dims by key,
-V as words of two keys by dim, the scores scaled after the sum, each tile's probabilities rounded to
-bf16 for the value product (float32 softmax and sums, as GPU flash attention does): another 1.5x
-(docs/speed.md "Prefill attention, round 13"). AVX-512 only (``prefill_module()`` is None
-elsewhere: the runner keeps SDPA).
+and K/V on AVX512-BF16 CPUs the scores run on bf16 pairs (``vdpbf16ps``, two exact products a
+float32 lane; K copied per call as words of two dims by key, the scores scaled after the sum):
+``pairs="scores"``, the default, 1.23x at the widened path's accuracy; ``"scores+values"`` also
+multiplies V (copied as words of two keys by dim) by each tile's probabilities rounded to bf16, as
+GPU flash attention does: 1.5x, mean error +13% (docs/speed.md "Prefill attention, round 13").
+AVX-512 only (``prefill_module()`` is None elsewhere: the runner keeps SDPA).
 
 Does not own: where the KV lives or its dtype (``runner.py``), which rows a prefill computes.
 """
@@ -567,14 +567,14 @@ template <typename KV, bool PR> using VWord = std::conditional_t<PR, uint32_t, K
 // PR = false: qs scaled float32 [nq][D], kt K transposed to float32 [D][ld], v the head's V rows;
 // PR = true (bf16 pairs): qs unscaled [nq][D/2] words, kt [D/2][ld] words, v [ld/2][D] words, and
 // each tile's probabilities rounded to bf16 for the value products (float32 sums and softmax).
-template <typename KV, int NV, bool PR>
+template <typename KV, int NV, bool PR, bool PV = PR>
 void attend_block(const Word<PR>* qs, int nq, int G, const int64_t* pos, const Word<PR>* kt, int64_t ld,
-                  const VWord<KV, PR>* v, const uint8_t* hidden, float scale, float* o, float* m, float* l) {
+                  const VWord<KV, PV>* v, const uint8_t* hidden, float scale, float* o, float* m, float* l) {
   constexpr int D = 16 * NV;
   constexpr int QP = NV == 4 ? 6 : 3;  // 24 value accumulators
   const int nqs = (nq + QG - 1) / QG * QG, nqv = (nq + QP - 1) / QP * QP;
   alignas(64) float s[NQ_MAX * KT];
-  alignas(64) uint32_t pp[PR ? NQ_MAX * KT / 2 : 1];  // PR: the tile's probabilities, bf16 pairs of keys
+  alignas(64) uint32_t pp[PV ? NQ_MAX * KT / 2 : 1];  // PR: the tile's probabilities, bf16 pairs of keys
   const int rows = nq / G;
   const int64_t kend = pos[rows - 1] + 1, kopen = hidden ? 0 : pos[0] + 1;  // keys < kopen: every row sees them
   for (int q = 0; q < nqv; ++q) { m[q] = -std::numeric_limits<float>::infinity(); l[q] = 0.f; }
@@ -622,7 +622,7 @@ void attend_block(const Word<PR>* qs, int nq, int G, const int64_t* pos, const W
     const int qv = qa / QP * QP;  // value groups from the one holding qa; vectors outside [qa, nq) add zeros
     for (int q = qv; q < qa; ++q) std::memset(s + q * KT, 0, sizeof(float) * KT);
     for (int q = nq; q < nqv; ++q) std::memset(s + q * KT, 0, sizeof(float) * KT);
-    if constexpr (PR) {
+    if constexpr (PV) {
 #if defined(__AVX512BF16__)
       for (int q = qv; q < nqv; ++q)  // round to nearest even; word j holds keys 2j, 2j + 1
         _mm512_storeu_si512(pp + q * (KT / 2), (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + q * KT + 16), _mm512_loadu_ps(s + q * KT)));
@@ -639,10 +639,11 @@ void attend_block(const Word<PR>* qs, int nq, int G, const int64_t* pos, const W
 // q [H_q, T, D] (float32 or bfloat16, last dim contiguous), k/v [H_kv, C, D] (float32 or bfloat16,
 // rows contiguous), positions int64 [T] ascending and < kv_len, hidden uint8 [kv_len] (1: no query
 // sees that key) or empty -> [T, H_q*D] in q's dtype. Query row t sees keys j <= positions[t].
-// `pairs`: with bf16 q and K/V on an AVX512-BF16 build, the products run on bf16 pairs (the
-// probabilities rounded to bf16 for the value products); otherwise everything widens to float32.
+// `pairs` (with bf16 q and K/V on an AVX512-BF16 build; otherwise everything widens to float32):
+// 0 widens everything; 1 computes the scores on bf16 pairs (the products exact, only the order of
+// the sums differs); 2 the value products too, the probabilities rounded to bf16 for them.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
-                                int64_t kv_len, double scale, torch::Tensor hidden, bool pairs) {
+                                int64_t kv_len, double scale, torch::Tensor hidden, int64_t pairs) {
   using namespace prefill;
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q [H_q, T, D], k/v [H_kv, C, D]");
   const int H_q = q.size(0), D = q.size(2), H_kv = k.size(0);
@@ -668,12 +669,12 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const bool kv_bf16 = k.scalar_type() == torch::kBFloat16, q_bf16 = q.scalar_type() == torch::kBFloat16;
   const int64_t kend = pos[T - 1] + 1;
   const int64_t ld = (kend + KT - 1) / KT * KT;  // transposed K row length, zero padded to whole tiles
-  const bool pr = PAIRS && pairs && kv_bf16 && q_bf16;
+  const bool pr = PAIRS && pairs > 0 && kv_bf16 && q_bf16, pv = pr && pairs > 1;
   // 1. each head's K transposed to float32 [D][ld], so a score tile is FMAs on whole key vectors;
   //    with pairs, K as [D/2][ld] words (dims 2i, 2i+1 of key j) and V as [ld/2][D] words (keys
   //    2j, 2j+1 of dim d), zero past kend
   std::vector<float> kt(pr ? 0 : static_cast<size_t>(H_kv) * D * ld);
-  std::vector<uint32_t> kp(pr ? static_cast<size_t>(H_kv) * D / 2 * ld : 0), vp(pr ? static_cast<size_t>(H_kv) * ld / 2 * D : 0);
+  std::vector<uint32_t> kp(pr ? static_cast<size_t>(H_kv) * D / 2 * ld : 0), vp(pv ? static_cast<size_t>(H_kv) * ld / 2 * D : 0);
   const int64_t nb = (ld + 63) / 64;
   at::parallel_for(0, H_kv * nb, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
@@ -689,7 +690,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
           else std::memset(word, 0, sizeof(uint16_t) * D);
           for (int i = 0; i < D / 2; ++i) kd[i * ld + j] = word[i];
         }
-        for (int64_t j = j0; j < j1; j += 2) {  // j0 and ld are even: word d = (v[j][d], v[j + 1][d])
+        for (int64_t j = j0; pv && j < j1; j += 2) {  // j0 and ld are even: word d = (v[j][d], v[j + 1][d])
           uint32_t* dst = vd + (j / 2) * D;
           const __m256i zero = _mm256_setzero_si256();
           for (int d = 0; d < D; d += 16) {
@@ -743,9 +744,15 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
       if (pr) {
         std::memset(qp.data() + static_cast<size_t>(nq) * D / 2, 0, sizeof(uint32_t) * (NQ_MAX - nq) * D / 2);
         const uint32_t* kh = kp.data() + static_cast<int64_t>(h) * (D / 2) * ld;
-        const uint32_t* vh = vp.data() + static_cast<int64_t>(h) * (ld / 2) * D;
-        if (D == 64) attend_block<uint16_t, 4, true>(qp.data(), nq, G, pos + r0, kh, ld, vh, hid, sc, o.data(), m.data(), l.data());
-        else attend_block<uint16_t, 8, true>(qp.data(), nq, G, pos + r0, kh, ld, vh, hid, sc, o.data(), m.data(), l.data());
+        if (pv) {
+          const uint32_t* vh = vp.data() + static_cast<int64_t>(h) * (ld / 2) * D;
+          if (D == 64) attend_block<uint16_t, 4, true>(qp.data(), nq, G, pos + r0, kh, ld, vh, hid, sc, o.data(), m.data(), l.data());
+          else attend_block<uint16_t, 8, true>(qp.data(), nq, G, pos + r0, kh, ld, vh, hid, sc, o.data(), m.data(), l.data());
+        } else {
+          const uint16_t* vh = reinterpret_cast<const uint16_t*>(v.data_ptr()) + h * v.stride(0);
+          if (D == 64) attend_block<uint16_t, 4, true, false>(qp.data(), nq, G, pos + r0, kh, ld, vh, hid, sc, o.data(), m.data(), l.data());
+          else attend_block<uint16_t, 8, true, false>(qp.data(), nq, G, pos + r0, kh, ld, vh, hid, sc, o.data(), m.data(), l.data());
+        }
       } else {
         std::memset(qs.data() + static_cast<size_t>(nq) * D, 0, sizeof(float) * (NQ_MAX - nq) * D);
         const float* kh = kt.data() + static_cast<int64_t>(h) * D * ld;
@@ -778,7 +785,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
 }
 bool prefill_attention_available() { return true; }
 #else
-torch::Tensor prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double, torch::Tensor, bool) {
+torch::Tensor prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "prefill_attention: built without AVX-512");
   return {};
 }
@@ -937,18 +944,25 @@ def prefill_module():
     return mod if mod is not None and mod.prefill_attention_available() else None
 
 
+PAIRS = {"none": 0, "scores": 1, "scores+values": 2}  # prefill_attention's ``pairs`` -> the kernel's code
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                      scale: float, hidden_keys: torch.Tensor | None = None, pairs: bool = True) -> torch.Tensor:
+                      scale: float, hidden_keys: torch.Tensor | None = None, pairs: str = "scores") -> torch.Tensor:
     """``prefill_attention_reference`` through the compiled kernel (raises when it is unavailable:
     callers check ``prefill_module()`` first). ``positions`` must ascend (as every prefill passes
-    them); ``hidden_keys``: bool ``[kv_len]`` or None; ``pairs``: bf16 ``q`` and K/V multiply bf16
-    pairs on AVX512-BF16 CPUs (False, or other dtypes / CPUs: every element widened to float32).
-    Returns ``[T, H_q*D]``."""
+    them); ``hidden_keys``: bool ``[kv_len]`` or None. ``pairs`` (bf16 ``q`` and K/V on AVX512-BF16
+    CPUs; elsewhere every element is widened to float32): ``"scores"`` multiplies bf16 pairs for the
+    scores (exact products, another order of sums: the widened path's accuracy), ``"scores+values"``
+    for the value products too (the probabilities rounded to bf16 for them, as GPU flash attention
+    does: faster, a little less accurate), ``"none"`` widens everything. Returns ``[T, H_q*D]``."""
+    if pairs not in PAIRS:
+        raise ValueError(f"pairs must be one of {', '.join(PAIRS)}, got {pairs!r}")
     mod = prefill_module()
     if mod is None:
         raise RuntimeError(f"prefill attention kernel unavailable ({kernel_status()})")
     hidden = _NO_HIDDEN if hidden_keys is None else hidden_keys[:kv_len].to(torch.uint8).contiguous()
-    return mod.prefill_attention(q, k, v, positions.to(torch.int64), kv_len, scale, hidden, pairs)
+    return mod.prefill_attention(q, k, v, positions.to(torch.int64), kv_len, scale, hidden, PAIRS[pairs])
 
 
 _NO_HIDDEN = torch.empty(0, dtype=torch.uint8)
