@@ -354,7 +354,6 @@ def test_prefill_kernel_reads_layer_views_at_any_thread_count(threads):
                                rtol=1e-5, atol=2e-6)
 
 
-
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_segment_mass_through_the_kernel_equals_reference(dtype):
@@ -382,6 +381,7 @@ def test_segment_mass_through_the_kernel_equals_reference(dtype):
             torch.testing.assert_close(got[choice], ref, **tol)
         torch.testing.assert_close(got["kernel"], got["sdpa"], **tol)
         torch.testing.assert_close(got["kernel"].sum(-1), torch.ones(len(rows)), atol=2 * tol["atol"], rtol=0)
+
 
 @needs_prefill_kernel
 def test_prefill_kernel_refuses_bad_input():
