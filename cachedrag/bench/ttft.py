@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="the runner's numerics in every mode (default: the model's, float32 for the embedded "
-                             "one; bfloat16 is what `cachedrag serve` runs by default)")
+                             "one; bfloat16: what `bench serve` measures servers in, `cachedrag serve --dtype bfloat16`)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated subset of " + ",".join(ALL_MODES))

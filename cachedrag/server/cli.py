@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(int8 weights and per-token int8 decode activations; needs VNNI) (default dense)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: the cores this process may use)")
+    parser.add_argument("--prefill-pairs", default="scores", choices=("scores", "scores+values", "none"),
+                        help="bf16 prefill attention on AVX512-BF16 CPUs: bf16 pairs for the scores (default; the "
+                             "float32 path's accuracy), for the value products too (probabilities rounded to bf16, "
+                             "~3%% faster prefills), or none (docs/speed.md, prefill attention round 13)")
     parser.add_argument("--max-batch", type=int, default=8, help="most requests decoding together (1 = no batching)")
     parser.add_argument("--max-waiting", type=int, default=256, help="waiting-queue limit; beyond it requests get 503")
     parser.add_argument("--order", default="cache_aware", choices=("cache_aware", "fifo"), help="prefill admission order")
@@ -82,8 +86,9 @@ def _bound(seconds: float) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "backend", "local") == "ray" or getattr(args, "replicas", 1) != 1:
-        if args.dtype is not None or args.weights != "dense" or args.threads is not None:
-            raise ConfigError("--dtype, --weights and --threads apply to one server process; replicas "
+        if (args.dtype is not None or args.weights != "dense" or args.threads is not None
+                or args.prefill_pairs != "scores"):
+            raise ConfigError("--dtype, --weights, --threads and --prefill-pairs apply to one server process; replicas "
                               "(--replicas / --backend ray) run the model's float32 dense weights")
         from cachedrag.cluster.cli import run as run_cluster  # replicas on Ray Serve (docs/scale-out.md)
 
@@ -160,7 +165,7 @@ def build_engine(args: argparse.Namespace):
 
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"bad server setting: --threads must be >= 1, got {args.threads}")
-    numerics = dict(dtype=args.dtype, weights=args.weights, threads=args.threads)
+    numerics = dict(dtype=args.dtype, weights=args.weights, threads=args.threads, prefill_pairs=args.prefill_pairs)
     if args.tiny:
         from cachedrag.testing import tiny_runner
 

@@ -52,7 +52,7 @@ def test_bench_ttft_runs_the_default_beside_the_previous_one(tiny_model_dir, tin
 
 
 def test_bench_ttft_in_bfloat16(tiny_model_dir, tiny_corpus, tmp_path):
-    """``--dtype bfloat16``: every mode on a bf16 runner (the server's default numerics), recorded in
+    """``--dtype bfloat16``: every mode on a bf16 runner (the numerics `bench serve` measures in), recorded in
     the config; prefix reuse stays exact there too."""
     corpus, questions = tiny_corpus
     out = tmp_path / "ttft.json"

@@ -66,6 +66,7 @@ def test_bad_setting_exits_2_with_one_line():
     (["--threads", "0"], "--threads"),
     (["--max-overtakes", "-1"], "max_overtakes"),
     (["--dtype", "bfloat16", "--replicas", "2"], "--replicas"),  # replicas would silently ignore it
+    (["--prefill-pairs", "none", "--replicas", "2"], "--prefill-pairs"),
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):
     proc = subprocess.run([sys.executable, "-m", "cachedrag.cli", "serve", "--tiny", "--port", "0", *args],
@@ -79,9 +80,11 @@ def test_build_engine_uses_the_requested_numerics():
     from cachedrag.cli import build_parser
     from cachedrag.server.cli import build_engine
 
-    args = build_parser().parse_args(["serve", "--tiny", "--dtype", "bfloat16", "--weights", "int8", "--threads", "1"])
+    args = build_parser().parse_args(["serve", "--tiny", "--dtype", "bfloat16", "--weights", "int8", "--threads", "1",
+                                      "--prefill-pairs", "scores+values"])
     engine = build_engine(args)
     assert engine.runner.numerics.tag == "bfloat16+int8w" and engine.runner.threads == 1
+    assert engine.runner.prefill_pairs == "scores+values"
     assert engine.namespace.dtype == "bfloat16+int8w"  # its caches never serve a float32 engine
     text = engine.generate(["heapq pushes items onto a heap."], "What does heapq do?", max_new_tokens=3).text
     assert isinstance(text, str)
