@@ -321,6 +321,7 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
     hits, misses = grew("cachedrag_chunk_hits_total"), grew("cachedrag_chunk_misses_total")
     admitted = grew("cachedrag_admissions_total")
     steps = grew("cachedrag_decode_batch_size_count")
+    prefill_s, prefill_rows = grew("cachedrag_prefill_seconds_sum"), grew("cachedrag_prefill_rows_total")
     ok = [r for r in results if r["status"] == 200 and r["usage"]]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     tpot = [(r["total_s"] - r["ttft_s"]) / (r["usage"]["completion_tokens"] - 1) for r in ok
@@ -341,11 +342,10 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         "decode_batch_mean": (grew("cachedrag_decode_batch_size_sum") / steps) if steps else None,
         # prefill compute of the level's finished requests (no batch shares it): its share of the wall,
         # rows per request (whole-depth equivalents) and the rate it computed them at
-        "prefill_s_sum": grew("cachedrag_prefill_seconds_sum"),
-        "prefill_share": grew("cachedrag_prefill_seconds_sum") / wall,
-        "prefill_rows_mean": grew("cachedrag_prefill_rows_total") / len(ok) if ok else 0.0,
-        "prefill_rows_per_s": (grew("cachedrag_prefill_rows_total") / grew("cachedrag_prefill_seconds_sum")
-                               if grew("cachedrag_prefill_seconds_sum") > 0 else None),
+        "prefill_s_sum": prefill_s,
+        "prefill_share": prefill_s / wall,
+        "prefill_rows_mean": prefill_rows / len(ok) if ok else 0.0,
+        "prefill_rows_per_s": prefill_rows / prefill_s if prefill_s > 0 else None,
         "cached_tokens_share": cached / prompt if prompt else 0.0,
         "completion_tokens_mean": out_tokens / len(ok) if ok else 0.0,
         # how much the admission order could matter: admissions made with a choice, and ahead of an older request

@@ -729,15 +729,13 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
       for (int64_t r = r0; r < r1; ++r)
         for (int g = 0; g < G; ++g) {
           float* dst = qs.data() + ((r - r0) * G + g) * D;
-          const int64_t head = static_cast<int64_t>(h) * G + g;
-          if (pr) {
-            const at::BFloat16* src = static_cast<const at::BFloat16*>(q.data_ptr()) + head * q.stride(0) + r * q.stride(1);
-            std::memcpy(qp.data() + ((r - r0) * G + g) * (D / 2), src, sizeof(uint16_t) * D);
-          } else if (q_bf16) {
-            const at::BFloat16* src = static_cast<const at::BFloat16*>(q.data_ptr()) + head * q.stride(0) + r * q.stride(1);
-            for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * sc;
+          const int64_t row = (static_cast<int64_t>(h) * G + g) * q.stride(0) + r * q.stride(1);  // q's elements
+          if (q_bf16) {
+            const at::BFloat16* src = static_cast<const at::BFloat16*>(q.data_ptr()) + row;
+            if (pr) std::memcpy(qp.data() + ((r - r0) * G + g) * (D / 2), src, sizeof(uint16_t) * D);
+            else for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * sc;
           } else {
-            const float* src = q.data_ptr<float>() + head * q.stride(0) + r * q.stride(1);
+            const float* src = q.data_ptr<float>() + row;
             for (int d = 0; d < D; ++d) dst[d] = src[d] * sc;
           }
         }

@@ -496,11 +496,10 @@ class ModelRunner:
             out = selective_attention(q, kv.k[i], kv.v[i], positions, kv_len=kv_len, scale=self.scaling,
                                       backend="triton", validate=False).out  # [H_q, T_q, D]
             return out.transpose(0, 1).reshape(q.shape[1], -1)  # [T_q, H_q*D]
-        if (self._prefill_kernel is not None and self.windows[i] is None
-                and (q.dtype == torch.bfloat16 or q.shape[1] >= _KERNEL_MIN_ROWS)):
-            hidden = _NO_HIDDEN if blocks is None or blocks.hidden is None else blocks.hidden
-            return self._prefill_kernel.prefill_attention(q, kv.k[i], kv.v[i], positions.to(torch.int64), kv_len,
-                                                          self.scaling, hidden, PAIRS[self.prefill_pairs])  # [T_q, H_q*D]
+        hidden = _NO_HIDDEN if blocks is None or blocks.hidden is None else blocks.hidden
+        out = self._kernel_attention(i, q, kv.k[i], kv.v[i], positions, kv_len, hidden)  # [T_q, H_q*D] or None
+        if out is not None:
+            return out
         if self._leading_causal(i, positions, kv_len):  # rows 0..T_q-1: SDPA's causal mode skips masked blocks
             t = q.shape[1]
             out = F.scaled_dot_product_attention(
@@ -525,6 +524,17 @@ class ModelRunner:
             enable_gqa=self.n_heads != self.n_kv_heads,
         )  # [1, H_q, T_q, D]
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [T_q, H_q*D]
+
+    def _kernel_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          kv_len: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The prefill kernel's attention ``[T_q, H_q*D]`` of queries ``[H_q, T_q, D]`` over ``k``/``v``
+        ``[H_kv, C, D]`` where it takes layer ``i`` (no sliding window; bf16 queries, or at least
+        ``_KERNEL_MIN_ROWS`` float32 rows), else None. ``hidden``: uint8 ``[kv_len]`` or empty."""
+        if (self._prefill_kernel is None or self.windows[i] is not None
+                or (q.dtype != torch.bfloat16 and q.shape[1] < _KERNEL_MIN_ROWS)):
+            return None
+        return self._prefill_kernel.prefill_attention(q, k, v, positions.to(torch.int64), kv_len, self.scaling,
+                                                      hidden, PAIRS[self.prefill_pairs])  # [T_q, H_q*D]
 
     def _leading_causal(self, i: int, positions: torch.Tensor, kv_len: int) -> bool:
         """True when the queries are exactly positions ``0..T_q-1`` (sorted, as every caller passes
@@ -821,10 +831,8 @@ class ModelRunner:
         seg = torch.bucketize(torch.arange(kv_len, device=self.device), edges, right=True)  # [T_k] segment of each key
         ind = seg[:, None] == torch.arange(self.head_dim, device=self.device)[None, :]  # [T_k, D], columns >= S empty
         values = ind.to(k.dtype).expand(self.n_kv_heads, kv_len, self.head_dim)  # [H_kv, T_k, D]
-        if (self._prefill_kernel is not None and self.windows[i] is None
-                and (q.dtype == torch.bfloat16 or q.shape[1] >= _KERNEL_MIN_ROWS)):  # as ``attend`` picks
-            out = self._prefill_kernel.prefill_attention(q, k, values, positions.to(torch.int64), kv_len, self.scaling,
-                                                         _NO_HIDDEN, PAIRS[self.prefill_pairs])  # [T_q, H_q*D]
+        out = self._kernel_attention(i, q, k, values, positions, kv_len, _NO_HIDDEN)  # [T_q, H_q*D] or None
+        if out is not None:
             return out.view(q.shape[1], self.n_heads, self.head_dim)[:, :, :n_seg].float().mean(1)  # [T_q, S]
         if self._leading_causal(i, positions, kv_len):  # keys past row T_q-1 are invisible to every query
             t = positions.shape[0]

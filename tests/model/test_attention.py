@@ -287,7 +287,7 @@ def test_prefill_kernel_equals_reference(heads, dim, kv_dtype, q_dtype, hidden):
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
 
 
-PAIRS = attention.prefill_module() is not None and "avx512_bf16" in cpu_flags()
+BF16_PAIRS = attention.prefill_module() is not None and "avx512_bf16" in cpu_flags()  # pairs really run
 
 
 @needs_prefill_kernel
@@ -329,7 +329,7 @@ def test_prefill_kernel_bf16_pairs_equal_the_widened_path(heads, dim):
                 torch.set_num_threads(before)
         assert torch.equal(attention.prefill_attention(q, k, v, pos, n, dim ** -0.5, hide),
                            attention.prefill_attention(q, k, v, pos, n, dim ** -0.5, hide, pairs="scores"))
-    assert not PAIRS or all(differs.values()), f"a pairs path did not run: {differs}"
+    assert not BF16_PAIRS or all(differs.values()), f"a pairs path did not run: {differs}"
     with pytest.raises(ValueError, match="pairs must be one of"):
         attention.prefill_attention(q, k, v, pos, n, dim ** -0.5, hide, pairs="values")
 
@@ -432,7 +432,7 @@ def test_prefill_with_kernel_equals_sdpa(dtype):
             other = runner.prefill(ids[pos], pos, kv=kv, kv_len=n, all_logits=True).float()  # [T, V]
             torch.testing.assert_close(other, out["sdpa"], **tol)
             if mode == "scores+values":  # the probabilities' rounding shows in the logits
-                assert not PAIRS or not torch.equal(other, out["kernel"])
+                assert not BF16_PAIRS or not torch.equal(other, out["kernel"])
         with pytest.raises(ConfigError, match="prefill_pairs must be one of"):
             ModelRunner(tiny_model("llama", vocab_size=len(tok), **dims), tok, dtype=dtype, prefill_pairs="all")
     # keys a pass leaves out (the question pre-pass): the kernel reads them from the block plan
