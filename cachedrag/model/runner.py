@@ -36,6 +36,8 @@ _CAUSAL_ROWS = 64  # query rows per block of the block-causal partial-prefill at
 _CAUSAL_GAIN = 0.8  # cut into blocks only when they visit at most this share of the single call's query-key pairs
 _KERNEL_MIN_ROWS = 48  # float32 prefills of fewer query rows keep SDPA (probe: 25 rows 1.14 vs 1.02 ms, 64 rows 1.96 vs 2.31)
 _NO_HIDDEN = torch.empty(0, dtype=torch.uint8)
+DECODE_STEPS = ("auto", "fused", "torch", "cuda-graph")
+GRAPH_ROWS = 256  # a CUDA-graph runner's buffer capacities are multiples of this (graphs are per buffer)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,6 +121,21 @@ class KVBuffer:
         return self.k.shape[2]
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"``: CUDA where present, else the CPU; a CUDA device without CUDA is a ConfigError."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"unknown device {device!r}: use auto, cpu or cuda") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {str(device)!r}: torch.cuda.is_available() is false on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {str(device)!r}: cachedrag runs on cpu or cuda")
+    return device
+
+
 class ModelRunner:
     """Layer-wise forward over a supported HF causal LM (Llama, Mistral, Qwen2, Qwen3)."""
 
@@ -156,9 +173,12 @@ class ModelRunner:
         ``decode_step``: how the one-token step runs. ``"fused"``: every layer and the LM head in one
         native call (``model/fused_decode.py``: float32/bfloat16 dense and int8 weights, the split-K
         attention; built with the attention kernel); ``"torch"``: op by op (``_decode_layer``, or the
-        ``compile=True`` packages; the reference); ``"auto"`` (default): fused where it applies and
-        neither ``compile=True`` nor ``decode_attention="sdpa"`` asks for the torch step, the reason
-        otherwise in ``decode_step_note``. The resolved choice is ``self.decode_step_kind``.
+        ``compile=True`` packages; the reference); ``"cuda-graph"``: a CUDA runner's step replayed
+        from a graph captured once per KV buffer (``model/cuda_graph.py``; buffer capacities then
+        round up to ``GRAPH_ROWS``); ``"auto"`` (default): on CUDA the graph step (unless
+        ``compile=True``), on CPU fused where it applies and neither ``compile=True`` nor
+        ``decode_attention="sdpa"`` asks for the torch step, the reason otherwise in
+        ``decode_step_note``. The resolved choice is ``self.decode_step_kind``.
         ``prefill_attention``: a prefill's attention (any sorted set of query positions over the
         request's KV, causal by position). ``"kernel"``: the C++ kernel of ``model/attention.py``
         (AVX-512 CPUs; 1.3-1.6x faster than SDPA per layer); ``"sdpa"``: torch's SDPA with the
@@ -232,7 +252,12 @@ class ModelRunner:
             from cachedrag.model.compiled import CompiledDecode
 
             self.compiled = CompiledDecode(self, compile_cache_dir)
+        self.cuda_graphs = None
         self.decode_step_kind, self.decode_step_note, self.fused = self._pick_decode_step(decode_step)
+        if self.decode_step_kind == "cuda-graph":
+            from cachedrag.model.cuda_graph import CudaGraphDecode
+
+            self.cuda_graphs = CudaGraphDecode(self)
         self.prefill_attention, self.prefill_attention_note, self._prefill_kernel = self._pick_prefill_attention(
             prefill_attention)
         if prefill_pairs not in PAIRS:
@@ -275,10 +300,14 @@ class ModelRunner:
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype=None, weights: str = "dense",
                         kv_store_dtype=None, threads: int | None = None, warmup: bool = True,
-                        device: str = "cpu", **kwargs) -> "ModelRunner":
+                        device: str = "auto", **kwargs) -> "ModelRunner":
         """Load a model (``None``: the embedded default) and build its runner; with ``warmup``,
-        run one representative prefill and decode now so the first request pays no one-time cost."""
+        run one representative prefill and decode now so the first request pays no one-time cost.
+        ``device``: ``"auto"`` (default: CUDA where present, else the CPU), ``"cpu"``, ``"cuda"``
+        or ``"cuda:N"``."""
         from cachedrag.model.loader import load_model
+
+        device = resolve_device(device)
 
         name = dtype_name(dtype) if dtype is not None else ("bfloat16" if weights in QUANTIZED else "float32")
         load_dtype = DTYPES["float32"] if weights == "int4" else DTYPES[name]  # int4 quantises the fp32 values
@@ -361,10 +390,18 @@ class ModelRunner:
 
     def _pick_decode_step(self, requested: str):
         """``(choice, note, FusedDecode or None)`` for the one-token step."""
-        if requested not in ("auto", "fused", "torch"):
-            raise ConfigError(f"decode_step must be 'auto', 'fused' or 'torch', got {requested!r}")
+        if requested not in DECODE_STEPS:
+            raise ConfigError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {requested!r}")
         if requested == "torch":
             return "torch", "", None
+        if self.device.type == "cuda":
+            if requested == "fused":
+                raise ConfigError("decode_step='fused' is the CPU step; on CUDA use 'cuda-graph' or 'torch'")
+            if self.compiled is not None:
+                return "torch", "compile=True (the compiled torch step)", None
+            return "cuda-graph", "", None
+        if requested == "cuda-graph":
+            raise ConfigError(f"decode_step='cuda-graph' needs a CUDA runner (this one is on {self.device.type})")
         from cachedrag.model.fused_decode import FusedDecode, unsupported_reason
 
         reason = unsupported_reason(self)
@@ -405,9 +442,15 @@ class ModelRunner:
             raise ContextWindowError(
                 f"request needs {capacity} positions but the model's context window is {self.max_context} tokens"
             )
-        shape = (self.n_layers, self.n_kv_heads, capacity, self.head_dim)
-        k = torch.empty(shape, dtype=self.dtype, device=self.device)  # [L, H_kv, C, D]
-        v = torch.empty(shape, dtype=self.dtype, device=self.device)  # [L, H_kv, C, D]
+        if self.cuda_graphs is not None:  # capacities in steps of GRAPH_ROWS, K and V in one block: the
+            capacity = min(self.max_context, -(-capacity // GRAPH_ROWS) * GRAPH_ROWS)  # next request of the
+            kv = torch.empty((2, self.n_layers, self.n_kv_heads, capacity, self.head_dim), dtype=self.dtype,
+                             device=self.device)  # [2, L, H_kv, C, D]; size gets this block back, and its graph
+            k, v = kv[0], kv[1]  # [L, H_kv, C, D] each
+        else:
+            shape = (self.n_layers, self.n_kv_heads, capacity, self.head_dim)
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)  # [L, H_kv, C, D]
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)  # [L, H_kv, C, D]
         if fill is not None:
             k.fill_(fill)
             v.fill_(fill)
@@ -706,6 +749,8 @@ class ModelRunner:
             if torch.get_num_threads() == self.compiled.threads:
                 return self.compiled.step(token_id, position, kv)
             self.compiled.eager_steps += 1  # thread count changed since the build: the eager step (counted)
+        if self.cuda_graphs is not None:  # CUDA: the step replayed from a graph captured per buffer
+            return self.cuda_graphs.step(token_id, position, kv)
         ids = torch.tensor([token_id], device=self.device)
         pos = torch.tensor([position], device=self.device)
         hidden = self.embed(ids)  # [1, Dm]

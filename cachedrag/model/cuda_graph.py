@@ -1,0 +1,137 @@
+"""The one-token decode step on CUDA, replayed from captured CUDA graphs.
+
+Owns: capturing a runner's decode step for one KV buffer (its K/V tensors bound by address, the
+token and position in static device tensors, attention over the buffer's whole capacity under the
+causal mask of the position) and replaying it; a small cache of captured steps keyed by the
+buffer's address and shape, so a buffer the allocator hands out again (the next request of the
+same capacity gets the block the last one freed) reuses its graph. A captured step keeps no
+reference to the buffer: it replays only for a buffer at the same address with the same shape,
+which is then the memory it was captured over.
+
+Why our own: a step of a 32-layer model is ~500 kernel launches; eager PyTorch issues them from
+Python at ~5-10 µs each, which is as long as the GPU needs to read the weights (16 GB at ~3 TB/s,
+5 ms). ``torch.compile(mode="reduce-overhead")`` captures graphs too, but recompiles per shape
+and needs minutes for an 8B model; the step here is the runner's own ops (``write_layer``,
+``finish_layer``, SDPA), captured as they are, so it stays equal to the eager step (tests).
+
+Does not own: the eager step (``ModelRunner.decode_step``'s other paths, the reference), batching
+several requests per step (``server/batch.py``), or sampling.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+#: captured steps kept per runner (each holds its own memory pool: one step's activations)
+CACHE_SIZE = 4
+
+
+class CapturedStep:
+    """One captured decode step over one KV buffer (``[L, H_kv, C, D]`` K and V)."""
+
+    def __init__(self, runner, kv) -> None:
+        self.runner = runner
+        device = runner.device
+        capacity = kv.capacity
+        self.k, self.v = kv.k, kv.v  # for the capture only (released below)
+        self.key = buffer_key(kv)
+        self.token = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        self.position = torch.full((1,), min(kv.length, capacity - 1), dtype=torch.long, device=device)  # [1]
+        cos, sin = runner.rotary.cos_sin(torch.arange(capacity, device=device), runner.dtype, device)  # [C, D] each
+        self.cos, self.sin = cos, sin
+        self.bound: weakref.ref | None = None
+        self._bind(kv)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up off the capturing stream (cuBLAS handles, workspaces)
+            for _ in range(2):
+                self._step()  # writes K/V at the row after the valid ones: the real step overwrites it
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()  # [V] float32, overwritten by every replay
+        del self.k, self.v  # the graph holds addresses; the buffer's owner decides its lifetime
+        self._bind(kv)  # the warm-up and capture wrote a row past the valid ones: zero it again
+
+    def _bind(self, kv) -> None:
+        """Make rows past ``kv.length`` finite (zeros): attention runs over the whole capacity and a
+        masked key's weight is 0, but 0 x NaN from uninitialised memory would still be NaN."""
+        if kv.length < kv.capacity:
+            kv.k[:, :, kv.length:].zero_()
+            kv.v[:, :, kv.length:].zero_()
+        self.bound = weakref.ref(kv)
+
+    def _step(self) -> torch.Tensor:
+        return static_step(self.runner, self.k, self.v, self.token, self.position, self.cos, self.sin)
+
+    def step(self, token_id: int, position: int, kv) -> torch.Tensor:
+        if self.bound is None or self.bound() is not kv:  # another buffer object at this address
+            self._bind(kv)
+        self.token.fill_(token_id)
+        self.position.fill_(position)
+        self.graph.replay()
+        kv.length = max(kv.length, position + 1)
+        return self.logits.clone()  # [V]: the next replay overwrites the captured output
+
+
+def static_step(runner, k: torch.Tensor, v: torch.Tensor, token: torch.Tensor, position: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The decode step with every shape fixed by the buffer (what a graph captures): ``token`` and
+    ``position`` ``[1]`` device tensors, ``k``/``v`` ``[L, H_kv, C, D]`` (rows past ``position`` finite),
+    ``cos``/``sin`` ``[C, D]`` for every row; writes the K/V row at ``position``, returns logits ``[V]``."""
+    kv = _Buffer(k, v)
+    capacity = k.shape[2]
+    rope = (cos.index_select(0, position), sin.index_select(0, position))  # [1, D] each
+    hidden = runner.embed(token)  # [1, Dm]
+    for i in range(runner.n_layers):
+        q = runner.write_layer(i, hidden, position, kv, rope=rope)  # [H_q, 1, D]; the K/V row written
+        mask = runner.attention_mask(i, position, capacity)  # [1, C] bool
+        out = F.scaled_dot_product_attention(q[None], k[i, None], v[i, None], attn_mask=mask[None, None],
+                                             scale=runner.scaling,
+                                             enable_gqa=runner.n_heads != runner.n_kv_heads)  # [1, H_q, 1, D]
+        hidden = runner.finish_layer(i, hidden, out[0].transpose(0, 1).reshape(1, -1))  # [1, Dm]
+    return runner.logits(hidden)[0]  # [V]
+
+
+def buffer_key(kv) -> tuple:
+    """What a captured step is bound to: the K/V addresses, shape, strides and dtype."""
+    return kv.k.data_ptr(), kv.v.data_ptr(), tuple(kv.k.shape), tuple(kv.k.stride()), tuple(kv.v.stride()), kv.k.dtype
+
+
+class _Buffer:
+    """The K/V pair ``write_layer`` writes into (a ``KVBuffer`` without its length bookkeeping)."""
+
+    __slots__ = ("k", "v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+
+class CudaGraphDecode:
+    """A runner's decode steps from captured graphs, one per KV buffer (LRU of ``CACHE_SIZE``)."""
+
+    def __init__(self, runner, cache_size: int = CACHE_SIZE) -> None:
+        self.runner = runner
+        self.cache_size = cache_size
+        self._steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
+        self._lock = threading.Lock()
+        self.captures = 0
+
+    def step(self, token_id: int, position: int, kv) -> torch.Tensor:
+        """Logits ``[V]`` (float32) of ``token_id`` at ``position`` over ``kv``'s rows ``[0, position]``."""
+        key = buffer_key(kv)
+        with self._lock:  # one replay at a time: a step's static inputs and output are shared
+            captured = self._steps.get(key)
+            if captured is None:
+                captured = CapturedStep(self.runner, kv)
+                self.captures += 1
+                self._steps[key] = captured
+                while len(self._steps) > self.cache_size:
+                    self._steps.popitem(last=False)
+            self._steps.move_to_end(key)
+            return captured.step(token_id, position, kv)

@@ -1,0 +1,110 @@
+"""The CUDA-graph decode step (``model/cuda_graph.py``): its static-shape step equals the eager
+step on CPU; on CUDA (marked gpu) the replayed graph equals the eager CUDA step and the CPU runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachedrag.model.cuda_graph import static_step
+from cachedrag.model.generation import SamplingParams
+from cachedrag.model.runner import GRAPH_ROWS, ModelRunner
+from cachedrag.model.textgen import TextGenerator
+from cachedrag.testing import TINY_ARCHITECTURES, tiny_model, tiny_runner
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_static_step_equals_the_eager_step(arch):
+    """The step a graph captures (attention over the whole buffer under the position's mask, rows
+    past the position zero) gives the eager step's logits and K/V row, step after step."""
+    runner = tiny_runner(arch, decode_step="torch")
+    ids = _ids(20)
+    cap = 32
+    eager, static = runner.new_kv(cap), runner.new_kv(cap)
+    runner.prefill(ids, kv=eager)
+    runner.prefill(ids, kv=static)
+    cos, sin = runner.rotary.cos_sin(torch.arange(cap), runner.dtype, runner.device)  # [C, D] each
+    for step, token in enumerate([5, 77, 3, 250]):
+        pos = 20 + step
+        want = runner.decode_step(token, pos, eager)
+        got = static_step(runner, static.k, static.v, torch.tensor([token]), torch.tensor([pos]), cos, sin)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(static.k[:, :, pos], eager.k[:, :, pos], atol=1e-5, rtol=0)
+
+
+def test_cuda_graph_step_is_refused_on_cpu():
+    from cachedrag.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs a CUDA runner"):
+        tiny_runner("llama", decode_step="cuda-graph")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _cuda_runner(arch: str, dtype: str = "float32", **kw) -> ModelRunner:
+    model = tiny_model(arch, seed=2, vocab_size=260).to("cuda")
+    from cachedrag.testing import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return ModelRunner(model, tok, dtype=dtype, **kw)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_graph_decode_equals_eager_cuda_and_cpu(arch):
+    graph = _cuda_runner(arch)
+    eager = _cuda_runner(arch, decode_step="torch")
+    cpu = tiny_runner(arch, seed=2, decode_step="torch")
+    assert graph.decode_step_kind == "cuda-graph" and eager.decode_step_kind == "torch"
+    prompt = _ids(40, seed=4).tolist()
+    params = SamplingParams(max_new_tokens=24)
+    texts = [TextGenerator(r).generate(prompt, params).token_ids for r in (graph, eager, cpu)]
+    assert texts[0] == texts[1] == texts[2]
+    # logits of one step, and the buffer capacity rounded for graph reuse
+    kv_g, kv_e = graph.new_kv(60), eager.new_kv(60)
+    assert kv_g.capacity == GRAPH_ROWS and kv_e.capacity == 60
+    ids = _ids(30, seed=5)
+    graph.prefill(ids, kv=kv_g)
+    eager.prefill(ids, kv=kv_e)
+    for step in range(3):
+        torch.testing.assert_close(graph.decode_step(7 + step, 30 + step, kv_g),
+                                   eager.decode_step(7 + step, 30 + step, kv_e), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@cuda
+def test_graph_is_reused_for_a_buffer_of_the_same_capacity_and_survives_garbage():
+    runner = _cuda_runner("llama", dtype="bfloat16")
+    ids = _ids(50, seed=6)
+    outs = []
+    for _ in range(3):
+        kv = runner.new_kv(70)
+        kv.k.fill_(float("nan"))  # uninitialised memory past the prompt must not leak into attention
+        kv.v.fill_(float("nan"))
+        runner.prefill(ids, kv=kv)
+        outs.append(runner.decode_step(9, 50, kv))
+        del kv
+    assert runner.cuda_graphs.captures == 1
+    assert all(torch.isfinite(o).all() for o in outs)
+    torch.testing.assert_close(outs[0], outs[2], atol=0, rtol=0)
+
+
+def test_device_auto_resolves_to_what_this_machine_has_and_bad_devices_are_refused():
+    from cachedrag.errors import ConfigError
+    from cachedrag.model.runner import resolve_device
+
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="unknown device"):
+        resolve_device("tpu7")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="is_available"):
+            resolve_device("cuda:0")
