@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: the model's name)")
     parser.add_argument("--tiny", action="store_true", help="serve a tiny random-weight model (tests, smoke checks)")
     parser.add_argument("--mode", default="cachedrag", choices=("cachedrag", "prefix", "full"), help="chunk reuse mode")
+    parser.add_argument("--device", default="auto",
+                        help="auto (default: CUDA where present), cpu, cuda or cuda:N; --tiny runs on the CPU")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="activations, working KV and dense weights (default float32; bfloat16 with "
                              "--weights int8/int4; docs/speed.md)")
@@ -87,9 +89,9 @@ def _bound(seconds: float) -> float | None:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "backend", "local") == "ray" or getattr(args, "replicas", 1) != 1:
         if (args.dtype is not None or args.weights != "dense" or args.threads is not None
-                or args.prefill_pairs != "scores"):
-            raise ConfigError("--dtype, --weights, --threads and --prefill-pairs apply to one server process; replicas "
-                              "(--replicas / --backend ray) run the model's float32 dense weights")
+                or args.prefill_pairs != "scores" or args.device != "auto"):
+            raise ConfigError("--device, --dtype, --weights, --threads and --prefill-pairs apply to one server process; "
+                              "replicas (--replicas / --backend ray) run the model's float32 dense weights")
         from cachedrag.cluster.cli import run as run_cluster  # replicas on Ray Serve (docs/scale-out.md)
 
         return run_cluster(args)
@@ -171,7 +173,7 @@ def build_engine(args: argparse.Namespace):
 
         runner = tiny_runner(**numerics)
     else:
-        runner = ModelRunner.from_pretrained(args.model, **numerics)  # warmed up here, not on the first request
+        runner = ModelRunner.from_pretrained(args.model, device=args.device, **numerics)  # warmed up here
     gb = 1 << 30
     config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb))
     store = None

@@ -448,3 +448,21 @@ def test_pooled_request_decodes_bit_for_bit_as_it_would_alone(arch):
 
 def _copy_kv(kv):
     return type(kv)(k=kv.k.clone(), v=kv.v.clone(), length=kv.length)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_loop_on_cuda_equals_the_cpu_engine():
+    """The server's loop (batched steps, requests joining and leaving) on a CUDA runner gives the
+    CPU engine's greedy tokens."""
+    tok = byte_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok)).to("cuda")
+    model.generation_config.eos_token_id = tok.eos_token_id
+    gpu = CachedEngine(ModelRunner(model, tok), config=NO_DRAFTS)
+    cpu = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+    lengths = [3, 14, 9, 20]
+    reqs = [(gpu.prompts.chat(_chunks(i), QUESTIONS[i]), SamplingParams(max_new_tokens=n)) for i, n in enumerate(lengths)]
+    batched, loop = _run_loop(gpu, reqs, max_batch=3)
+    want = [cpu.generate(_chunks(i), QUESTIONS[i], max_new_tokens=n) for i, n in enumerate(lengths)]
+    assert [r.token_ids for r in batched] == [w.token_ids for w in want]
+    assert loop.steps < sum(lengths)  # steps were shared
