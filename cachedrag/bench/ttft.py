@@ -10,11 +10,15 @@ over that answer (``teacher_forced_top1``: the mode's top-1 equals full's at eac
 answer, so no compounding of an early divergence), and speedups measured in the same run. Also reports the planner micro-benchmark (10k cached chunks) and the
 replacement-policy trace simulation. Prints a table; ``--json OUT`` writes
 ``{"config", "n_requests", "modes": {mode: {...}}, "planning", "policy_simulation"}``.
+``--device`` picks where the model runs (CPU by default; on CUDA the clock starts after a device
+sync). ``--workload-out`` saves the built workload (``bench.workload.save_workload``) and
+``--workload`` replays a saved one without the embedder, e.g. built here and run on a GPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from collections import Counter
 import sys
@@ -33,6 +37,9 @@ ALL_MODES = ("full", "prefix", "naive", "random", "cachedrag")
 #: the engine default until the measured frontier chose one (docs/fidelity.md), for before/after rows
 PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None, "layer_taper": ()},
                     "early_termination": True}
+#: the workload options' defaults (None in the parser, so that --workload can tell a given one)
+WORKLOAD_DEFAULTS = {"top_k": 5, "chunk_tokens": 256, "requests": 40, "zipf": 1.1}
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,12 +49,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="the runner's numerics in every mode (default: the model's, float32 for the embedded "
                              "one; bfloat16: what `bench serve` measures servers in, `cachedrag serve --dtype bfloat16`)")
-    parser.add_argument("--top-k", type=int, default=5)
-    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                        help="where the model runs (default cpu; auto: cuda when torch has it)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help=f"chunks retrieved per request (default {WORKLOAD_DEFAULTS['top_k']})")
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help=f"chunk size in LLM tokens (default {WORKLOAD_DEFAULTS['chunk_tokens']})")
     parser.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated subset of " + ",".join(ALL_MODES))
     parser.add_argument("--warmup", type=int, default=None, help="leading requests not counted (default 10%% of the stream)")
-    parser.add_argument("--requests", type=int, default=40, help="stream length when no --questions file is given")
-    parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the generated stream")
+    parser.add_argument("--requests", type=int, default=None,
+                        help=f"stream length when no --questions file is given (default {WORKLOAD_DEFAULTS['requests']})")
+    parser.add_argument("--zipf", type=float, default=None,
+                        help=f"Zipf exponent of the generated stream (default {WORKLOAD_DEFAULTS['zipf']})")
+    parser.add_argument("--workload-out", metavar="FILE", help="also write the built workload (chunks, question stream, "
+                        "top-k chunks per request, how it was built, the tokenizer's identity) as JSON to FILE")
+    parser.add_argument("--workload-only", action="store_true",
+                        help="with --workload-out: write the workload and exit (loads the tokenizer only, not the model)")
+    parser.add_argument("--workload", metavar="FILE", help="replay a workload written by --workload-out instead of "
+                        "building one (no embedder; --corpus, --questions, --top-k, --chunk-tokens, --requests and "
+                        "--zipf come from the file: refused unless equal to its values)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--alpha", type=float, default=None, help="Cache-Craft alpha (CFO scale)")
     parser.add_argument("--recompute-ratio", type=float, default=None, help="fixed global recompute ratio instead of CFO")
@@ -86,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip teacher-forced agreement (saves one full-prefill scoring pass per request)")
     parser.add_argument("--order-aware", action="store_true", help="EngineConfig.order_aware for every mode")
     parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the generated stream and of the cache (default 0; with --workload: the file's)")
     parser.add_argument("--planning-chunks", type=int, default=10_000, help="cached chunks in the planning micro-benchmark")
     parser.add_argument("--skip-simulation", action="store_true", help="skip the policy trace simulation")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
@@ -96,12 +117,57 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from cachedrag.bench.workload import build_workload
+    from cachedrag.bench.workload import build_workload, load_workload, save_workload
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
+    from cachedrag.fingerprint import tokenizer_fingerprint
     from cachedrag.kvcache.config import CacheConfig
-    from cachedrag.model.loader import load_model
+    from cachedrag.model.loader import load_model, load_tokenizer
     from cachedrag.model.runner import ModelRunner
+
+    device = _pick_device(args.device)
+    loaded = tokenizer_id = None
+    if args.workload:
+        if args.workload_only:
+            raise ConfigError("--workload-only builds a workload; it does not go with --workload")
+        loaded, tokenizer_id = load_workload(args.workload)  # checked before any model loads
+        params = loaded.params
+        # what the file fixes: refused beside it, but for a value equal to the file's (a command line kept as it was)
+        fixed = (("--corpus", args.corpus, None), ("--questions", args.questions, None), ("--top-k", args.top_k, "top_k"),
+                 ("--chunk-tokens", args.chunk_tokens, "chunk_tokens"), ("--requests", args.requests, "n_requests"),
+                 ("--zipf", args.zipf, "zipf_s"))
+        given = [flag for flag, value, key in fixed if value is not None and (key is None or params.get(key) != value)]
+        if given:
+            values = json.dumps({key: params.get(key) for _, _, key in fixed if key})
+            raise ConfigError(f"--workload {args.workload}: {', '.join(given)} come from the workload file ({values}); "
+                              f"leave them out")
+        args.top_k = params.get("top_k") or max(len(r) for r in loaded.retrieved)
+        args.chunk_tokens = params.get("chunk_tokens") or WORKLOAD_DEFAULTS["chunk_tokens"]
+        if args.seed is None:
+            args.seed = params.get("seed") if isinstance(params.get("seed"), int) else 0
+    else:
+        for name, value in WORKLOAD_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        if args.seed is None:
+            args.seed = 0
+        if args.workload_only and not args.workload_out:
+            raise ConfigError("--workload-only needs --workload-out FILE")
+    model_name = args.model or DEFAULT_MODEL
+
+    def build(tokenizer):
+        work = build_workload(tokenizer, args.corpus, args.questions, top_k=args.top_k, chunk_tokens=args.chunk_tokens,
+                              n_requests=args.requests, zipf_s=args.zipf, seed=args.seed)
+        if args.workload_out:
+            save_workload(work, args.workload_out,
+                          tokenizer={"model": model_name, "fingerprint": tokenizer_fingerprint(tokenizer)})
+            print(f"wrote workload {args.workload_out}: {len(work.questions)} requests, {len(work.chunks)} chunks, "
+                  f"top-{args.top_k}", file=sys.stderr)
+        return work
+
+    if args.workload_only:  # the tokenizer cuts the chunks; the model is not needed
+        build(load_tokenizer(args.model))
+        return 0
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in ALL_MODES]
@@ -112,9 +178,24 @@ def run(args: argparse.Namespace) -> int:
     repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}
     tapers = {spec: taper_setting(spec) for spec in [x.strip() for x in args.tapers.split(",") if x.strip()]}
     recompute = {spec: recompute_setting(spec) for spec in [x.strip() for x in args.recompute_dtypes.split(",") if x.strip()]}
-    runner = ModelRunner(*load_model(args.model), dtype=args.dtype)
-    work = build_workload(runner.tokenizer, args.corpus, args.questions, top_k=args.top_k,
-                          chunk_tokens=args.chunk_tokens, n_requests=args.requests, zipf_s=args.zipf, seed=args.seed)
+    runner = ModelRunner(*load_model(args.model, device=device), dtype=args.dtype)
+    on_cuda = runner.device.type == "cuda"
+    if on_cuda:  # CUDA context, kernel selection and JIT, allocator growth: paid here, not by the first requests
+        runner.warmup()
+    fingerprint = tokenizer_fingerprint(runner.tokenizer)
+    if loaded is not None:
+        work = loaded
+        if args.workload_out:
+            save_workload(work, args.workload_out, tokenizer=tokenizer_id)
+        if tokenizer_id.get("fingerprint") != fingerprint:
+            print(f"cachedrag: warning: {args.workload} was cut in the tokenizer of {tokenizer_id.get('model')!r} "
+                  f"(fingerprint {tokenizer_id.get('fingerprint')}), this run's is {fingerprint}: the same texts, "
+                  f"but chunk sizes in tokens may differ from a built run's", file=sys.stderr)
+    else:
+        work = build(runner.tokenizer)
+    # the first token is read as a Python int (an argmax's .item(): a device sync), so TTFT's end waits for
+    # the GPU; its start must not include work still queued by the previous call (scoring, teacher forcing)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     n = len(work.questions)
     warmup = max(0, min(n - 1, args.warmup if args.warmup is not None else n // 10))
     cache_kwargs = {"seed": args.seed}
@@ -177,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         segs = engines["full"].prompts.chat(work.retrieved[i], work.questions[i], args.system_prompt)
         ref_logp = answer = None
         for m in modes:  # "full" first: its answer is what the other modes are teacher-forced on
+            sync()
             with torch.inference_mode():
                 r = engines[m].generate_segments(segs, params, teacher=answer)
             if m == "full" and not args.no_teacher_forced and r.token_ids:
@@ -191,11 +273,16 @@ def run(args: argparse.Namespace) -> int:
                     teacher[m].append((float(top1.mean()), float(kl.mean())))
 
     results = {"config": {
-        "model": args.model or "SmolLM2-135M-Instruct", "corpus": work.corpus_name, "questions": work.question_source,
+        "model": model_name, "corpus": work.corpus_name, "questions": work.question_source,
         "n_chunks": len(work.chunks), "top_k": args.top_k, "chunk_tokens": args.chunk_tokens, "modes": modes,
         "warmup": warmup, "max_new_tokens": args.max_new_tokens, "cache": config.cache.to_dict(),
         "early_termination": config.early_termination, "torch_threads": torch.get_num_threads(),
         "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+        "gpu": torch.cuda.get_device_name(runner.device) if on_cuda else None,
+        "torch": torch.__version__, "kernel_backend": runner.kernel_backend,
+        "prefill_attention": runner.prefill_attention, "decode_step": runner.decode_step_kind,
+        "workload": {"file": args.workload, "params": work.params, "tokenizer": fingerprint,
+                     "tokenizer_match": None if loaded is None else tokenizer_id.get("fingerprint") == fingerprint},
     }, "n_requests": n - warmup, "modes": {}}
     full = records["full"]
     for m in modes:
@@ -242,6 +329,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json(results, args.json_out)
     return 0
+
+
+def _pick_device(choice: str) -> str:
+    """``--device`` -> the device the runner loads on (``auto``: cuda when torch has it); one clear error for
+    ``cuda`` without it."""
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but torch has no CUDA device here (torch.cuda.is_available() is false)")
+    return choice
 
 
 def _repeat_setting(spec: str) -> dict:
