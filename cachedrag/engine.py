@@ -199,7 +199,7 @@ def entry_payload(namespace: str, path: Sequence[str], role: str, exact: bool, k
     info = {"namespace": namespace, "segment_key": path[-1], "path": json.dumps(list(path)), "role": role,
             "exact": "1" if exact else "0", "n_tokens": str(k.shape[2])}
     if meta is not None:
-        tensors["token_inter"] = torch.tensor(list(meta.token_inter), dtype=torch.float32)  # [T]
+        tensors["token_inter"] = torch.tensor(list(meta.token_inter), dtype=torch.float32, device=k.device)  # [T]
         info["variant"] = json.dumps({"prefix_keys": list(meta.prefix_keys), "inter": dict(meta.inter),
                                       "intra": meta.intra})
     return tensors, info
@@ -1127,7 +1127,7 @@ class CachedEngine:
     def _metadata(self, i: int, sp, mass: torch.Tensor, keys, n_system: int, chunk_seg) -> AttentionMetadata:
         """Inter/intra attention of fresh chunk ``i`` from its tokens' segment masses ``[T, S]``."""
         prior = [j for j in chunk_seg if j < i]
-        prior_mass = mass[:, prior] if prior else torch.zeros(mass.shape[0], 1)  # [T, P]
+        prior_mass = mass[:, prior] if prior else torch.zeros(mass.shape[0], 1, device=mass.device)  # [T, P]
         intra_t = mass[:, i]  # [T]
         inter_t = prior_mass.sum(-1)  # [T]
         token_inter = (inter_t / (inter_t + intra_t).clamp_min(1e-12)).tolist()

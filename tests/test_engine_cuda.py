@@ -99,7 +99,9 @@ def test_reuse_from_each_tier_on_cuda_equals_the_in_memory_engine(tier, tmp_path
     budget = {"gpu": {"gpu_bytes": 64 << 20}, "cpu": {"cpu_bytes": 64 << 20},
               "disk": {"disk_dir": str(tmp_path), "disk_bytes": 64 << 20}}[tier]
     store = TieredStore.from_config(StoreConfig(namespace=memory.model_namespace.digest, **budget))
-    tiered = _engine(runner, store=store, early_termination=False, cache={"recompute_ratio": 0.2})
+    # break_even_factor: always wait for a load (what is served must not depend on load timing; test_engine.py)
+    tiered = _engine(runner, store=store, early_termination=False, cache={"recompute_ratio": 0.2},
+                     break_even_factor=1e6)
     for e in (memory, tiered):
         e.generate(CHUNKS, "warm", SYSTEM, max_new_tokens=1)
     r_mem, r_tier = (e.generate(REORDERED, "q", SYSTEM, max_new_tokens=8) for e in (memory, tiered))

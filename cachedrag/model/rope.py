@@ -39,6 +39,18 @@ class Rotary:
         self.inv_freq = inv_freq.float()  # [D/2]
         self.attention_scaling = float(attention_scaling)
         self.head_dim = 2 * inv_freq.shape[0]
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq_on(self, device: torch.device | str) -> torch.Tensor:
+        """``inv_freq`` on ``device``, copied there once: a copy per call from host memory waits for
+        the GPU (a re-rotation per chunk and layer made ~700 such waits per 8B request)."""
+        device = torch.device(device)
+        if device == self.inv_freq.device:
+            return self.inv_freq
+        on = self._on_device.get(device)
+        if on is None:
+            on = self._on_device[device] = self.inv_freq.to(device)  # [D/2]
+        return on
 
     @classmethod
     def from_model(cls, model) -> "Rotary":
@@ -57,7 +69,7 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device | str):
         """cos, sin ``[T, D]`` for integer ``positions`` ``[T]``, computed as HF does (fp32, then cast)."""
-        inv_freq = self.inv_freq.to(device)  # [D/2]
+        inv_freq = self.inv_freq_on(device)  # [D/2]
         freqs = positions.to(device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos = (emb.cos() * self.attention_scaling).to(dtype)  # [T, D]

@@ -37,6 +37,7 @@ _CAUSAL_GAIN = 0.8  # cut into blocks only when they visit at most this share of
 _KERNEL_MIN_ROWS = 48  # float32 prefills of fewer query rows keep SDPA (probe: 25 rows 1.14 vs 1.02 ms, 64 rows 1.96 vs 2.31)
 _NO_HIDDEN = torch.empty(0, dtype=torch.uint8)
 DECODE_STEPS = ("auto", "fused", "torch", "cuda-graph")
+_TRITON_SEGMENTS = 257  # bounds of at most 256 segments: the Triton kernel's accumulators (kernels MAX_SEGMENTS)
 GRAPH_ROWS = 256  # a CUDA-graph runner's buffer capacities are multiples of this (graphs are per buffer)
 
 
@@ -509,10 +510,10 @@ class ModelRunner:
         Results equal the single call to float rounding (the softmax sums fewer exact zeros).
         ``hidden_keys``: bool ``[kv_len]``, keys no query may see (rows a pass leaves out; they
         must hold finite values, e.g. zeros): always a plan then, with those keys masked too
-        (not for the Triton backend or sliding-window layers, which ignore the plan)."""
+        (sliding-window layers ignore the plan; on the Triton backend `attend` serves it with SDPA)."""
         t = positions.shape[0]
         if hidden_keys is not None:
-            assert self.kernel_backend != "triton", "hidden_keys: the Triton attention ignores block plans"
+            pass  # always a plan: ``attend`` takes the SDPA path for it, also on the Triton backend
         elif not self.block_causal or self.kernel_backend == "triton" or t < 2:
             return None
         pos = positions.to(self.device)
@@ -533,8 +534,8 @@ class ModelRunner:
                blocks: CausalBlocks | None = None) -> torch.Tensor:
         """Rotated queries ``[H_q, T_q, D]`` attend to buffer rows ``[0, kv_len)``; returns ``[T_q, H_q*D]``.
         ``blocks``: ``causal_blocks(positions, kv_len)``, used on layers without a sliding window."""
-        if self.kernel_backend == "triton" and self.windows[i] is None:
-            from cachedrag.kernels import selective_attention
+        if self.kernel_backend == "triton" and self.windows[i] is None and (blocks is None or blocks.hidden is None):
+            from cachedrag.kernels import selective_attention  # (hidden keys: the masked SDPA blocks below)
 
             out = selective_attention(q, kv.k[i], kv.v[i], positions, kv_len=kv_len, scale=self.scaling,
                                       backend="triton", validate=False).out  # [H_q, T_q, D]
@@ -618,7 +619,7 @@ class ModelRunner:
             from cachedrag.kernels import rerotate
 
             flat_out = kv.k.view(-1, kv.capacity, self.head_dim)  # [L*H_kv, C, D]
-            rerotate(raw_k.reshape(-1, t, self.head_dim), positions, self.rotary.inv_freq.to(self.device),
+            rerotate(raw_k.reshape(-1, t, self.head_dim), positions, self.rotary.inv_freq_on(self.device),
                      out=flat_out, out_rows=positions, backend="triton", validate=False)
             return
         self.rotary.apply_into(raw_k, positions, kv.k[:, :, start:start + t])  # [L, H_kv, T, D]
@@ -632,7 +633,7 @@ class ModelRunner:
         if self.kernel_backend == "triton":
             from cachedrag.kernels import rerotate
 
-            rerotate(raw_k, positions, self.rotary.inv_freq.to(self.device), out=kv.k[layer], out_rows=positions,
+            rerotate(raw_k, positions, self.rotary.inv_freq_on(self.device), out=kv.k[layer], out_rows=positions,
                      backend="triton", validate=False)
             return
         self.rotary.apply_into(raw_k, positions, kv.k[layer, :, start:start + t])  # [H_kv, T, D]
@@ -837,7 +838,7 @@ class ModelRunner:
         ``causal_blocks``'); computed on the blockwise path.
         """
         reference = reference or hidden_keys is not None
-        if self.kernel_backend == "triton" and self.windows[i] is None and not reference:
+        if self.kernel_backend == "triton" and self.windows[i] is None and not reference and len(bounds) <= _TRITON_SEGMENTS:
             from cachedrag.kernels import selective_attention
 
             mass = selective_attention(q, kv.k[i, :, :kv_len], kv.v[i, :, :kv_len], positions, scale=self.scaling,

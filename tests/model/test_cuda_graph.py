@@ -48,10 +48,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _cuda_runner(arch: str, dtype: str = "float32", **kw) -> ModelRunner:
-    model = tiny_model(arch, seed=2, vocab_size=260).to("cuda")
+    """``tiny_runner(arch, seed=2)``'s model and tokenizer on CUDA."""
     from cachedrag.testing import byte_tokenizer
 
     tok = byte_tokenizer()
+    model = tiny_model(arch, seed=2, vocab_size=len(tok)).to("cuda")
     model.generation_config.eos_token_id = tok.eos_token_id
     return ModelRunner(model, tok, dtype=dtype, **kw)
 
