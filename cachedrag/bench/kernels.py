@@ -17,6 +17,17 @@ Figures (all measured in this run; the machine is shared, so compare ratios, not
 * on the CPU, the runner's prefill kernel (``cachedrag.model.attention.prefill_attention``) on the
   same workload, its speedup over SDPA and its max abs error.
 
+Timing. On CUDA each implementation gets two figures: ``ms``, the time per call on the device,
+from a CUDA graph of K back-to-back calls (replayed; per call = replay time / K, median of
+``--repeats`` replays), and ``call_ms``, one eager call between two events with a synchronize on
+either side (Python, argument checks and launch overhead included). A call that cannot be
+captured (a host sync inside it) is timed as K back-to-back eager calls between two events
+instead, and its ``timing`` says so (``"back-to-back"``, with the reason in ``timing_note``).
+Bandwidth and TFLOP/s use ``ms``. The re-rotation calls cycle over several input/output buffer
+sets, enough to exceed 4x the L2 cache, so a replay does not re-read what the previous call left
+in L2: its bandwidth is DRAM-cold like the copy probe's (a graph of large copies). On the CPU,
+``ms`` is the median wall time of one call (``timing`` ``"wall"``; ``call_ms`` the same).
+
 On a machine without CUDA only the torch implementations run (smaller default sizes); the
 output says so, and Triton entries are reported as skipped. GPU figures need a GPU.
 """
@@ -24,8 +35,11 @@ output says so, and Triton entries are reported as skipped. GPU figures need a G
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -97,39 +111,53 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     n_copy = copy_mib * 2**20 // 4
     src = torch.empty(n_copy, dtype=torch.float32, device=device).uniform_()  # [N]
     dst = torch.empty_like(src)
-    copy_s = timer(lambda: dst.copy_(src))
-    copy_gbs = 2 * src.numel() * 4 / copy_s / 1e9
+    copy_t = timer(lambda: dst.copy_(src))
+    copy_gbs = 2 * src.numel() * 4 / copy_t.seconds / 1e9
     del src, dst
+    if on_cuda:
+        torch.cuda.empty_cache()
 
     # --- re-rotation ---
     H_kv, D = args.kv_heads, args.head_dim
     n_rows = work["rows"].numel()
     es = torch.tensor([], dtype=dtype).element_size()
     rr_bytes = 2 * H_kv * n_rows * D * es + 2 * n_rows * 8 + (D // 2) * 4  # k in + rows out, pos + rows, inv_freq
-    buf = torch.zeros(H_kv, context, D, dtype=dtype, device=device)  # [H_kv, T, D]
+    # input/output sets the timed calls cycle over (CUDA: > 4x L2, so no call finds its data in L2)
+    n_sets = _rotating_sets(device, H_kv * (n_rows + context) * D * es)
+    sets = [(work["k_raw"] if i == 0 else work["k_raw"].clone(),
+             torch.zeros(H_kv, context, D, dtype=dtype, device=device))  # [H_kv, T_cached, D], [H_kv, T, D]
+            for i in range(n_sets)]
+
+    def rr_once(backend: str, i: int = 0) -> Any:
+        k_raw, buf = sets[i]
+        return rerotate(k_raw, work["rows"], work["inv_freq"], out=buf, out_rows=work["rows"],
+                        backend=backend, validate=False)
 
     def rr(backend: str) -> Callable[[], Any]:
-        return lambda: rerotate(work["k_raw"], work["rows"], work["inv_freq"], out=buf, out_rows=work["rows"],
-                                backend=backend, validate=False)
+        turn = itertools.cycle(range(n_sets))
+        return lambda: rr_once(backend, next(turn))
 
     rr_results: dict[str, Any] = {}
-    rr_ref = rr("torch")().k.clone()
+    rr_ref = rr_once("torch").k.clone()
     for name in ("torch", "triton") if run_triton else ("torch",):
-        seconds = timer(rr(name))
-        gbs = rr_bytes / seconds / 1e9
-        rr_results[name] = {"ms": seconds * 1e3, "gb_per_s": gbs, "fraction_of_copy": gbs / copy_gbs}
+        t = timer(rr(name), multiple_of=n_sets)
+        gbs = rr_bytes / t.seconds / 1e9
+        rr_results[name] = {"ms": t.seconds * 1e3, "gb_per_s": gbs, "fraction_of_copy": gbs / copy_gbs, **t.fields()}
     rerotate_out: dict[str, Any] = {
         "rows": n_rows, "buffer_rows": context, "kv_heads": H_kv, "head_dim": D,
-        "bytes_moved": rr_bytes, "copy_gb_per_s": copy_gbs, "results": rr_results,
+        "bytes_moved": rr_bytes, "copy_gb_per_s": copy_gbs, "copy_timing": copy_t.method,
+        "buffer_sets": n_sets, "results": rr_results,
     }
     if run_triton:
-        got = rr("triton")()
+        got = rr_once("triton")
         rerotate_out["triton_backend"] = str(got.backend)
         rerotate_out["max_abs_err"] = (got.k.float() - rr_ref.float()).abs().max().item()
         rerotate_out["triton_speedup_vs_torch"] = rr_results["torch"]["ms"] / rr_results["triton"]["ms"]
     else:
         rerotate_out["skipped"] = {"triton": skip_reason}
-    del buf
+    del sets
+    if on_cuda:
+        torch.cuda.empty_cache()
 
     # --- selective attention ---
     q, k, v, pos, bounds = work["q"], work["k"], work["v"], work["q_positions"], work["bounds"]
@@ -137,8 +165,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     at_results: dict[str, Any] = {}
 
     def add(name: str, fn: Callable[[], Any]) -> None:
-        seconds = timer(fn)
-        at_results[name] = {"ms": seconds * 1e3, "tflop_per_s": flop / seconds / 1e12}
+        t = timer(fn)
+        at_results[name] = {"ms": t.seconds * 1e3, "tflop_per_s": flop / t.seconds / 1e12, **t.fields()}
 
     ref_out, ref_mass = selective_attention(q, k, v, pos, segment_bounds=bounds, backend="torch")[:2]
     add("torch", lambda: selective_attention(q, k, v, pos, segment_bounds=bounds, backend="torch", validate=False))
@@ -182,7 +210,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "backend": "triton" if run_triton else "torch",
         "note": note,
         "config": {"context": context, "recompute": args.recompute, "dtype": str(dtype).removeprefix("torch."),
-                   "repeats": repeats, "warmup": warmup, "torch": torch.__version__},
+                   "repeats": repeats, "warmup": warmup, "torch": torch.__version__,
+                   "timing": _TIMING_NOTE if on_cuda else "wall time, median of single calls"},
         "rerotate": rerotate_out,
         "selective_attention": attention_out,
     }
@@ -244,31 +273,141 @@ def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
 
 
+_TIMING_NOTE = ("ms: per call from a CUDA graph of K calls, replayed (device time); call_ms: one eager call "
+                "with Python and launch overhead; back-to-back: K eager calls between two events (not capturable)")
+
+
+def _rotating_sets(device: torch.device, set_bytes: int) -> int:
+    """How many copies of a workload's buffers the timed calls cycle over: on CUDA enough to exceed
+    4x the L2 cache (at most 16 and 2 GiB), else 1."""
+    if device.type != "cuda" or set_bytes <= 0:
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 * 2**20
+    return max(1, min(16, math.ceil(4 * l2 / set_bytes), 2**31 // set_bytes))
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """One implementation's time: ``seconds`` per call (device time on CUDA), ``call_seconds`` of
+    one eager call, the ``method`` used for ``seconds``, ``calls`` (K) per sample, and why a
+    capture fell back (``note``)."""
+
+    seconds: float
+    call_seconds: float
+    method: str  # "cuda-graph" | "back-to-back" | "wall"
+    calls: int = 1
+    note: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        out = {"call_ms": self.call_seconds * 1e3, "timing": self.method, "calls_per_sample": self.calls}
+        if self.note:
+            out["timing_note"] = self.note
+        return out
+
+
 class _Timer:
-    """Median wall time of a callable (CUDA events on GPU)."""
+    """Times a callable. CPU: median wall time of single calls. CUDA: median per-call time from a
+    CUDA graph of K calls (K back-to-back eager calls between two events if capture fails), plus
+    the median time of one eager call."""
+
+    TARGET_S = 5e-3  # eager time one sample of K calls aims at
+    MAX_CALLS = 200
 
     def __init__(self, device: torch.device, warmup: int, repeats: int) -> None:
         self.cuda = device.type == "cuda"
         self.warmup, self.repeats = warmup, max(1, repeats)
 
-    def __call__(self, fn: Callable[[], Any]) -> float:
+    def __call__(self, fn: Callable[[], Any], multiple_of: int = 1) -> _Timing:
         for _ in range(self.warmup):
             fn()
-        samples = []
-        for _ in range(self.repeats):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            else:
+        if not self.cuda:
+            samples = []
+            for _ in range(self.repeats):
                 t0 = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+            wall = statistics.median(samples)
+            return _Timing(wall, wall, "wall")
+        call = statistics.median(self._eager_call(fn) for _ in range(self.repeats))
+        calls = max(3, min(self.MAX_CALLS, math.ceil(self.TARGET_S / max(call, 1e-6))))
+        calls = multiple_of * math.ceil(calls / multiple_of)
+        try:
+            graph = self._capture(fn, calls)
+        except Exception as exc:  # not capturable (e.g. a host sync inside): K eager calls instead
+            _recover()
+            note = f"capture failed ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+            per_call = statistics.median(self._back_to_back(fn, calls) for _ in range(self.repeats))
+            return _Timing(per_call, call, "back-to-back", calls, note)
+        graph.replay()  # first replay outside the samples (uploads the graph)
+        torch.cuda.synchronize()
+        per_call = statistics.median(self._replay(graph) / calls for _ in range(self.repeats))
+        del graph
+        return _Timing(per_call, call, "cuda-graph", calls)
+
+    @staticmethod
+    def _eager_call(fn: Callable[[], Any]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    @staticmethod
+    def _back_to_back(fn: Callable[[], Any], calls: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+
+    @staticmethod
+    def _capture(fn: Callable[[], Any], calls: int) -> Any:
+        """``calls`` calls of ``fn`` captured into one CUDA graph (warm-up on the side stream first,
+        as torch's CUDA graph docs do). The previous stream is restored whatever happens."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            graph.capture_begin()
+            try:
+                for _ in range(calls):
+                    fn()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:
+                    pass
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        return graph
+
+    @staticmethod
+    def _replay(graph: Any) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def _recover() -> None:
+    """After a failed capture: wait for the device and drop what the capture left cached."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        pass
+    torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,11 +422,12 @@ def format_table(res: dict[str, Any]) -> str:
         "",
         f"re-rotation: {rr['rows']} cached rows -> buffer of {rr['buffer_rows']} rows, "
         f"{rr['kv_heads']} kv heads x D={rr['head_dim']}, {rr['bytes_moved'] / 1e6:.2f} MB moved; "
-        f"copy bandwidth {rr['copy_gb_per_s']:.1f} GB/s",
-        f"  {'impl':<20}{'ms':>10}{'GB/s':>10}{'of copy':>10}",
+        f"copy bandwidth {rr['copy_gb_per_s']:.1f} GB/s" + _sets_note(rr),
+        f"  {'impl':<20}{'ms':>10}{'call ms':>10}{'GB/s':>10}{'of copy':>10}  timing",
     ]
     for name, r in rr["results"].items():
-        lines.append(f"  {name:<20}{r['ms']:>10.3f}{r['gb_per_s']:>10.1f}{r['fraction_of_copy']:>10.1%}")
+        lines.append(f"  {name:<20}{r['ms']:>10.4f}{_call_ms(r):>10}{r['gb_per_s']:>10.1f}"
+                     f"{r['fraction_of_copy']:>10.1%}  {_timing(r)}")
     for name, why in rr.get("skipped", {}).items():
         lines.append(f"  {name:<20}{'skipped: ' + why:>30}")
     if "max_abs_err" in rr:
@@ -297,10 +437,10 @@ def format_table(res: dict[str, Any]) -> str:
         f"selective attention: {at['queries']} queries over {at['keys']} keys, "
         f"{at['q_heads']}/{at['kv_heads']} heads x D={at['head_dim']}, {at['segments']} segments, "
         f"{at['useful_flop'] / 1e9:.2f} useful GFLOP",
-        f"  {'impl':<20}{'ms':>10}{'TFLOP/s':>10}",
+        f"  {'impl':<20}{'ms':>10}{'call ms':>10}{'TFLOP/s':>10}  timing",
     ]
     for name, r in at["results"].items():
-        lines.append(f"  {name:<20}{r['ms']:>10.3f}{r['tflop_per_s']:>10.3f}")
+        lines.append(f"  {name:<20}{r['ms']:>10.4f}{_call_ms(r):>10}{r['tflop_per_s']:>10.3f}  {_timing(r)}")
     for name, why in at.get("skipped", {}).items():
         lines.append(f"  {name:<20}{'skipped: ' + why:>30}")
     if "max_abs_err_cpu_prefill_kernel" in at:
@@ -310,4 +450,22 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"  triton vs torch {at['triton_speedup_vs_torch']:.2f}x, "
                      f"vs sdpa {at['triton_speedup_vs_sdpa']:.2f}x; max abs err out {at['max_abs_err_out']:.2e}, "
                      f"mass {at['max_abs_err_mass']:.2e}")
+    if "timing" in cfg:
+        lines += ["", f"timing: {cfg['timing']}"]
     return "\n".join(lines)
+
+
+def _call_ms(r: dict[str, Any]) -> str:
+    return f"{r['call_ms']:.4f}" if "call_ms" in r else "-"
+
+
+def _timing(r: dict[str, Any]) -> str:
+    method = r.get("timing", "")
+    if "calls_per_sample" in r and method != "wall":
+        method += f" (K={r['calls_per_sample']})"
+    return method
+
+
+def _sets_note(rr: dict[str, Any]) -> str:
+    n = rr.get("buffer_sets", 1)
+    return f"; calls cycle over {n} buffer sets (> 4x L2)" if n > 1 else ""

@@ -40,6 +40,7 @@ CASES = [
     pytest.param(8, 33, 64, torch.float32, True, True, id="8-heads-old-out"),
     pytest.param(2, 5, 24, torch.float32, False, False, id="half-dim-not-pow2"),
     pytest.param(4, 17, 16, torch.float16, True, True, id="fp16-old-out"),
+    pytest.param(12, 9, 32, torch.bfloat16, True, True, id="12-heads-two-head-groups"),
 ]
 
 
