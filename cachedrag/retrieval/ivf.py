@@ -117,7 +117,8 @@ def search_blocks(
     ``q [B, d]`` and ``probe [B, P]`` (cluster ids) must be on the blocks' device; clusters
     of ``probe`` missing from ``blocks`` are skipped (another tier searches them). Each
     cluster is scored as its own block, so any split of the clusters over calls or tiers
-    gives bit-identical scores.
+    gives bit-identical scores (on the CPU; on CUDA the probed clusters are gathered and scored
+    in one product, whose rounding may depend on how many there are).
     """
     B = q.shape[0]
     assert q.dim() == 2 and probe.shape[0] == B, (q.shape, probe.shape)
@@ -126,14 +127,27 @@ def search_blocks(
         return empty_result(B, k, q.device)
     cids = torch.tensor(wanted, device=probe.device)  # [C]
     member = (probe[:, :, None] == cids[None, None, :]).any(dim=1)  # [B, C] query b probes cluster j
+    ids = torch.cat([blocks[c].ids for c in wanted])  # [M]
+    if q.is_cuda:  # one product over the gathered clusters: a launch per cluster costs more than its math
+        return search_gathered(q, member, [blocks[c] for c in wanted], ids, k, metric)
     probed_by_all = member.all(dim=0).tolist()  # [C] no mask needed (always so for B = 1)
     parts = []
     for j, cid in enumerate(wanted):
         s = similarity(q, blocks[cid].vectors, metric)  # [B, n_j]
         parts.append(s if probed_by_all[j] else s.masked_fill(~member[:, j : j + 1], float("-inf")))
     scores = torch.cat(parts, dim=1)  # [B, M]
-    ids = torch.cat([blocks[c].ids for c in wanted])  # [M]
     return topk(scores, ids, k)
+
+
+def search_gathered(q: torch.Tensor, member: torch.Tensor, blocks: list[ClusterBlock], ids: torch.Tensor, k: int,
+                    metric: Metric) -> tuple[torch.Tensor, torch.Tensor]:
+    """``search_blocks``' scoring as one product: ``blocks`` (C clusters, ``ids [M]`` their rows in
+    order) gathered, scored for every query ``q [B, d]``, rows of clusters query b does not probe
+    (``member [B, C]`` false) masked out. What CUDA runs (a launch per cluster costs more than its math)."""
+    scores = similarity(q, torch.cat([b.vectors for b in blocks]), metric)  # [B, M]
+    sizes = torch.tensor([b.ids.shape[0] for b in blocks], device=q.device)  # [C]
+    visible = member.repeat_interleave(sizes, dim=1)  # [B, M]
+    return topk(scores.masked_fill(~visible, float("-inf")), ids, k)
 
 
 def staged_search(

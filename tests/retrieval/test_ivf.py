@@ -8,7 +8,8 @@ import torch
 
 from cachedrag.errors import ConfigError, EmptyInputError
 from cachedrag.retrieval.config import IndexConfig
-from cachedrag.retrieval.ivf import IVFIndex, effective_nlist, merge_topk, search_blocks, topk, train_faiss_ivf
+from cachedrag.retrieval.ivf import (IVFIndex, effective_nlist, merge_topk, search_blocks, search_gathered, topk,
+                                    train_faiss_ivf)
 
 from .conftest import random_vectors
 
@@ -116,6 +117,22 @@ def test_search_blocks_skips_absent_clusters(random_ivf, queries):
     first_only = ivf.search_preassigned(queries, probe[:, :1], 10)
     # a query sees clusters it probes among the present ones: its own first, maybe others' firsts
     assert (scores >= first_only[0]).all()
+
+
+def test_gathered_scoring_equals_the_per_cluster_blocks(random_ivf, queries):
+    """The one-product form CUDA runs (``search_gathered``) gives the per-cluster path's top-k,
+    queries probing different clusters (masked rows) included."""
+    _, ivf = random_ivf
+    probe = ivf.assign(queries, 5)  # [B, 5]
+    wanted = probe.unique().tolist()
+    blocks = ivf.blocks(wanted)
+    member = (probe[:, :, None] == torch.tensor(wanted)[None, None, :]).any(dim=1)  # [B, C]
+    assert not member.all()  # some rows masked for some queries
+    ids = torch.cat([blocks[c].ids for c in wanted])
+    got_s, got_i = search_gathered(queries, member, [blocks[c] for c in wanted], ids, 10, ivf.metric)
+    want_s, want_i = search_blocks(queries, probe, blocks, 10, ivf.metric)
+    torch.testing.assert_close(got_s, want_s, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_i, want_i)
 
 
 @pytest.mark.parametrize("n_stages", [1, 2, 3, 8, 20])
