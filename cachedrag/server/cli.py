@@ -163,10 +163,11 @@ def build_engine(args: argparse.Namespace):
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
-    from cachedrag.model.runner import ModelRunner
+    from cachedrag.model.runner import ModelRunner, resolve_device
 
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"bad server setting: --threads must be >= 1, got {args.threads}")
+    resolve_device(args.device)  # a bad or absent device is refused before any model loads (also with --tiny)
     numerics = dict(dtype=args.dtype, weights=args.weights, threads=args.threads, prefill_pairs=args.prefill_pairs)
     if args.tiny:
         from cachedrag.testing import tiny_runner

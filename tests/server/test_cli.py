@@ -67,6 +67,8 @@ def test_bad_setting_exits_2_with_one_line():
     (["--max-overtakes", "-1"], "max_overtakes"),
     (["--dtype", "bfloat16", "--replicas", "2"], "--replicas"),  # replicas would silently ignore it
     (["--prefill-pairs", "none", "--replicas", "2"], "--prefill-pairs"),
+    (["--device", "cpu", "--replicas", "2"], "--device"),
+    (["--device", "tpu7"], "unknown device"),
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):
     proc = subprocess.run([sys.executable, "-m", "cachedrag.cli", "serve", "--tiny", "--port", "0", *args],
