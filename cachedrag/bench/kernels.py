@@ -46,6 +46,7 @@ import torch
 
 from cachedrag.bench import write_json
 from cachedrag.errors import ConfigError
+from cachedrag.model.runner import resolve_device
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -88,7 +89,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run every implementation on one workload; returns the JSON-ready results."""
     from cachedrag.kernels import rerotate, selective_attention, triton_available
 
-    device = _pick_device(args.device)
+    device = resolve_device(args.device)
     on_cuda = device.type == "cuda"
     context = args.context or (8192 if on_cuda else 1024)
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if on_cuda else torch.float32)
@@ -215,14 +216,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rerotate": rerotate_out,
         "selective_attention": attention_out,
     }
-
-
-def _pick_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but torch.cuda.is_available() is false")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
 
 
 def _check_sizes(args: argparse.Namespace, context: int) -> None:

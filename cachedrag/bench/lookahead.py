@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import percentile
 from cachedrag.errors import ConfigError, describe_validation_error
+from cachedrag.model.runner import resolve_device
 
 VARIANTS = ("faiss_cpu", "faiss_cpu_1thread", "resident", "on_demand", "lookahead", "lookahead_split")
 GPU_VARIANTS = ("resident", "on_demand", "lookahead", "lookahead_split")
@@ -232,14 +233,6 @@ def _log(msg: str) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but torch.cuda.is_available() is false")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -569,7 +562,7 @@ def measure(config: LookaheadBenchConfig, json_out: str | None = None) -> dict[s
     from cachedrag.retrieval.policy import prefetch_budget
 
     t_start = time.perf_counter()
-    device = pick_device(config.device)
+    device = resolve_device(config.device)
     on_cuda = device.type == "cuda"
     kind = config.window_kind if config.window_kind != "auto" else ("gpu" if on_cuda else "sleep")
     if kind == "gpu" and not on_cuda:

@@ -110,14 +110,6 @@ def _check(args: argparse.Namespace) -> list[int]:
     return counts
 
 
-def _device(requested: str):
-    import torch
-
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: torch.cuda.is_available() is false")
-    return torch.device("cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu")
-
-
 def build_model(shape: str, dtype, device, layers: int | None = None, seed: int = 0):
     """A random-weight causal LM of ``shape`` on ``device`` (initialised there: no host copy)."""
     import torch
@@ -184,13 +176,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from cachedrag.engine import CachedEngine
     from cachedrag.kvcache.config import CacheConfig
     from cachedrag.kvcache.manager import ChunkCacheManager
-    from cachedrag.model.runner import ModelRunner
+    from cachedrag.model.runner import ModelRunner, resolve_device
     from cachedrag.store.config import StoreConfig
     from cachedrag.store.tiered import TieredStore
     from cachedrag.testing import byte_tokenizer
 
     counts = _check(args)
-    device = _device(args.device)
+    device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype)
     tok = byte_tokenizer()
     t0 = time.perf_counter()

@@ -123,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
     from cachedrag.fingerprint import tokenizer_fingerprint
     from cachedrag.kvcache.config import CacheConfig
     from cachedrag.model.loader import load_model, load_tokenizer
-    from cachedrag.model.runner import ModelRunner
+    from cachedrag.model.runner import ModelRunner, resolve_device
 
-    device = _pick_device(args.device)
+    device = resolve_device(args.device)
     loaded = tokenizer_id = None
     if args.workload:
         if args.workload_only:
@@ -329,18 +329,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json(results, args.json_out)
     return 0
-
-
-def _pick_device(choice: str) -> str:
-    """``--device`` -> the device the runner loads on (``auto``: cuda when torch has it); one clear error for
-    ``cuda`` without it."""
-    import torch
-
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda, but torch has no CUDA device here (torch.cuda.is_available() is false)")
-    return choice
 
 
 def _repeat_setting(spec: str) -> dict:

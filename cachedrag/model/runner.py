@@ -131,7 +131,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"unknown device {device!r}: use auto, cpu or cuda") from exc
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {str(device)!r}: torch.cuda.is_available() is false on this machine")
+        raise ConfigError(f"--device / device={str(device)!r}: no CUDA here (torch.cuda.is_available() is false)")
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {str(device)!r}: cachedrag runs on cpu or cuda")
     return device
