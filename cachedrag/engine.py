@@ -576,18 +576,21 @@ class CachedEngine:
             by_deviation = False
         loaded_layers: set[int] = set()
         load_wait = [0.0]
+        loaded_rows: list[torch.Tensor | None] = [None]  # the loaded segments' buffer rows, built once
 
         def load_layer(layer: int) -> None:  # layer-wise loads: each layer once, before it is read
             if layer in loaded_layers:
                 return
             loaded_layers.add(layer)
+            parts = []
             for idx, loader in loaders.items():
                 t_wait = time.perf_counter()
                 got = loader.layer(layer)  # committed: blocks until loaded (or failed)
                 load_wait[0] += time.perf_counter() - t_wait
                 if got is None:
                     raise _LoadFailed(idx, loader.error)
-                runner.write_rotated_layer(kv, layer, got[0], got[1], plan.segments[idx].start)
+                parts.append((got[0], got[1], plan.segments[idx].start))
+            loaded_rows[0] = runner.write_rotated_segments(kv, layer, parts, loaded_rows[0])
 
         question_scores: dict[int, torch.Tensor] = {}  # segment -> [T_i] question attention to its tokens
         refine: dict[int, int] = {}  # second stage: segment -> how many of its candidates to keep

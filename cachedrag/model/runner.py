@@ -638,6 +638,30 @@ class ModelRunner:
             return
         self.rotary.apply_into(raw_k, positions, kv.k[layer, :, start:start + t])  # [H_kv, T, D]
 
+    def write_rotated_segments(self, kv: KVBuffer, layer: int, parts: list[tuple[torch.Tensor, torch.Tensor, int]],
+                               rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``write_rotated_layer`` for several cached segments ``parts`` = ``[(raw K [H_kv, T_i, D],
+        V [H_kv, T_i, D], start_i)]`` of one layer. On the Triton backend in one re-rotation launch
+        and one V copy over the concatenated rows (a launch per segment and layer made a 20-chunk
+        8B request host-bound on the GPU: docs/gpu.md); ``rows``: their buffer rows ``[sum T_i]``
+        on the device, the same for every layer of a request (returned, pass it back next layer).
+        Elsewhere segment by segment. Equal to the per-segment writes (tests)."""
+        if self.kernel_backend != "triton" or len(parts) < 2:
+            for raw_k, v, start in parts:
+                self.write_rotated_layer(kv, layer, raw_k, v, start)
+            return rows
+        from cachedrag.kernels import rerotate
+
+        if rows is None:
+            spans = [torch.arange(start, start + k.shape[1]) for k, _, start in parts]  # [T_i] each, host
+            rows = torch.cat(spans).pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+                else torch.cat(spans).to(self.device)  # [sum T_i]; pinned: no wait for the GPU
+        raw = torch.cat([k.to(self.dtype) for k, _, _ in parts], dim=1)  # [H_kv, sum T_i, D]
+        kv.v[layer].index_copy_(1, rows, torch.cat([v for _, v, _ in parts], dim=1).to(kv.v.dtype))  # rows of [H_kv, C, D]
+        rerotate(raw, rows, self.rotary.inv_freq_on(self.device), out=kv.k[layer], out_rows=rows, backend="triton",
+                 validate=False)
+        return rows
+
     def forward_layer(
         self, i: int, hidden: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, kv_len: int,
         raw_out: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
