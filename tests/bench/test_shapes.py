@@ -37,7 +37,9 @@ def test_tiny_run_reports_every_arm_and_what_it_computed(tmp_path):
         assert row["cachedrag"]["mean_computed_tokens"] < row["prefix"]["mean_computed_tokens"] <= prompt
         # the same reuse whichever tier serves the caches
         assert row["cachedrag_cpu"]["mean_computed_tokens"] == row["cachedrag"]["mean_computed_tokens"]
-        assert row["cachedrag_disk"]["mean_chunks_hit"] == int(n)
+        # from disk the engine may recompute a chunk whose load would outlast its break-even time
+        assert row["cachedrag_disk"]["mean_chunks_hit"] <= int(n)
+        assert row["cachedrag_disk"]["mean_computed_tokens"] >= row["cachedrag"]["mean_computed_tokens"]
     d = res["decode"]
     assert d["fused"]["tokens_per_s"] > 0 and d["weight_bandwidth_limit_ms"] > 0
     loads = res["loads"]
