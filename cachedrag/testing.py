@@ -86,13 +86,14 @@ def prefilled(runners: dict, ids, capacity: int) -> dict:
     return kvs
 
 
-def tiny_runner(arch: str = "llama", seed: int = 0, **runner_kwargs):
-    """``ModelRunner`` over ``tiny_model(arch)`` with the byte tokenizer (vocab sizes match);
-    ``runner_kwargs`` go to ``ModelRunner`` (e.g. ``dtype``, ``weights``, ``threads``)."""
+def tiny_runner(arch: str = "llama", seed: int = 0, device: str = "cpu", **runner_kwargs):
+    """``ModelRunner`` over ``tiny_model(arch)`` with the byte tokenizer (vocab sizes match), the
+    model moved to ``device`` first (the same weights on any device); ``runner_kwargs`` go to
+    ``ModelRunner`` (e.g. ``dtype``, ``weights``, ``threads``)."""
     from cachedrag.model.runner import ModelRunner
 
     tok = byte_tokenizer()
-    model = tiny_model(arch, seed=seed, vocab_size=len(tok))
+    model = tiny_model(arch, seed=seed, vocab_size=len(tok)).to(device)
     model.generation_config.eos_token_id = tok.eos_token_id
     return ModelRunner(model, tok, **runner_kwargs)
 

@@ -11,7 +11,7 @@ from cachedrag.config import EngineConfig
 from cachedrag.engine import CachedEngine
 from cachedrag.kvcache.config import CacheConfig
 from cachedrag.model.runner import ModelRunner
-from cachedrag.testing import byte_tokenizer, tiny_model, tiny_runner
+from cachedrag.testing import tiny_runner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,10 +25,7 @@ REORDERED = [CHUNKS[2], CHUNKS[0], CHUNKS[1]]
 
 
 def _cuda_runner(dtype: str = "float32") -> ModelRunner:
-    tok = byte_tokenizer()
-    model = tiny_model("qwen2", seed=3, vocab_size=len(tok)).to("cuda")
-    model.generation_config.eos_token_id = tok.eos_token_id
-    return ModelRunner(model, tok, dtype=dtype)
+    return tiny_runner("qwen2", seed=3, device="cuda", dtype=dtype)
 
 
 def _engine(runner, store=None, **kw) -> CachedEngine:

@@ -27,6 +27,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from cachedrag.model.runner import KVBuffer
+
 #: captured steps kept per runner (each holds its own memory pool: one step's activations)
 CACHE_SIZE = 4
 
@@ -39,7 +41,6 @@ class CapturedStep:
         device = runner.device
         capacity = kv.capacity
         self.k, self.v = kv.k, kv.v  # for the capture only (released below)
-        self.key = buffer_key(kv)
         self.token = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.position = torch.full((1,), min(kv.length, capacity - 1), dtype=torch.long, device=device)  # [1]
         cos, sin = runner.rotary.cos_sin(torch.arange(capacity, device=device), runner.dtype, device)  # [C, D] each
@@ -84,7 +85,7 @@ def static_step(runner, k: torch.Tensor, v: torch.Tensor, token: torch.Tensor, p
     """The decode step with every shape fixed by the buffer (what a graph captures): ``token`` and
     ``position`` ``[1]`` device tensors, ``k``/``v`` ``[L, H_kv, C, D]`` (rows past ``position`` finite),
     ``cos``/``sin`` ``[C, D]`` for every row; writes the K/V row at ``position``, returns logits ``[V]``."""
-    kv = _Buffer(k, v)
+    kv = KVBuffer(k=k, v=v)  # what write_layer writes into (its length is not read)
     capacity = k.shape[2]
     rope = (cos.index_select(0, position), sin.index_select(0, position))  # [1, D] each
     hidden = runner.embed(token)  # [1, Dm]
@@ -101,15 +102,6 @@ def static_step(runner, k: torch.Tensor, v: torch.Tensor, token: torch.Tensor, p
 def buffer_key(kv) -> tuple:
     """What a captured step is bound to: the K/V addresses, shape, strides and dtype."""
     return kv.k.data_ptr(), kv.v.data_ptr(), tuple(kv.k.shape), tuple(kv.k.stride()), tuple(kv.v.stride()), kv.k.dtype
-
-
-class _Buffer:
-    """The K/V pair ``write_layer`` writes into (a ``KVBuffer`` without its length bookkeeping)."""
-
-    __slots__ = ("k", "v")
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v
 
 
 class CudaGraphDecode:

@@ -37,7 +37,6 @@ _CAUSAL_GAIN = 0.8  # cut into blocks only when they visit at most this share of
 _KERNEL_MIN_ROWS = 48  # float32 prefills of fewer query rows keep SDPA (probe: 25 rows 1.14 vs 1.02 ms, 64 rows 1.96 vs 2.31)
 _NO_HIDDEN = torch.empty(0, dtype=torch.uint8)
 DECODE_STEPS = ("auto", "fused", "torch", "cuda-graph")
-_TRITON_SEGMENTS = 257  # bounds of at most 256 segments: the Triton kernel's accumulators (kernels MAX_SEGMENTS)
 GRAPH_ROWS = 256  # a CUDA-graph runner's buffer capacities are multiples of this (graphs are per buffer)
 
 
@@ -862,12 +861,14 @@ class ModelRunner:
         ``causal_blocks``'); computed on the blockwise path.
         """
         reference = reference or hidden_keys is not None
-        if self.kernel_backend == "triton" and self.windows[i] is None and not reference and len(bounds) <= _TRITON_SEGMENTS:
+        if self.kernel_backend == "triton" and self.windows[i] is None and not reference:
             from cachedrag.kernels import selective_attention
+            from cachedrag.kernels.selective_attention import MAX_SEGMENTS
 
-            mass = selective_attention(q, kv.k[i, :, :kv_len], kv.v[i, :, :kv_len], positions, scale=self.scaling,
-                                       segment_bounds=bounds, backend="triton", validate=False).segment_mass
-            return mass / self.n_heads  # [T_q, S], summed over heads by the kernel -> mean
+            if len(bounds) - 1 <= MAX_SEGMENTS:  # the kernel's per-segment accumulators; more: the paths below
+                mass = selective_attention(q, kv.k[i, :, :kv_len], kv.v[i, :, :kv_len], positions, scale=self.scaling,
+                                           segment_bounds=bounds, backend="triton", validate=False).segment_mass
+                return mass / self.n_heads  # [T_q, S], summed over heads by the kernel -> mean
         if not reference and len(bounds) - 1 <= self.head_dim:
             return self._segment_mass_fused(i, q, positions, kv, kv_len, bounds)
         k = kv.k[i, :, :kv_len]  # [H_kv, T_k, D]

@@ -10,7 +10,7 @@ from cachedrag.model.cuda_graph import static_step
 from cachedrag.model.generation import SamplingParams
 from cachedrag.model.runner import GRAPH_ROWS, ModelRunner
 from cachedrag.model.textgen import TextGenerator
-from cachedrag.testing import TINY_ARCHITECTURES, tiny_model, tiny_runner
+from cachedrag.testing import TINY_ARCHITECTURES, tiny_runner
 
 
 def _ids(n: int, seed: int = 1) -> torch.Tensor:
@@ -48,13 +48,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _cuda_runner(arch: str, dtype: str = "float32", **kw) -> ModelRunner:
-    """``tiny_runner(arch, seed=2)``'s model and tokenizer on CUDA."""
-    from cachedrag.testing import byte_tokenizer
-
-    tok = byte_tokenizer()
-    model = tiny_model(arch, seed=2, vocab_size=len(tok)).to("cuda")
-    model.generation_config.eos_token_id = tok.eos_token_id
-    return ModelRunner(model, tok, dtype=dtype, **kw)
+    """``tiny_runner(arch, seed=2)`` on CUDA."""
+    return tiny_runner(arch, seed=2, device="cuda", dtype=dtype, **kw)
 
 
 @pytest.mark.gpu

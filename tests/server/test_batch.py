@@ -455,10 +455,7 @@ def _copy_kv(kv):
 def test_engine_loop_on_cuda_equals_the_cpu_engine():
     """The server's loop (batched steps, requests joining and leaving) on a CUDA runner gives the
     CPU engine's greedy tokens."""
-    tok = byte_tokenizer()
-    model = tiny_model("llama", vocab_size=len(tok)).to("cuda")
-    model.generation_config.eos_token_id = tok.eos_token_id
-    gpu = CachedEngine(ModelRunner(model, tok), config=NO_DRAFTS)
+    gpu = CachedEngine(tiny_runner(device="cuda"), config=NO_DRAFTS)
     cpu = CachedEngine(tiny_runner(), config=NO_DRAFTS)
     lengths = [3, 14, 9, 20]
     reqs = [(gpu.prompts.chat(_chunks(i), QUESTIONS[i]), SamplingParams(max_new_tokens=n)) for i, n in enumerate(lengths)]
