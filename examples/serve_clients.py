@@ -7,7 +7,10 @@ chunk cache (`usage.prompt_tokens_details.cached_tokens`):
 1. the OpenAI SDK with the explicit extension field (`extra_body={"cachedrag": {"chunks": [...]}}`);
 2. an unmodified client (no field): the server finds the passages it has seen before;
 3. LlamaIndex `CachedRAGOpenAILike` and LangChain `ChatCachedRAGOpenAI`, which attach the
-   chunks registered by cachedrag's retrievers (here registered by hand).
+   chunks registered by cachedrag's retrievers (here registered by hand);
+
+then asks for structured output: JSON valid for a schema (`response_format`) and a required
+tool call (`tools` + `tool_choice`).
 
     python examples/serve_clients.py          # the default model (SmolLM2-135M)
     python examples/serve_clients.py --tiny   # a tiny random model: seconds, gibberish answers
@@ -83,6 +86,21 @@ def main() -> None:
                   reply.usage_metadata["input_token_details"].get("cache_read"))
         except ImportError:
             print("LangChain: pip install langchain-openai")
+
+        # structured output: JSON valid for a schema (decoding is constrained), or a required tool call
+        pick = {"type": "object", "required": ["module", "sure"],
+                "properties": {"module": {"type": "string", "enum": ["json", "heapq", "hashlib", "uuid"]},
+                               "sure": {"type": "boolean"}}}
+        ask_pick = [{"role": "user", "content": "Which stdlib module pretty-prints JSON?"}]
+        r = client.chat.completions.create(model=model, max_tokens=40, temperature=0, messages=ask_pick,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "pick", "schema": pick}})
+        print("response_format json_schema:", r.choices[0].message.content)
+        tool = {"type": "function", "function": {"name": "open_docs", "parameters": pick}}
+        r = client.chat.completions.create(model=model, max_tokens=40, temperature=0, messages=ask_pick,
+                                           tools=[tool], tool_choice="required")
+        call = r.choices[0].message.tool_calls[0].function
+        print(f"tool call: {call.name}({call.arguments})  finish_reason={r.choices[0].finish_reason}")
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -4,7 +4,8 @@ Owns: ``CachedRAGOpenAILike``, LlamaIndex's ``OpenAILike`` (the OpenAI-compatibl
 ``llama-index-llms-openai-like`` package) with defaults for a local ``cachedrag serve`` and an
 ``httpx`` client (``openai_transport``) that attaches the chunks cachedrag's retrievers or
 ``CachedRAGNodePostprocessor`` registered as the request's ``cachedrag.chunks`` field, so the
-server serves them from its chunk cache at any position. Everything else (completion, chat,
+server serves them from its chunk cache at any position; ``structured_predict`` asks the server
+for JSON constrained to the output class (``response_format``). Everything else (completion, chat,
 streaming, async, query engines) is ``OpenAILike``'s own.
 
 Does not own: the server, chunk registration (``chunks``), in-process generation (``llama_index``).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llama_index.core.types import PydanticProgramMode
 from llama_index.llms.openai_like import OpenAILike
 
 from cachedrag.integrations.chunks import ChunkRegistry
@@ -40,3 +42,9 @@ class CachedRAGOpenAILike(OpenAILike):
     @classmethod
     def class_name(cls) -> str:
         return "CachedRAGOpenAILike"
+
+    def _should_use_structure_outputs(self) -> bool:
+        """``structured_predict`` sends the output class as a ``response_format`` JSON schema:
+        ``cachedrag serve`` constrains decoding to it for any model (``OpenAILike`` only does so
+        for OpenAI's own model names and otherwise parses free text)."""
+        return self.pydantic_program_mode == PydanticProgramMode.DEFAULT

@@ -1,9 +1,10 @@
 """Token sampling, stop strings and incremental detokenisation for decoding.
 
 Owns: ``SamplingParams`` (validated), choosing the next token from logits (greedy, or
-temperature + top-k + top-p with a seeded generator; a repetition penalty over the tokens
-generated so far; an optional ``constraint`` that masks the logits, e.g. grammar-constrained
-JSON from ``cachedrag.model.constraint``), and ``TextStream``, which turns generated token
+temperature + top-k + top-p with a seeded generator; repetition (Hugging Face's rule) and
+frequency / presence (OpenAI's) penalties over the tokens generated so far; an optional
+``constraint`` that masks the logits, e.g. grammar-constrained JSON from
+``cachedrag.model.constraint``), and ``TextStream``, which turns generated token
 ids into text deltas that never expose a partial stop string or a half-decoded character.
 Does not own: the forward pass (``runner.py``) or prompt assembly (the engine).
 """
@@ -31,6 +32,10 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, description="> 1 discourages tokens already generated "
                                       "(CTRL/Hugging Face rule: positive logits divided, negative multiplied); "
                                       "the prompt is not penalised, so answers may still quote it")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's rule: subtracted from a token's "
+                                     "logit once per time it was generated so far")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's rule: subtracted once from the "
+                                    "logit of every token generated so far")
     constraint: Any = Field(None, exclude=True, description="a per-request logits constraint with "
                             "mask(logits) -> logits, advance(token) and done (see cachedrag.model.constraint)")
     stop: tuple[str, ...] = Field((), description="stop strings; generation ends before them")
@@ -60,17 +65,23 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 def uses_history(params: SamplingParams) -> bool:
     """Whether choosing a token depends on more than the logits (penalty, constraint): such
     requests decode one token per step (no speculative drafts)."""
-    return params.repetition_penalty != 1.0 or params.constraint is not None
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+            or params.constraint is not None)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int]) -> torch.Tensor:
-    """Repetition penalty over ``generated`` and the constraint's mask, applied to ``logits`` ``[V]``
-    (returns a new tensor when anything applies)."""
+    """Repetition, frequency and presence penalties over ``generated`` and the constraint's mask,
+    applied to ``logits`` ``[V]`` (returns a new tensor when anything applies)."""
     if params.repetition_penalty != 1.0 and generated:
         logits = logits.float().clone()  # [V]
         seen = torch.tensor(sorted(set(generated)), device=logits.device)  # [S]
         picked = logits[seen]  # [S]
         logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and generated:
+        if params.repetition_penalty == 1.0:
+            logits = logits.float().clone()  # [V]
+        ids, counts = torch.tensor(list(generated), device=logits.device).unique(return_counts=True)  # [S], [S]
+        logits[ids] -= counts.to(logits.dtype) * params.frequency_penalty + params.presence_penalty
     if params.constraint is not None:
         logits = params.constraint.mask(logits)  # [V], disallowed tokens at -inf
     return logits

@@ -2,8 +2,9 @@
 
 Owns: ``create_app(engine, config)`` with ``GET /health``, ``GET /v1/models``, ``GET /metrics``
 (Prometheus text), ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE
-streaming, ``n=1``, temperature / top_p / max_tokens / stop / seed, ``usage`` with
-``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
+streaming, ``n=1``, temperature / top_p / max_tokens / stop / seed / frequency and presence
+penalties, structured output: ``response_format`` JSON and required tool calls (``structured``),
+``usage`` with ``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
 longer than the context window, 404 unknown model, 503 queue full or shutting down), and
 freeing a request's batch slot when its client disconnects (streaming or not; ``_EventStream``
 closes the event generator however the response ends).
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from cachedrag.errors import CachedRAGError, ContextWindowError
+from cachedrag.errors import CachedRAGError, ConfigError, ContextWindowError
 from cachedrag.integrations.template import Message
 from cachedrag.model.generation import SamplingParams
 from cachedrag.server import protocol as P
@@ -36,6 +37,7 @@ from cachedrag.server.config import ServerConfig
 from cachedrag.server.loop import Delta, EngineLoop, Failed, Finished, QueueFullError, ServeRequest
 from cachedrag.server.metrics import ServerMetrics
 from cachedrag.server.prompts import PromptPlanner
+from cachedrag.server.structured import StructuredOutput, structured_output
 
 log = logging.getLogger("cachedrag.server")
 
@@ -114,7 +116,15 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         return await _serve(request, body, planned, chat=False)
 
     async def _serve(request: Request, body, planned, chat: bool):
-        params = _params(body, planned.prompt_tokens, engine.runner.max_context, config.default_max_tokens)
+        shape = structured_output(body)
+        constraint = None
+        if shape is not None:  # compiling the grammar (and converting the vocabulary once) is not torch work
+            try:
+                constraint = await asyncio.to_thread(shape.constraint, engine.runner.tokenizer, engine.eos_ids)
+            except ConfigError as exc:
+                raise P.APIError(400, str(exc), param=shape.param) from None
+        params = _params(body, planned.prompt_tokens, engine.runner.max_context, config.default_max_tokens,
+                         constraint)
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -132,8 +142,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             raise P.APIError(503, str(exc), type="service_unavailable") from None
         name = body.model
         oid = P.new_id("chatcmpl" if chat else "cmpl")
+        calls = shape if chat and shape is not None and shape.is_tool_call else None
         if body.stream:
-            return _EventStream(_stream(queue, rid, oid, name, chat, body.include_usage),
+            return _EventStream(_stream(queue, rid, oid, name, chat, body.include_usage, calls),
                                 media_type="text/event-stream")
         text: list[str] = []
         while True:
@@ -151,17 +162,27 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 raise _failure(event.error)
             elif isinstance(event, Finished):
                 use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                build = P.chat_response if chat else P.completion_response
-                return JSONResponse(build(oid, name, "".join(text), event.finish_reason, use))
+                if not chat:
+                    return JSONResponse(P.completion_response(oid, name, "".join(text), event.finish_reason, use))
+                tool_calls = _tool_calls(calls, "".join(text), event.finish_reason)
+                return JSONResponse(P.chat_response(oid, name, "".join(text), "tool_calls" if tool_calls
+                                                    else event.finish_reason, use, tool_calls))
 
-    async def _stream(queue: asyncio.Queue, rid: int, oid: str, name: str, chat: bool, include_usage: bool):
+    async def _stream(queue: asyncio.Queue, rid: int, oid: str, name: str, chat: bool, include_usage: bool,
+                      calls: StructuredOutput | None = None):
+        """SSE events of one request. A tool call's JSON is held back and sent whole as one
+        ``tool_calls`` delta when it completes (the call's name may be its last field)."""
         finished = False
+        held: list[str] = []
         try:
             if chat:
                 yield _sse(P.chat_chunk(oid, name, {"role": "assistant", "content": ""}))
             while True:
                 event = await queue.get()
                 if isinstance(event, Delta):
+                    if calls is not None:
+                        held.append(event.text)
+                        continue
                     yield _sse(P.chat_chunk(oid, name, {"content": event.text}) if chat
                                else P.completion_chunk(oid, name, event.text))
                 elif isinstance(event, Failed):
@@ -170,8 +191,17 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                     break
                 elif isinstance(event, Finished):
                     finished = True
-                    yield _sse(P.chat_chunk(oid, name, {}, event.finish_reason) if chat
-                               else P.completion_chunk(oid, name, "", event.finish_reason))
+                    reason = event.finish_reason
+                    if calls is not None:
+                        tool_calls = _tool_calls(calls, "".join(held), reason)
+                        if tool_calls:
+                            reason = "tool_calls"
+                            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
+                        else:
+                            delta = {"content": "".join(held)}
+                        yield _sse(P.chat_chunk(oid, name, delta))
+                    yield _sse(P.chat_chunk(oid, name, {}, reason) if chat
+                               else P.completion_chunk(oid, name, "", reason))
                     if include_usage:
                         use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
                         yield _sse(P.chat_chunk(oid, name, {}, use=use, choices=False) if chat
@@ -202,6 +232,18 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def _tool_calls(calls: StructuredOutput | None, text: str, finish_reason: str) -> list[dict] | None:
+    """The OpenAI ``tool_calls`` of a finished answer when it is a complete call (a call cut at
+    ``max_tokens`` or by a stop string stays text, with its own finish reason)."""
+    if calls is None or finish_reason != "stop":
+        return None
+    try:
+        json.loads(text)
+        return calls.tool_calls(text)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _check_model(model: str, aliases: set[str]) -> None:
     if model not in aliases:
         raise P.APIError(404, f"the model {model!r} does not exist; this server serves {sorted(aliases)[-1]!r}",
@@ -219,7 +261,7 @@ def _plan(build):
         raise P.APIError(400, str(exc), param="messages") from None
 
 
-def _params(body, prompt_tokens: int, max_context: int, default_max: int) -> SamplingParams:
+def _params(body, prompt_tokens: int, max_context: int, default_max: int, constraint=None) -> SamplingParams:
     room = max_context - prompt_tokens
     new = body.new_tokens
     if new is None:
@@ -230,7 +272,8 @@ def _params(body, prompt_tokens: int, max_context: int, default_max: int) -> Sam
                          code="context_length_exceeded")
     try:
         return SamplingParams(max_new_tokens=new, temperature=body.temperature, top_p=body.top_p,
-                              stop=body.stop, seed=body.seed)
+                              stop=body.stop, seed=body.seed, frequency_penalty=body.frequency_penalty,
+                              presence_penalty=body.presence_penalty, constraint=constraint)
     except ValidationError as exc:
         raise P.APIError(400, str(exc.errors()[0].get("msg")), param="stop") from None
 

@@ -22,7 +22,8 @@ step there, so a long prefill delays their next token by one piece, not by the w
 (Sarathi-Serve / vLLM cut prefills along tokens to share a GPU forward with decode rows; on the
 CPU the pieces run one after the other, and cutting between layers needs no change to the
 engine's selective-recompute pass, which decides per layer which tokens go on). Sampling is per request (its own seeded
-generator), and text deltas go through ``TextStream`` (stop strings, whole characters), the
+generator; frequency / presence penalties and a structured-output grammar through
+``process_logits``, as in ``generate``), and text deltas go through ``TextStream`` (stop strings, whole characters), the
 same as ``CachedEngine.generate``; decoding here is plain one-token-per-step (no prompt-lookup
 drafts), and greedy output equals ``generate`` with ``lookup.max_draft=0`` token for token.
 
@@ -48,7 +49,7 @@ import torch
 
 from cachedrag.executor import release_openmp_threads
 from cachedrag.kvcache.planner import Mode
-from cachedrag.model.generation import SamplingParams, TextStream, make_generator, next_token
+from cachedrag.model.generation import SamplingParams, TextStream, make_generator, next_token, process_logits, uses_history
 from cachedrag.prompt import Segment
 from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
@@ -350,9 +351,23 @@ class EngineLoop:
             raise _Busy
 
     def _advance(self, run: _Running, logits: torch.Tensor, first: bool = False) -> None:
-        """Choose the next token from ``logits`` ``[V]``; emit its text; finish or keep running."""
+        """Choose the next token from ``logits`` ``[V]`` (penalties and the request's constraint
+        applied); emit its text; finish or keep running. A choice that fails (a grammar that allows
+        no token) fails this request alone."""
         params = run.request.params
-        token = next_token(logits, params, run.generator)
+        constraint = params.constraint
+        try:
+            if uses_history(params):
+                logits = process_logits(logits, params, run.tokens)  # [V]
+            token = next_token(logits, params, run.generator)
+            if constraint is not None and token not in self.engine.eos_ids:
+                constraint.advance(token)
+        except Exception as exc:
+            log.exception("choosing the next token of request %d failed", run.request.id)
+            run.last = None
+            self._drop([run])
+            run.request.emit(Failed(exc))
+            return
         if first:
             run.ttft_s = time.perf_counter() - run.request.arrival
             if self.observer is not None:
@@ -363,7 +378,8 @@ class EngineLoop:
         delta = run.stream.push(token)
         if delta:
             run.request.emit(Delta(delta))
-        if run.stream.stopped or len(run.tokens) >= params.max_new_tokens:
+        grammar_done = constraint is not None and constraint.done  # a complete document: nothing may follow
+        if run.stream.stopped or len(run.tokens) >= params.max_new_tokens or grammar_done:
             return self._finish(run)
         run.last = token
 
@@ -373,7 +389,8 @@ class EngineLoop:
         if tail:
             run.request.emit(Delta(tail))
         params = run.request.params
-        reason = "length" if len(run.tokens) >= params.max_new_tokens and not run.stream.stopped else "stop"
+        complete = run.stream.stopped or (params.constraint is not None and params.constraint.done)
+        reason = "length" if len(run.tokens) >= params.max_new_tokens and not complete else "stop"
         info = run.stats
         prompt = info["prompt_tokens"]
         cached = info.get("cached_tokens", prompt - info["computed_tokens"])

@@ -1,8 +1,9 @@
 """The OpenAI wire format the server speaks: request models, response bodies, error shape.
 
 Owns: pydantic models of the ``/v1/chat/completions`` and ``/v1/completions`` request bodies
-(the fields we honour, validated; unknown OpenAI fields are accepted and ignored, as vLLM
-does), the ``cachedrag`` extension field, builders of the JSON response and SSE chunk bodies
+(the fields we honour, validated: sampling, penalties, ``response_format``, ``tools`` /
+``tool_choice``; unknown OpenAI fields are accepted and ignored, as vLLM does), the
+``cachedrag`` extension field, builders of the JSON response and SSE chunk bodies
 with ``usage`` (``prompt_tokens_details.cached_tokens`` = prompt tokens served from the chunk
 cache), and ``APIError`` with OpenAI's error body ``{"error": {"message", "type", "param",
 "code"}}``. Does not own: routing (``app``), generation (``loop``).
@@ -10,11 +11,12 @@ cache), and ``APIError`` with OpenAI's error body ``{"error": {"message", "type"
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -37,6 +39,57 @@ class CachedRAGExtension(BaseModel):
     chunks: list[str] = Field(default_factory=list, description="retrieved texts that occur verbatim in the prompt")
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer must follow (OpenAI's structured outputs)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema (absent: any JSON object)")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON valid for a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a name and a schema")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -48,6 +101,9 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=1, description="only n=1 is served")
     stop: str | list[str] | None = None
     seed: int | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     cachedrag: CachedRAGExtension | None = None
@@ -77,6 +133,11 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
+        if not self.content and self.model_extra and self.model_extra.get("tool_calls"):
+            # an earlier assistant turn that called tools: the model sees the calls it made
+            return json.dumps([{"name": (c.get("function") or {}).get("name"),
+                                "arguments": (c.get("function") or {}).get("arguments")}
+                               for c in self.model_extra["tool_calls"] if isinstance(c, dict)])
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -91,6 +152,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -114,10 +178,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict,
+                  tool_calls: list[dict] | None = None) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
             "usage": use}
 
 

@@ -81,3 +81,17 @@ def test_repetition_penalty_changes_greedy_output(runner):
     plain = _generate(runner, SamplingParams(max_new_tokens=30))
     penalised = _generate(runner, SamplingParams(max_new_tokens=30, repetition_penalty=5.0))
     assert len(set(penalised.token_ids)) > len(set(plain.token_ids))
+
+
+def test_frequency_and_presence_penalties_follow_openai_rule():
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    out = process_logits(logits, params, [2, 2, 0])
+    # token 2 generated twice: 3 - 2 * 0.5 - 0.25; token 0 once: 1 - 0.5 - 0.25; others untouched
+    assert out.tolist() == [0.25, 2.0, 1.75, 4.0]
+    assert logits.tolist() == [1.0, 2.0, 3.0, 4.0]  # the caller's tensor is not modified
+    assert process_logits(logits, params, []) is logits  # nothing generated yet: nothing to penalise
+    both = process_logits(logits, SamplingParams(repetition_penalty=2.0, presence_penalty=1.0), [3])
+    assert both.tolist() == [1.0, 2.0, 3.0, 1.0]  # 4 / 2 - 1
+    with pytest.raises(ValueError):
+        SamplingParams(frequency_penalty=2.5)

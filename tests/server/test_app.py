@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -103,6 +104,20 @@ def test_seeded_sampling_is_reproducible(live_server):
     ({"n": 2}, 400, "n"),
     ({"max_tokens": 100_000}, 400, "messages"),
     ({"cachedrag": {"chunks": ["this text is not in the prompt at all, anywhere"]}}, 400, "cachedrag.chunks"),
+    ({"frequency_penalty": 3.0}, 400, "frequency_penalty"),
+    ({"response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400,
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, 400, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),  # "auto": no parser
+    ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
 ])
 def test_errors_have_the_openai_shape(live_server, change, status, param):
     s = live_server()
@@ -111,6 +126,83 @@ def test_errors_have_the_openai_shape(live_server, change, status, param):
     assert r.status_code == status
     err = r.json()["error"]
     assert err["message"] and err["type"] and err["param"] == param
+
+
+PICK = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "n"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+             "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+             "required": ["a", "b"]}}}]  # bounded integers: a random-weight model would write digits to max_tokens
+ASK = [{"role": "user", "content": "Pick one."}]
+
+
+def test_response_format_gives_json_valid_for_the_schema(live_server):
+    """A random-weight model writes bytes; with ``response_format`` every answer is JSON for the
+    schema (the grammar constrains decoding), streamed or not, chat or completion."""
+    client = _client(live_server())
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK, "strict": True}}
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+        r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=temperature,
+                                           seed=seed, response_format=fmt)
+        pick = json.loads(r.choices[0].message.content)
+        assert set(pick) == {"ok", "n"} and isinstance(pick["ok"], bool) and 0 <= pick["n"] <= 99
+        assert r.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=0,
+                                              response_format=fmt, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=0,
+                                           response_format=fmt)
+    assert text == plain.choices[0].message.content
+    done = client.completions.create(model="tiny", prompt="A pick: ", max_tokens=40, temperature=0,
+                                     extra_body={"response_format": fmt})
+    assert set(json.loads(done.choices[0].text)) == {"ok", "n"}
+    anything = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=30, temperature=0,
+                                              response_format={"type": "json_object"})
+    content = anything.choices[0].message.content
+    assert content.startswith("{")  # an unbounded object may run past max_tokens; a finished one parses
+    assert anything.choices[0].finish_reason == "length" or isinstance(json.loads(content), dict)
+    free = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=12, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)  # the same model unconstrained: not JSON
+
+
+def test_required_tool_calls_come_back_as_openai_tool_calls(live_server):
+    client = _client(live_server())
+    args_of = {"get_weather": lambda a: a["city"] in ("Paris", "Rome") and set(a) == {"city"},
+               "add": lambda a: set(a) == {"a", "b"} and all(isinstance(v, int) for v in a.values())}
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, tools=TOOLS,
+                                       tool_choice="required")
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert call.type == "function" and call.id.startswith("call_")
+    assert args_of[call.function.name](json.loads(call.function.arguments))
+    named = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=1.0, seed=4,
+                                           tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "add" and args_of["add"](json.loads(call.function.arguments))
+    stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, tools=TOOLS,
+                                            tool_choice="required", stream=True)
+    calls, reasons = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls += choice.delta.tool_calls or []
+            reasons.append(choice.finish_reason)
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+    assert reasons[-1] == "tool_calls"
+    cut = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3, temperature=0, tools=TOOLS,
+                                         tool_choice="required")  # cut before the call is complete: text
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert cut.choices[0].message.content.startswith("{")
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    after = client.chat.completions.create(model="tiny", messages=turn, max_tokens=4, temperature=0, tools=TOOLS,
+                                           tool_choice="none")  # the follow-up turn: a plain answer
+    assert after.choices[0].finish_reason == "length" and after.choices[0].message.content
 
 
 def test_openai_client_raises_its_typed_errors(live_server):

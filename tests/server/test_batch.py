@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -138,6 +139,35 @@ def test_seeded_sampling_is_reproducible_in_a_batch():
     batched, _ = _run_loop(engine, reqs, max_batch=2)
     alone, _ = _run_loop(engine, reqs[:1], max_batch=1)
     assert batched[0].token_ids == alone[0].token_ids
+
+
+def test_constrained_and_penalised_requests_in_a_batch_equal_generate():
+    """Structured output and OpenAI penalties through the loop: each request, batched beside
+    others, gives the tokens ``generate_segments`` gives it alone (the same ``process_logits``)."""
+    from cachedrag.model.constraint import JsonConstraint
+
+    engine = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+    reference = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 99}},
+              "required": ["ok", "n"]}
+
+    def kinds():  # fresh constraints each time: a constraint follows one generation
+        return [SamplingParams(max_new_tokens=40, constraint=JsonConstraint(schema, engine.runner.tokenizer,
+                                                                            engine.eos_ids)),
+                SamplingParams(max_new_tokens=12, frequency_penalty=1.5, presence_penalty=0.5),
+                SamplingParams(max_new_tokens=12, presence_penalty=-2.0),
+                SamplingParams(max_new_tokens=9)]
+
+    segments = [engine.prompts.chat(_chunks(i)[:1], QUESTIONS[i]) for i in range(4)]  # short: tiny's window
+    batched, _ = _run_loop(engine, list(zip(segments, kinds())), max_batch=4)
+    want = [reference.generate_segments(reference.prompts.chat(_chunks(i)[:1], QUESTIONS[i]), p)
+            for i, p in enumerate(kinds())]
+    assert [r.token_ids for r in batched] == [w.token_ids for w in want]
+    assert json.loads(batched[0].text).keys() == {"ok", "n"} and batched[0].finish_reason == "stop"
+    plain = reference.generate_segments(reference.prompts.chat(_chunks(2)[:1], QUESTIONS[2]),
+                                        SamplingParams(max_new_tokens=12))
+    assert plain.token_ids != batched[2].token_ids  # the (negative: repeat-seeking) penalty was applied
 
 
 def test_stop_strings_and_cached_tokens_through_the_loop():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from pydantic import BaseModel, Field
 
 from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.openai_transport import attach_chunks
@@ -98,3 +99,37 @@ def test_langchain_chat_openai_sends_the_chunks_and_reports_cache_reads(live_ser
     assert first.usage_metadata["input_token_details"].get("cache_read", 0) == 0
     assert second.usage_metadata["input_token_details"]["cache_read"] > sum(len(c.encode()) for c in CHUNKS)
     assert "".join(pieces) == second.content == third.content
+
+
+class Pick(BaseModel):
+    ok: bool
+    n: int = Field(ge=0, le=99)  # bounded: a random-weight model would write digits to max_tokens
+
+
+def test_langchain_structured_output_through_the_server(live_server):
+    """``ChatOpenAI.with_structured_output`` sends a JSON schema (default) or a named tool; the
+    server constrains decoding to it, so even a random-weight model answers with a ``Pick``."""
+    pytest.importorskip("langchain_openai")
+    from cachedrag.integrations.openai_langchain import ChatCachedRAGOpenAI
+
+    s = live_server(passages={"enabled": False})
+    llm = ChatCachedRAGOpenAI(model="tiny", base_url=s.base_url, max_tokens=40, temperature=0.0)
+    for method in ("json_schema", "function_calling"):
+        pick = llm.with_structured_output(Pick, method=method).invoke("Pick one.")
+        assert isinstance(pick, Pick) and 0 <= pick.n <= 99
+    raw = llm.with_structured_output(Pick, include_raw=True).invoke("Pick one.")
+    assert raw["parsing_error"] is None and isinstance(raw["parsed"], Pick)
+
+
+def test_llama_index_structured_predict_through_the_server(live_server):
+    pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core.prompts import PromptTemplate
+
+    from cachedrag.integrations.openai_llama_index import CachedRAGOpenAILike
+
+    s = live_server(passages={"enabled": False})
+    llm = CachedRAGOpenAILike(model="tiny", api_base=s.base_url, max_tokens=40, temperature=0.0)
+    pick = llm.structured_predict(Pick, PromptTemplate("Pick one for {who}."), who="me")
+    assert isinstance(pick, Pick) and 0 <= pick.n <= 99
+    again = asyncio.run(llm.astructured_predict(Pick, PromptTemplate("Pick one for {who}."), who="me"))
+    assert again == pick  # greedy, same prompt
