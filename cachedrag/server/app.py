@@ -4,7 +4,7 @@ Owns: ``create_app(engine, config)`` with ``GET /health``, ``GET /v1/models``, `
 (Prometheus text), ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE
 streaming, ``n=1``, temperature / top_p / max_tokens / stop / seed / frequency and presence
 penalties, structured output: ``response_format`` JSON and required tool calls (``structured``),
-``usage`` with ``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
+``logprobs`` (chat: ``logprobs`` / ``top_logprobs``; completions: ``logprobs``), ``usage`` with ``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
 longer than the context window, 404 unknown model, 503 queue full or shutting down), and
 freeing a request's batch slot when its client disconnects (streaming or not; ``_EventStream``
 closes the event generator however the response ends).
@@ -132,7 +132,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             with contextlib.suppress(RuntimeError):  # the event loop closed (shutdown)
                 aio.call_soon_threadsafe(queue.put_nowait, event)
 
-        serve = ServeRequest(segments=planned.segments, params=params, emit=emit, mode=config.mode)
+        serve = ServeRequest(segments=planned.segments, params=params, emit=emit, mode=config.mode,
+                             logprobs=body.logprob_alternatives)
         try:
             rid = loop.submit(serve)
         except QueueFullError as exc:
@@ -147,6 +148,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             return _EventStream(_stream(queue, rid, oid, name, chat, body.include_usage, calls),
                                 media_type="text/event-stream")
         text: list[str] = []
+        records: list | None = [] if body.logprob_alternatives is not None else None
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
@@ -158,22 +160,38 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 continue
             if isinstance(event, Delta):
                 text.append(event.text)
+                if records is not None:
+                    records += event.logprobs or []
             elif isinstance(event, Failed):
                 raise _failure(event.error)
             elif isinstance(event, Finished):
                 use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+                logprobs = _logprobs(records, chat)
                 if not chat:
-                    return JSONResponse(P.completion_response(oid, name, "".join(text), event.finish_reason, use))
+                    return JSONResponse(P.completion_response(oid, name, "".join(text), event.finish_reason, use,
+                                                              logprobs))
                 tool_calls = _tool_calls(calls, "".join(text), event.finish_reason)
                 return JSONResponse(P.chat_response(oid, name, "".join(text), "tool_calls" if tool_calls
-                                                    else event.finish_reason, use, tool_calls))
+                                                    else event.finish_reason, use, tool_calls, logprobs))
+
+    def _logprobs(records: list | None, chat: bool, offset: int = 0) -> dict | None:
+        """The OpenAI ``logprobs`` object of ``records`` (None: the request did not ask)."""
+        if records is None:
+            return None
+        decode = engine.runner.tokenizer.decode  # tokenising only: no torch work on this thread
+        if chat:
+            return P.chat_logprobs(records, lambda t: decode([t]))
+        return P.completion_logprobs(records, lambda t: decode([t]), offset)
 
     async def _stream(queue: asyncio.Queue, rid: int, oid: str, name: str, chat: bool, include_usage: bool,
                       calls: StructuredOutput | None = None):
-        """SSE events of one request. A tool call's JSON is held back and sent whole as one
-        ``tool_calls`` delta when it completes (the call's name may be its last field)."""
+        """SSE events of one request, each text delta with the logprobs of its tokens (when asked).
+        A tool call's JSON is held back and sent whole as one ``tool_calls`` delta when it
+        completes (the call's name may be its last field)."""
         finished = False
         held: list[str] = []
+        held_records: list | None = None
+        sent = 0  # characters of completion text sent: the legacy logprobs' text_offset
         try:
             if chat:
                 yield _sse(P.chat_chunk(oid, name, {"role": "assistant", "content": ""}))
@@ -182,9 +200,13 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 if isinstance(event, Delta):
                     if calls is not None:
                         held.append(event.text)
+                        if event.logprobs is not None:
+                            held_records = (held_records or []) + event.logprobs
                         continue
-                    yield _sse(P.chat_chunk(oid, name, {"content": event.text}) if chat
-                               else P.completion_chunk(oid, name, event.text))
+                    logprobs = _logprobs(event.logprobs, chat, sent)
+                    sent += len(event.text)
+                    yield _sse(P.chat_chunk(oid, name, {"content": event.text}, logprobs=logprobs) if chat
+                               else P.completion_chunk(oid, name, event.text, logprobs=logprobs))
                 elif isinstance(event, Failed):
                     finished = True
                     yield _sse(_failure(event.error).body())
@@ -199,7 +221,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                             delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
                         else:
                             delta = {"content": "".join(held)}
-                        yield _sse(P.chat_chunk(oid, name, delta))
+                        yield _sse(P.chat_chunk(oid, name, delta, logprobs=_logprobs(held_records, chat)))
                     yield _sse(P.chat_chunk(oid, name, {}, reason) if chat
                                else P.completion_chunk(oid, name, "", reason))
                     if include_usage:

@@ -64,6 +64,18 @@ __all__ = ["Delta", "EngineLoop", "Failed", "Finished", "QueueFullError", "Serve
 @dataclass
 class Delta:
     text: str
+    logprobs: list[TokenLogprob] | None = None  # the tokens up to this text (when the request asked for them)
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log probability under the model's own distribution (before penalties,
+    constraint and temperature, as ``CachedEngine.generate`` reports it) and its ``top`` most
+    likely alternatives ``[(token id, log p)]``."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -90,6 +102,7 @@ class ServeRequest:
     params: SamplingParams
     emit: Callable[[object], None]  # called on the loop thread with Delta / Finished / Failed; must not block
     mode: str | None = None
+    logprobs: int | None = None  # report each token's log p and this many alternatives (None: off)
     arrival: float = field(default_factory=time.perf_counter)
     id: int = 0  # set by submit
     cancelled: bool = False
@@ -114,6 +127,13 @@ class _Running:
     tokens: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
     last: int | None = None  # the token to feed next
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # chosen, not yet sent with a text delta
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        if self.request.logprobs is None:
+            return None
+        out, self.logprobs = self.logprobs, []
+        return out
 
 
 class EngineLoop:
@@ -356,6 +376,7 @@ class EngineLoop:
         no token) fails this request alone."""
         params = run.request.params
         constraint = params.constraint
+        raw = logits  # [V] the model's own distribution, for logprobs
         try:
             if uses_history(params):
                 logits = process_logits(logits, params, run.tokens)  # [V]
@@ -375,9 +396,11 @@ class EngineLoop:
         if token in self.engine.eos_ids:
             return self._finish(run)
         run.tokens.append(token)
+        if run.request.logprobs is not None:
+            run.logprobs.append(_token_logprob(raw, token, run.request.logprobs))
         delta = run.stream.push(token)
         if delta:
-            run.request.emit(Delta(delta))
+            run.request.emit(Delta(delta, run.take_logprobs()))
         grammar_done = constraint is not None and constraint.done  # a complete document: nothing may follow
         if run.stream.stopped or len(run.tokens) >= params.max_new_tokens or grammar_done:
             return self._finish(run)
@@ -386,8 +409,9 @@ class EngineLoop:
     def _finish(self, run: _Running) -> None:
         run.last = None
         tail = run.stream.flush()
-        if tail:
-            run.request.emit(Delta(tail))
+        pending = run.take_logprobs()
+        if tail or pending:
+            run.request.emit(Delta(tail, pending))
         params = run.request.params
         complete = run.stream.stopped or (params.constraint is not None and params.constraint.done)
         reason = "length" if len(run.tokens) >= params.max_new_tokens and not complete else "stop"
@@ -433,3 +457,13 @@ class EngineLoop:
         if mode is not Mode.PREFIX:
             cached += sum(len(s) for s in request.segments[len(nodes):-1] if s.key in manager.index)
         return cached
+
+
+def _token_logprob(logits: torch.Tensor, token: int, alternatives: int) -> TokenLogprob:
+    """``token``'s log p under ``logits`` ``[V]`` and the ``alternatives`` most likely tokens."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    top: list[tuple[int, float]] = []
+    if alternatives:
+        values, ids = lp.topk(alternatives)  # [k], [k]
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(lp[token]), top)

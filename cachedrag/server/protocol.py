@@ -2,7 +2,7 @@
 
 Owns: pydantic models of the ``/v1/chat/completions`` and ``/v1/completions`` request bodies
 (the fields we honour, validated: sampling, penalties, ``response_format``, ``tools`` /
-``tool_choice``; unknown OpenAI fields are accepted and ignored, as vLLM does), the
+``tool_choice``, ``logprobs``; unknown OpenAI fields are accepted and ignored, as vLLM does), the
 ``cachedrag`` extension field, builders of the JSON response and SSE chunk bodies
 with ``usage`` (``prompt_tokens_details.cached_tokens`` = prompt tokens served from the chunk
 cache), and ``APIError`` with OpenAI's error body ``{"error": {"message", "type", "param",
@@ -155,10 +155,29 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     def text(self) -> str:
         if isinstance(self.prompt, list):
@@ -178,37 +197,61 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def chat_logprobs(records, decode) -> dict:
+    """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` of ``records``
+    (``TokenLogprob``s; ``decode(id)`` -> the token's text)."""
+    def entry(token: int, logprob: float) -> dict:
+        text = decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+                        for r in records]}
+
+
+def completion_logprobs(records, decode, offset: int = 0) -> dict:
+    """Legacy completion ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a
+    ``{token: logprob}`` per position) and ``text_offset`` (from ``offset``)."""
+    tokens = [decode(r.token) for r in records]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
+            "top_logprobs": [{decode(t): lp for t, lp in r.top} for r in records], "text_offset": offsets}
+
+
 def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict,
-                  tool_calls: list[dict] | None = None) -> dict:
+                  tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
         message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None,
-               use: dict | None = None, choices: bool = True) -> dict:
+               use: dict | None = None, choices: bool = True, logprobs: dict | None = None) -> dict:
     body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}] if choices
-            else []}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
+            if choices else []}
     if use is not None:
         body["usage"] = use
     return body
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict,
+                        logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": use}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None = None,
-                     use: dict | None = None, choices: bool = True) -> dict:
+                     use: dict | None = None, choices: bool = True, logprobs: dict | None = None) -> dict:
     body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}] if choices
-            else []}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]
+            if choices else []}
     if use is not None:
         body["usage"] = use
     return body

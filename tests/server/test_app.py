@@ -205,6 +205,30 @@ def test_required_tool_calls_come_back_as_openai_tool_calls(live_server):
     assert after.choices[0].finish_reason == "length" and after.choices[0].message.content
 
 
+def test_logprobs_chat_and_completions(live_server):
+    client = _client(live_server())
+    kw = dict(model="tiny", messages=_messages(CHUNKS[:1]), max_tokens=6, temperature=0)
+    r = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the chosen token is the top one
+    stream = client.chat.completions.create(**kw, logprobs=True, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)  # logprobs without top_logprobs: no alternatives
+    assert client.chat.completions.create(**kw).choices[0].logprobs is None
+    done = client.completions.create(model="tiny", prompt="Hello there, server.", max_tokens=5, temperature=0,
+                                     logprobs=2)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset == sorted(lp.text_offset) and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    r = httpx.post(live_server().url + "/v1/chat/completions",
+                   json={**kw, "top_logprobs": 2})  # top_logprobs without logprobs: a 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
 def test_openai_client_raises_its_typed_errors(live_server):
     client = _client(live_server())
     with pytest.raises(openai.NotFoundError):

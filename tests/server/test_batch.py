@@ -170,6 +170,52 @@ def test_constrained_and_penalised_requests_in_a_batch_equal_generate():
     assert plain.token_ids != batched[2].token_ids  # the (negative: repeat-seeking) penalty was applied
 
 
+def test_logprobs_through_the_loop_equal_generate_and_ride_with_the_text():
+    """Each token's log p (the model's own distribution) comes with the text delta it completes,
+    batched or not, and equals what ``generate`` reports; the alternatives are the top-k."""
+    engine = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+    reference = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+    loop = EngineLoop(engine, SchedulerConfig(max_batch=3, order="fifo"))
+    deltas: dict[int, list] = {0: [], 1: [], 2: []}
+    finished: dict[int, Finished] = {}
+    done = threading.Event()
+
+    def emitter(i):
+        def emit(event):
+            if isinstance(event, (Finished, Failed)):
+                finished[i] = event
+                if len(finished) == 3:
+                    done.set()
+            else:
+                deltas[i].append(event)
+        return emit
+
+    asks = [(3, SamplingParams(max_new_tokens=10)), (None, SamplingParams(max_new_tokens=7)),
+            (0, SamplingParams(max_new_tokens=12, temperature=0.9, seed=5))]
+    for i, (k, params) in enumerate(asks):
+        loop.submit(ServeRequest(segments=engine.prompts.chat(_chunks(i)[:1], QUESTIONS[i]), params=params,
+                                 emit=emitter(i), logprobs=k))
+    loop.start()
+    assert done.wait(60)
+    loop.stop()
+    for i, (k, params) in enumerate(asks):
+        got = finished[i]
+        want = reference.generate_segments(reference.prompts.chat(_chunks(i)[:1], QUESTIONS[i]), params)
+        assert got.token_ids == want.token_ids
+        records = [r for d in deltas[i] for r in (d.logprobs or [])]
+        if k is None:
+            assert all(d.logprobs is None for d in deltas[i])
+            continue
+        assert [r.token for r in records] == got.token_ids
+        torch.testing.assert_close(torch.tensor([r.logprob for r in records]), torch.tensor(want.token_logprobs),
+                                   rtol=0, atol=1e-4)
+        assert all(len(r.top) == k for r in records)
+        for r in records:
+            assert [lp for _, lp in r.top] == sorted((lp for _, lp in r.top), reverse=True)
+            if params.temperature == 0.0:  # greedy: the chosen token is the most likely one
+                assert r.top[0] == (r.token, r.logprob)
+
+
 def test_stop_strings_and_cached_tokens_through_the_loop():
     engine = CachedEngine(tiny_runner(), config=NO_DRAFTS)
     segments = engine.prompts.chat(_chunks(0), QUESTIONS[0])

@@ -133,3 +133,15 @@ def test_llama_index_structured_predict_through_the_server(live_server):
     assert isinstance(pick, Pick) and 0 <= pick.n <= 99
     again = asyncio.run(llm.astructured_predict(Pick, PromptTemplate("Pick one for {who}."), who="me"))
     assert again == pick  # greedy, same prompt
+
+
+def test_langchain_logprobs_through_the_server(live_server):
+    """``ChatOpenAI(logprobs=True)`` (what LangChain's FLARE chain reads) gets one entry per token."""
+    pytest.importorskip("langchain_openai")
+    from cachedrag.integrations.openai_langchain import ChatCachedRAGOpenAI
+
+    s = live_server(passages={"enabled": False})
+    llm = ChatCachedRAGOpenAI(model="tiny", base_url=s.base_url, max_tokens=5, temperature=0.0, logprobs=True)
+    reply = llm.invoke("Say something.")
+    content = reply.response_metadata["logprobs"]["content"]
+    assert len(content) == 5 and all(e["logprob"] <= 0 for e in content)
