@@ -58,7 +58,7 @@ def cluster_config(args: argparse.Namespace, redis_url: str | None):
             cache_gb=_get(args, "cache_gb", 2.0), redis_url=redis_url, redis_gb=_get(args, "redis_gb", 4.0),
             max_batch=_get(args, "max_batch", 8), max_waiting=_get(args, "max_waiting", 256),
             order=_get(args, "order", "cache_aware"), auto_chunks=not _get(args, "no_auto_chunks", False),
-            max_tokens=_get(args, "max_tokens", 256))
+            max_tokens=_get(args, "max_tokens", 256), api_key=_get(args, "api_key"))
         return ClusterConfig(replicas=args.replicas, router=args.router, retries=args.retries,
                              replica_cpus=args.replica_cpus, passage_chars=_get(args, "passage_chars", 200),
                              replica=replica)

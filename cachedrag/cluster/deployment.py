@@ -167,7 +167,7 @@ class EngineReplica:
                               scheduler=SchedulerConfig(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
                                                         order=settings.order),
                               passages=PassageConfig(enabled=settings.auto_chunks),
-                              default_max_tokens=settings.max_tokens)
+                              default_max_tokens=settings.max_tokens, api_key=settings.api_key)
         self.app = create_app(_TimedEngine(self.engine), config)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the engine loop

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from cachedrag.errors import ConfigError
 
@@ -51,6 +51,8 @@ class ReplicaSettings(BaseModel):
     order: Literal["cache_aware", "fifo"] = Field("cache_aware", description="prefill admission order")
     auto_chunks: bool = Field(True, description="automatic passage detection for clients without the chunks field")
     max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    api_key: SecretStr | None = Field(None, description="every replica's app requires it on /v1 routes (the ingress "
+                                                        "forwards the client's Authorization header)")
     threads: int | None = Field(None, ge=1, description="torch threads per replica (None = torch's default)")
     engine_overrides: dict = Field(default_factory=dict, description="extra EngineConfig fields (advanced)")
 

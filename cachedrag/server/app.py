@@ -4,10 +4,11 @@ Owns: ``create_app(engine, config)`` with ``GET /health``, ``GET /v1/models``, `
 (Prometheus text), ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE
 streaming, ``n=1``, temperature / top_p / max_tokens / stop / seed / frequency and presence
 penalties, structured output: ``response_format`` JSON and required tool calls (``structured``),
-``logprobs`` (chat: ``logprobs`` / ``top_logprobs``; completions: ``logprobs``), ``usage`` with ``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
-longer than the context window, 404 unknown model, 503 queue full or shutting down), and
-freeing a request's batch slot when its client disconnects (streaming or not; ``_EventStream``
-closes the event generator however the response ends).
+``logprobs`` (chat: ``logprobs`` / ``top_logprobs``; completions: ``logprobs``), ``usage`` with
+``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
+longer than the context window, 401 without the API key when one is set, 404 unknown model, 503
+queue full or shutting down), and freeing a request's batch slot when its client disconnects
+(streaming or not; ``_EventStream`` closes the event generator however the response ends).
 
 The event-loop thread only parses, renders templates and tokenises (no torch ops: see
 ``cachedrag.server.loop`` on OpenMP threads); generation runs on the engine loop's thread and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 
@@ -75,9 +77,16 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(P.APIError(400, message, param=".".join(loc) or None).body(), status_code=400)
 
+    key = config.api_key.get_secret_value().encode() if config.api_key is not None else None
+
     @app.middleware("http")
     async def _count(request: Request, call_next):
-        response = await call_next(request)
+        if key is not None and request.url.path.startswith("/v1") and not _authorized(request, key):
+            error = P.APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+            response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        else:
+            response = await call_next(request)
         metrics.requests.labels(request.url.path, str(response.status_code)).inc()
         return response
 
@@ -264,6 +273,11 @@ def _tool_calls(calls: StructuredOutput | None, text: str, finish_reason: str) -
         return calls.tool_calls(text)
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _authorized(request: Request, key: bytes) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
 
 
 def _check_model(model: str, aliases: set[str]) -> None:

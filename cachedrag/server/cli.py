@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -76,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None, help="add a shared Redis tier (redis://host:port/db)")
     parser.add_argument("--redis-gb", type=float, default=4.0, help="Redis tier budget (GB) with --redis-url")
     parser.add_argument("--graceful-s", type=float, default=5.0, help="seconds in-flight requests get on shutdown")
+    parser.add_argument("--api-key", default=os.environ.get("CACHEDRAG_API_KEY") or None,
+                        help="require 'Authorization: Bearer <key>' on every /v1 route (default: $CACHEDRAG_API_KEY; "
+                             "none: open); /health and /metrics stay open")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from cachedrag.cluster.cli import add_arguments as add_cluster_arguments  # --replicas N --backend ray
 
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     name = args.served_model_name or ("tiny-random" if args.tiny else (args.model or "SmolLM2-135M-Instruct"))
     config = ServerConfig(host=args.host, port=args.port, model_name=name, mode=args.mode, scheduler=scheduler,
-                          passages=passages, default_max_tokens=args.max_tokens)
+                          passages=passages, default_max_tokens=args.max_tokens, api_key=args.api_key)
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -140,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     freeze_startup_objects()
     # printed whatever the log level: scripts (bench serve, tests) read the address from this line
     print(f"cachedrag serve: listening on http://{host}:{port} (model {name}, mode {args.mode}, "
-          f"max batch {args.max_batch}, order {args.order})", file=sys.stderr, flush=True)
+          f"max batch {args.max_batch}, order {args.order}{', API key required' if args.api_key else ''})",
+          file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     print("cachedrag serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from cachedrag.server.policy import MAX_DELAY_S
 
@@ -74,3 +74,5 @@ class ServerConfig(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     passages: PassageConfig = Field(default_factory=PassageConfig)
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    api_key: SecretStr | None = Field(None, description="when set, every /v1 route needs 'Authorization: Bearer "
+                                                        "<key>' (401 otherwise); /health and /metrics stay open")

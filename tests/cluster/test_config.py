@@ -48,6 +48,12 @@ def test_cli_arguments():
     check_arguments(_args("--replicas", "3", "--backend", "ray"))
     config = cluster_config(_args("--replicas", "3", "--backend", "ray", "--router", "round_robin"), "redis://h:1/0")
     assert config.replicas == 3 and config.router == "round_robin" and config.replica.redis_url == "redis://h:1/0"
+    assert config.replica.api_key is None
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--api-key")
+    keyed = cluster_config(parser.parse_args(["--replicas", "2", "--backend", "ray", "--api-key", "zq-7"]), None)
+    assert keyed.replica.api_key.get_secret_value() == "zq-7" and "zq-7" not in repr(keyed)  # never printed
     with pytest.raises(ConfigError, match="cache_gb"):
         cluster_config(_args("--replicas", "2", "--backend", "ray", "--cache-gb", "-1"), None)
 

@@ -229,6 +229,22 @@ def test_logprobs_chat_and_completions(live_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
+def test_api_key_guards_the_v1_routes_only(live_server):
+    s = live_server(api_key="s3cret")
+    body = {"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 2, "temperature": 0}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}):
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(s.url + "/v1/models").status_code == 401
+    assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=s.base_url, api_key="s3cret", max_retries=0)
+    assert good.chat.completions.create(**body).usage.completion_tokens == 2
+    assert 'cachedrag_requests_total{endpoint="/v1/chat/completions",status="401"} 3.0' in httpx.get(s.url + "/metrics").text
+
+
 def test_openai_client_raises_its_typed_errors(live_server):
     client = _client(live_server())
     with pytest.raises(openai.NotFoundError):

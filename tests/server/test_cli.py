@@ -78,6 +78,16 @@ def test_bad_numerics_exit_2_with_one_line(args, says):
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
+def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    from cachedrag.cli import build_parser
+
+    monkeypatch.delenv("CACHEDRAG_API_KEY", raising=False)
+    assert build_parser().parse_args(["serve"]).api_key is None
+    assert build_parser().parse_args(["serve", "--api-key", "k1"]).api_key == "k1"
+    monkeypatch.setenv("CACHEDRAG_API_KEY", "k2")
+    assert build_parser().parse_args(["serve"]).api_key == "k2"
+
+
 def test_build_engine_uses_the_requested_numerics():
     from cachedrag.cli import build_parser
     from cachedrag.server.cli import build_engine
