@@ -469,7 +469,10 @@ class CachedEngine:
         repeat = None
         cache = self.config.cache
         if cache.exact_repeats and not exact_plan and plan.repeat >= cache.exact_repeats:
-            if cache.exact_repeats_when == "inline":  # this sighting is computed exactly and stores its path
+            overdue = plan.repeat > cache.exact_repeats  # an earlier sighting's promotion has not landed
+            when = cache.exact_repeats_when
+            if when == "inline" or (when == "after_response_else_inline" and overdue):
+                # this sighting is computed exactly and stores its path
                 self.manager.release(plan, used=False)
                 plan = self.manager.plan(request, Mode.PREFIX)
                 repeat = "inline"

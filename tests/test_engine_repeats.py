@@ -120,6 +120,27 @@ def test_prefill_hands_the_promotion_to_the_caller(runner):
     assert again.info["approximations"] == [] and again.promote is None
 
 
+def test_an_overdue_promotion_goes_inline_at_the_next_sighting(runner):
+    """``after_response_else_inline`` (the server's timing): the caller never runs the handed-over
+    promotion (a loaded server has no idle time), so the next reuse-served sighting is prefilled
+    exactly, stores the path, and the one after is an exact hit equal to full prefill; the plain
+    ``after_response`` timing keeps handing the promotion over."""
+    for when, fourth in (("after_response_else_inline", "inline"), ("after_response", "promote")):
+        engine = _engine(runner, exact_repeats_when=when)
+        _warm(engine)
+        segs = engine.prompts.chat(SEQ, "q", SYSTEM)
+        kinds = [engine.prefill(segs, 1).info["exact_repeat"] for _ in range(3)]  # no promote() ever called
+        assert kinds == [None, "promote", fourth]
+        last = engine.prefill(segs, 1)
+        if when == "after_response":
+            assert last.info["exact_repeat"] == "promote" and engine.manager.tree.find(_keys(engine, SEQ)) is None
+            continue
+        assert last.info["approximations"] == [] and last.info["exact_repeat"] is None and last.promote is None
+        got = engine.generate(SEQ, "which module?", SYSTEM, max_new_tokens=4)
+        full = engine.generate(SEQ, "which module?", SYSTEM, max_new_tokens=4, mode="full")
+        assert got.approximations == [] and got.token_ids == full.token_ids
+
+
 def test_approximate_kv_is_never_stored_as_an_exact_path(runner):
     """The planted collision: SEQ's third chunk is computed fresh behind two reused chunks, so its
     approximate KV is stored under the very handle (= path) its exact tree node gets later."""

@@ -50,6 +50,7 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import percentile, rouge_l
+from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
 
 CONFIGS = {
     "a": ("full, no batching", ["--mode", "full", "--max-batch", "1", "--order", "fifo"], True),
@@ -101,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`cachedrag serve --max-overtakes` of every server (default: the server's)")
     parser.add_argument("--max-delay-s", type=float, default=None,
                         help="`cachedrag serve --max-delay-s` of every server (default: the server's)")
+    parser.add_argument("--exact-repeats-when", default=None, choices=EXACT_REPEAT_TIMINGS,
+                        help="`cachedrag serve --exact-repeats-when` of every server (default: the server's)")
     parser.add_argument("--cache-gb", type=float, default=None,
                         help="`cachedrag serve --cache-gb` (chunk-cache budget) of every server (default: the server's, "
                              "2 GB); below the working set, chunks are evicted and the order can change the hit rate")
@@ -135,10 +138,11 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
 
 def scheduler_args(args: argparse.Namespace) -> list[str]:
     """The admission-order bounds given to every server (they act only where the order is cache-aware),
-    and the pooled-KV size."""
+    the pooled-KV size and the exact-repeat timing."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
     out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
     out += [] if args.kv_pool_tokens is None else ["--kv-pool-tokens", str(args.kv_pool_tokens)]
+    out += [] if args.exact_repeats_when is None else ["--exact-repeats-when", args.exact_repeats_when]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -351,6 +355,10 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         # how much the admission order could matter: admissions made with a choice, and ahead of an older request
         "contested_share": grew("cachedrag_contested_admissions_total") / admitted if admitted else 0.0,
         "reordered_share": grew("cachedrag_reordered_admissions_total") / admitted if admitted else 0.0,
+        # recurring chunk sequences: requests served as an exact tree path, exact paths stored / abandoned
+        "exact_hit_share": grew("cachedrag_exact_hit_requests_total") / len(ok) if ok else 0.0,
+        "promotions": grew("cachedrag_exact_promotions_total"),
+        "promotions_yielded": grew("cachedrag_exact_promotions_yielded_total"),
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
         # every request's TTFT in the order the level sent them (the shape behind p50 / p95)
         "ttft_s_by_request": [None if r["ttft_s"] is None else round(r["ttft_s"], 3) for r in results],
@@ -401,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
         "dtype": args.dtype, "weights": args.weights, "threads": args.threads,
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
+        "exact_repeats_when": args.exact_repeats_when,
         "queue_level": args.queue_level,
         "cache_gb": args.cache_gb, "kv_pool_tokens": args.kv_pool_tokens,
         "queue_requests": args.queue_requests,

@@ -69,7 +69,9 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
+    from cachedrag.kvcache.config import CacheConfig
     from cachedrag.model.runner import ModelRunner
+    from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN
     from cachedrag.store.config import StoreConfig
     from cachedrag.store.tiered import TieredStore
 
@@ -86,7 +88,8 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
 
         runner = ModelRunner(*load_model(settings.model))
     try:
-        config = EngineConfig(mode=settings.mode, cache_bytes=int(settings.cache_gb * GB), **settings.engine_overrides)
+        overrides = {"cache": CacheConfig(exact_repeats_when=SERVER_EXACT_REPEATS_WHEN), **settings.engine_overrides}
+        config = EngineConfig(mode=settings.mode, cache_bytes=int(settings.cache_gb * GB), **overrides)
     except ValueError as exc:
         raise ConfigError(f"bad engine setting: {exc}") from None
     if settings.redis_url is None:

@@ -33,7 +33,7 @@ QUESTION_PASS_FRESH = ("leading", "all")
 #: how ``CacheConfig.layer_taper`` ranks the rows it stops computing
 TAPER_RANKS = ("choice", "deviation")
 #: when a recurring chunk sequence gets its exact tree path (``CacheConfig.exact_repeats_when``)
-EXACT_REPEAT_TIMINGS = ("after_response", "inline")
+EXACT_REPEAT_TIMINGS = ("after_response", "inline", "after_response_else_inline")
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -201,6 +201,10 @@ class CacheConfig:
         it before returning; ``prefill`` hands it to the caller as ``Prefilled.promote``, e.g. for
         a server's idle time), so no TTFT pays for it (an in-process caller of ``generate`` waits
         for it). "inline": the n-th sighting itself is prefilled exactly (its answer exact, its TTFT a miss's: x_prefix 2.05 -> 1.62 on that stream).
+        "after_response_else_inline" (``cachedrag serve``'s default): as "after_response", and a later
+        sighting still served from reuse (the caller never found time to compute the path: a
+        server under load has no idle time) is prefilled exactly inline, so a recurring sequence
+        is approximated at most once past the n-th sighting.
       repeat_memory: how many chunk-sequence fingerprints are remembered (least recently seen
         forgotten first). >= 1.
 

@@ -19,6 +19,8 @@ import socket
 import sys
 
 from cachedrag.errors import ConfigError
+from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
+from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN
 from cachedrag.server.policy import MAX_DELAY_S
 
 log = logging.getLogger("cachedrag.server")
@@ -71,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefill instead of up to 1.9x and repeated chunk sequences exact tree hits, but lower "
                              "answer fidelity in the one run measured (docs/serving.md)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    parser.add_argument("--exact-repeats-when", default=None, choices=EXACT_REPEAT_TIMINGS,
+                        help="when a recurring chunk sequence gets its exact tree path (CacheConfig.exact_repeats_when; "
+                             f"default {SERVER_EXACT_REPEATS_WHEN}: in idle time, else inline at its next sighting)")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
     parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
     parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")
@@ -168,6 +173,7 @@ def build_engine(args: argparse.Namespace):
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
+    from cachedrag.kvcache.config import CacheConfig
     from cachedrag.model.runner import ModelRunner, resolve_device
 
     if args.threads is not None and args.threads < 1:
@@ -181,7 +187,8 @@ def build_engine(args: argparse.Namespace):
     else:
         runner = ModelRunner.from_pretrained(args.model, device=args.device, **numerics)  # warmed up here
     gb = 1 << 30
-    config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb))
+    config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb),
+                          cache=CacheConfig(exact_repeats_when=args.exact_repeats_when or SERVER_EXACT_REPEATS_WHEN))
     store = None
     if args.disk_dir or args.redis_url:
         from cachedrag.store.config import StoreConfig

@@ -62,6 +62,12 @@ class PassageConfig(BaseModel):
                            "docs/serving.md)")
 
 
+#: ``CacheConfig.exact_repeats_when`` of a server's engine: the loop computes exact-repeat promotions
+#: only in idle time, which a loaded server lacks, so a sequence whose promotion has not landed is
+#: prefilled exactly at its next sighting (docs/serving.md, "Exact repeats under load")
+SERVER_EXACT_REPEATS_WHEN = "after_response_else_inline"
+
+
 class ServerConfig(BaseModel):
     """Everything ``cachedrag serve`` takes."""
 

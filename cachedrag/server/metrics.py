@@ -3,8 +3,9 @@
 Owns: ``ServerMetrics``, a private ``CollectorRegistry`` (so several apps in one process, as
 in tests, never collide) with request counts by endpoint and status, TTFT and per-output-token
 latency histograms, decode batch sizes, queue length and running requests, prompt / cached /
-completion token counters, chunk hits and misses, admissions (contested, reordered), and the chunk cache's entries and bytes per
-store tier (read from the store when scraped). It is the engine loop's observer
+completion token counters, chunk hits and misses, requests served as exact tree paths, admissions
+(contested, reordered), exact-repeat promotions (stored, yielded, pending), and the chunk cache's
+entries and bytes per store tier (read from the store when scraped). It is the engine loop's observer
 (``on_step``, ``on_first_token``, ``on_token``, ``on_finished``).
 
 Does not own: what is measured (the loop and app report it).
@@ -49,15 +50,24 @@ class _OrderCollector:
 
     def collect(self):
         policy = self.loop.policy
+        loop = self.loop
         for name, value, help_ in (
             ("cachedrag_admissions", policy.admitted, "requests admitted to prefill"),
             ("cachedrag_contested_admissions", policy.contested,
              "admissions made while more requests waited than were admitted (the order had a choice)"),
             ("cachedrag_reordered_admissions", policy.reordered, "admissions ahead of an older waiting request"),
+            ("cachedrag_exact_promotions", loop.promotions,
+             "exact tree paths of recurring chunk sequences computed and stored (CacheConfig.exact_repeats)"),
+            ("cachedrag_exact_promotions_yielded", loop.promotions_yielded,
+             "exact-path computations abandoned for an arriving request (started over later)"),
         ):
             family = CounterMetricFamily(name, help_)
             family.add_metric([], float(value))
             yield family
+        pending = GaugeMetricFamily("cachedrag_exact_promotions_pending", "recurring chunk sequences waiting for "
+                                    "their exact tree path")
+        pending.add_metric([], float(len(loop._promotions)))
+        yield pending
 
 
 class ServerMetrics:
@@ -82,6 +92,8 @@ class ServerMetrics:
         self.completion_tokens = Counter("cachedrag_completion_tokens", "generated tokens", registry=r)
         self.chunk_hits = Counter("cachedrag_chunk_hits", "chunk segments served from cache", registry=r)
         self.chunk_misses = Counter("cachedrag_chunk_misses", "chunk segments computed fresh", registry=r)
+        self.exact_hits = Counter("cachedrag_exact_hit_requests", "finished requests that reused cached chunks with "
+                                  "no approximation (an exact knowledge-tree path)", registry=r)
         self.disconnects = Counter("cachedrag_client_disconnects", "requests whose client went away", registry=r)
         self.queue = Gauge("cachedrag_queue_length", "requests waiting for prefill", registry=r)
         self.running = Gauge("cachedrag_running_requests", "requests decoding", registry=r)
@@ -112,6 +124,8 @@ class ServerMetrics:
         self.completion_tokens.inc(done.completion_tokens)
         self.chunk_hits.inc(done.stats.get("chunks_hit", 0))
         self.chunk_misses.inc(done.stats.get("chunks_missed", 0))
+        if done.stats.get("chunks_hit", 0) and not done.stats.get("approximations"):
+            self.exact_hits.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

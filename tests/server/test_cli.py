@@ -98,6 +98,10 @@ def test_build_engine_uses_the_requested_numerics():
     assert engine.runner.numerics.tag == "bfloat16+int8w" and engine.runner.threads == 1
     assert engine.runner.prefill_pairs == "scores+values"
     assert engine.namespace.dtype == "bfloat16+int8w"  # its caches never serve a float32 engine
+    # a loaded server has no idle time for exact-repeat promotions: overdue ones go inline
+    assert engine.config.cache.exact_repeats_when == "after_response_else_inline"
+    assert build_engine(build_parser().parse_args(["serve", "--tiny", "--exact-repeats-when", "after_response"])
+                        ).config.cache.exact_repeats_when == "after_response"
     text = engine.generate(["heapq pushes items onto a heap."], "What does heapq do?", max_new_tokens=3).text
     assert isinstance(text, str)
 
