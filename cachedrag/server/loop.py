@@ -21,10 +21,10 @@ prefill runs, the engine calls back between its layers, and after every
 step there, so a long prefill delays their next token by one piece, not by the whole prefill
 (Sarathi-Serve / vLLM cut prefills along tokens to share a GPU forward with decode rows; on the
 CPU the pieces run one after the other, and cutting between layers needs no change to the
-engine's selective-recompute pass, which decides per layer which tokens go on). Sampling is per request (its own seeded
-generator; frequency / presence penalties and a structured-output grammar through
-``process_logits``, as in ``generate``), and text deltas go through ``TextStream`` (stop strings, whole characters), the
-same as ``CachedEngine.generate``; decoding here is plain one-token-per-step (no prompt-lookup
+engine's selective-recompute pass, which decides per layer which tokens go on). Sampling is per
+request (its own seeded generator; frequency / presence penalties and a structured-output grammar
+through ``process_logits``, as in ``generate``), and text deltas go through ``TextStream`` (stop
+strings, whole characters), the same as ``CachedEngine.generate``; decoding here is plain one-token-per-step (no prompt-lookup
 drafts), and greedy output equals ``generate`` with ``lookup.max_draft=0`` token for token.
 
 Threads: all torch work runs on this one long-lived thread. ``start`` frees the calling
@@ -49,7 +49,8 @@ import torch
 
 from cachedrag.executor import release_openmp_threads
 from cachedrag.kvcache.planner import Mode
-from cachedrag.model.generation import SamplingParams, TextStream, make_generator, next_token, process_logits, uses_history
+from cachedrag.model.generation import (SamplingParams, TextStream, make_generator, next_token, process_logits,
+                                         uses_history)
 from cachedrag.prompt import Segment
 from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
