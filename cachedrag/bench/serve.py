@@ -102,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`cachedrag serve --max-overtakes` of every server (default: the server's)")
     parser.add_argument("--max-delay-s", type=float, default=None,
                         help="`cachedrag serve --max-delay-s` of every server (default: the server's)")
+    parser.add_argument("--exact-repeats", type=int, default=None,
+                        help="`cachedrag serve --exact-repeats` of every server (default: the engine's)")
     parser.add_argument("--exact-repeats-when", default=None, choices=EXACT_REPEAT_TIMINGS,
                         help="`cachedrag serve --exact-repeats-when` of every server (default: the server's)")
     parser.add_argument("--cache-gb", type=float, default=None,
@@ -143,6 +145,7 @@ def scheduler_args(args: argparse.Namespace) -> list[str]:
     out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
     out += [] if args.kv_pool_tokens is None else ["--kv-pool-tokens", str(args.kv_pool_tokens)]
     out += [] if args.exact_repeats_when is None else ["--exact-repeats-when", args.exact_repeats_when]
+    out += [] if args.exact_repeats is None else ["--exact-repeats", str(args.exact_repeats)]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -409,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
         "dtype": args.dtype, "weights": args.weights, "threads": args.threads,
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
-        "exact_repeats_when": args.exact_repeats_when,
+        "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
         "cache_gb": args.cache_gb, "kv_pool_tokens": args.kv_pool_tokens,
         "queue_requests": args.queue_requests,

@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefill instead of up to 1.9x and repeated chunk sequences exact tree hits, but lower "
                              "answer fidelity in the one run measured (docs/serving.md)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    parser.add_argument("--exact-repeats", type=int, default=None,
+                        help="reuse-served sightings of a chunk sequence before its exact tree path is computed "
+                             "(CacheConfig.exact_repeats; 0 = never; default the engine's)")
     parser.add_argument("--exact-repeats-when", default=None, choices=EXACT_REPEAT_TIMINGS,
                         help="when a recurring chunk sequence gets its exact tree path (CacheConfig.exact_repeats_when; "
                              f"default {SERVER_EXACT_REPEATS_WHEN}: in idle time, else inline at its next sighting)")
@@ -188,7 +191,8 @@ def build_engine(args: argparse.Namespace):
         runner = ModelRunner.from_pretrained(args.model, device=args.device, **numerics)  # warmed up here
     gb = 1 << 30
     config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb),
-                          cache=CacheConfig(exact_repeats_when=args.exact_repeats_when or SERVER_EXACT_REPEATS_WHEN))
+                          cache=CacheConfig(exact_repeats_when=args.exact_repeats_when or SERVER_EXACT_REPEATS_WHEN,
+                                            **({} if args.exact_repeats is None else {"exact_repeats": args.exact_repeats})))
     store = None
     if args.disk_dir or args.redis_url:
         from cachedrag.store.config import StoreConfig

@@ -100,8 +100,9 @@ def test_build_engine_uses_the_requested_numerics():
     assert engine.namespace.dtype == "bfloat16+int8w"  # its caches never serve a float32 engine
     # a loaded server has no idle time for exact-repeat promotions: overdue ones go inline
     assert engine.config.cache.exact_repeats_when == "after_response_else_inline"
-    assert build_engine(build_parser().parse_args(["serve", "--tiny", "--exact-repeats-when", "after_response"])
-                        ).config.cache.exact_repeats_when == "after_response"
+    other = build_engine(build_parser().parse_args(["serve", "--tiny", "--exact-repeats-when", "after_response",
+                                                    "--exact-repeats", "3"])).config.cache
+    assert other.exact_repeats_when == "after_response" and other.exact_repeats == 3
     text = engine.generate(["heapq pushes items onto a heap."], "What does heapq do?", max_new_tokens=3).text
     assert isinstance(text, str)
 
