@@ -15,7 +15,9 @@ the admission order has real choices to make, and FIFO and cache-aware order are
 where they can differ. Configs d and e replay concurrency 1 once more at the end ("1w", the
 passages seen so far: a running service's steady state), beside the cold first level. Then the
 configurations' answers are compared with (b) (ROUGE-L, exact match) and, with ``--soak``,
-config (d) takes ``--soak-requests`` at ``--soak-concurrency`` with random client disconnects.
+config (d) takes ``--soak-requests`` at ``--soak-concurrency`` with random client disconnects,
+``--soak-rounds`` times; the server's RSS is read at rest (after its idle heap trim) before and
+after each round.
 
 Configurations (the issue's a..e):
   a  ``--mode full --max-batch 1``          today's one-at-a-time baseline
@@ -32,7 +34,8 @@ server, so one run compares FIFO (c) with one setting of the bounds (d); so does
 the hit rate, RAGCache's setting).
 Every level of one configuration replays the same requests as that level of every other, so
 answers compare request by request. Servers run one at a time (the CPU is shared).
-``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}``.
+``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}`` (``soak``: the
+first round's figures and ``rounds``, every round's).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -111,6 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "2 GB); below the working set, chunks are evicted and the order can change the hit rate")
     parser.add_argument("--kv-pool-tokens", type=int, default=None,
                         help="`cachedrag serve --kv-pool-tokens` of every server (default: the server's, 0 = off)")
+    parser.add_argument("--trim-heap-idle-s", type=float, default=None,
+                        help="`cachedrag serve --trim-heap-idle-s` of every server (default: the server's; inf = never)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
     parser.add_argument("--zipf", type=float, default=1.1)
@@ -121,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-concurrency", type=int, default=16)
     parser.add_argument("--soak-disconnect", type=float, default=0.3, help="share of soak requests that disconnect")
     parser.add_argument("--soak-max-tokens", type=int, default=6)
+    parser.add_argument("--soak-rounds", type=int, default=2,
+                        help="soak rounds on the same server (default 2: the second tells growth that stops, "
+                             "e.g. allocator pools and newly cached chunks, from growth that goes on)")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
 
 
@@ -140,12 +149,13 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
 
 def scheduler_args(args: argparse.Namespace) -> list[str]:
     """The admission-order bounds given to every server (they act only where the order is cache-aware),
-    the pooled-KV size and the exact-repeat timing."""
+    the pooled-KV size, the exact-repeat timing and the idle heap trim."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
     out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
     out += [] if args.kv_pool_tokens is None else ["--kv-pool-tokens", str(args.kv_pool_tokens)]
     out += [] if args.exact_repeats_when is None else ["--exact-repeats-when", args.exact_repeats_when]
     out += [] if args.exact_repeats is None else ["--exact-repeats", str(args.exact_repeats)]
+    out += [] if args.trim_heap_idle_s is None else ["--trim-heap-idle-s", str(args.trim_heap_idle_s)]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -414,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
         "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
-        "cache_gb": args.cache_gb, "kv_pool_tokens": args.kv_pool_tokens,
+        "cache_gb": args.cache_gb, "kv_pool_tokens": args.kv_pool_tokens, "trim_heap_idle_s": args.trim_heap_idle_s,
         "queue_requests": args.queue_requests,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},
@@ -449,7 +459,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
                       f"{row['ttft_p50_s']:.2f} s, {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
             if args.soak and name == "d":
-                results["soak"] = _soak(server, args, model_name, work)
+                rounds = [_soak(server, args, model_name, work, k) for k in range(max(1, args.soak_rounds))]
+                results["soak"] = {**rounds[0], "rounds": rounds}
         finally:
             server.stop()
         if args.json_out:  # partial results survive an interrupted run
@@ -468,16 +479,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _soak(server: ServerProcess, args, model_name: str, work) -> dict:
-    """``--soak-requests`` at ``--soak-concurrency``, a share of them disconnecting mid-stream."""
+def _settle_s(args) -> float:
+    """Seconds a server is left idle before a memory reading: past its idle heap trim
+    (``--trim-heap-idle-s``, the server's 1 s by default) and at least 2 s."""
+    trim_s = args.trim_heap_idle_s if args.trim_heap_idle_s is not None else 1.0
+    return max(2.0, trim_s + 1.0) if math.isfinite(trim_s) else 2.0
+
+
+def _soak(server: ServerProcess, args, model_name: str, work, round_: int = 0) -> dict:
+    """``--soak-requests`` at ``--soak-concurrency``, a share of them disconnecting mid-stream
+    (``round_``: which soak round on this server; each draws its own requests)."""
     import httpx
 
-    rng = random.Random(args.seed + 99)
+    rng = random.Random(args.seed + 99 + 1000 * round_)
     n = len(work.questions)
     plan = [(rng.randrange(n), rng.randint(1, 3) if rng.random() < args.soak_disconnect else None)
             for _ in range(args.soak_requests)]
+    time.sleep(_settle_s(args))  # both RSS readings at rest: the levels' freed buffers trimmed too
     rss_before = server.rss_bytes()
-    cache_before = _metric_sum(httpx.get(server.url + "/metrics").text, "cachedrag_cache_bytes")
+    before = httpx.get(server.url + "/metrics").text
+    cache_before = _metric_sum(before, "cachedrag_cache_bytes")
+    released_before = _metric_sum(before, "cachedrag_heap_released_bytes_total")
 
     async def go():
         slots = asyncio.Semaphore(args.soak_concurrency)
@@ -495,7 +517,7 @@ def _soak(server: ServerProcess, args, model_name: str, work) -> dict:
     t0 = time.perf_counter()
     res = asyncio.run(go())
     wall = time.perf_counter() - t0
-    time.sleep(2.0)  # let the server notice the last disconnects
+    time.sleep(_settle_s(args))  # the server notices the last disconnects and, idle, trims its heap
     health = httpx.get(server.url + "/health").json()
     metrics = httpx.get(server.url + "/metrics").text
     stayed = [r for r in res if not r["disconnected"]]
@@ -512,6 +534,8 @@ def _soak(server: ServerProcess, args, model_name: str, work) -> dict:
         "disconnects_counted": _metric_sum(metrics, "cachedrag_client_disconnects_total"),
         "rss_before_mb": round(rss_before / 2**20, 1), "rss_after_mb": round(server.rss_bytes() / 2**20, 1),
         "cache_bytes_growth_mb": round((_metric_sum(metrics, "cachedrag_cache_bytes") - cache_before) / 2**20, 1),
+        "heap_released_mb": round(
+            (_metric_sum(metrics, "cachedrag_heap_released_bytes_total") - released_before) / 2**20, 1),
     }
 
 
@@ -567,9 +591,9 @@ def _print(results: dict) -> None:
         print(f"answers {name} vs b: ROUGE-L {a['rouge_l_vs_b']:.3f}, exact {a['exact_match_vs_b']:.2f}")
     for k, v in results.get("ratios", {}).items():
         print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
-    if "soak" in results:
-        s = results["soak"]
-        print(f"soak: {s['requests']} requests at concurrency {s['concurrency']}, {s['disconnected']} disconnected, "
+    for k, s in enumerate(results["soak"].get("rounds", [results["soak"]]) if "soak" in results else []):
+        print(f"soak round {k + 1}: {s['requests']} requests at concurrency {s['concurrency']}, {s['disconnected']} disconnected, "
               f"{s['stayed_completed']}/{s['stayed']} others completed, statuses {s['statuses']}, "
               f"running/waiting after {s['running_after']}/{s['waiting_after']}, "
-              f"RSS {s['rss_before_mb']} -> {s['rss_after_mb']} MB (cache +{s['cache_bytes_growth_mb']} MB)")
+              f"RSS {s['rss_before_mb']} -> {s['rss_after_mb']} MB (cache +{s['cache_bytes_growth_mb']} MB, "
+              f"{s.get('heap_released_mb', 0)} MB of freed heap returned when idle)")

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pooled KV for requests up to this many positions: one attention call per layer for the "
                              "batch over whole 512-key blocks (batch-invariant; step time +8%%/-1%%/-5%% at batch "
                              "1/4/8, bf16), rounding apart from the runner's own step (0 = off, default)")
+    parser.add_argument("--trim-heap-idle-s", type=float, default=1.0,
+                        help="after this many idle seconds, return freed heap memory (finished requests' KV "
+                             "buffers) to the OS, so RSS falls back after a burst (default 1; inf = never)")
     parser.add_argument("--no-auto-chunks", action="store_true", help="no automatic passage detection (explicit chunks only)")
     parser.add_argument("--passage-chars", type=int, default=200, help="shortest paragraph treated as a passage (auto mode)")
     parser.add_argument("--attach-separators", action="store_true",
@@ -129,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
                                     max_overtakes=args.max_overtakes, max_delay_s=_bound(args.max_delay_s),
                                     prefills_per_step=args.prefills_per_step,
                                     prefill_chunk_tokens=args.prefill_chunk_tokens,
-                                    kv_pool_tokens=args.kv_pool_tokens)
+                                    kv_pool_tokens=args.kv_pool_tokens,
+                                    trim_heap_idle_s=_bound(args.trim_heap_idle_s))
         passages = PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars,
                                  attach_separators=args.attach_separators)
     except ValueError as exc:

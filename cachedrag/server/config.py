@@ -46,6 +46,10 @@ class SchedulerConfig(BaseModel):
                              "their own buffer); a request's answer does not depend on its batch-mates, but the "
                              "block-aligned call rounds apart from the runner's own step (CachedEngine.generate), "
                              "and it is no faster at batch 1-4; 0 = off, the default (docs/serving.md)")
+    trim_heap_idle_s: float | None = Field(
+        1.0, ge=0.0, description="after this many seconds with nothing waiting, running or to promote, the loop "
+                                 "returns the C heap's freed memory (finished requests' KV buffers) to the OS "
+                                 "(glibc malloc_trim, ~40 ms per 0.5 GB; cachedrag.heap); None = never")
 
 
 class PassageConfig(BaseModel):

@@ -15,7 +15,9 @@ So requests join and leave between steps (continuous batching). Idle time (nothi
 running) computes the exact knowledge-tree paths of recurring chunk sequences that prefills
 handed over (``Prefilled.promote``, ``CacheConfig.exact_repeats``), one per idle turn; a request
 that arrives meanwhile makes it yield after the current layer (abandoned, nothing stored; it
-starts over at the next idle turn). Chunked prefill: while a
+starts over at the next idle turn). After ``trim_heap_idle_s`` with nothing at all to do, the loop
+returns the C heap's freed memory to the OS (``cachedrag.heap``: glibc otherwise keeps a burst's
+KV buffers mapped, and RSS stays at the burst's peak). Chunked prefill: while a
 prefill runs, the engine calls back between its layers, and after every
 ``prefill_chunk_tokens`` tokens' worth of prefill compute the running requests get a decode
 step there, so a long prefill delays their next token by one piece, not by the whole prefill
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cachedrag.executor import release_openmp_threads
+from cachedrag.heap import trim_heap
 from cachedrag.kvcache.planner import Mode
 from cachedrag.model.generation import (SamplingParams, TextStream, make_generator, next_token, process_logits,
                                          uses_history)
@@ -173,6 +176,8 @@ class EngineLoop:
         self._promotions: deque = deque()
         self.promotions = 0  # exact paths computed in idle time
         self.promotions_yielded = 0  # promotions abandoned mid-prefill for an arriving request
+        self.heap_trims = 0  # idle-time returns of freed heap memory to the OS (``trim_heap_idle_s``)
+        self.heap_released_bytes = 0  # resident bytes they released
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: ServeRequest) -> int:
@@ -217,25 +222,36 @@ class EngineLoop:
     # ------------------------------------------------------------------ the loop
     def _serve(self) -> None:
         prepare(self.engine.runner, self.config.max_batch)  # the batched step's packed weights, on this thread
+        trim_at = None  # when freed heap memory goes back to the OS if nothing comes in first (monotonic clock)
         while True:
             with self._lock:
                 while not self._stop and not len(self.policy) and not self._running and not self._promotions:
-                    self._wake.wait()
+                    wait = None if trim_at is None else trim_at - time.monotonic()
+                    if wait is not None and wait <= 0:
+                        break
+                    self._wake.wait(wait)
                 if self._stop:
                     break
                 idle = not len(self.policy) and not self._running
+                nothing = idle and not self._promotions  # woken by the trim's time alone
+            if nothing:
+                trim_at = None
+                self._trim_heap()
+                continue
             if idle:  # nothing to serve: one recurring sequence's exact path (exact repeats)
                 self._promote()
-                continue
-            try:
-                self.step()
-            except Exception as exc:  # a bug in a step must not kill the server: fail the running requests
-                log.exception("engine step failed")
-                for r in self._running:
-                    r.request.emit(Failed(exc))
-                self._running = []
-                if self.pool is not None:
-                    self.pool.clear()
+            else:
+                try:
+                    self.step()
+                except Exception as exc:  # a bug in a step must not kill the server: fail the running requests
+                    log.exception("engine step failed")
+                    for r in self._running:
+                        r.request.emit(Failed(exc))
+                    self._running = []
+                    if self.pool is not None:
+                        self.pool.clear()
+            if self.config.trim_heap_idle_s is not None:  # idle from now on: trim then
+                trim_at = time.monotonic() + self.config.trim_heap_idle_s
         if self.pool is not None:
             self.pool.clear()
         for r in self._running:
@@ -352,6 +368,14 @@ class EngineLoop:
             self._promotions.append(pre.promote)
             while len(self._promotions) > engine.config.cache.repeat_memory:
                 self._promotions.popleft()
+
+    def _trim_heap(self) -> None:
+        """Idle for ``trim_heap_idle_s``: give the finished requests' freed buffers back to the OS."""
+        released = trim_heap()
+        if released is not None:
+            self.heap_trims += 1
+            self.heap_released_bytes += released
+            log.debug("idle: returned %.1f MB of freed heap memory to the OS", released / 2**20)
 
     def _promote(self) -> None:
         promote = self._promotions.popleft()

@@ -4,16 +4,17 @@ Owns: ``ServerMetrics``, a private ``CollectorRegistry`` (so several apps in one
 in tests, never collide) with request counts by endpoint and status, TTFT and per-output-token
 latency histograms, decode batch sizes, queue length and running requests, prompt / cached /
 completion token counters, chunk hits and misses, requests served as exact tree paths, admissions
-(contested, reordered), exact-repeat promotions (stored, yielded, pending), and the chunk cache's
-entries and bytes per store tier (read from the store when scraped). It is the engine loop's observer
-(``on_step``, ``on_first_token``, ``on_token``, ``on_finished``).
+(contested, reordered), exact-repeat promotions (stored, yielded, pending), idle-time heap trims
+(count, bytes released), the chunk cache's entries and bytes per store tier (read from the store
+when scraped) and the standard process metrics (``process_resident_memory_bytes``, CPU seconds).
+It is the engine loop's observer (``on_step``, ``on_first_token``, ``on_token``, ``on_finished``).
 
 Does not own: what is measured (the loop and app report it).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
@@ -42,8 +43,9 @@ class _CacheCollector:
         yield tier_bytes
 
 
-class _OrderCollector:
-    """What the admission order did (``SchedulerPolicy`` counters, read at scrape time)."""
+class _LoopCollector:
+    """What the engine loop did: the admission order (``SchedulerPolicy`` counters), exact-repeat
+    promotions, idle-time heap trims (read at scrape time)."""
 
     def __init__(self, loop):
         self.loop = loop
@@ -60,6 +62,9 @@ class _OrderCollector:
              "exact tree paths of recurring chunk sequences computed and stored (CacheConfig.exact_repeats)"),
             ("cachedrag_exact_promotions_yielded", loop.promotions_yielded,
              "exact-path computations abandoned for an arriving request (started over later)"),
+            ("cachedrag_heap_trims", loop.heap_trims,
+             "idle-time returns of freed heap memory to the OS (SchedulerConfig.trim_heap_idle_s)"),
+            ("cachedrag_heap_released_bytes", loop.heap_released_bytes, "resident bytes those returns released"),
         ):
             family = CounterMetricFamily(name, help_)
             family.add_metric([], float(value))
@@ -100,9 +105,10 @@ class ServerMetrics:
         if loop is not None:
             self.queue.set_function(lambda: loop.waiting)
             self.running.set_function(lambda: loop.running)
-            r.register(_OrderCollector(loop))
+            r.register(_LoopCollector(loop))
         if engine is not None:
             r.register(_CacheCollector(engine))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and the rest of the standard process metrics
 
     # ------------------------------------------------------------------ loop observer
     def on_step(self, batch_size: int, waiting: int) -> None:

@@ -33,6 +33,7 @@ def test_every_server_gets_the_requested_numerics(argv, flags):
     (("--max-overtakes", "8", "--starvation-s", "5"), ["--starvation-s", "5.0", "--max-overtakes", "8"]),
     (("--max-delay-s", "inf"), ["--max-delay-s", "inf"]),
     (("--kv-pool-tokens", "2048"), ["--kv-pool-tokens", "2048"]),
+    (("--trim-heap-idle-s", "inf"), ["--trim-heap-idle-s", "inf"]),
 ])
 def test_every_server_gets_the_requested_admission_bounds(argv, flags):
     assert serve.scheduler_args(_args(*argv)) == flags
@@ -79,3 +80,18 @@ def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
         assert 0 < row["prefill_s_sum"] <= row["wall_s"] and 0 < row["prefill_share"] <= 1.0
         assert row["prefill_rows_mean"] >= 1 and row["prefill_rows_per_s"] > 0
     assert "c_vs_d_ttft_mean_c3q" in data["ratios"]
+
+
+@pytest.mark.timeout(300)
+def test_soak_rounds_read_memory_at_rest(tmp_path):
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--tiny", "--configs", "d", "--levels", "1", "--requests", "1", "--warmup", "1",
+               "--max-tokens", "2", "--queue-level", "0", "--no-warm-c1", "--soak-requests", "8",
+               "--soak-concurrency", "4", "--soak-rounds", "2", "--trim-heap-idle-s", "0.2", "--json", str(out)])
+    assert rc == 0
+    soak = json.loads(out.read_text())["soak"]
+    assert len(soak["rounds"]) == 2 and soak["rss_before_mb"] == soak["rounds"][0]["rss_before_mb"]
+    for r in soak["rounds"]:
+        assert r["requests"] == 8 and r["stayed_completed"] == r["stayed"] and r["server_5xx"] == 0
+        assert r["running_after"] == r["waiting_after"] == 0
+        assert r["rss_before_mb"] > 0 and r["rss_after_mb"] > 0 and r["heap_released_mb"] >= 0

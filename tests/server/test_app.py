@@ -47,6 +47,33 @@ def test_health_models_and_metrics(live_server):
     assert f"cachedrag_prefill_rows_total {float(first.usage.prompt_tokens)}" in text
 
 
+def test_idle_server_returns_freed_heap_memory_and_reports_it(live_server):
+    """After ``trim_heap_idle_s`` with nothing to do the loop trims the heap once (not again while
+    still idle); with None it never does. /metrics shows the trims and the process's RSS."""
+    from cachedrag.heap import trim_heap
+    from cachedrag.server.config import SchedulerConfig
+
+    if trim_heap() is None:
+        pytest.skip("the C library has no malloc_trim (not glibc)")
+    never = live_server(scheduler=SchedulerConfig(trim_heap_idle_s=None))
+    soon = live_server(scheduler=SchedulerConfig(trim_heap_idle_s=0.05))
+    for s in (never, soon):
+        _client(s).chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=3, temperature=0)
+    deadline = time.monotonic() + 10
+    while soon.loop.heap_trims < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # idle on: no second trim, and the never-server has had time for one
+    assert soon.loop.heap_trims == 1 and never.loop.heap_trims == 0
+    text = httpx.get(soon.url + "/metrics").text
+    assert "cachedrag_heap_trims_total 1.0" in text and "cachedrag_heap_released_bytes_total" in text
+    assert "process_resident_memory_bytes" in text
+    _client(soon).chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=3, temperature=0)
+    deadline = time.monotonic() + 10
+    while soon.loop.heap_trims < 2 and time.monotonic() < deadline:  # work again, then idle again: one more
+        time.sleep(0.01)
+    assert soon.loop.heap_trims == 2
+
+
 def test_chat_non_stream_and_stream_agree_and_count_cached_tokens(live_server):
     s = live_server()
     client = _client(s)
