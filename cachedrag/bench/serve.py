@@ -479,11 +479,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settle_s(args) -> float:
-    """Seconds a server is left idle before a memory reading: past its idle heap trim
-    (``--trim-heap-idle-s``, the server's 1 s by default) and at least 2 s."""
+def _at_rest(server: ServerProcess, args, timeout_s: float = 120.0) -> None:
+    """Wait until the server has nothing to do and has trimmed its heap, for a memory reading:
+    no request running or waiting, no exact-repeat promotion pending (idle time computes those
+    first, and a soak leaves some), then past its idle heap trim (``--trim-heap-idle-s``, the
+    server's 1 s by default; at least 2 s, so the last disconnects are noticed)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics").text
+        if not any(_metric_sum(text, name) for name in ("cachedrag_exact_promotions_pending",
+                                                       "cachedrag_running_requests", "cachedrag_queue_length")):
+            break
+        time.sleep(0.25)
     trim_s = args.trim_heap_idle_s if args.trim_heap_idle_s is not None else 1.0
-    return max(2.0, trim_s + 1.0) if math.isfinite(trim_s) else 2.0
+    time.sleep(max(2.0, trim_s + 1.0) if math.isfinite(trim_s) else 2.0)
 
 
 def _soak(server: ServerProcess, args, model_name: str, work, round_: int = 0) -> dict:
@@ -495,7 +506,7 @@ def _soak(server: ServerProcess, args, model_name: str, work, round_: int = 0) -
     n = len(work.questions)
     plan = [(rng.randrange(n), rng.randint(1, 3) if rng.random() < args.soak_disconnect else None)
             for _ in range(args.soak_requests)]
-    time.sleep(_settle_s(args))  # both RSS readings at rest: the levels' freed buffers trimmed too
+    _at_rest(server, args)  # both RSS readings at rest: the levels' freed buffers trimmed too
     rss_before = server.rss_bytes()
     before = httpx.get(server.url + "/metrics").text
     cache_before = _metric_sum(before, "cachedrag_cache_bytes")
@@ -517,7 +528,7 @@ def _soak(server: ServerProcess, args, model_name: str, work, round_: int = 0) -
     t0 = time.perf_counter()
     res = asyncio.run(go())
     wall = time.perf_counter() - t0
-    time.sleep(_settle_s(args))  # the server notices the last disconnects and, idle, trims its heap
+    _at_rest(server, args)
     health = httpx.get(server.url + "/health").json()
     metrics = httpx.get(server.url + "/metrics").text
     stayed = [r for r in res if not r["disconnected"]]
