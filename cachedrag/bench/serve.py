@@ -117,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`cachedrag serve --kv-pool-tokens` of every server (default: the server's, 0 = off)")
     parser.add_argument("--trim-heap-idle-s", type=float, default=None,
                         help="`cachedrag serve --trim-heap-idle-s` of every server (default: the server's; inf = never)")
+    parser.add_argument("--passage-chars", type=int, default=None,
+                        help="`cachedrag serve --passage-chars` (automatic detection's shortest passage) of every "
+                             "server (default: the server's)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
     parser.add_argument("--zipf", type=float, default=1.1)
@@ -149,13 +152,14 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
 
 def scheduler_args(args: argparse.Namespace) -> list[str]:
     """The admission-order bounds given to every server (they act only where the order is cache-aware),
-    the pooled-KV size, the exact-repeat timing and the idle heap trim."""
+    the pooled-KV size, the exact-repeat timing, the idle heap trim and the shortest passage."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
     out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
     out += [] if args.kv_pool_tokens is None else ["--kv-pool-tokens", str(args.kv_pool_tokens)]
     out += [] if args.exact_repeats_when is None else ["--exact-repeats-when", args.exact_repeats_when]
     out += [] if args.exact_repeats is None else ["--exact-repeats", str(args.exact_repeats)]
     out += [] if args.trim_heap_idle_s is None else ["--trim-heap-idle-s", str(args.trim_heap_idle_s)]
+    out += [] if args.passage_chars is None else ["--passage-chars", str(args.passage_chars)]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -425,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
         "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
         "cache_gb": args.cache_gb, "kv_pool_tokens": args.kv_pool_tokens, "trim_heap_idle_s": args.trim_heap_idle_s,
+        "passage_chars": args.passage_chars,
         "queue_requests": args.queue_requests,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},
