@@ -23,7 +23,6 @@ Does not own: when to trim (``cachedrag.server.loop``).
 from __future__ import annotations
 
 import ctypes
-import os
 import resource
 
 _PAGE = resource.getpagesize()

@@ -116,7 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pool-tokens", type=int, default=None,
                         help="`cachedrag serve --kv-pool-tokens` of every server (default: the server's, 0 = off)")
     parser.add_argument("--trim-heap-idle-s", type=float, default=None,
-                        help="`cachedrag serve --trim-heap-idle-s` of every server (default: the server's; inf = never)")
+                        help="`cachedrag serve --trim-heap-idle-s` of every server (default: the server's; "
+                             "inf = never)")
     parser.add_argument("--passage-chars", type=int, default=None,
                         help="`cachedrag serve --passage-chars` (automatic detection's shortest passage) of every "
                              "server (default: the server's)")
@@ -132,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-max-tokens", type=int, default=6)
     parser.add_argument("--soak-rounds", type=int, default=2,
                         help="soak rounds on the same server (default 2: the second tells growth that stops, "
-                             "e.g. allocator pools and newly cached chunks, from growth that goes on)")
+                             "such as newly cached chunks, from growth that goes on)")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
 
 
@@ -608,7 +609,8 @@ def _print(results: dict) -> None:
     for k, v in results.get("ratios", {}).items():
         print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
     for k, s in enumerate(results["soak"].get("rounds", [results["soak"]]) if "soak" in results else []):
-        print(f"soak round {k + 1}: {s['requests']} requests at concurrency {s['concurrency']}, {s['disconnected']} disconnected, "
+        print(f"soak round {k + 1}: {s['requests']} requests at concurrency {s['concurrency']}, "
+              f"{s['disconnected']} disconnected, "
               f"{s['stayed_completed']}/{s['stayed']} others completed, statuses {s['statuses']}, "
               f"running/waiting after {s['running_after']}/{s['waiting_after']}, "
               f"RSS {s['rss_before_mb']} -> {s['rss_after_mb']} MB (cache +{s['cache_bytes_growth_mb']} MB, "
