@@ -180,6 +180,17 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def choose_token(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
+                 generator: torch.Generator | None, eos_ids: set[int]) -> int:
+    """The next token from ``logits`` ``[V]``: penalties over ``generated`` and the request's
+    constraint applied (``process_logits``), then greedy or sampled; the constraint advances past
+    it unless it is EOS. ``decode_loop`` and the server's batched loop choose through this."""
+    token = next_token(process_logits(logits, params, generated), params, generator)
+    if params.constraint is not None and token not in eos_ids:
+        params.constraint.advance(token)
+    return token
+
+
 def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
                 eos_ids: set[int], stream: TextStream | None = None,
                 logprobs: list[float] | None = None, lookup=None) -> Iterator[int]:
@@ -202,14 +213,12 @@ def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, par
     generated: list[int] = []
     constraint = params.constraint
     for step in range(params.max_new_tokens):
-        token = next_token(process_logits(logits, params, generated), params, generator)
+        token = choose_token(logits, params, generated, generator, eos_ids)
         if token in eos_ids:
             return
         if logprobs is not None:  # the model's own distribution (before penalty / constraint / temperature)
             logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
         generated.append(token)
-        if constraint is not None:
-            constraint.advance(token)
         yield token
         if stream is not None and stream.stopped:
             return

@@ -25,7 +25,7 @@ step there, so a long prefill delays their next token by one piece, not by the w
 CPU the pieces run one after the other, and cutting between layers needs no change to the
 engine's selective-recompute pass, which decides per layer which tokens go on). Sampling is per
 request (its own seeded generator; frequency / presence penalties and a structured-output grammar
-through ``process_logits``, as in ``generate``), and text deltas go through ``TextStream`` (stop
+through ``choose_token``, as in ``generate``), and text deltas go through ``TextStream`` (stop
 strings, whole characters), the same as ``CachedEngine.generate``; decoding here is plain one-token-per-step (no prompt-lookup
 drafts), and greedy output equals ``generate`` with ``lookup.max_draft=0`` token for token.
 
@@ -52,8 +52,7 @@ import torch
 from cachedrag.executor import release_openmp_threads
 from cachedrag.heap import trim_heap
 from cachedrag.kvcache.planner import Mode
-from cachedrag.model.generation import (SamplingParams, TextStream, make_generator, next_token, process_logits,
-                                         uses_history)
+from cachedrag.model.generation import SamplingParams, TextStream, choose_token, make_generator
 from cachedrag.prompt import Segment
 from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
@@ -401,13 +400,8 @@ class EngineLoop:
         no token) fails this request alone."""
         params = run.request.params
         constraint = params.constraint
-        raw = logits  # [V] the model's own distribution, for logprobs
         try:
-            if uses_history(params):
-                logits = process_logits(logits, params, run.tokens)  # [V]
-            token = next_token(logits, params, run.generator)
-            if constraint is not None and token not in self.engine.eos_ids:
-                constraint.advance(token)
+            token = choose_token(logits, params, run.tokens, run.generator, self.engine.eos_ids)
         except Exception as exc:
             log.exception("choosing the next token of request %d failed", run.request.id)
             run.last = None
@@ -422,7 +416,7 @@ class EngineLoop:
             return self._finish(run)
         run.tokens.append(token)
         if run.request.logprobs is not None:
-            run.logprobs.append(_token_logprob(raw, token, run.request.logprobs))
+            run.logprobs.append(_token_logprob(logits, token, run.request.logprobs))
         delta = run.stream.push(token)
         if delta:
             run.request.emit(Delta(delta, run.take_logprobs()))
