@@ -3,12 +3,17 @@
 Owns: ``Segment`` (a run of token ids that is either fixed text or a cacheable retrieved
 chunk, with its identity key), splitting a chat template around the user content, and the
 chat layout the engine uses: ``[system prefix text] [chunk 1] ... [chunk n] [question text]``.
-Each segment is tokenised on its own, so a chunk has the same token ids (and the same key)
-wherever it appears. Does not own: what to reuse (``cachedrag.kvcache``) or tensors.
+In the engine's own layout each segment is tokenised on its own, so a chunk has the same token
+ids (and the same key) wherever it appears. A prompt that arrives as text (a server request, a
+framework's formatted prompt) can instead be tokenised whole, as a server without cachedrag would
+tokenise it, and cut at its parts' boundaries (``text_segments(..., tokenization="whole")``):
+then full prefill of the segments is full prefill of the very token ids a plain server computes.
+Does not own: what to reuse (``cachedrag.kvcache``) or tensors.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -95,9 +100,43 @@ class PromptBuilder:
         segments.append(self.segment("text", QUESTION_PREFIX + question + after))
         return segments
 
-    def text_segments(self, parts: Sequence[tuple[Literal["text", "chunk"], str]]) -> list[Segment]:
-        """Arbitrary ordered parts (e.g. a framework's formatted prompt split around known chunks)."""
-        segments = [self.segment(kind, text) for kind, text in parts if text]
-        if not segments:
+    def text_segments(self, parts: Sequence[tuple[Literal["text", "chunk"], str]],
+                      tokenization: Literal["parts", "whole"] = "parts") -> list[Segment]:
+        """Arbitrary ordered parts (e.g. a framework's formatted prompt split around known chunks).
+
+        ``tokenization="parts"``: each part on its own (a chunk's ids do not depend on its
+        neighbours). ``"whole"``: the concatenated text is tokenised once, as a plain server
+        tokenises it, and the ids are cut at the parts' boundaries, a token that crosses one going
+        to the part that holds its last character (so a chunk after ``"\n\n "`` starts with the
+        space-prefixed token the tokenizer forms there); a part left with no token is dropped.
+        The segments' ids then concatenate to exactly the whole text's ids, and a chunk keeps one
+        key wherever the characters around it tokenise alike (the usual blank-line separators).
+        Tokenizers without character offsets (no fast tokenizer) fall back to ``"parts"``.
+        """
+        if tokenization not in ("parts", "whole"):
+            raise ValueError(f"tokenization must be 'parts' or 'whole', got {tokenization!r}")
+        parts = [(kind, text) for kind, text in parts if text]
+        if not parts:
             raise EmptyInputError("the prompt is empty")
-        return segments
+        if tokenization == "whole" and getattr(self.tokenizer, "is_fast", False):
+            return self._whole_segments(parts)
+        return [self.segment(kind, text) for kind, text in parts]
+
+    def _whole_segments(self, parts: list[tuple[Literal["text", "chunk"], str]]) -> list[Segment]:
+        whole = "".join(text for _, text in parts)
+        enc = self.tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+        ends = []  # [P] character offset where each part ends
+        for _, text in parts:
+            ends.append((ends[-1] if ends else 0) + len(text))
+        runs: list[list] = []  # [part, ids, first char, end char] per run of tokens
+        for tok, (lo, hi) in zip(enc["input_ids"], enc["offset_mapping"]):
+            part = min(bisect.bisect_right(ends, max(hi - 1, lo)), len(parts) - 1)  # the part of its last character
+            if runs and runs[-1][0] >= part:  # (a byte-split character repeats its span: never a step back)
+                runs[-1][1].append(int(tok))
+                runs[-1][3] = max(runs[-1][3], hi)
+            else:
+                runs.append([part, [int(tok)], lo, hi])
+        if not runs:
+            raise EmptyInputError("the prompt tokenises to no tokens")
+        return [Segment(kind=parts[part][0], ids=tuple(ids), key=chunk_key(ids, self.namespace), text=whole[lo:hi])
+                for part, ids, lo, hi in runs]

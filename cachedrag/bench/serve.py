@@ -121,6 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passage-chars", type=int, default=None,
                         help="`cachedrag serve --passage-chars` (automatic detection's shortest passage) of every "
                              "server (default: the server's)")
+    parser.add_argument("--tokenization", choices=("whole", "parts"), default=None,
+                        help="`cachedrag serve --tokenization` of every server (default: the server's, whole)")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=192)
     parser.add_argument("--zipf", type=float, default=1.1)
@@ -153,7 +155,8 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
 
 def scheduler_args(args: argparse.Namespace) -> list[str]:
     """The admission-order bounds given to every server (they act only where the order is cache-aware),
-    the pooled-KV size, the exact-repeat timing, the idle heap trim and the shortest passage."""
+    the pooled-KV size, the exact-repeat timing, the idle heap trim, the shortest passage and the
+    tokenisation."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
     out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
     out += [] if args.kv_pool_tokens is None else ["--kv-pool-tokens", str(args.kv_pool_tokens)]
@@ -161,6 +164,7 @@ def scheduler_args(args: argparse.Namespace) -> list[str]:
     out += [] if args.exact_repeats is None else ["--exact-repeats", str(args.exact_repeats)]
     out += [] if args.trim_heap_idle_s is None else ["--trim-heap-idle-s", str(args.trim_heap_idle_s)]
     out += [] if args.passage_chars is None else ["--passage-chars", str(args.passage_chars)]
+    out += [] if args.tokenization is None else ["--tokenization", args.tokenization]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -430,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
         "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
         "cache_gb": args.cache_gb, "kv_pool_tokens": args.kv_pool_tokens, "trim_heap_idle_s": args.trim_heap_idle_s,
-        "passage_chars": args.passage_chars,
+        "passage_chars": args.passage_chars, "tokenization": args.tokenization,
         "queue_requests": args.queue_requests,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the whitespace after each chunk joins the chunk's segment: cold prefills ~1.15x a full "
                              "prefill instead of up to 1.9x and repeated chunk sequences exact tree hits, but lower "
                              "answer fidelity in the one run measured (docs/serving.md)")
+    parser.add_argument("--tokenization", choices=("whole", "parts"), default="whole",
+                        help="whole (default): tokenise the rendered prompt as one text, the ids any server computes "
+                             "for these messages, cut at chunk boundaries; parts: each chunk and text part alone")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     parser.add_argument("--exact-repeats", type=int, default=None,
                         help="reuse-served sightings of a chunk sequence before its exact tree path is computed "
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                                     kv_pool_tokens=args.kv_pool_tokens,
                                     trim_heap_idle_s=_bound(args.trim_heap_idle_s))
         passages = PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars,
-                                 attach_separators=args.attach_separators)
+                                 attach_separators=args.attach_separators, tokenization=args.tokenization)
     except ValueError as exc:
         raise ConfigError(f"bad server setting: {_first_error(exc)}") from None
     engine = build_engine(args)

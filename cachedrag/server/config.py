@@ -53,7 +53,8 @@ class SchedulerConfig(BaseModel):
 
 
 class PassageConfig(BaseModel):
-    """Automatic chunk detection for clients that send no ``cachedrag.chunks`` field."""
+    """How request text becomes engine segments: automatic chunk detection for clients that send
+    no ``cachedrag.chunks`` field, separators, and tokenisation."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -64,6 +65,11 @@ class PassageConfig(BaseModel):
         False, description="the whitespace after each chunk joins the chunk's segment instead of being a segment of "
                            "its own between chunks (faster cold and repeated prefills; lower fidelity measured: "
                            "docs/serving.md)")
+    tokenization: Literal["whole", "parts"] = Field(
+        "whole", description="'whole': the rendered prompt is tokenised as one text (the ids any server computes "
+                             "for these messages) and cut at chunk boundaries; 'parts': every chunk and text part "
+                             "on its own (ids differ from the whole text's at the boundaries, and between explicit "
+                             "and automatic chunks)")
 
 
 #: ``CacheConfig.exact_repeats_when`` of a server's engine: the loop computes exact-repeat promotions

@@ -127,7 +127,7 @@ class PromptPlanner:
             split = split_prompt(rendered, _ExplicitChunks(()))
             source = "none"
         parts = attach_separators(split.parts) if self.config.attach_separators else split.parts
-        segments = self.engine.prompts.text_segments(parts)
+        segments = self.engine.prompts.text_segments(parts, tokenization=self.config.tokenization)
         return PlannedPrompt(segments, split.n_chunks, source if split.n_chunks else "none")
 
 

@@ -34,6 +34,7 @@ def test_every_server_gets_the_requested_numerics(argv, flags):
     (("--max-delay-s", "inf"), ["--max-delay-s", "inf"]),
     (("--kv-pool-tokens", "2048"), ["--kv-pool-tokens", "2048"]),
     (("--trim-heap-idle-s", "inf"), ["--trim-heap-idle-s", "inf"]),
+    (("--passage-chars", "60", "--tokenization", "parts"), ["--passage-chars", "60", "--tokenization", "parts"]),
 ])
 def test_every_server_gets_the_requested_admission_bounds(argv, flags):
     assert serve.scheduler_args(_args(*argv)) == flags

@@ -88,6 +88,16 @@ def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     assert build_parser().parse_args(["serve"]).api_key == "k2"
 
 
+def test_tokenization_flag_defaults_to_whole_and_refuses_others(capsys):
+    from cachedrag.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).tokenization == "whole"
+    assert build_parser().parse_args(["serve", "--tokenization", "parts"]).tokenization == "parts"
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--tokenization", "bytes"])
+    assert exc.value.code == 2 and "--tokenization" in capsys.readouterr().err
+
+
 def test_build_engine_uses_the_requested_numerics():
     from cachedrag.cli import build_parser
     from cachedrag.server.cli import build_engine

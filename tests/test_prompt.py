@@ -1,0 +1,103 @@
+"""PromptBuilder.text_segments: per-part tokenisation (the reference) and whole-text tokenisation
+cut at the parts' boundaries (what a server computes for the same text), on the default model's
+byte-level BPE tokenizer, whose tokens cross a chunk's boundary (" member" after "\\n\\n")."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from cachedrag.errors import EmptyInputError
+from cachedrag.kvcache.keys import Namespace
+from cachedrag.prompt import PromptBuilder
+
+NS = Namespace("model@1", "float32", "tok@1")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from cachedrag.model.loader import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+def _ids(segments):
+    return [t for s in segments for t in s.ids]
+
+
+def test_whole_tokenization_cuts_the_texts_own_ids_at_the_parts(tokenizer):
+    # a chunk cut from a corpus by tokens starts with a space; the tokenizer joins it to the first word
+    parts = [("text", "Context:\n\n "), ("chunk", "member is the value, start=1,"), ("text", "\n\n"),
+             ("chunk", "Help on module json:"), ("text", "\n\nQuestion: what is it?")]
+    whole_text = "".join(t for _, t in parts)
+    prompts = PromptBuilder(tokenizer, NS)
+    whole = prompts.text_segments(parts, tokenization="whole")
+    apart = prompts.text_segments(parts, tokenization="parts")
+    want = tokenizer.encode(whole_text, add_special_tokens=False)
+    assert _ids(whole) == want
+    assert _ids(apart) != want  # per part, "\n\n " and "member" are other tokens than "\n\n" and " member"
+    assert [s.kind for s in whole] == [k for k, _ in parts]
+    first = whole[1]
+    assert first.text == " member is the value, start=1," and first.ids[0] == tokenizer.encode(" member", add_special_tokens=False)[0]
+    assert "".join(s.text for s in whole) == whole_text
+    assert whole[3].ids == apart[3].ids  # a chunk after a blank line: the same ids either way
+
+
+def test_a_chunk_keeps_its_key_wherever_blank_lines_surround_it(tokenizer):
+    prompts = PromptBuilder(tokenizer, NS)
+    chunk = " The heapq module provides an implementation of the heap queue algorithm."
+    keys = set()
+    for before in ("Context:\n\n", "Context:\n\nThe bisect module.\n\n", "Docs:\n-----\n"):
+        segs = prompts.text_segments([("text", before), ("chunk", chunk), ("text", "\n\nQuestion: heaps?")],
+                                     tokenization="whole")
+        keys.add(next(s.key for s in segs if s.kind == "chunk"))
+    assert len(keys) == 1
+    glued = prompts.text_segments([("text", "Context:"), ("chunk", chunk.strip()), ("text", "?")],
+                                  tokenization="whole")  # no whitespace before it: another first token
+    assert next(s.key for s in glued if s.kind == "chunk") not in keys
+
+
+def test_a_part_left_without_tokens_is_dropped_and_bad_settings_refused(tokenizer):
+    prompts = PromptBuilder(tokenizer, NS)
+    segs = prompts.text_segments([("text", "Context:\n\n"), ("text", " "), ("chunk", "member is")], "whole")
+    assert _ids(segs) == tokenizer.encode("Context:\n\n member is", add_special_tokens=False)
+    assert all(len(s) for s in segs)
+    with pytest.raises(ValueError, match="tokenization"):
+        prompts.text_segments([("text", "x")], tokenization="bytes")
+    with pytest.raises(EmptyInputError):
+        prompts.text_segments([("text", "")], tokenization="whole")
+
+
+def test_a_tokenizer_without_offsets_falls_back_to_parts(tokenizer):
+    slow = SimpleNamespace(is_fast=False, encode=tokenizer.encode)
+    parts = [("text", "Context:\n\n "), ("chunk", "member is")]
+    assert _ids(PromptBuilder(slow, NS).text_segments(parts, "whole")) == \
+        _ids(PromptBuilder(tokenizer, NS).text_segments(parts, "parts"))
+
+
+def test_server_prompts_are_the_ids_of_the_chat_template_in_every_chunk_mode(tokenizer):
+    """Explicit chunks, automatic detection and no chunks give one token sequence for the same
+    messages (so their answers compare with each other and with any other server's), the one
+    the chat template itself tokenises to."""
+    from cachedrag.integrations.template import Message
+    from cachedrag.server.config import PassageConfig
+    from cachedrag.server.prompts import PromptPlanner
+
+    engine = SimpleNamespace(prompts=PromptBuilder(tokenizer, NS), runner=SimpleNamespace(tokenizer=tokenizer))
+    chunks = [" member is the value of the enumeration, and start is where counting begins when no value is "
+              "given to the first member of the functional API call." * 2,
+              "Help on module json: the json module encodes and decodes JSON text, with dumps and loads as "
+              "the two functions most programs call; both take options for indentation and separators." * 2]
+    msgs = [Message("system", "Answer from the context."),
+            Message("user", "Context:\n\n" + "\n\n".join(chunks) + "\n\nQuestion: what does start do?")]
+    want = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs], tokenize=True,
+                                         add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    planner = PromptPlanner(engine)
+    assert planner.config.tokenization == "whole"  # the default
+    explicit = planner.chat(msgs, chunks=chunks)
+    auto_first, auto_again = planner.chat(msgs), planner.chat(msgs)
+    assert (explicit.chunk_source, auto_again.chunk_source) == ("explicit", "auto")
+    for planned in (explicit, auto_first, auto_again):
+        assert _ids(planned.segments) == want
+    apart = PromptPlanner(engine, PassageConfig(tokenization="parts")).chat(msgs, chunks=chunks)
+    assert _ids(apart.segments) != want
