@@ -139,4 +139,4 @@ class PromptBuilder:
         if not runs:
             raise EmptyInputError("the prompt tokenises to no tokens")
         return [Segment(kind=parts[part][0], ids=tuple(ids), key=chunk_key(ids, self.namespace), text=whole[lo:hi])
-                for part, ids, lo, hi in runs]
+                for part, ids, lo, hi in runs]  # the last run is the last part's: it holds the text's last character

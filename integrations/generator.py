@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
-from cachedrag.integrations.splitter import SplitPrompt, split_prompt
+from cachedrag.integrations.splitter import TOKENIZATION, SplitPrompt, split_prompt
 from cachedrag.integrations.template import (
     Message,
     RenderedPrompt,
@@ -181,7 +181,7 @@ class ChunkAwareGenerator:
         start = time.perf_counter()
         split = split_prompt(prompt, self.registry)
         remember_shape(self.registry, split, self.engine, mode)  # retrievers' speculative pipelining
-        segments = self.engine.prompts.text_segments(split.parts)
+        segments = self.engine.prompts.text_segments(split.parts, tokenization=TOKENIZATION)
         generation = _Counted(self.engine.generate_segments(segments, params, mode=mode, stream=True, start=start),
                               engine_load(self.engine))
         deadline = start + timeout if timeout else None

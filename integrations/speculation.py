@@ -29,7 +29,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from cachedrag.integrations.splitter import SplitPrompt
+from cachedrag.integrations.splitter import TOKENIZATION, SplitPrompt
 from cachedrag.pipelining import SpeculativePipeline, StageTopK
 from cachedrag.retrieval.config import PipeliningConfig
 
@@ -114,7 +114,10 @@ class RetrieverPipelining:
             for index, hits, final in searcher.search_stages(texts, k, n_stages, nprobe=nprobe):
                 yield StageTopK(index, tuple(h.text.strip() for h in hits), final, hits)
 
-        spec = self._pipe(engine).speculate(run, lambda chunks: prompts.text_segments(shape.parts(chunks)),
+        def segments(chunks):  # the generator's segments of the prompt up to its last chunk
+            return prompts.text_segments(shape.parts(chunks), tokenization=TOKENIZATION)
+
+        spec = self._pipe(engine).speculate(run, segments,
                                             tail=_TAIL, mode=shape.mode, prompt_chunks=k)
         return spec.final.payload, spec.stats()
 

@@ -14,6 +14,11 @@ Layout rules, so the result is always a valid engine request:
   the leading text is cut there, so the system prompt and earlier turns form an exact,
   reusable prefix even when the last message's own preamble varies.
 
+The parts are tokenised as one text cut at their boundaries (``TOKENIZATION``, passed to
+``PromptBuilder.text_segments`` by the generator and by speculative pipelining alike), so a
+prompt has the ids a plain LLM class computes for the same string, and full prefill of it answers
+as that LLM does.
+
 Does not own: rendering messages (``template``), tokenisation (``cachedrag.prompt``).
 """
 
@@ -26,6 +31,7 @@ from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.template import RenderedPrompt
 
 Kind = Literal["text", "chunk"]
+TOKENIZATION = "whole"  # PromptBuilder.text_segments(parts, tokenization=...) of every split prompt
 
 
 @dataclass(frozen=True)

@@ -87,3 +87,41 @@ def test_formatted_completion_is_used_as_is(gen):
     rendered = gen.render_completion("raw prompt text", formatted=True)
     assert rendered.text == "raw prompt text" and rendered.prefix_end is None
     assert gen.render_completion("hi", "sys").text.startswith("<|im_start|>system\nsys")
+
+
+def test_a_framework_prompt_has_the_ids_a_plain_llm_computes_for_it():
+    """On the default model's byte-level BPE (tokens cross chunk boundaries: " member" after a
+    blank line), the generator's segments concatenate to the tokenizer's ids of the whole
+    formatted prompt, and speculative pipelining's segments of the prompt up to its last chunk
+    are the same segments (one key per chunk for both)."""
+    from cachedrag.integrations.speculation import PromptShape
+    from cachedrag.integrations.splitter import TOKENIZATION, split_prompt
+    from cachedrag.kvcache.keys import Namespace
+    from cachedrag.model.loader import load_tokenizer
+    from cachedrag.prompt import PromptBuilder
+
+    class Captured(Exception):
+        pass
+
+    class Engine:  # the generator's view of an engine; generating only records the segments
+        def __init__(self, tokenizer):
+            self.runner = type("Runner", (), {"tokenizer": tokenizer})()
+            self.prompts = PromptBuilder(tokenizer, Namespace("model@1", "float32", "tok@1"))
+
+        def generate_segments(self, segments, params, **kw):
+            raise Captured(segments)
+
+    tokenizer = load_tokenizer(None)
+    chunks = [" member is the value of the enumeration member", "Help on module json: encoders and decoders"]
+    reg = ChunkRegistry()
+    reg.register(chunks)
+    gen = ChunkAwareGenerator(Engine(tokenizer), reg)
+    prompt = gen.render_messages([Message("user", "Context:\n\n" + "\n\n".join(chunks) + "\n\nQuestion: what?")])
+    with pytest.raises(Captured) as got:
+        gen.stream(prompt, sampling_params(4))
+    segments = got.value.args[0]
+    assert [t for s in segments for t in s.ids] == tokenizer.encode(prompt.text, add_special_tokens=False)
+    assert sum(s.kind == "chunk" for s in segments) == 2
+    shape = PromptShape.of(split_prompt(prompt, reg), gen.engine, None)
+    ahead = gen.engine.prompts.text_segments(shape.parts([c.strip() for c in chunks]), tokenization=TOKENIZATION)
+    assert [s.key for s in ahead if s.kind == "chunk"] == [s.key for s in segments if s.kind == "chunk"]
