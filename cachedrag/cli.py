@@ -74,7 +74,8 @@ def _selected(argv: list[str]) -> list[str]:
 
 def _add(sub, name: str, module: str, help_text: str, selected: bool, adder: str = "add_arguments",
          runner: str = "run") -> None:
-    p = sub.add_parser(name, help=help_text, description=help_text)
+    # argparse %-formats a help string (not a description): "3-12%" would break the parent's --help
+    p = sub.add_parser(name, help=help_text.replace("%", "%%"), description=help_text)
     if selected:  # only the command being run pays for its imports
         mod = importlib.import_module(module)
         getattr(mod, adder)(p)

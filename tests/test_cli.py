@@ -14,10 +14,12 @@ def _help_paths():
     paths = [["--help"], ["demo", "--help"]]
     parser = build_parser()
     choices = parser._subparsers._group_actions[0].choices
-    if "bench" in choices:
+    paths += [["serve", "--help"]] if "serve" in choices else []
+    if "bench" in choices:  # the group's own help lists every suite's help line
+        paths += [["bench", "--help"]]
         paths += [["bench", s, "--help"] for s in BENCH_SUITES if s in choices["bench"]._subparsers._group_actions[0].choices]
     if "index" in choices:
-        paths += [["index", "build", "--help"], ["index", "search", "--help"]]
+        paths += [["index", "--help"], ["index", "build", "--help"], ["index", "search", "--help"]]
     return paths
 
 
