@@ -397,11 +397,19 @@ def run(args: argparse.Namespace) -> int:
 
     from cachedrag.bench.workload import Workload, build_workload
 
+    from cachedrag.errors import ConfigError
+
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configs {unknown}; choose from {','.join(CONFIGS)}")
-    levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    if unknown or not configs:
+        raise ConfigError(f"--configs: unknown or no configurations {unknown or args.configs!r}; choose from "
+                          f"{','.join(CONFIGS)}")
+    try:
+        levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ConfigError(f"--levels must list concurrency levels (integers >= 1, comma-separated), got {args.levels!r}")
     n_total = args.warmup + args.requests * (len(levels) + 1) + max(0, args.queue_requests)
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
     model_args += numerics_args(args) + scheduler_args(args) + cache_args(args)

@@ -139,12 +139,12 @@ def run(args: argparse.Namespace) -> int:
                                     trim_heap_idle_s=_bound(args.trim_heap_idle_s))
         passages = PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars,
                                  attach_separators=args.attach_separators, tokenization=args.tokenization)
-    except ValueError as exc:
+        name = args.served_model_name or ("tiny-random" if args.tiny else (args.model or "SmolLM2-135M-Instruct"))
+        config = ServerConfig(host=args.host, port=args.port, model_name=name, mode=args.mode, scheduler=scheduler,
+                              passages=passages, default_max_tokens=args.max_tokens, api_key=args.api_key)
+    except ValueError as exc:  # before the model loads
         raise ConfigError(f"bad server setting: {_first_error(exc)}") from None
     engine = build_engine(args)
-    name = args.served_model_name or ("tiny-random" if args.tiny else (args.model or "SmolLM2-135M-Instruct"))
-    config = ServerConfig(host=args.host, port=args.port, model_name=name, mode=args.mode, scheduler=scheduler,
-                          passages=passages, default_max_tokens=args.max_tokens, api_key=args.api_key)
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -96,3 +96,15 @@ def test_soak_rounds_read_memory_at_rest(tmp_path):
         assert r["requests"] == 8 and r["stayed_completed"] == r["stayed"] and r["server_5xx"] == 0
         assert r["running_after"] == r["waiting_after"] == 0
         assert r["rss_before_mb"] > 0 and r["rss_after_mb"] > 0 and r["heap_released_mb"] >= 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--configs", "z"], "--configs"), (["--configs", ","], "--configs"),
+    (["--levels", "x"], "--levels"), (["--levels", "0,2"], "--levels"),
+])
+def test_bad_configs_and_levels_exit_2_with_one_line(argv, says, capsys):
+    from cachedrag.cli import main
+
+    assert main(["bench", "serve", "--tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cachedrag: error:") and says in err and len(err.splitlines()) == 1

@@ -69,9 +69,12 @@ def test_bad_setting_exits_2_with_one_line():
     (["--prefill-pairs", "none", "--replicas", "2"], "--prefill-pairs"),
     (["--device", "cpu", "--replicas", "2"], "--device"),
     (["--device", "tpu7"], "unknown device"),
+    (["--port", "99999"], "port"),  # refused before the model loads
+    (["--max-tokens", "0"], "default_max_tokens"),
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):
-    proc = subprocess.run([sys.executable, "-m", "cachedrag.cli", "serve", "--tiny", "--port", "0", *args],
+    port = [] if "--port" in args else ["--port", "0"]
+    proc = subprocess.run([sys.executable, "-m", "cachedrag.cli", "serve", "--tiny", *port, *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().startswith("cachedrag: error:") and says in proc.stderr
