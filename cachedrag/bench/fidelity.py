@@ -52,6 +52,7 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l
+from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import QUESTION_CHOICES
 
 ALL_CHOICES = ("deviation", "question", "question+deviation", "question+inter", "leading", "inter", "random", "oracle")
@@ -129,7 +130,7 @@ def _floats(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"not a comma-separated list of numbers: {text!r}") from None
+        raise ConfigError(f"not a comma-separated list of numbers: {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,17 +144,17 @@ def run(args: argparse.Namespace) -> int:
         c for c in corpora if c not in ("stdlib", "info")] + [
         v for v in _variants(args) if v.partition("/")[0] not in QUESTION_CHOICES or v.partition("/")[2] not in VARIANTS]
     if bad:
-        raise SystemExit(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
+        raise ConfigError(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
     per_corpus = _requests(args.requests, corpora + (["custom"] if args.corpus else []))
     if any(not 0 <= r <= 1 for r in ratios) or not seeds:
-        raise SystemExit("ratios must be in [0, 1], --seeds non-empty")
+        raise ConfigError("ratios must be in [0, 1], --seeds non-empty")
     if bool(args.corpus) != bool(args.questions):
-        raise SystemExit("--corpus and --questions go together")
+        raise ConfigError("--corpus and --questions go together")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise SystemExit("--plot needs matplotlib: pip install 'cachedrag[bench]'") from None
+            raise ConfigError("--plot needs matplotlib: pip install 'cachedrag[bench]'") from None
 
     import torch
 
@@ -202,12 +203,12 @@ def _requests(text, corpora: list[str]) -> dict[str, int]:
             counts = {name.strip(): int(n) for name, n in pairs}
             unknown = sorted(set(counts) - set(corpora))
             if unknown:
-                raise SystemExit(f"--requests names corpora not run: {unknown}")
+                raise ConfigError(f"--requests names corpora not run: {unknown}")
             counts = {c: counts.get(c, 0) for c in corpora}
     except ValueError:
-        raise SystemExit(f"--requests: not N or CORPUS=N,...: {text!r}") from None
+        raise ConfigError(f"--requests: not N or CORPUS=N,...: {text!r}") from None
     if any(n < 0 for n in counts.values()) or not any(counts.values()):
-        raise SystemExit("--requests: counts must be >= 0 and at least one > 0")
+        raise ConfigError("--requests: counts must be >= 0 and at least one > 0")
     return counts
 
 
@@ -222,10 +223,10 @@ def _replot(args: argparse.Namespace) -> int:
                 results = json.load(f)
             results["rows"], results["noise"], results["config"]  # noqa: B018 (shape check)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"--replot: not a bench fidelity JSON file: {path} ({exc})") from None
+            raise ConfigError(f"--replot: not a bench fidelity JSON file: {path} ({exc})") from None
         runs.append(results)
     if not runs:
-        raise SystemExit("--replot: no JSON file named")
+        raise ConfigError("--replot: no JSON file named")
     # re-summarised from the per-request records where there are some (an earlier run's JSON gains
     # the summary's newer fields, e.g. gold_paired); several runs are merged
     resummarise = len(runs) > 1 or bool(runs[0].get("requests"))
@@ -250,10 +251,10 @@ def merge_runs(runs: list[dict], names: list[str] | None = None) -> dict:
     for run in runs:
         cfg = run["config"]
         if {k: cfg.get(k) for k in fixed} != fixed or set(run["rows"]) != set(runs[0]["rows"]):
-            raise SystemExit("merge: the runs differ in settings or rows (only seeds and requests may differ)")
+            raise ConfigError("merge: the runs differ in settings or rows (only seeds and requests may differ)")
         streams = {(r["corpus"], r["seed"]) for r in run.get("requests", [])}
         if not run.get("requests") or streams & seen:
-            raise SystemExit("merge: a run has no per-request records, or two runs share a (corpus, seed) stream")
+            raise ConfigError("merge: a run has no per-request records, or two runs share a (corpus, seed) stream")
         seen |= streams
         records.extend(run["requests"])
     config = {**fixed, "seeds": sorted({r["seed"] for r in records}),

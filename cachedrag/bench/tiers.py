@@ -41,6 +41,7 @@ from pathlib import Path
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import summary
 from cachedrag.bench.ttft import DEFAULT_SYSTEM_PROMPT
+from cachedrag.errors import ConfigError
 
 ALL_TIERS = ("gpu", "cpu", "disk", "redis")
 GiB = 1 << 30
@@ -218,7 +219,7 @@ def _tier_arms(args, runner, config, namespace: str, root: Path, skipped: dict) 
     wanted = [t.strip() for t in args.tiers.split(",") if t.strip()]
     unknown = [t for t in wanted if t not in ALL_TIERS]
     if unknown:
-        raise SystemExit(f"unknown tiers {unknown}; choose from {ALL_TIERS}")
+        raise ConfigError(f"unknown tiers {unknown}; choose from {ALL_TIERS}")
     server, redis_url = None, args.redis_url
     if "gpu" in wanted and (not torch.cuda.is_available() or runner.device.type != "cuda"):
         wanted.remove("gpu")

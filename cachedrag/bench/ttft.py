@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
-        raise SystemExit(f"unknown modes {unknown}; choose from {ALL_MODES}")
+        raise ConfigError(f"unknown modes {unknown}; choose from {ALL_MODES}")
     if "full" not in modes:
         modes.insert(0, "full")  # the fidelity reference
     repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}

@@ -51,8 +51,8 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
     again = tmp_path / "again.png"
     assert main(["bench", "fidelity", "--replot", str(out), "--plot", str(again)]) == 0
     assert again.stat().st_size > 0 and "question/et@0.2" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="not a bench fidelity JSON"):
-        main(["bench", "fidelity", "--replot", str(png)])
+    assert main(["bench", "fidelity", "--replot", str(png)]) == 2  # one line, exit 2
+    assert "not a bench fidelity JSON" in capsys.readouterr().err
 
 
 def test_seeds_ask_disjoint_questions_and_a_run_per_seed_asks_the_same():
@@ -67,9 +67,12 @@ def test_seeds_ask_disjoint_questions_and_a_run_per_seed_asks_the_same():
 
 @pytest.mark.parametrize("args", [["--choices", "psychic"], ["--variants", "question/bogus"],
                                   ["--variants", "deviation/need1"]])
-def test_bench_fidelity_refuses_bad_arguments(args):
-    with pytest.raises(SystemExit):
-        main(["bench", "fidelity", *args])
+def test_bench_fidelity_refuses_bad_arguments(args, capsys):
+    try:
+        code = main(["bench", "fidelity", *args])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2 and "error" in capsys.readouterr().err
 
 
 def test_every_gold_answer_is_in_its_document():
@@ -107,5 +110,7 @@ def test_requests_per_corpus(text, expected):
 def test_requests_per_corpus_refuses_bad_counts(text):
     from cachedrag.bench.fidelity import _requests
 
-    with pytest.raises(SystemExit):
+    from cachedrag.errors import ConfigError
+
+    with pytest.raises(ConfigError):
         _requests(text, ["stdlib", "info"])

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from cachedrag.bench.paired import PairedAccuracy, newcombe_paired, sign_test, wilson
+from cachedrag.errors import ConfigError
 
 
 @pytest.mark.parametrize("b, c, expected", [
@@ -128,11 +129,11 @@ def test_fidelity_summary_pairs_each_row_with_full_and_merges_runs(tmp_path, cap
     assert (noise["both"], noise["full_only"], noise["row_only"], noise["neither"]) == (3, 1, 0, 3)
     assert merged["rows"]["prefix"]["gold_paired"]["full_only"] == 0 and merged["n_requests"] == 7
     assert merged["config"]["seeds"] == [0, 1] and merged["config"]["seconds"] == 20.0
-    with pytest.raises(SystemExit, match="share a"):  # the same stream twice would count questions twice
+    with pytest.raises(ConfigError, match="share a"):  # the same stream twice would count questions twice
         merge_runs([seed0, copy.deepcopy(seed0)])
     other = copy.deepcopy(seed1)
     other["config"]["ratios"] = [0.3]
-    with pytest.raises(SystemExit, match="differ"):
+    with pytest.raises(ConfigError, match="differ"):
         merge_runs([seed0, other])
     # the CLI: --replot A,B merges, prints the paired table and writes the merge with --json
     paths = []
