@@ -3,8 +3,10 @@
 Owns: ``PromptPlanner``, which renders chat messages through the tokenizer's chat template
 (``integrations.template``), cuts the rendered prompt into text and chunk parts
 (``integrations.splitter``: a cacheable leading prefix, chunks reusable at any position, the
-question last) and tokenises them into the engine's segments, and ``passages``, the
-content-defined paragraph split behind automatic detection.
+question last) and tokenises them into the engine's segments (by default the rendered prompt as
+one text, cut at the parts: the ids any server computes for these messages, the same for both
+chunk modes; ``PassageConfig.tokenization``), and ``passages``, the content-defined paragraph
+split behind automatic detection.
 
 1. explicit: the request's ``"cachedrag": {"chunks": [...]}`` texts, each of which must occur
    verbatim in the prompt (else ``ChunkNotFoundError``, a 400).
