@@ -50,6 +50,7 @@ def cluster_config(args: argparse.Namespace, redis_url: str | None):
 
     from cachedrag.cluster.deployment import ClusterConfig
     from cachedrag.cluster.replica import ReplicaSettings
+    from cachedrag.server.config import PassageConfig
 
     try:
         replica = ReplicaSettings(
@@ -57,11 +58,14 @@ def cluster_config(args: argparse.Namespace, redis_url: str | None):
             served_model_name=_get(args, "served_model_name"), mode=_get(args, "mode", "cachedrag"),
             cache_gb=_get(args, "cache_gb", 2.0), redis_url=redis_url, redis_gb=_get(args, "redis_gb", 4.0),
             max_batch=_get(args, "max_batch", 8), max_waiting=_get(args, "max_waiting", 256),
-            order=_get(args, "order", "cache_aware"), auto_chunks=not _get(args, "no_auto_chunks", False),
+            order=_get(args, "order", "cache_aware"),
+            passages=PassageConfig(enabled=not _get(args, "no_auto_chunks", False),
+                                   min_chars=_get(args, "passage_chars", 200),
+                                   attach_separators=bool(_get(args, "attach_separators", False)),
+                                   tokenization=_get(args, "tokenization", "whole")),
             max_tokens=_get(args, "max_tokens", 256), api_key=_get(args, "api_key"))
         return ClusterConfig(replicas=args.replicas, router=args.router, retries=args.retries,
-                             replica_cpus=args.replica_cpus, passage_chars=_get(args, "passage_chars", 200),
-                             replica=replica)
+                             replica_cpus=args.replica_cpus, replica=replica)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ConfigError(f"bad cluster setting: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None

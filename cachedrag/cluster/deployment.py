@@ -75,7 +75,6 @@ class ClusterConfig(BaseModel):
     retries: int = Field(2, ge=0, description="re-sends of a request whose replica died before answering")
     replica_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per replica")
     max_ongoing_requests: int = Field(32, ge=1, description="requests Serve sends one replica at once")
-    passage_chars: int = Field(200, ge=1, description="shortest paragraph fingerprinted for routing (auto chunks)")
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
 
 
@@ -158,7 +157,7 @@ class EngineReplica:
 
     async def __init__(self, settings: ReplicaSettings):
         from cachedrag.server.app import create_app
-        from cachedrag.server.config import PassageConfig, SchedulerConfig, ServerConfig
+        from cachedrag.server.config import SchedulerConfig, ServerConfig
 
         self.settings = settings
         self.engine = build_replica_engine(settings)
@@ -166,7 +165,7 @@ class EngineReplica:
         config = ServerConfig(model_name=settings.model_name, mode=settings.mode,
                               scheduler=SchedulerConfig(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
                                                         order=settings.order),
-                              passages=PassageConfig(enabled=settings.auto_chunks),
+                              passages=settings.passages,
                               default_max_tokens=settings.max_tokens, api_key=settings.api_key)
         self.app = create_app(_TimedEngine(self.engine), config)
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -318,7 +317,7 @@ def build_app(config: ClusterConfig):
         num_replicas=config.replicas, request_router_config=router, max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.replica_cpus},
     ).bind(config.replica)
-    return Ingress.bind(engines, retries=config.retries, passage_chars=config.passage_chars)
+    return Ingress.bind(engines, retries=config.retries, passage_chars=config.replica.passages.min_chars)
 
 
 def app_builder(args: dict):

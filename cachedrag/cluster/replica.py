@@ -26,6 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from cachedrag.errors import ConfigError
+from cachedrag.server.config import PassageConfig
 
 log = logging.getLogger("cachedrag.cluster")
 
@@ -49,7 +50,10 @@ class ReplicaSettings(BaseModel):
     max_batch: int = Field(8, ge=1, description="most requests decoding together in one replica")
     max_waiting: int = Field(256, ge=1, description="waiting-queue limit of one replica (503 beyond)")
     order: Literal["cache_aware", "fifo"] = Field("cache_aware", description="prefill admission order")
-    auto_chunks: bool = Field(True, description="automatic passage detection for clients without the chunks field")
+    passages: PassageConfig = Field(default_factory=PassageConfig,
+                                    description="how request text becomes segments, as in one server: automatic "
+                                                "chunk detection (its min_chars also fingerprints requests for the "
+                                                "affinity router), separators, tokenisation")
     max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     api_key: SecretStr | None = Field(None, description="every replica's app requires it on /v1 routes (the ingress "
                                                         "forwards the client's Authorization header)")

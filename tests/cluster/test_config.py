@@ -68,3 +68,21 @@ def test_router_settings_reach_the_affinity_policy():
     router = ChunkAffinityRouter.__new__(ChunkAffinityRouter)  # Serve constructs it; the state is ours
     router.initialize_state(slack=1, load_factor=1.5, prefill_slack=2, unrelated="ignored")
     assert router.policy.config == AffinityConfig(slack=1, load_factor=1.5, prefill_slack=2)
+
+
+def test_passage_settings_reach_every_replica_and_the_router():
+    """--passage-chars, --attach-separators, --tokenization and --no-auto-chunks configure each
+    replica's prompt planner as they do one server's (they were dropped before), and the
+    router fingerprints requests with the replicas' passage length."""
+    from cachedrag.cli import build_parser
+
+    argv = ["serve", "--replicas", "2", "--backend", "ray", "--passage-chars", "60", "--attach-separators",
+            "--tokenization", "parts", "--no-auto-chunks"]
+    passages = cluster_config(build_parser(argv).parse_args(argv), None).replica.passages
+    assert (passages.min_chars, passages.attach_separators, passages.tokenization, passages.enabled) == \
+        (60, True, "parts", False)
+    default = cluster_config(build_parser(["serve"]).parse_args(["serve", "--replicas", "2", "--backend", "ray"]),
+                             None).replica.passages
+    assert (default.min_chars, default.tokenization, default.enabled) == (200, "whole", True)
+    with pytest.raises(ValueError):  # the old flat field is gone, not silently ignored
+        ClusterConfig.model_validate({"replica": {"auto_chunks": False}})
