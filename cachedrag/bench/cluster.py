@@ -132,7 +132,7 @@ def _run_config(name: str, args, stream, redis_url: str | None, port: int, model
     settings = ReplicaSettings(tiny=args.tiny, served_model_name=model_name, cache_gb=scale * args.cache_mb / 1024,
                                redis_url=redis_url if shared else None, redis_gb=2.0,
                                redis_prefix=f"bench{name}{uuid.uuid4().hex[:6]}", refresh_s=0.5,
-                               max_tokens=args.max_tokens, threads=scale, max_batch=8)
+                               max_tokens=args.max_tokens, threads=scale)  # scheduler: one server's defaults
     extra = {} if slack is None else {"slack": slack}
     t_deploy = time.perf_counter()
     serve.run(build_app(ClusterConfig(replicas=n, router=router, replica_cpus=float(scale), replica=settings,

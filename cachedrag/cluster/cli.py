@@ -45,27 +45,23 @@ def _get(args: argparse.Namespace, name: str, default=None):
 
 
 def cluster_config(args: argparse.Namespace, redis_url: str | None):
-    """A validated ``ClusterConfig`` from ``cachedrag serve``'s arguments (``ConfigError`` if bad)."""
+    """A validated ``ClusterConfig`` from ``cachedrag serve``'s arguments (``ConfigError`` if bad):
+    every replica gets one server's scheduler, passage and exact-repeat settings."""
     from pydantic import ValidationError
 
     from cachedrag.cluster.deployment import ClusterConfig
     from cachedrag.cluster.replica import ReplicaSettings
-    from cachedrag.server.config import PassageConfig
+    from cachedrag.server.cli import passage_config, scheduler_config
 
     try:
         replica = ReplicaSettings(
-            model=_get(args, "model"), tiny=bool(_get(args, "tiny", False)),
-            served_model_name=_get(args, "served_model_name"), mode=_get(args, "mode", "cachedrag"),
-            cache_gb=_get(args, "cache_gb", 2.0), redis_url=redis_url, redis_gb=_get(args, "redis_gb", 4.0),
-            max_batch=_get(args, "max_batch", 8), max_waiting=_get(args, "max_waiting", 256),
-            order=_get(args, "order", "cache_aware"),
-            passages=PassageConfig(enabled=not _get(args, "no_auto_chunks", False),
-                                   min_chars=_get(args, "passage_chars", 200),
-                                   attach_separators=bool(_get(args, "attach_separators", False)),
-                                   tokenization=_get(args, "tokenization", "whole")),
-            max_tokens=_get(args, "max_tokens", 256), api_key=_get(args, "api_key"))
+            model=args.model, tiny=args.tiny, served_model_name=args.served_model_name, mode=args.mode,
+            cache_gb=args.cache_gb, redis_url=redis_url, redis_gb=args.redis_gb, threads=args.threads,
+            scheduler=scheduler_config(args), passages=passage_config(args), exact_repeats=args.exact_repeats,
+            **({} if args.exact_repeats_when is None else {"exact_repeats_when": args.exact_repeats_when}),
+            max_tokens=args.max_tokens, api_key=args.api_key)
         return ClusterConfig(replicas=args.replicas, router=args.router, retries=args.retries,
-                             replica_cpus=args.replica_cpus, replica=replica)
+                             replica_cpus=args.replica_cpus, graceful_s=args.graceful_s, replica=replica)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ConfigError(f"bad cluster setting: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None

@@ -75,6 +75,7 @@ class ClusterConfig(BaseModel):
     retries: int = Field(2, ge=0, description="re-sends of a request whose replica died before answering")
     replica_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved per replica")
     max_ongoing_requests: int = Field(32, ge=1, description="requests Serve sends one replica at once")
+    graceful_s: float = Field(5.0, ge=0, description="seconds a stopping replica's in-flight requests get to finish")
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
 
 
@@ -157,14 +158,13 @@ class EngineReplica:
 
     async def __init__(self, settings: ReplicaSettings):
         from cachedrag.server.app import create_app
-        from cachedrag.server.config import SchedulerConfig, ServerConfig
+        from cachedrag.server.config import ServerConfig
 
         self.settings = settings
         self.engine = build_replica_engine(settings)
         self.sync = SharedCacheSync(self.engine.manager, settings.refresh_s)
         config = ServerConfig(model_name=settings.model_name, mode=settings.mode,
-                              scheduler=SchedulerConfig(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
-                                                        order=settings.order),
+                              scheduler=settings.scheduler,
                               passages=settings.passages,
                               default_max_tokens=settings.max_tokens, api_key=settings.api_key)
         self.app = create_app(_TimedEngine(self.engine), config)
@@ -315,6 +315,7 @@ def build_app(config: ClusterConfig):
     )
     engines = EngineReplica.options(
         num_replicas=config.replicas, request_router_config=router, max_ongoing_requests=config.max_ongoing_requests,
+        graceful_shutdown_timeout_s=config.graceful_s,
         ray_actor_options={"num_cpus": config.replica_cpus},
     ).bind(config.replica)
     return Ingress.bind(engines, retries=config.retries, passage_chars=config.replica.passages.min_chars)

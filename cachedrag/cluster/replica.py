@@ -26,7 +26,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from cachedrag.errors import ConfigError
-from cachedrag.server.config import PassageConfig
+from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
+from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN, PassageConfig, SchedulerConfig
 
 log = logging.getLogger("cachedrag.cluster")
 
@@ -47,9 +48,14 @@ class ReplicaSettings(BaseModel):
     redis_gb: float = Field(4.0, gt=0, description="the Redis tier's budget (GB), shared by all replicas")
     redis_prefix: str = Field("cachedrag", min_length=1, description="Redis key prefix of the shared tier")
     refresh_s: float = Field(1.0, ge=0, description="adopt entries other replicas wrote at most this often (s)")
-    max_batch: int = Field(8, ge=1, description="most requests decoding together in one replica")
-    max_waiting: int = Field(256, ge=1, description="waiting-queue limit of one replica (503 beyond)")
-    order: Literal["cache_aware", "fifo"] = Field("cache_aware", description="prefill admission order")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
+                                       description="how each replica's engine loop batches and orders its requests, "
+                                                   "as in one server (max_batch, max_waiting, order and its bounds, "
+                                                   "chunked prefill, pooled KV, heap trimming)")
+    exact_repeats: int | None = Field(None, ge=0, description="CacheConfig.exact_repeats of each replica's engine "
+                                                              "(None = the engine's default)")
+    exact_repeats_when: Literal[EXACT_REPEAT_TIMINGS] = Field(  # type: ignore[valid-type]
+        SERVER_EXACT_REPEATS_WHEN, description="CacheConfig.exact_repeats_when (default: as one server)")
     passages: PassageConfig = Field(default_factory=PassageConfig,
                                     description="how request text becomes segments, as in one server: automatic "
                                                 "chunk detection (its min_chars also fingerprints requests for the "
@@ -75,7 +81,6 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
     from cachedrag.fingerprint import namespace_for
     from cachedrag.kvcache.config import CacheConfig
     from cachedrag.model.runner import ModelRunner
-    from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN
     from cachedrag.store.config import StoreConfig
     from cachedrag.store.tiered import TieredStore
 
@@ -92,7 +97,9 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
 
         runner = ModelRunner(*load_model(settings.model))
     try:
-        overrides = {"cache": CacheConfig(exact_repeats_when=SERVER_EXACT_REPEATS_WHEN), **settings.engine_overrides}
+        repeats = {} if settings.exact_repeats is None else {"exact_repeats": settings.exact_repeats}
+        cache = CacheConfig(exact_repeats_when=settings.exact_repeats_when, **repeats)
+        overrides = {"cache": cache, **settings.engine_overrides}
         config = EngineConfig(mode=settings.mode, cache_bytes=int(settings.cache_gb * GB), **overrides)
     except ValueError as exc:
         raise ConfigError(f"bad engine setting: {exc}") from None

@@ -104,12 +104,39 @@ def _bound(seconds: float) -> float | None:
     return None if seconds == float("inf") else seconds
 
 
+#: flags only one server process honours, with their defaults: replicas load the model's float32
+#: dense weights on the CPU and share the Redis tier, so these are refused with --replicas
+SINGLE_PROCESS_ONLY = {"device": "auto", "dtype": None, "weights": "dense", "prefill_pairs": "scores",
+                       "disk_dir": None}
+
+
+def scheduler_config(args: argparse.Namespace):
+    """The ``SchedulerConfig`` of ``cachedrag serve``'s arguments (one server or every replica)."""
+    from cachedrag.server.config import SchedulerConfig
+
+    return SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
+                           starvation_s=args.starvation_s, max_overtakes=args.max_overtakes,
+                           max_delay_s=_bound(args.max_delay_s), prefills_per_step=args.prefills_per_step,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens, kv_pool_tokens=args.kv_pool_tokens,
+                           trim_heap_idle_s=_bound(args.trim_heap_idle_s))
+
+
+def passage_config(args: argparse.Namespace):
+    """The ``PassageConfig`` of ``cachedrag serve``'s arguments (one server or every replica)."""
+    from cachedrag.server.config import PassageConfig
+
+    return PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars,
+                         attach_separators=args.attach_separators, tokenization=args.tokenization)
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "backend", "local") == "ray" or getattr(args, "replicas", 1) != 1:
-        if (args.dtype is not None or args.weights != "dense" or args.threads is not None
-                or args.prefill_pairs != "scores" or args.device != "auto"):
-            raise ConfigError("--device, --dtype, --weights, --threads and --prefill-pairs apply to one server process; "
-                              "replicas (--replicas / --backend ray) run the model's float32 dense weights")
+        given = ["--" + dest.replace("_", "-") for dest, default in SINGLE_PROCESS_ONLY.items()
+                 if getattr(args, dest) != default]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: only one server process honours this; replicas (--replicas / "
+                              "--backend ray) run the model's float32 dense weights on the CPU and share the "
+                              "Redis tier")
         from cachedrag.cluster.cli import run as run_cluster  # replicas on Ray Serve (docs/scale-out.md)
 
         return run_cluster(args)
@@ -125,20 +152,12 @@ def run(args: argparse.Namespace) -> int:
             self._captured_signals.clear()
 
     from cachedrag.server.app import create_app
-    from cachedrag.server.config import PassageConfig, SchedulerConfig, ServerConfig
+    from cachedrag.server.config import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
-        scheduler = SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
-                                    starvation_s=args.starvation_s,
-                                    max_overtakes=args.max_overtakes, max_delay_s=_bound(args.max_delay_s),
-                                    prefills_per_step=args.prefills_per_step,
-                                    prefill_chunk_tokens=args.prefill_chunk_tokens,
-                                    kv_pool_tokens=args.kv_pool_tokens,
-                                    trim_heap_idle_s=_bound(args.trim_heap_idle_s))
-        passages = PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars,
-                                 attach_separators=args.attach_separators, tokenization=args.tokenization)
+        scheduler, passages = scheduler_config(args), passage_config(args)
         name = args.served_model_name or ("tiny-random" if args.tiny else (args.model or "SmolLM2-135M-Instruct"))
         config = ServerConfig(host=args.host, port=args.port, model_name=name, mode=args.mode, scheduler=scheduler,
                               passages=passages, default_max_tokens=args.max_tokens, api_key=args.api_key)

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("ray.serve")
 yaml = pytest.importorskip("yaml")
 
-from cachedrag.cluster.cli import add_arguments, check_arguments, cluster_config  # noqa: E402
+from cachedrag.cluster.cli import check_arguments, cluster_config  # noqa: E402
 from cachedrag.cluster.deployment import ClusterConfig, app_builder  # noqa: E402
 from cachedrag.errors import ConfigError  # noqa: E402
 
@@ -33,11 +33,15 @@ def test_unknown_or_bad_settings_are_refused():
         ClusterConfig.model_validate({"replica": {"cache_gb": 1, "typo": 3}})
 
 
+def _serve_parser() -> argparse.ArgumentParser:
+    from cachedrag.cli import build_parser
+
+    sub = next(a for a in build_parser(["serve"])._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
 def _args(*argv):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cache-gb", type=float, default=2.0)
-    add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return _serve_parser().parse_args(list(argv))
 
 
 def test_cli_arguments():
@@ -49,10 +53,7 @@ def test_cli_arguments():
     config = cluster_config(_args("--replicas", "3", "--backend", "ray", "--router", "round_robin"), "redis://h:1/0")
     assert config.replicas == 3 and config.router == "round_robin" and config.replica.redis_url == "redis://h:1/0"
     assert config.replica.api_key is None
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    parser.add_argument("--api-key")
-    keyed = cluster_config(parser.parse_args(["--replicas", "2", "--backend", "ray", "--api-key", "zq-7"]), None)
+    keyed = cluster_config(_args("--replicas", "2", "--backend", "ray", "--api-key", "zq-7"), None)
     assert keyed.replica.api_key.get_secret_value() == "zq-7" and "zq-7" not in repr(keyed)  # never printed
     with pytest.raises(ConfigError, match="cache_gb"):
         cluster_config(_args("--replicas", "2", "--backend", "ray", "--cache-gb", "-1"), None)
@@ -86,3 +87,58 @@ def test_passage_settings_reach_every_replica_and_the_router():
     assert (default.min_chars, default.tokenization, default.enabled) == (200, "whole", True)
     with pytest.raises(ValueError):  # the old flat field is gone, not silently ignored
         ClusterConfig.model_validate({"replica": {"auto_chunks": False}})
+
+
+#: serve options the cluster command uses itself rather than putting into the replicas' config
+_USED_BY_THE_COMMAND = {"host", "port", "log_level", "redis_url",
+                        "disk_gb"}  # disk_gb: meaningful only with --disk-dir, which is refused
+_CLUSTER_OWN = {"replicas", "backend", "router", "ray_address", "replica_cpus", "retries", "no_shared_cache"}
+
+
+def _non_default(action: argparse.Action) -> list[str]:
+    flag = action.option_strings[0]
+    if action.nargs == 0:  # store_true
+        return [flag]
+    if action.choices:
+        return [flag, next(c for c in action.choices if c != action.default)]
+    if action.type in (int, float):
+        return [flag, str((action.default or 0) + 3)]
+    return [flag, "x"]
+
+
+def test_every_serve_option_reaches_the_replicas_or_is_refused(monkeypatch):
+    """With --replicas, each option of the single-process server either changes what every
+    replica is built from or is refused with one line: none is silently ignored (before, the
+    scheduler's bounds, chunked prefill, pooled KV, exact repeats, --threads and --graceful-s were)."""
+    from cachedrag.server.cli import SINGLE_PROCESS_ONLY, run
+
+    monkeypatch.delenv("CACHEDRAG_API_KEY", raising=False)
+    base = ["--replicas", "2", "--backend", "ray"]
+    default = cluster_config(_args(*base), None)
+    checked = []
+    for action in _serve_parser()._actions:
+        if not action.option_strings or action.dest in {"help"} | _USED_BY_THE_COMMAND | _CLUSTER_OWN:
+            continue
+        args = _args(*base, *_non_default(action))
+        if action.dest in SINGLE_PROCESS_ONLY:
+            with pytest.raises(ConfigError, match=action.option_strings[0]):
+                run(args)
+        else:
+            assert cluster_config(args, None) != default, f"{action.option_strings[0]} does not reach the replicas"
+        checked.append(action.dest)
+    assert {"max_delay_s", "prefill_chunk_tokens", "kv_pool_tokens", "exact_repeats", "threads", "graceful_s",
+            "dtype", "disk_dir"} <= set(checked)
+
+
+def test_scheduler_settings_reach_the_replica_app():
+    config = cluster_config(_args("--replicas", "2", "--backend", "ray", "--max-delay-s", "inf", "--order", "fifo",
+                                  "--prefill-chunk-tokens", "0", "--exact-repeats", "1"), None)
+    scheduler = config.replica.scheduler
+    assert (scheduler.max_delay_s, scheduler.order, scheduler.prefill_chunk_tokens) == (None, "fifo", 0)
+    from cachedrag.cluster.replica import build_replica_engine
+
+    engine = build_replica_engine(config.replica.model_copy(update={"tiny": True}))
+    assert engine.config.cache.exact_repeats == 1
+    assert engine.config.cache.exact_repeats_when == config.replica.exact_repeats_when
+    with pytest.raises(ValueError):  # the old flat fields are gone, not silently ignored
+        ClusterConfig.model_validate({"replica": {"max_batch": 4}})
