@@ -68,13 +68,14 @@ class PromptBuilder:
         self._template: dict[str | None, tuple[str, str]] = {}
 
     def segment(self, kind: Literal["text", "chunk"], text: str) -> Segment:
-        """Tokenise ``text`` alone (no special tokens added) into a keyed segment."""
+        """Tokenise ``text`` alone (no special tokens added) into a keyed segment, its trailing
+        whitespace as it tokenises when a word follows (``running_ids``)."""
         with self._lock:
             hit = self._cache.get((kind, text))
             if hit is not None:
                 self._cache.move_to_end((kind, text))
                 return hit
-        ids = tuple(int(x) for x in self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.running_ids(text)
         if not ids:
             raise EmptyInputError(f"a {kind} segment tokenises to no tokens: {text[:40]!r}")
         seg = Segment(kind=kind, ids=ids, key=chunk_key(ids, self.namespace), text=text)
@@ -83,6 +84,30 @@ class PromptBuilder:
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return seg
+
+    def running_ids(self, text: str) -> tuple[int, ...]:
+        """The ids of ``text`` as they are inside running text where a word follows it.
+
+        A byte-level BPE tokenises trailing whitespace by what comes next: ``"x.\n\n"`` alone
+        ends with the one token ``"\n\n"``, but followed by a word the same characters are two
+        ``"\n"`` tokens (the pre-tokenizer keeps the whitespace run's last character apart from the
+        word), and that is all the model ever saw before a word in training. Every part of the
+        engine's layouts is followed by a word (the next chunk, the question), so a part ending in
+        whitespace is tokenised with a letter after it and cut there: the segments' ids then
+        concatenate to the ids of the whole prompt (what ``apply_chat_template`` gives), while a
+        chunk's ids still do not depend on its neighbours. Where a token would span the cut (a
+        trailing space joins the next word), or without character offsets (slow tokenizers), the
+        text's own ids."""
+        ids = tuple(int(x) for x in self.tokenizer.encode(text, add_special_tokens=False))
+        if not text[-1:].isspace() or not getattr(self.tokenizer, "is_fast", False):
+            return ids
+        enc = self.tokenizer(text + "a", add_special_tokens=False, return_offsets_mapping=True)
+        cut = [hi <= len(text) for _, hi in enc["offset_mapping"]]  # [T] token ends within the text
+        if not cut or cut[-1] or any(cut[i] and not cut[i - 1] for i in range(1, len(cut))):
+            return ids  # no token for the letter alone, or a token across the cut
+        if enc["offset_mapping"][cut.index(False)][0] != len(text):
+            return ids  # the letter's token also holds the text's last characters
+        return tuple(int(x) for x, inside in zip(enc["input_ids"], cut) if inside)
 
     def template_split(self, system_prompt: str | None) -> tuple[str, str]:
         """Chat-template text before and after the user message (with the generation prompt), cached."""

@@ -101,3 +101,32 @@ def test_server_prompts_are_the_ids_of_the_chat_template_in_every_chunk_mode(tok
         assert _ids(planned.segments) == want
     apart = PromptPlanner(engine, PassageConfig(tokenization="parts")).chat(msgs, chunks=chunks)
     assert _ids(apart.segments) != want
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_the_engines_chat_layout_has_the_chat_templates_ids(tokenizer, system):
+    """Each chunk is tokenised alone (its key does not depend on its neighbours), yet the layout's
+    ids are the chat template's over the whole text: a chunk's trailing "\\n\\n" is two "\\n"
+    tokens before the next word, as in the whole text, not the one "\\n\\n" token it is alone."""
+    prompts = PromptBuilder(tokenizer, NS)
+    chunks = ["The json module encodes objects.", "Use json.dumps(obj, indent=2).\n", "def f():\n    return 1",
+              "uuid4() gives a random UUID"]
+    question = "How do I pretty-print JSON?"
+    segments = prompts.chat(chunks, question, system)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": "".join(c + "\n\n" for c in chunks) + "Question: " + question}]
+    want = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert _ids(segments) == list(want["input_ids"])
+    alone = tokenizer.encode(chunks[0] + "\n\n", add_special_tokens=False)
+    assert segments[1].ids == tuple(alone[:-1]) + (198, 198) and alone[-1] != 198  # "\n\n" -> "\n", "\n"
+    moved = prompts.chat([chunks[2], chunks[0]], question, system)
+    assert moved[2].key == segments[1].key  # the same key in another position
+
+
+def test_running_ids_keep_the_texts_own_ids_where_the_next_word_would_take_a_character(tokenizer):
+    prompts = PromptBuilder(tokenizer, NS)
+    own = tuple(tokenizer.encode("abc. ", add_special_tokens=False))
+    assert prompts.running_ids("abc. ") == own  # the space would join the next word: nothing to cut
+    assert prompts.running_ids("abc.") == tuple(tokenizer.encode("abc.", add_special_tokens=False))
+    slow = PromptBuilder(SimpleNamespace(encode=lambda text, add_special_tokens: [7, 8], is_fast=False), NS)
+    assert slow.running_ids("x\n\n") == (7, 8)  # no offsets: the text's own ids
