@@ -45,7 +45,7 @@ from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
 from cachedrag.model.scoring import RowSplit, RowSplitLayer, scoring_layers
 from cachedrag.model.textgen import check_context, stream_tokens
-from cachedrag.prompt import CHUNK_SEPARATOR, PromptBuilder, Segment
+from cachedrag.prompt import PromptBuilder, Segment
 
 
 @dataclass
@@ -364,7 +364,7 @@ class CachedEngine:
         prefetch = getattr(self.manager.store, "prefetch", None)
         if prefetch is None:
             return None
-        keys = {self.prompts.segment("chunk", t + CHUNK_SEPARATOR).key for t in texts if t and t.strip()}
+        keys = {self.prompts.chunk_segment(t).key for t in texts if t and t.strip()}
         handles = [v.handle for k in keys for v in self.manager.index.variants(k)]
         handles += [n.handle for n in self.manager.tree.nodes() if n.key in keys and n.handle is not None]
         return prefetch(list(dict.fromkeys(handles))) if handles else None

@@ -28,6 +28,15 @@ CHUNK_SEPARATOR = "\n\n"
 QUESTION_PREFIX = "Question: "
 
 
+def chunk_part(text: str) -> str:
+    """A retrieved text as the engine's layouts hold it: without surrounding whitespace, then
+    ``CHUNK_SEPARATOR``. Stripped, every boundary of a layout is a clean cut for a byte-level BPE
+    (``"...x\n\nY"``, non-space on both sides), so the segments' ids are the whole prompt's ids
+    (``PromptBuilder.running_ids``); a token window decoded from a corpus starts with the space
+    of its first word, which the whole text would otherwise join to the separator before it."""
+    return text.strip() + CHUNK_SEPARATOR
+
+
 @dataclass(frozen=True)
 class Segment:
     """One run of prompt tokens. ``kind="chunk"`` segments may be served from chunk caches."""
@@ -85,6 +94,11 @@ class PromptBuilder:
                 self._cache.popitem(last=False)
         return seg
 
+    def chunk_segment(self, text: str) -> Segment:
+        """A retrieved text's segment in the engine's layouts (``chunk_part``): its key is the
+        cache key of that chunk wherever the engine places it."""
+        return self.segment("chunk", chunk_part(text))
+
     def running_ids(self, text: str) -> tuple[int, ...]:
         """The ids of ``text`` as they are inside running text where a word follows it.
 
@@ -121,7 +135,7 @@ class PromptBuilder:
             raise EmptyInputError("the question is empty")
         before, after = self.template_split(system_prompt)
         segments = [self.segment("text", before)] if before else []
-        segments += [self.segment("chunk", c + CHUNK_SEPARATOR) for c in chunks if c and c.strip()]
+        segments += [self.chunk_segment(c) for c in chunks if c and c.strip()]
         segments.append(self.segment("text", QUESTION_PREFIX + question + after))
         return segments
 

@@ -27,7 +27,7 @@ from typing import Literal, Protocol, runtime_checkable
 from cachedrag.errors import ConfigError
 from cachedrag.model.generation import stop_index
 from cachedrag.pipelining import engine_load
-from cachedrag.prompt import CHUNK_SEPARATOR, template_split  # chunk segments must match other engine users' (same cache keys)
+from cachedrag.prompt import chunk_part, template_split  # chunk segments must match other engine users' (same cache keys)
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Generator(Protocol):
 def layout(before: str, chunks: Sequence[str], user: str, after: str, assistant_prefix: str = "") -> list[tuple[str, str]]:
     """Ordered (kind, text) parts of a prompt: the engine's chat layout (``PromptBuilder.chat``)."""
     parts: list[tuple[str, str]] = [("text", before)] if before else []
-    parts += [("chunk", c + CHUNK_SEPARATOR) for c in chunks]
+    parts += [("chunk", chunk_part(c)) for c in chunks]
     parts.append(("text", user + after + assistant_prefix))
     return parts
 

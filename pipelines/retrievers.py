@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from cachedrag.errors import ConfigError
-from cachedrag.prompt import CHUNK_SEPARATOR
 
 
 @dataclass
@@ -227,7 +226,7 @@ class ChunkWarmer:
         prompts = self.engine.prompts
         before, _ = prompts.template_split(self.system_prompt)
         system = [prompts.segment("text", before)] if before else []
-        chunks = [prompts.segment("chunk", t + CHUNK_SEPARATOR) for t in texts if t.strip()]
+        chunks = [prompts.chunk_segment(t) for t in texts if t.strip()]
         request = PlanRequest(system=tuple(PlanSegment(s.key, len(s)) for s in system),
                               chunks=tuple(PlanSegment(s.key, len(s)) for s in chunks), question_tokens=1)
         manager = self.engine.manager

@@ -106,21 +106,24 @@ def test_server_prompts_are_the_ids_of_the_chat_template_in_every_chunk_mode(tok
 @pytest.mark.parametrize("system", [None, "Be brief."])
 def test_the_engines_chat_layout_has_the_chat_templates_ids(tokenizer, system):
     """Each chunk is tokenised alone (its key does not depend on its neighbours), yet the layout's
-    ids are the chat template's over the whole text: a chunk's trailing "\\n\\n" is two "\\n"
-    tokens before the next word, as in the whole text, not the one "\\n\\n" token it is alone."""
+    ids are the chat template's over the layout's text: chunks stripped (a token window of a
+    corpus starts with its first word's space, "\n" or indentation), and a chunk's trailing
+    "\n\n" two "\n" tokens before the next word, as in the whole text, not the one "\n\n" token
+    it is alone."""
     prompts = PromptBuilder(tokenizer, NS)
-    chunks = ["The json module encodes objects.", "Use json.dumps(obj, indent=2).\n", "def f():\n    return 1",
-              "uuid4() gives a random UUID"]
+    chunks = [" member is the value, start=1,", "The json module encodes objects.", "Use json.dumps(obj).\n",
+              "\n\ndef f():\n    return 1", "    indented()  ", "uuid4() gives a random UUID"]
     question = "How do I pretty-print JSON?"
     segments = prompts.chat(chunks, question, system)
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": "".join(c + "\n\n" for c in chunks) + "Question: " + question}]
+        {"role": "user", "content": "".join(c.strip() + "\n\n" for c in chunks) + "Question: " + question}]
     want = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
     assert _ids(segments) == list(want["input_ids"])
-    alone = tokenizer.encode(chunks[0] + "\n\n", add_special_tokens=False)
-    assert segments[1].ids == tuple(alone[:-1]) + (198, 198) and alone[-1] != 198  # "\n\n" -> "\n", "\n"
-    moved = prompts.chat([chunks[2], chunks[0]], question, system)
-    assert moved[2].key == segments[1].key  # the same key in another position
+    alone = tokenizer.encode(chunks[1] + "\n\n", add_special_tokens=False)
+    assert segments[2].ids == tuple(alone[:-1]) + (198, 198) and alone[-1] != 198  # "\n\n" -> "\n", "\n"
+    moved = prompts.chat([chunks[3], chunks[1]], question, system)
+    assert moved[2].key == segments[2].key == prompts.chunk_segment(chunks[1]).key  # one key in any position
+    assert prompts.chunk_segment(" " + chunks[1] + "\n").key == segments[2].key  # surrounding whitespace aside
 
 
 def test_running_ids_keep_the_texts_own_ids_where_the_next_word_would_take_a_character(tokenizer):

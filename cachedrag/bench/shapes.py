@@ -345,13 +345,12 @@ def _loads(engines: dict, runner, chunk_text: str, device, root: Path) -> dict:
     import torch
 
     from cachedrag.bench.tiers import _recompute_s
-    from cachedrag.prompt import CHUNK_SEPARATOR
 
     src = engines["cachedrag"]
     prompts = src.prompts
     layout = prompts.chat([], "x", SYSTEM_PROMPT)
     system = layout[0]
-    chunk = prompts.segment("chunk", chunk_text + CHUNK_SEPARATOR)
+    chunk = prompts.chunk_segment(chunk_text)
     handles = [v.handle for v in src.manager.index.variants(chunk.key)]
     out: dict[str, Any] = {"chunk_tokens": len(chunk.ids)}
     recompute = [_recompute_s(runner, system.ids, chunk.ids) for _ in range(4)]

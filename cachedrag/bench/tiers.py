@@ -328,7 +328,6 @@ def _load_vs_recompute(args, runner, work, arms: list[Arm]) -> dict:
     import torch
 
     from cachedrag.kvcache.catalog import CatalogError, StoredSegment
-    from cachedrag.prompt import CHUNK_SEPARATOR
 
     common = set.intersection(*(set(a.engine.manager.handles()) for a in arms)) if arms else set()
     chunks = []
@@ -346,8 +345,7 @@ def _load_vs_recompute(args, runner, work, arms: list[Arm]) -> dict:
         prompts = arms[0].engine.prompts
         layout = prompts.chat([], "x", args.system_prompt)
         system = layout[0] if len(layout) > 1 else None
-        by_key = {seg.key: seg for seg in (prompts.segment("chunk", t + CHUNK_SEPARATOR)
-                                           for t in {t for r in work.retrieved for t in r})}
+        by_key = {seg.key: seg for seg in (prompts.chunk_segment(t) for t in {t for r in work.retrieved for t in r})}
     out: dict = {"recompute": [], "tokens": []}
     for arm in arms:
         out[arm.name] = {"load": [], "first_layer": []}
