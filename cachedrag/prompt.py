@@ -4,10 +4,13 @@ Owns: ``Segment`` (a run of token ids that is either fixed text or a cacheable r
 chunk, with its identity key), splitting a chat template around the user content, and the
 chat layout the engine uses: ``[system prefix text] [chunk 1] ... [chunk n] [question text]``.
 In the engine's own layout each segment is tokenised on its own, so a chunk has the same token
-ids (and the same key) wherever it appears. A prompt that arrives as text (a server request, a
-framework's formatted prompt) can instead be tokenised whole, as a server without cachedrag would
-tokenise it, and cut at its parts' boundaries (``text_segments(..., tokenization="whole")``):
-then full prefill of the segments is full prefill of the very token ids a plain server computes.
+ids (and the same key) wherever it appears; chunks are held stripped (``chunk_part``) and a
+segment's trailing whitespace is tokenised as before a word (``running_ids``), so the segments'
+ids are also the whole prompt's ids (what ``apply_chat_template`` gives). A prompt that arrives
+as text (a server request, a framework's formatted prompt) can instead be tokenised whole, as a
+server without cachedrag would tokenise it, and cut at its parts' boundaries
+(``text_segments(..., tokenization="whole")``): then full prefill of the segments is full
+prefill of the very token ids a plain server computes.
 Does not own: what to reuse (``cachedrag.kvcache``) or tensors.
 """
 
@@ -65,6 +68,31 @@ def template_split(tokenizer, system_prompt: str | None) -> tuple[str, str]:
     return before, after
 
 
+def running_ids(tokenizer, text: str) -> tuple[int, ...]:
+    """The ids of ``text`` as they are inside running text where a word follows it.
+
+    A byte-level BPE tokenises trailing whitespace by what comes next: ``"x.\n\n"`` alone
+    ends with the one token ``"\n\n"``, but followed by a word the same characters are two
+    ``"\n"`` tokens (the pre-tokenizer keeps the whitespace run's last character apart from the
+    word), and that is all the model ever saw before a word in training. Every part of the
+    engine's layouts is followed by a word (the next chunk, held stripped, or the question), so
+    a part ending in whitespace is tokenised with a letter after it and cut there: the segments' ids then
+    concatenate to the ids of the whole prompt (what ``apply_chat_template`` gives), while a
+    chunk's ids still do not depend on its neighbours. Where a token would span the cut (a
+    trailing space joins the next word), or without character offsets (slow tokenizers), the
+    text's own ids."""
+    ids = tuple(int(x) for x in tokenizer.encode(text, add_special_tokens=False))
+    if not text[-1:].isspace() or not getattr(tokenizer, "is_fast", False):
+        return ids
+    enc = tokenizer(text + "a", add_special_tokens=False, return_offsets_mapping=True)
+    cut = [hi <= len(text) for _, hi in enc["offset_mapping"]]  # [T] token ends within the text
+    if not cut or cut[-1] or any(cut[i] and not cut[i - 1] for i in range(1, len(cut))):
+        return ids  # no token for the letter alone, or a token across the cut
+    if enc["offset_mapping"][cut.index(False)][0] != len(text):
+        return ids  # the letter's token also holds the text's last characters
+    return tuple(int(x) for x, inside in zip(enc["input_ids"], cut) if inside)
+
+
 class PromptBuilder:
     """Tokenises segments for one tokenizer + namespace, caching chunk tokenisations."""
 
@@ -100,28 +128,8 @@ class PromptBuilder:
         return self.segment("chunk", chunk_part(text))
 
     def running_ids(self, text: str) -> tuple[int, ...]:
-        """The ids of ``text`` as they are inside running text where a word follows it.
-
-        A byte-level BPE tokenises trailing whitespace by what comes next: ``"x.\n\n"`` alone
-        ends with the one token ``"\n\n"``, but followed by a word the same characters are two
-        ``"\n"`` tokens (the pre-tokenizer keeps the whitespace run's last character apart from the
-        word), and that is all the model ever saw before a word in training. Every part of the
-        engine's layouts is followed by a word (the next chunk, the question), so a part ending in
-        whitespace is tokenised with a letter after it and cut there: the segments' ids then
-        concatenate to the ids of the whole prompt (what ``apply_chat_template`` gives), while a
-        chunk's ids still do not depend on its neighbours. Where a token would span the cut (a
-        trailing space joins the next word), or without character offsets (slow tokenizers), the
-        text's own ids."""
-        ids = tuple(int(x) for x in self.tokenizer.encode(text, add_special_tokens=False))
-        if not text[-1:].isspace() or not getattr(self.tokenizer, "is_fast", False):
-            return ids
-        enc = self.tokenizer(text + "a", add_special_tokens=False, return_offsets_mapping=True)
-        cut = [hi <= len(text) for _, hi in enc["offset_mapping"]]  # [T] token ends within the text
-        if not cut or cut[-1] or any(cut[i] and not cut[i - 1] for i in range(1, len(cut))):
-            return ids  # no token for the letter alone, or a token across the cut
-        if enc["offset_mapping"][cut.index(False)][0] != len(text):
-            return ids  # the letter's token also holds the text's last characters
-        return tuple(int(x) for x, inside in zip(enc["input_ids"], cut) if inside)
+        """``running_ids(self.tokenizer, text)``: the ids of ``text`` inside running text."""
+        return running_ids(self.tokenizer, text)
 
     def template_split(self, system_prompt: str | None) -> tuple[str, str]:
         """Chat-template text before and after the user message (with the generation prompt), cached."""

@@ -27,7 +27,8 @@ from typing import Literal, Protocol, runtime_checkable
 from cachedrag.errors import ConfigError
 from cachedrag.model.generation import stop_index
 from cachedrag.pipelining import engine_load
-from cachedrag.prompt import chunk_part, template_split  # chunk segments must match other engine users' (same cache keys)
+# chunk segments must match other engine users' (same cache keys)
+from cachedrag.prompt import chunk_part, running_ids, template_split
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,9 @@ class TransformersGenerator:
     ``tokenizer.apply_chat_template`` of the whole prompt (``tokenization="chat_template"``,
     the default). ``tokenization="segments"`` instead tokenises the engine's segments one by
     one (the exact token ids ``CachedEngine`` sees), to separate tokenisation effects from
-    reuse effects in comparisons. Log probabilities come from the raw logits of each step.
+    reuse effects in comparisons; for a byte-level BPE the two are the same ids since the
+    engine's layout cuts only where the whole text is cut too (``cachedrag.prompt.running_ids``).
+    Log probabilities come from the raw logits of each step.
     """
 
     def __init__(self, runner=None, *, model=None, tokenizer=None,
@@ -155,7 +158,7 @@ class TransformersGenerator:
         before, after = self._template_split(request.system)
         parts = layout(before, request.chunks, request.user, after, request.assistant_prefix)
         if self.tokenization == "segments":
-            return [int(t) for _, text in parts for t in self.tokenizer.encode(text, add_special_tokens=False)]
+            return [t for _, text in parts for t in running_ids(self.tokenizer, text)]
         return [int(t) for t in self.tokenizer.encode("".join(text for _, text in parts), add_special_tokens=False)]
 
     def generate(self, request: GenerationRequest) -> Generation:

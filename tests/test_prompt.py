@@ -133,3 +133,18 @@ def test_running_ids_keep_the_texts_own_ids_where_the_next_word_would_take_a_cha
     assert prompts.running_ids("abc.") == tuple(tokenizer.encode("abc.", add_special_tokens=False))
     slow = PromptBuilder(SimpleNamespace(encode=lambda text, add_special_tokens: [7, 8], is_fast=False), NS)
     assert slow.running_ids("x\n\n") == (7, 8)  # no offsets: the text's own ids
+
+
+def test_the_pipelines_layout_has_the_whole_texts_ids(tokenizer):
+    """The pipelines' layout (EngineGenerator's segments, TransformersGenerator's 'segments'
+    baseline) tokenises to the ids of its whole text, the 'chat_template' baseline's."""
+    from cachedrag.pipelines.generators import layout
+    from cachedrag.prompt import running_ids
+
+    prompts = PromptBuilder(tokenizer, NS)
+    before, after = prompts.template_split("Answer briefly.")
+    parts = layout(before, (" member is the value,", "\nHelp on module json:\n", "heapq."), "Question: why?", after,
+                   "Answer:")
+    whole = tokenizer.encode("".join(text for _, text in parts), add_special_tokens=False)
+    assert _ids(prompts.text_segments(parts)) == whole
+    assert [t for _, text in parts for t in running_ids(tokenizer, text)] == whole
