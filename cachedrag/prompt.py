@@ -81,16 +81,14 @@ def running_ids(tokenizer, text: str) -> tuple[int, ...]:
     chunk's ids still do not depend on its neighbours. Where a token would span the cut (a
     trailing space joins the next word), or without character offsets (slow tokenizers), the
     text's own ids."""
-    ids = tuple(int(x) for x in tokenizer.encode(text, add_special_tokens=False))
-    if not text[-1:].isspace() or not getattr(tokenizer, "is_fast", False):
-        return ids
-    enc = tokenizer(text + "a", add_special_tokens=False, return_offsets_mapping=True)
-    cut = [hi <= len(text) for _, hi in enc["offset_mapping"]]  # [T] token ends within the text
-    if not cut or cut[-1] or any(cut[i] and not cut[i - 1] for i in range(1, len(cut))):
-        return ids  # no token for the letter alone, or a token across the cut
-    if enc["offset_mapping"][cut.index(False)][0] != len(text):
-        return ids  # the letter's token also holds the text's last characters
-    return tuple(int(x) for x, inside in zip(enc["input_ids"], cut) if inside)
+    if text[-1:].isspace() and getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text + "a", add_special_tokens=False, return_offsets_mapping=True)
+        inside = [hi <= len(text) for _, hi in enc["offset_mapping"]]  # [T] token ends within the text
+        first_out = inside.index(False) if False in inside else None
+        if (first_out and not any(inside[first_out:])  # the text's tokens, then the letter's
+                and enc["offset_mapping"][first_out][0] == len(text)):  # which holds none of the text
+            return tuple(int(x) for x in enc["input_ids"][:first_out])
+    return tuple(int(x) for x in tokenizer.encode(text, add_special_tokens=False))  # the text's own ids
 
 
 class PromptBuilder:

@@ -54,6 +54,7 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import percentile, rouge_l
+from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
 
 CONFIGS = {
@@ -142,8 +143,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def numerics_args(args: argparse.Namespace) -> list[str]:
     """The ``cachedrag serve`` flags that give every configuration the same numerics."""
     if args.weights == "int8-dynamic" and args.dtype != "bfloat16":
-        from cachedrag.errors import ConfigError
-
         raise ConfigError("--weights int8-dynamic runs with --dtype bfloat16 (it prefills in bfloat16)")
     out = ["--dtype", args.dtype]
     if args.weights != "dense":
@@ -171,8 +170,6 @@ def scheduler_args(args: argparse.Namespace) -> list[str]:
 def cache_args(args: argparse.Namespace) -> list[str]:
     """The chunk-cache budget given to every server (the same for every configuration)."""
     if args.cache_gb is not None and not args.cache_gb > 0:
-        from cachedrag.errors import ConfigError
-
         raise ConfigError(f"--cache-gb must be > 0, got {args.cache_gb}")
     return [] if args.cache_gb is None else ["--cache-gb", str(args.cache_gb)]
 
@@ -396,8 +393,6 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from cachedrag.bench.workload import Workload, build_workload
-
-    from cachedrag.errors import ConfigError
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]

@@ -40,10 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="ray backend: no shared Redis tier (each replica keeps its own cache)")
 
 
-def _get(args: argparse.Namespace, name: str, default=None):
-    return getattr(args, name, default)
-
-
 def cluster_config(args: argparse.Namespace, redis_url: str | None):
     """A validated ``ClusterConfig`` from ``cachedrag serve``'s arguments (``ConfigError`` if bad):
     every replica gets one server's scheduler, passage and exact-repeat settings."""
@@ -52,13 +48,14 @@ def cluster_config(args: argparse.Namespace, redis_url: str | None):
     from cachedrag.cluster.deployment import ClusterConfig
     from cachedrag.cluster.replica import ReplicaSettings
     from cachedrag.server.cli import passage_config, scheduler_config
+    from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN
 
     try:
         replica = ReplicaSettings(
             model=args.model, tiny=args.tiny, served_model_name=args.served_model_name, mode=args.mode,
             cache_gb=args.cache_gb, redis_url=redis_url, redis_gb=args.redis_gb, threads=args.threads,
             scheduler=scheduler_config(args), passages=passage_config(args), exact_repeats=args.exact_repeats,
-            **({} if args.exact_repeats_when is None else {"exact_repeats_when": args.exact_repeats_when}),
+            exact_repeats_when=args.exact_repeats_when or SERVER_EXACT_REPEATS_WHEN,
             max_tokens=args.max_tokens, api_key=args.api_key)
         return ClusterConfig(replicas=args.replicas, router=args.router, retries=args.retries,
                              replica_cpus=args.replica_cpus, graceful_s=args.graceful_s, replica=replica)
@@ -95,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
 
     from cachedrag.cluster.deployment import build_app
 
-    logging.basicConfig(level=str(_get(args, "log_level", "info")).upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redis_server = None
-    redis_url = _get(args, "redis_url")
+    redis_url = args.redis_url
     if redis_url is None and not args.no_shared_cache:
         from cachedrag.store.redis_server import start_redis_server
 

@@ -79,8 +79,8 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
-    from cachedrag.kvcache.config import CacheConfig
     from cachedrag.model.runner import ModelRunner
+    from cachedrag.server.config import server_cache_config
     from cachedrag.store.config import StoreConfig
     from cachedrag.store.tiered import TieredStore
 
@@ -97,8 +97,7 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
 
         runner = ModelRunner(*load_model(settings.model))
     try:
-        repeats = {} if settings.exact_repeats is None else {"exact_repeats": settings.exact_repeats}
-        cache = CacheConfig(exact_repeats_when=settings.exact_repeats_when, **repeats)
+        cache = server_cache_config(settings.exact_repeats, settings.exact_repeats_when)
         overrides = {"cache": cache, **settings.engine_overrides}
         config = EngineConfig(mode=settings.mode, cache_bytes=int(settings.cache_gb * GB), **overrides)
     except ValueError as exc:

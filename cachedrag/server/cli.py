@@ -202,8 +202,8 @@ def build_engine(args: argparse.Namespace):
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
-    from cachedrag.kvcache.config import CacheConfig
     from cachedrag.model.runner import ModelRunner, resolve_device
+    from cachedrag.server.config import server_cache_config
 
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"bad server setting: --threads must be >= 1, got {args.threads}")
@@ -217,8 +217,7 @@ def build_engine(args: argparse.Namespace):
         runner = ModelRunner.from_pretrained(args.model, device=args.device, **numerics)  # warmed up here
     gb = 1 << 30
     config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb),
-                          cache=CacheConfig(exact_repeats_when=args.exact_repeats_when or SERVER_EXACT_REPEATS_WHEN,
-                                            **({} if args.exact_repeats is None else {"exact_repeats": args.exact_repeats})))
+                          cache=server_cache_config(args.exact_repeats, args.exact_repeats_when))
     store = None
     if args.disk_dir or args.redis_url:
         from cachedrag.store.config import StoreConfig
