@@ -45,6 +45,7 @@ from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
 from cachedrag.model.scoring import RowSplit, RowSplitLayer, scoring_layers
 from cachedrag.model.textgen import check_context, stream_tokens
+from cachedrag.model.transfer import device_tensor
 from cachedrag.prompt import PromptBuilder, Segment
 
 
@@ -512,7 +513,7 @@ class CachedEngine:
         runner = self.runner
         device = runner.device
         total = plan.total_tokens
-        ids = torch.tensor([t for s in segments for t in s.ids], device=device)  # [T]
+        ids = device_tensor([t for s in segments for t in s.ids], device)  # [T]
         kv = runner.new_kv(total + max_new_tokens, fill=self.buffer_fill)
         notes = list(plan.notes)
 
@@ -622,15 +623,18 @@ class CachedEngine:
                     loader.close()
                 raise
             question_scores = {i: scores[plan.segments[i].start:plan.segments[i].end] for i in deferred}
+            need: dict[int, float] = {}  # segment -> the question's attention mass on it (read once)
+            if (cfg.need_weight > 0 or (cfg.full_chunks > 0 and cfg.full_chunk_pick == "need")) and len(deferred) > 1:
+                need = dict(zip(deferred, torch.stack([question_scores[i].sum() for i in deferred]).tolist()))
             if cfg.need_weight > 0 and len(deferred) > 1:  # budget by need, within the request's total
                 seg = list(deferred)
-                counts = allocate_by_need([deferred[i] for i in seg], [float(question_scores[i].sum()) for i in seg],
+                counts = allocate_by_need([deferred[i] for i in seg], [need[i] for i in seg],
                                           [plan.segments[i].n_tokens for i in seg], cfg.need_weight)
                 deferred = dict(zip(seg, counts))
             if cfg.full_chunks > 0:  # chunk-level: some chunks recomputed whole, within the request's total
                 seg = list(deferred)
                 if cfg.full_chunk_pick == "need":  # most question attention first
-                    key = [-float(question_scores[i].sum()) for i in seg]
+                    key = [-need.get(i, 0.0) for i in seg]
                 else:  # "last": nearest the question first
                     key = [-plan.segments[i].start for i in seg]
                 priority = sorted(range(len(seg)), key=lambda k: (key[k], k))
@@ -638,22 +642,17 @@ class CachedEngine:
                                               priority, cfg.full_chunks)
                 deferred = dict(zip(seg, counts))
             if choice == "question+inter":  # fused with the variant's own inter-attention fractions (free)
-                w = cfg.question_weight
-                for i in deferred:
-                    meta = plan.segments[i].variant.meta if plan.segments[i].variant is not None else None
-                    inter = list(meta.token_inter) if meta is not None else []
-                    if len(inter) == plan.segments[i].n_tokens:
-                        inter_t = torch.tensor(inter, dtype=torch.float32, device=device)  # [T_i]
-                        question_scores[i] = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(inter_t)  # [T_i]
+                _fuse_inter(question_scores, plan, cfg.question_weight, device)
             if not by_deviation:
                 two_stage = cfg.refine_layer is not None and cfg.refine_layer < runner.n_layers
-                for i, n in deferred.items():
+                keeps = {i: min(plan.segments[i].n_tokens, math.ceil(cfg.refine_factor * n)) if two_stage else n
+                         for i, n in deferred.items()}
+                tops = _pick_each([question_scores[i] for i in keeps], list(keeps.values()), cfg.sink_tokens)
+                for (i, n), top in zip(deferred.items(), tops):
                     sp = plan.segments[i]
-                    keep = min(sp.n_tokens, math.ceil(cfg.refine_factor * n)) if two_stage else n
-                    top = _pick(question_scores[i], keep, cfg.sink_tokens)
                     ranked[i] = [sp.start + j for j in top]
                     recompute_pos[i] = sorted(ranked[i])
-                    if two_stage and keep > n:
+                    if two_stage and keeps[i] > n:
                         refine[i] = n
                 deferred = {}
         probe_pos = [p for i in deferred for p in range(plan.segments[i].start, plan.segments[i].end)]
@@ -674,8 +673,8 @@ class CachedEngine:
                 taper = [(layer, kept) for layer, kept in taper if layer > check_layer]
         tapered = 0  # recompute tokens layer_taper stopped below the last layer
         n_lead = lead.rows if lead.hidden is not None else 0  # leading fresh rows the pre-pass computed
-        positions = torch.tensor(compute[n_lead:], device=device)  # [Tc] (the lead rows join at lead.layer)
-        fresh_t = torch.tensor(fresh_pos, device=device, dtype=torch.long)  # [Tf]
+        positions = device_tensor(compute[n_lead:], device)  # [Tc] (the lead rows join at lead.layer)
+        fresh_t = device_tensor(fresh_pos, device)  # [Tf]
         fresh_main = fresh_t[n_lead:]  # [Tf'] fresh rows this pass computes before the lead rows join
         bounds = [0]
         for s in segments:
@@ -703,7 +702,7 @@ class CachedEngine:
         low = low_last = low_of = None  # the reused rows of the compute set ``low_of`` (rebuilt when it changes)
         if mode is Mode.CACHEDRAG and cfg.recompute_dtype == "bfloat16" and Action.REUSE in actions:
             low_layers = scoring_layers(runner, runner.n_layers)
-            reuse_t = torch.tensor(_reused_positions(plan, actions), device=device)  # [Tr]
+            reuse_t = device_tensor(_reused_positions(plan, actions), device)  # [Tr]
 
         # 3. partial prefill, layer by layer
         t_prefill = time.perf_counter()
@@ -723,7 +722,7 @@ class CachedEngine:
             for layer in range(runner.n_layers):
                 load_layer(layer)
                 if n_lead and layer == lead.layer:  # the lead rows join with their pre-pass hidden states
-                    positions = torch.cat([torch.tensor(compute[:n_lead], device=device), positions])  # [Tc]
+                    positions = torch.cat([device_tensor(compute[:n_lead], device), positions])  # [Tc]
                     hidden = torch.cat([lead.hidden, hidden])  # [Tc, Dm]
                     rope = runner.rotary.cos_sin(positions, runner.dtype, device)
                     blocks = runner.causal_blocks(positions, total)
@@ -856,7 +855,7 @@ class CachedEngine:
         termination keep none of their probe tokens. With ``question_scores``
         (``question+deviation``), the ranking is the weighted rank of both."""
         device = self.runner.device
-        probe_t = torch.tensor(probe_pos, device=device, dtype=torch.long)  # [Tp], sorted
+        probe_t = device_tensor(probe_pos, device)  # [Tp], sorted
         rows = torch.searchsorted(positions, probe_t)  # [Tp] rows of probed tokens in the compute set
         dev = self.runner.kv_deviation(layer, hidden[rows], probe_t, kv, (rope[0][rows], rope[1][rows]),
                                        on=self.config.cache.deviation_on)  # [Tp]
@@ -949,7 +948,7 @@ class CachedEngine:
         weights = None  # None: the runner's own projections
         if self.config.cache.question_dtype == "bfloat16" and not (lead is not None and lead.leading):
             weights = scoring_layers(runner, max(layers) + 1)
-        pos = torch.tensor(sorted(set(fresh_pos) | set(question_pos)), device=device)  # [Tp]
+        pos = device_tensor(sorted(set(fresh_pos) | set(question_pos)), device)  # [Tp]
         q_rows = torch.arange(pos.shape[0] - len(question_pos), pos.shape[0], device=device)  # question: the last rows
         inside = torch.zeros(total, dtype=torch.bool, device=device)  # [T]
         for i in deferred:
@@ -957,7 +956,7 @@ class CachedEngine:
         every = list(range(total + 1))  # one segment per position
         hidden_keys = hidden_idx = None
         if hidden:
-            hidden_idx = torch.tensor(list(hidden), device=device, dtype=torch.long)  # [Th]
+            hidden_idx = device_tensor(list(hidden), device)  # [Th]
             hidden_keys = torch.zeros(total, dtype=torch.bool, device=device)  # [T]
             hidden_keys[hidden_idx] = True
         x = runner.embed(ids[pos])  # [Tp, Dm]
@@ -985,7 +984,7 @@ class CachedEngine:
                 mass = runner.segment_attention_mass(layer, raw["q"][:, q_rows], pos[q_rows], kv, total, every,
                                                      hidden_keys=hidden_keys)  # [Tq, T]
                 s = mass.sum(0).float()  # [T]
-                scores += s / s[inside].sum().clamp_min(1e-12)
+                scores += s / torch.where(inside, s, 0.0).sum().clamp_min(1e-12)  # (s[inside] waits for the GPU)
         if n_lead:
             lead.hidden, lead.layer = x[:n_lead], last  # [Tl, Dm]: the input of layer ``last``
         return scores  # [T]
@@ -1155,21 +1154,72 @@ def _rows(positions: torch.Tensor, wanted: torch.Tensor) -> slice | torch.Tensor
     reading them is a view, not a gather; else the row indices ``[Tw]``."""
     idx = torch.searchsorted(positions, wanted)  # [Tw]
     n = idx.shape[0]
-    if n and int(idx[-1]) - int(idx[0]) == n - 1:
-        return slice(int(idx[0]), int(idx[0]) + n)
+    if n:
+        first, last = torch.stack([idx[0], idx[-1]]).tolist()  # one read of the device, not two
+        if last - first == n - 1:
+            return slice(first, first + n)
     return idx
 
 
 def _pick(scores: torch.Tensor, count: int, sink: int) -> list[int]:
     """Indices of the ``count`` tokens to recompute in one chunk: its first ``sink`` tokens
     (``CacheConfig.sink_tokens``, as far as ``count`` allows), then the highest ``scores [T]``."""
-    n = scores.shape[0]
-    count = min(count, n)
-    lead = min(sink, count)
-    if lead == 0:
-        return torch.topk(scores, count).indices.tolist()
-    rest = torch.topk(scores[lead:], count - lead).indices + lead  # [count - lead]
-    return list(range(lead)) + rest.tolist()
+    return _pick_each([scores], [count], sink)[0]
+
+
+def _pick_each(scores: list[torch.Tensor], counts: list[int], sink: int) -> list[list[int]]:
+    """``_pick`` of every chunk (``scores[c]`` ``[T_c]``, ``counts[c]`` tokens), read back to the host
+    in one transfer: one wait for the GPU per request, not one per chunk."""
+    parts, leads = [], []
+    for x, count in zip(scores, counts):
+        count = min(count, x.shape[0])
+        lead = min(sink, count)
+        leads.append(lead)
+        parts.append(torch.topk(x[lead:], count - lead).indices + lead if lead else torch.topk(x, count).indices)
+    flat = torch.cat(parts).tolist() if parts else []
+    out, at = [], 0
+    for part, lead in zip(parts, leads):
+        out.append(list(range(lead)) + flat[at:at + part.shape[0]])
+        at += part.shape[0]
+    return out
+
+
+def _fuse_inter(scores: dict[int, torch.Tensor], plan, weight: float, device) -> None:
+    """``question+inter``: each segment's question scores ``[T_i]`` become ``weight x rank(question) +
+    (1 - weight) x rank(token_inter)`` (ranks within the segment, ``_rank01``) where its variant
+    carries per-token inter fractions; every segment's in one transfer and one ranking pass."""
+    segs, inter = [], []
+    for i in scores:
+        variant = plan.segments[i].variant
+        values = list(variant.meta.token_inter) if variant is not None and variant.meta is not None else []
+        if len(values) == plan.segments[i].n_tokens:
+            segs.append(i)
+            inter.extend(values)
+    if not segs:
+        return
+    lengths = [plan.segments[i].n_tokens for i in segs]
+    inter_t = device_tensor(inter, device, torch.float32)  # [N]
+    question = torch.cat([scores[i] for i in segs])  # [N]
+    fused = weight * _rank01_segments(question, lengths) + (1.0 - weight) * _rank01_segments(inter_t, lengths)  # [N]
+    for i, part in zip(segs, fused.split(lengths)):
+        scores[i] = part  # [T_i]
+
+
+def _rank01_segments(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """``_rank01`` of each consecutive segment of ``x`` ``[N]`` (``lengths`` sum to N), equal to it
+    segment by segment, in two sorts for all segments instead of one per segment."""
+    n = x.shape[0]
+    device = x.device
+    lens = device_tensor(lengths, device)  # [S]
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens, output_size=n)  # [N]
+    flipped = torch.argsort(x.flip(0), stable=True)  # [N] ascending; among ties, later positions first
+    flipped = flipped[torch.argsort(seg.flip(0)[flipped], stable=True)]  # [N] grouped by segment, order kept
+    order = (n - 1) - flipped  # [N] indices into x: by segment, then ascending (ties: later first)
+    starts = torch.cumsum(lens, 0) - lens  # [S]
+    of = seg[order]  # [N] segment of each sorted entry
+    r = torch.empty(n, dtype=torch.float32, device=device)  # [N]
+    r[order] = (torch.arange(n, device=device) - starts[of]).float() / (lens[of] - 1).clamp_min(1).float()
+    return r
 
 
 def _rank01(x: torch.Tensor) -> torch.Tensor:

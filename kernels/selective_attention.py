@@ -313,7 +313,10 @@ def _attention_triton(q, k, v, q_positions, kv_len, scale, bounds):
     has_seg = bounds is not None
     if has_seg:
         S = len(bounds) - 1
-        bounds_t = torch.tensor(bounds, dtype=torch.int64, device=q.device)  # [S + 1]
+        bounds_t = torch.tensor(bounds, dtype=torch.int64)  # [S + 1]
+        if q.device.type == "cuda":  # page-locked, so the copy does not make the host wait for the GPU
+            bounds_t = bounds_t.pin_memory()
+        bounds_t = bounds_t.to(q.device, non_blocking=True)
         mass_h = torch.empty(H_q, T_q, S, dtype=torch.float32, device=q.device)  # [H_q, T_q, S]
     else:
         S = 1

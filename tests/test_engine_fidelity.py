@@ -370,3 +370,45 @@ def test_pick_sinks_then_top_scores(count, sink, expected):
     from cachedrag.engine import _pick
 
     assert _pick(torch.tensor([0.0, 5.0, 1.0, 9.0]), count, sink) == expected
+
+
+def test_pick_each_equals_pick_per_chunk():
+    from cachedrag.engine import _pick, _pick_each
+
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.randint(0, 5, (n,), generator=gen).float() for n in (7, 1, 12, 30)]  # ties on purpose
+    counts = [3, 1, 12, 0]
+    for sink in (0, 2):
+        assert _pick_each(scores, counts, sink) == [_pick(x, c, sink) for x, c in zip(scores, counts)]
+    assert _pick_each([], [], 0) == []
+
+
+def test_segment_ranks_equal_the_per_segment_ranks_ties_included():
+    from cachedrag.engine import _rank01, _rank01_segments
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 1, 17, 2, 40]
+    x = torch.randint(0, 4, (sum(lengths),), generator=gen).float()  # many ties: the position order decides
+    want = torch.cat([_rank01(part) for part in x.split(lengths)])
+    assert torch.equal(_rank01_segments(x, lengths), want)
+
+
+def test_device_tensor_is_torch_tensor_on_the_cpu():
+    from cachedrag.model.transfer import device_tensor
+
+    got = device_tensor([3, 1, 2], "cpu")
+    assert got.dtype == torch.long and got.tolist() == [3, 1, 2]
+    assert device_tensor([0.5, 2.0], "cpu", torch.float32).tolist() == [0.5, 2.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_tensor_on_cuda_queues_without_waiting():
+    from cachedrag.model.transfer import device_tensor
+
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising copy raises
+    try:
+        got = device_tensor(list(range(5000)), "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.device.type == "cuda" and got.sum().item() == sum(range(5000))

@@ -28,6 +28,7 @@ from cachedrag.model.attention import PAIRS
 from cachedrag.model.linear import gated_mlp, linear, reference_linear
 from cachedrag.model.loader import check_architecture
 from cachedrag.model.rope import Rotary, rotate_half
+from cachedrag.model.transfer import device_tensor
 from cachedrag.model.weights import (DTYPES, QUANTIZED, LayerWeights, Numerics, PackedLinear, dtype_name, packable,
                                      vnni_available)
 
@@ -873,7 +874,8 @@ class ModelRunner:
             return self._segment_mass_fused(i, q, positions, kv, kv_len, bounds)
         k = kv.k[i, :, :kv_len]  # [H_kv, T_k, D]
         group = self.n_heads // self.n_kv_heads
-        b = torch.tensor(bounds, device=self.device)
+        per_key = list(bounds) == list(range(kv_len + 1))  # one segment per key: the mass is the probability
+        b = None if per_key else device_tensor(bounds, self.device)  # [S+1]
         out = []
         for start in range(0, q.shape[1], _ATTN_BLOCK):
             qb = q[:, start:start + _ATTN_BLOCK]  # [H_q, b, D]
@@ -883,6 +885,9 @@ class ModelRunner:
             if hidden_keys is not None:
                 mask &= ~hidden_keys.to(self.device)[None, :]  # [b, T_k]
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).mean(0)  # [b, T_k]
+            if per_key:
+                out.append(probs)  # [b, T_k]
+                continue
             csum = F.pad(probs.cumsum(-1), (1, 0))  # [b, T_k+1]
             out.append(csum[:, b[1:]] - csum[:, b[:-1]])  # [b, S]
         return torch.cat(out, 0)  # [T_q, S]
