@@ -41,6 +41,10 @@ def preload_depth(n_layers: int, t_prefill_per_layer: float, t_load_per_layer: f
     return max(1, min(n_layers, math.ceil(round(lp, 9))))
 
 
+#: layers a queued loader (page-locked source) copies ahead of the last one asked for
+QUEUED_AHEAD = 2
+
+
 class LayerLoader:
     """Loads one entry to ``device`` layer by layer, ``depth`` layers ahead of the consumer.
 
@@ -70,8 +74,12 @@ class LayerLoader:
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._thread: threading.Thread | None = None
+        self._issued = -1  # queued copies: layers 0.._issued are queued (-1: none, or not queued)
+        self._queued = False
         if isinstance(source, TensorSource) and _same_device(source.device, self.device):
             self._load_all_inline()  # already resident: views, nothing to overlap
+        elif self._cuda and isinstance(source, TensorSource) and source.pinned:
+            self._queue_copies()  # page-locked memory: the GPU copies while the host moves on
         else:
             self._thread = threading.Thread(target=self._run, name="cachedrag-layer-loader", daemon=True)
             self._thread.start()
@@ -87,6 +95,8 @@ class LayerLoader:
         if not 0 <= layer < self.n_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
         with self._cond:
+            if self._queued:
+                self._issue(layer + QUEUED_AHEAD)
             if layer > self._requested:
                 self._requested = layer
                 self._cond.notify_all()
@@ -103,6 +113,8 @@ class LayerLoader:
     def ready(self, layer: int) -> bool:
         """Non-blocking: is layer ``layer`` on the device now?"""
         with self._cond:
+            if self._queued:
+                self._issue(layer + QUEUED_AHEAD)
             if self._layers[layer] is None:
                 return False
             event = self._events[layer]
@@ -166,6 +178,40 @@ class LayerLoader:
             self._layers[l] = self.source.load_layer(l)  # [H_kv, T, D] views
             self.layer_seconds[l] = 0.0
 
+    def _queue_copies(self) -> None:
+        """Page-locked host memory to a GPU: layers are queued as copies on one copy stream per
+        device, ``QUEUED_AHEAD`` layers past the last one asked for, each with an event, and
+        ``layer(l)`` makes the compute stream wait for layer l's event: the GPU waits where a layer
+        is late, the host never does. Loaders of one request share the stream, so their copies run
+        layer by layer across chunks in the order the prefill needs them. The copies are DMA the
+        host only issues, so no thread: a thread per chunk that waited on each layer's copy before
+        handing it over made the host wait too and contend for the GIL (20 chunks at an 8B shape
+        on an H100: 466 ms from this tier vs 155 ms from the GPU tier, for ~27 ms of copies;
+        docs/gpu.md). PyTorch's host allocator keeps a page-locked block alive until the copies
+        reading it have run, so an entry evicted meanwhile is still read whole. Their time is not
+        observed (``mean_layer_seconds`` stays None): copies of other chunks run between them."""
+        self._queued = True
+        self._stream = copy_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            self._extras = {n: t.to(self.device, non_blocking=True) for n, t in self.source.load_extras().items()}
+            self._extras_event = torch.cuda.Event()
+            self._extras_event.record(self._stream)
+        self._issue(QUEUED_AHEAD)
+
+    def _issue(self, upto: int) -> None:
+        """Queue the copies of layers ``_issued + 1 .. upto`` (queued mode)."""
+        upto = min(upto, self.n_layers - 1)
+        if upto <= self._issued:
+            return
+        with torch.cuda.stream(self._stream):
+            for l in range(self._issued + 1, upto + 1):
+                self._layers[l] = {n: t.to(self.device, non_blocking=True)  # [H_kv, T, D] each
+                                   for n, t in self.source.load_layer(l).items()}
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._events[l] = event
+        self._issued = upto
+
     def _run(self) -> None:
         try:
             extras, event = self._to_device(self.source.load_extras())
@@ -201,6 +247,22 @@ class LayerLoader:
         if pinned:
             event.synchronize()  # the pinned source must outlive the async copy; we are off the compute path
         return out, event
+
+
+_COPY_STREAMS: dict[torch.device, object] = {}
+_COPY_STREAMS_LOCK = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> object:
+    """The CUDA stream queued host-to-device layer copies run on, one per device (so they run in
+    the order they were issued)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    with _COPY_STREAMS_LOCK:
+        stream = _COPY_STREAMS.get(device)
+        if stream is None:
+            stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+        return stream
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -57,6 +57,11 @@ class TensorSource(LayerSource):
     def device(self) -> torch.device:
         return self._entry.device
 
+    @property
+    def pinned(self) -> bool:
+        """Held in page-locked host memory (a CPU tier with ``pin_memory``): a GPU copies it asynchronously."""
+        return self._entry.device.type == "cpu" and all(t.is_pinned() for t in self._entry.tensors.values())
+
     def load_layer(self, layer: int) -> dict[str, torch.Tensor]:
         return {n: self._entry.tensors[n][layer] for n in self.layered}  # [H_kv, T, D] views
 

@@ -195,3 +195,20 @@ def test_layer_loader_to_cuda(tmp_path):
             for l in range(4):
                 k, v = loader.layer(l)
                 assert k.is_cuda and torch.equal(k.cpu(), want.k[l]) and torch.equal(v.cpu(), want.v[l])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_cpu_entries_are_copied_by_queued_copies_without_a_thread(tmp_path):
+    store = TieredStore.from_config(StoreConfig(namespace=NS, cpu_bytes=64 * SIZE, pin_memory=True))
+    entry = make_entry(10, layers=4)
+    store.put(key_of(10), entry)
+    with store.open_layers(key_of(10), "cuda", depth=1) as loader:
+        assert loader._thread is None and loader._queued  # queued on the copy stream
+        torch.cuda.set_sync_debug_mode("error")  # handing a layer over must not wait for the copy
+        try:
+            layers = [loader.layer(l) for l in range(4)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for l, (k, v) in enumerate(layers):
+            assert k.is_cuda and torch.equal(k.cpu(), entry.k[l]) and torch.equal(v.cpu(), entry.v[l])
