@@ -161,3 +161,18 @@ def test_remove_on_a_read_only_disk_is_not_reported_as_done(tmp_path, monkeypatc
     assert disk.used_bytes == disk_bytes_on_disk(tmp_path)[0] == disk.entry_bytes(key_of(2))
     assert store.check_invariants() == []
     store.close()
+
+
+def test_blocks_the_filesystem_maps_after_the_write_are_charged_not_taken_for_damage(tmp_path, monkeypatch):
+    tier = tier_at(tmp_path)
+    assert tier.put(key_of(0), make_entry(0))
+    used = tier.used_bytes
+    real_fstat = os.fstat
+
+    def later_blocks(fd):  # delayed allocation: an extent block more once written back
+        st = real_fstat(fd)
+        return os.stat_result(list(st) + [st.st_atime, st.st_mtime, st.st_ctime], {"st_blocks": st.st_blocks + 8})
+
+    monkeypatch.setattr(os, "fstat", later_blocks)
+    assert tier.get(key_of(0)).equal(make_entry(0))
+    assert tier.stats.corrupt == 0 and tier.used_bytes == used + 4096
