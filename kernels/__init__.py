@@ -1,8 +1,10 @@
-"""cachedrag.kernels: the GPU kernels of the prefill path, each with a torch reference.
+"""cachedrag.kernels: the GPU kernels of the prefill and decode paths, each with a torch reference.
 
 Owns: RoPE re-rotation of cached keys (:func:`rerotate`) and selective-recompute attention with
-an absolute-position causal mask and per-segment attention mass (:func:`selective_attention`),
-plus the backend dispatch shared by both (:func:`which_backend`). Every public kernel returns a
+an absolute-position causal mask and per-segment attention mass (:func:`selective_attention`);
+for the CUDA-graph decode step, RMSNorm with an optional residual add (:func:`rmsnorm`) and RoPE
+of fresh q/k rows with their K/V written into the buffer (:func:`rope_rows`); plus the backend
+dispatch shared by all (:func:`which_backend`). Every public kernel returns a
 result naming the :class:`Backend` that ran (Triton on CUDA, the torch reference elsewhere; a
 fallback says so). Does not own: model weights, planning, or buffer management.
 
@@ -24,6 +26,8 @@ Example (CPU: the references run)::
 
 from ._dispatch import Backend, interpreting, triton_available, which_backend
 from .rerotate import RerotateResult, rerotate, rerotate_reference
+from .rmsnorm import RMSNormResult, rmsnorm, rmsnorm_reference
+from .rope_rows import RopeRowsResult, rope_rows, rope_rows_reference
 from .selective_attention import (
     MAX_SEGMENTS,
     AttentionResult,
@@ -35,10 +39,16 @@ __all__ = [
     "AttentionResult",
     "Backend",
     "MAX_SEGMENTS",
+    "RMSNormResult",
     "RerotateResult",
+    "RopeRowsResult",
     "interpreting",
     "rerotate",
     "rerotate_reference",
+    "rmsnorm",
+    "rmsnorm_reference",
+    "rope_rows",
+    "rope_rows_reference",
     "selective_attention",
     "selective_attention_reference",
     "triton_available",

@@ -70,6 +70,32 @@ def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * F.layer_norm(both, (2 * n,), None, None, eps)[..., :n]  # [T, Dm]
 
 
+#: HF norm classes of LlamaRMSNorm's form (float32 inside, rounded, then ``weight *``): the row kernels' arithmetic
+_PLAIN_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def plain_rms_norm(module) -> tuple[torch.Tensor, float] | None:
+    """``(weight [Dm], eps)`` of an HF norm of ``LlamaRMSNorm``'s form (by class: Llama, Mistral, Qwen2,
+    Qwen3), else None (another form, e.g. Gemma's ``1 + weight``, keeps its own module)."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if type(module).__name__ not in _PLAIN_RMS_NORMS or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    if getattr(module, "bias", None) is not None or not isinstance(eps, (int, float)):
+        return None
+    return weight.detach(), float(eps)
+
+
+@dataclass(frozen=True)
+class RowNorms:
+    """Every RMSNorm of a model as ``(weight, eps)`` for the row kernels (``ModelRunner.row_norms``):
+    per layer the input and post-attention norms, the per-head q/k norms (Qwen3) or None, and the final norm."""
+
+    inputs: list[tuple[torch.Tensor, float]]
+    posts: list[tuple[torch.Tensor, float]]
+    qk: list[tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None]
+    final: tuple[torch.Tensor, float]
+
+
 def default_threads() -> int:
     """Cores this process may run on (its CPU affinity), at most torch's own default."""
     try:
@@ -247,6 +273,7 @@ class ModelRunner:
             raise UnsupportedModelError(f"{weights} weights need Llama-family linear projections in every layer")
         self._decode_dtype = self.numerics.decode_dtype
         self._decode_norms = self._norm_weights() if self._decode_fast else None
+        self._row_norms: RowNorms | None | bool = False  # False: not looked up yet (row_norms)
         self.decode_attention, self.decode_attention_note, self._attn_kernel = self._pick_decode_attention(decode_attention)
         self.compiled = None
         if compile:
@@ -468,7 +495,7 @@ class ModelRunner:
         (``LayerWeights``' interface, e.g. ``model/scoring.py``'s bf16 copies) instead of the runner's."""
         layer = self.layers[i]
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)  # [T, Dm]
+        x = self._input_norm(i, hidden)  # [T, Dm]
         t = x.shape[0]
         lw = self._projections(i, weights)
         if lw is not None:
@@ -602,11 +629,117 @@ class ModelRunner:
         """Output projection, residual and MLP of layer ``i``: ``[T, Dm]`` (``weights`` as in ``qkv``)."""
         layer = self.layers[i]
         lw = self._projections(i, weights)
+        o = lw.o(attn_out) if lw is not None else self.project(layer.self_attn.o_proj, attn_out)  # [T, Dm]
+        if self.row_kernels:  # the residual add and the norm in one kernel
+            from cachedrag.kernels import rmsnorm
+
+            w, eps = self.row_norms().posts[i]
+            normed = rmsnorm(o, w, eps, residual=residual, backend="triton")  # [T, Dm] each
+            h, x = normed.hidden, normed.out
+        else:
+            h = residual + o  # [T, Dm]
+            x = layer.post_attention_layernorm(h)  # [T, Dm]
+        return h + (lw.mlp(x) if lw is not None else gated_mlp(layer.mlp, x, self.project))  # [T, Dm]
+
+    def _input_norm(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s input norm of ``hidden`` ``[T, Dm]``: one kernel where ``row_kernels``, else the HF module."""
+        if self.row_kernels:
+            from cachedrag.kernels import rmsnorm
+
+            w, eps = self.row_norms().inputs[i]
+            return rmsnorm(hidden, w, eps, backend="triton").out  # [T, Dm]
+        return self.layers[i].input_layernorm(hidden)
+
+    # ------------------------------------------------------------------ the CUDA-graph step's fused rows
+    @property
+    def row_kernels(self) -> bool:
+        """Fused row kernels on the Triton backend, when every norm is a plain RMSNorm (``row_norms``):
+        the CUDA-graph step (``model/cuda_graph.py``) runs its layers as ``write_row`` / ``finish_row`` /
+        ``logits_row``, and prefill layers take their norms (the post-attention one with its residual
+        add) and RoPE with the K/V row writes from the same kernels (``kernels/rmsnorm.py``,
+        ``kernels/rope_rows.py``): ~20 elementwise launches fewer per layer, ~10 ms of GPU time of an
+        8B reuse request (docs/gpu.md)."""
+        return self.kernel_backend == "triton" and self.row_norms() is not None
+
+    def row_norms(self) -> RowNorms | None:
+        """The model's norms for the row kernels, or None where one is not ``plain_rms_norm``'s form
+        (then the graph step runs ``write_layer`` / ``finish_layer``'s ops). Looked up once."""
+        if self._row_norms is False:
+            plans = []
+            for layer in self.layers:
+                attn = layer.self_attn
+                qk = None
+                if hasattr(attn, "q_norm"):
+                    qk = (plain_rms_norm(attn.q_norm), plain_rms_norm(attn.k_norm))
+                    qk = None if None in qk else qk
+                    if qk is None:
+                        plans = None
+                        break
+                plans.append((plain_rms_norm(layer.input_layernorm), plain_rms_norm(layer.post_attention_layernorm),
+                              qk))
+            final = plain_rms_norm(self.model.model.norm)
+            ok = plans is not None and final is not None and all(a is not None and b is not None for a, b, _ in plans)
+            self._row_norms = RowNorms([a for a, _, _ in plans], [b for _, b, _ in plans], [q for _, _, q in plans],
+                                       final) if ok else None
+        return self._row_norms
+
+    def write_row(self, i: int, hidden: torch.Tensor, delta: torch.Tensor | None, position: torch.Tensor,
+                  kv: KVBuffer, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``write_layer`` for the one row of a decode step, in fused kernels (``row_kernels``):
+        ``h = hidden + delta`` (``delta``: the previous layer's MLP output from ``finish_row``, its residual
+        add deferred to here; None for the first layer) and the input norm in one launch, the q/k/v
+        projection, then q and k rotated to ``position`` (``[1]`` int64 on the device; rows of ``cos``/``sin``
+        ``[C, D]``) with the K/V row written into the buffer in one more. Returns ``(q [H_q, 1, D], h [1, Dm])``.
+        Equal to ``finish_layer``'s add + ``write_layer`` to float rounding (tests); nothing reads the device."""
+        from cachedrag.kernels import rmsnorm, rope_rows
+
+        norms = self.row_norms()
+        w, eps = norms.inputs[i]
+        normed = rmsnorm(hidden, w, eps, residual=delta, backend="triton")  # [1, Dm] each
+        h = hidden if delta is None else normed.hidden  # [1, Dm]
+        x = normed.out  # [1, Dm]
+        attn = self.layers[i].self_attn
+        lw = self._projections(i)
         if lw is not None:
-            h = residual + lw.o(attn_out)  # [T, Dm]
-            return h + lw.mlp(layer.post_attention_layernorm(h))  # [T, Dm]
-        h = residual + self.project(layer.self_attn.o_proj, attn_out)  # [T, Dm]
-        return h + gated_mlp(layer.mlp, layer.post_attention_layernorm(h), self.project)  # [T, Dm]
+            q, k, v = lw.qkv(x).split([lw.q_out, lw.kv_out, lw.kv_out], dim=-1)  # [1, H*D] each
+        else:
+            q, k, v = (self.project(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj))  # [1, H*D] each
+        q = q.view(1, -1, self.head_dim)  # [1, H_q, D]
+        k = k.view(1, -1, self.head_dim)  # [1, H_kv, D]
+        v = v.view(1, -1, self.head_dim)  # [1, H_kv, D]
+        if norms.qk[i] is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            (wq, eq), (wk, ek) = norms.qk[i]
+            q = rmsnorm(q, wq, eq, backend="triton").out  # [1, H_q, D]
+            k = rmsnorm(k, wk, ek, backend="triton").out  # [1, H_kv, D]
+        q = rope_rows(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cos, sin, position, kv.k[i], kv.v[i],
+                      backend="triton").q  # [H_q, 1, D]; the K/V row written
+        return q, h
+
+    def finish_row(self, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``finish_layer`` for one row in fused kernels, its last residual add deferred: output projection,
+        ``h2 = h + o`` with the post-attention norm in one launch, the MLP. Returns ``(h2, mlp_out)``
+        ``[1, Dm]`` each: the layer's output is ``h2 + mlp_out``, added by the next ``write_row`` or by
+        ``logits_row``."""
+        from cachedrag.kernels import rmsnorm
+
+        layer = self.layers[i]
+        lw = self._projections(i)
+        o = lw.o(attn_out) if lw is not None else self.project(layer.self_attn.o_proj, attn_out)  # [1, Dm]
+        w, eps = self.row_norms().posts[i]
+        normed = rmsnorm(o, w, eps, residual=h, backend="triton")  # [1, Dm] each
+        x = normed.out  # [1, Dm]
+        mlp = lw.mlp(x) if lw is not None else gated_mlp(layer.mlp, x, self.project)  # [1, Dm]
+        return normed.hidden, mlp
+
+    def logits_row(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``logits(h + delta)`` with the add and the final norm in one launch: ``[1, V]`` float32."""
+        from cachedrag.kernels import rmsnorm
+
+        w, eps = self.row_norms().final
+        x = rmsnorm(delta, w, eps, residual=h, backend="triton").out  # [1, Dm]
+        if self.fast_head is not None:
+            return self.fast_head(x).float()
+        return self.project(self.model.lm_head, x).float()
 
     def write_rotated(self, kv: KVBuffer, raw_k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Write a cached segment (raw K ``[L, H_kv, T, D]``, V) into buffer rows ``start..start+T``,
@@ -697,11 +830,18 @@ class ModelRunner:
         q, k_raw, v = self.qkv(i, hidden, weights=weights)  # [H_q, T, D], [H_kv, T, D], [H_kv, T, D]
         if rope is None:
             rope = self.rotary.cos_sin(positions, q.dtype, self.device)  # [T, D] each
-        q = self.rotary.apply(q, positions, rope)  # [H_q, T, D]
-        k = self.rotary.apply(k_raw, positions, rope)  # [H_kv, T, D]
         rows = positions.to(self.device)
-        kv.k[i].index_copy_(1, rows, k)  # rows of [H_kv, C, D]
-        kv.v[i].index_copy_(1, rows, v)
+        if self.row_kernels and q.dtype == rope[0].dtype == kv.k.dtype and rows.dtype == torch.int64:
+            from cachedrag.kernels import rope_rows  # q and k rotated, the K/V rows written: one kernel
+
+            table = torch.arange(rows.shape[0], device=self.device)  # [T] this call's rows of ``rope``
+            q = rope_rows(q, k_raw, v, rope[0], rope[1], rows, kv.k[i], kv.v[i], table_rows=table,
+                          backend="triton").q  # [H_q, T, D]
+        else:
+            q = self.rotary.apply(q, positions, rope)  # [H_q, T, D]
+            k = self.rotary.apply(k_raw, positions, rope)  # [H_kv, T, D]
+            kv.k[i].index_copy_(1, rows, k)  # rows of [H_kv, C, D]
+            kv.v[i].index_copy_(1, rows, v)
         if raw_out is not None:
             raw_out["k"], raw_out["v"], raw_out["q"] = k_raw, v, q
         return q
@@ -733,9 +873,16 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: ``[T, Dm] -> [T, V]`` (float32)."""
+        if self.row_kernels:
+            from cachedrag.kernels import rmsnorm
+
+            w, eps = self.row_norms().final
+            x = rmsnorm(hidden, w, eps, backend="triton").out  # [T, Dm]
+        else:
+            x = self.model.model.norm(hidden)  # [T, Dm]
         if self.fast_head is not None:
-            return self.fast_head(self.model.model.norm(hidden)).float()
-        return self.project(self.model.lm_head, self.model.model.norm(hidden)).float()
+            return self.fast_head(x).float()
+        return self.project(self.model.lm_head, x).float()
 
     # ------------------------------------------------------------------ whole passes
     @torch.inference_mode()

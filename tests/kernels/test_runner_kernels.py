@@ -16,6 +16,7 @@ from cachedrag.testing import tiny_runner
 def test_prefill_and_subset_on_triton_equal_torch(arch):
     ref = tiny_runner(arch)
     tri = ModelRunner(ref.model, ref.tokenizer, kernel_backend="triton")
+    assert tri.row_kernels  # the layers' norms and RoPE + K/V writes run as the row kernels
     ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(tri.prefill(ids, all_logits=True), ref.prefill(ids, all_logits=True), atol=1e-4, rtol=0)
     kv_ref, kv_tri = ref.new_kv(21), tri.new_kv(21)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cachedrag.kernels import triton_available
 from cachedrag.model.cuda_graph import static_step
 from cachedrag.model.generation import SamplingParams
 from cachedrag.model.runner import GRAPH_ROWS, ModelRunner
@@ -35,6 +36,57 @@ def test_static_step_equals_the_eager_step(arch):
         got = static_step(runner, static.k, static.v, torch.tensor([token]), torch.tensor([pos]), cos, sin)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(static.k[:, :, pos], eager.k[:, :, pos], atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton does not import here")
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_fused_static_step_equals_the_eager_step(arch, monkeypatch):
+    """The step as the Triton backend captures it (RMSNorm with the residual add, RoPE with the K/V
+    write: ``write_row`` / ``finish_row`` / ``logits_row``, run here by Triton's interpreter on CPU)
+    gives the eager step's logits and K/V row, step after step (float32: equal to float rounding)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    eager_runner = tiny_runner(arch, decode_step="torch")
+    runner = tiny_runner(arch, decode_step="torch", kernel_backend="triton")
+    assert runner.row_kernels and not eager_runner.row_kernels
+    ids = _ids(20)
+    cap = 32
+    eager, static = eager_runner.new_kv(cap), runner.new_kv(cap)
+    eager_runner.prefill(ids, kv=eager)
+    static.k[:, :, :20], static.v[:, :, :20] = eager.k[:, :, :20], eager.v[:, :, :20]  # the same rows to attend to
+    cos, sin = runner.rotary.cos_sin(torch.arange(cap), runner.dtype, runner.device)  # [C, D] each
+    for step, token in enumerate([5, 77, 3, 250]):
+        pos = 20 + step
+        want = eager_runner.decode_step(token, pos, eager)
+        got = static_step(runner, static.k, static.v, torch.tensor([token]), torch.tensor([pos]), cos, sin)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(static.k[:, :, pos], eager.k[:, :, pos], atol=1e-5, rtol=0)
+        torch.testing.assert_close(static.v[:, :, pos], eager.v[:, :, pos], atol=1e-5, rtol=0)
+
+
+def test_row_kernels_only_for_plain_rms_norms():
+    """A norm of another form (here Gemma's ``1 + weight``) keeps the unfused step."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from cachedrag.model.runner import plain_rms_norm
+
+    runner = tiny_runner("llama", decode_step="torch", kernel_backend="triton")
+    assert plain_rms_norm(runner.layers[0].input_layernorm) is not None
+    assert plain_rms_norm(GemmaRMSNorm(64)) is None
+    runner.layers[1].post_attention_layernorm = GemmaRMSNorm(64)
+    runner._row_norms = False  # looked up again
+    assert runner.row_norms() is None and not runner.row_kernels
+    assert not tiny_runner("llama", decode_step="torch").row_kernels  # torch kernels: the unfused step
+
+
+def test_one_mask_serves_every_layer_without_windows():
+    from cachedrag.model.cuda_graph import step_masks
+
+    llama, mistral = tiny_runner("llama", decode_step="torch"), tiny_runner("mistral", decode_step="torch")
+    masks = step_masks(llama, torch.tensor([5]), 32)  # [1, C] each
+    assert all(m is masks[0] for m in masks)
+    assert torch.equal(masks[0][0, :6], torch.zeros(6)) and torch.isinf(masks[0][0, 6:]).all()
+    windowed = step_masks(mistral, torch.tensor([30]), 32)  # sliding window 24
+    assert torch.isinf(windowed[0][0, :7]).all() and torch.equal(windowed[0][0, 7:31], torch.zeros(24))
 
 
 def test_cuda_graph_step_is_refused_on_cpu():
@@ -73,6 +125,30 @@ def test_graph_decode_equals_eager_cuda_and_cpu(arch):
     for step in range(3):
         torch.testing.assert_close(graph.decode_step(7 + step, 30 + step, kv_g),
                                    eager.decode_step(7 + step, 30 + step, kv_e), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_fused_graph_decode_in_bfloat16_equals_the_unfused_graph(arch):
+    """The graph of the fused rows (Triton backend, the CUDA default) against the graph of the unfused
+    ops, bf16: the same K/V rows and logits up to bf16 rounding, and the same greedy tokens."""
+    fused = _cuda_runner(arch, dtype="bfloat16")
+    plain = _cuda_runner(arch, dtype="bfloat16")
+    plain._row_norms = None  # the unfused ops of write_layer / finish_layer, also captured
+    assert fused.row_kernels and not plain.row_kernels
+    ids = _ids(30, seed=5)
+    kv_f, kv_p = fused.new_kv(60), plain.new_kv(60)
+    fused.prefill(ids, kv=kv_f)
+    plain.prefill(ids, kv=kv_p)
+    for step in range(3):
+        got, want = fused.decode_step(7 + step, 30 + step, kv_f), plain.decode_step(7 + step, 30 + step, kv_p)
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+        torch.testing.assert_close(kv_f.k[:, :, 30 + step], kv_p.k[:, :, 30 + step], atol=3e-2, rtol=2 ** -7)
+    prompt = _ids(40, seed=4).tolist()
+    params = SamplingParams(max_new_tokens=8)
+    tokens = [TextGenerator(r).generate(prompt, params).token_ids for r in (fused, plain)]
+    assert tokens[0] == tokens[1]
 
 
 @pytest.mark.gpu
