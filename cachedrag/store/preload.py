@@ -41,8 +41,9 @@ def preload_depth(n_layers: int, t_prefill_per_layer: float, t_load_per_layer: f
     return max(1, min(n_layers, math.ceil(round(lp, 9))))
 
 
-#: layers a queued loader (page-locked source) copies ahead of the last one asked for
-QUEUED_AHEAD = 2
+#: layers a queued loader (page-locked source) copies ahead of the last one asked for, and per copy
+QUEUED_AHEAD = 4
+QUEUED_GROUP = 4
 
 
 class LayerLoader:
@@ -76,6 +77,8 @@ class LayerLoader:
         self._thread: threading.Thread | None = None
         self._issued = -1  # queued copies: layers 0.._issued are queued (-1: none, or not queued)
         self._queued = False
+        self._blocks: list[dict[str, torch.Tensor] | None] = [None] * self.n_layers  # queued: each layer's group
+        self._waited: object | None = None  # queued: the last group event the compute stream waits on
         if isinstance(source, TensorSource) and _same_device(source.device, self.device):
             self._load_all_inline()  # already resident: views, nothing to overlap
         elif self._cuda and isinstance(source, TensorSource) and source.pinned:
@@ -104,7 +107,14 @@ class LayerLoader:
             tensors, event = self._layers[layer], self._events[layer]
         if tensors is None:
             return None
-        if event is not None:
+        if self._queued:  # a group of layers per copy: wait for it and mark its blocks once
+            if event is not self._waited:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(event)
+                for t in self._blocks[layer].values():
+                    t.record_stream(stream)
+                self._waited = event
+        elif event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
             for t in tensors.values():
                 t.record_stream(torch.cuda.current_stream(self.device))
@@ -180,9 +190,10 @@ class LayerLoader:
 
     def _queue_copies(self) -> None:
         """Page-locked host memory to a GPU: layers are queued as copies on one copy stream per
-        device, ``QUEUED_AHEAD`` layers past the last one asked for, each with an event, and
-        ``layer(l)`` makes the compute stream wait for layer l's event: the GPU waits where a layer
-        is late, the host never does. Loaders of one request share the stream, so their copies run
+        device, ``QUEUED_GROUP`` layers per copy (one event each), up to ``QUEUED_AHEAD`` layers past
+        the last one asked for, and ``layer(l)`` makes the compute stream wait for its group's event:
+        the GPU waits where a layer is late, the host never does (a copy and an event per layer and
+        chunk cost the host ~1 ms per layer of a 20-chunk request). Loaders of one request share the stream, so their copies run
         layer by layer across chunks in the order the prefill needs them. The copies are DMA the
         host only issues, so no thread: a thread per chunk that waited on each layer's copy before
         handing it over made the host wait too and contend for the GIL (20 chunks at an 8B shape
@@ -199,18 +210,20 @@ class LayerLoader:
         self._issue(QUEUED_AHEAD)
 
     def _issue(self, upto: int) -> None:
-        """Queue the copies of layers ``_issued + 1 .. upto`` (queued mode)."""
+        """Queue the copies of the layer groups up to the one holding layer ``upto`` (queued mode)."""
         upto = min(upto, self.n_layers - 1)
-        if upto <= self._issued:
-            return
-        with torch.cuda.stream(self._stream):
-            for l in range(self._issued + 1, upto + 1):
-                self._layers[l] = {n: t.to(self.device, non_blocking=True)  # [H_kv, T, D] each
-                                   for n, t in self.source.load_layer(l).items()}
+        while self._issued < upto:
+            a = self._issued + 1
+            b = min(self.n_layers, a + QUEUED_GROUP)
+            with torch.cuda.stream(self._stream):
+                block = {n: t.to(self.device, non_blocking=True)  # [b - a, H_kv, T, D] each
+                         for n, t in self.source.load_layers(a, b).items()}
                 event = torch.cuda.Event()
                 event.record(self._stream)
-                self._events[l] = event
-        self._issued = upto
+            for l in range(a, b):
+                self._layers[l] = {n: t[l - a] for n, t in block.items()}  # [H_kv, T, D] views
+                self._events[l], self._blocks[l] = event, block
+            self._issued = b - 1
 
     def _run(self) -> None:
         try:

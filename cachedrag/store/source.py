@@ -68,6 +68,10 @@ class TensorSource(LayerSource):
     def load_extras(self) -> dict[str, torch.Tensor]:
         return {n: self._entry.tensors[n] for n in self._entry.extra_names()}
 
+    def load_layers(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Every layered tensor's layers ``start..stop-1``: ``[stop - start, H_kv, T, D]`` views, one block each."""
+        return {n: self._entry.tensors[n][start:stop] for n in self.layered}
+
 
 class BlobSource(LayerSource):
     """A serialized entry: header parsed up front, each layer read and checked on demand."""

@@ -201,13 +201,13 @@ def test_layer_loader_to_cuda(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_cpu_entries_are_copied_by_queued_copies_without_a_thread(tmp_path):
     store = TieredStore.from_config(StoreConfig(namespace=NS, cpu_bytes=64 * SIZE, pin_memory=True))
-    entry = make_entry(10, layers=4)
+    entry = make_entry(10, layers=10)  # groups of QUEUED_GROUP layers, the last one partial
     store.put(key_of(10), entry)
     with store.open_layers(key_of(10), "cuda", depth=1) as loader:
         assert loader._thread is None and loader._queued  # queued on the copy stream
         torch.cuda.set_sync_debug_mode("error")  # handing a layer over must not wait for the copy
         try:
-            layers = [loader.layer(l) for l in range(4)]
+            layers = [loader.layer(l) for l in range(10)]
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for l, (k, v) in enumerate(layers):
