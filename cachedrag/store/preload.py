@@ -2,7 +2,8 @@
 
 Owns: the preload-depth formula, the layer-wise loader (``LayerLoader``: layer l is handed
 to the compute while layers l+1..l+depth load in a background thread / CUDA stream, with a
-non-blocking readiness check and timeouts so the engine can recompute instead of waiting)
+non-blocking readiness check and timeouts so the engine can recompute instead of waiting; from
+page-locked memory to a GPU, queued copies on one copy stream per device instead of a thread)
 and the asynchronous prefetcher (``Prefetcher``: background threads promoting whole
 entries to the fastest tier). Does not own: which tier an entry lives in (``tiered``) or
 how a layer's bytes are read (``source``).
@@ -193,8 +194,9 @@ class LayerLoader:
         device, ``QUEUED_GROUP`` layers per copy (one event each), up to ``QUEUED_AHEAD`` layers past
         the last one asked for, and ``layer(l)`` makes the compute stream wait for its group's event:
         the GPU waits where a layer is late, the host never does (a copy and an event per layer and
-        chunk cost the host ~1 ms per layer of a 20-chunk request). Loaders of one request share the stream, so their copies run
-        layer by layer across chunks in the order the prefill needs them. The copies are DMA the
+        chunk cost the host ~1 ms per layer of a 20-chunk request). Loaders of one request share
+        the stream, so their copies run layer by layer across chunks in the order the prefill needs
+        them. The copies are DMA the
         host only issues, so no thread: a thread per chunk that waited on each layer's copy before
         handing it over made the host wait too and contend for the GIL (20 chunks at an 8B shape
         on an H100: 466 ms from this tier vs 155 ms from the GPU tier, for ~27 ms of copies;
