@@ -18,6 +18,12 @@ characters is N tokens). Measured side by side in one run:
 - store loads: per chunk, read from each tier (GPU, pinned CPU, disk with its pages dropped) and
   copied to the device, against recomputing that chunk behind the system prompt.
 
+With ``--profile``, one more cachedrag request at the largest chunk count runs under
+``torch.profiler`` and is reported under ``"profile"``: wall time, device time by kernel (the
+top 15), CUDA runtime calls by name (launches, copies, synchronisations), and on CUDA the call
+sites where the host waited for the GPU (``torch.cuda.set_sync_debug_mode("warn")``, a second
+request): where a request's time goes when the GPU is not the limit (docs/gpu.md).
+
 Prints a table; ``--json OUT`` writes ``{"config", "ttft", "decode", "loads", "targets"}``.
 Does not own: the engine, the runner or the stores (it drives them as a user would).
 """
@@ -71,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers SDPA arm")
     parser.add_argument("--no-tiers", action="store_true", help="skip the pinned-CPU and disk cachedrag arms")
     parser.add_argument("--cache-gib", type=float, default=8.0, help="budget of each engine's chunk-cache tier (GiB)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more cachedrag request at the largest chunk count (device time by kernel, "
+                             "runtime calls, host waits)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="OUT", default=None, help="also write the results as JSON to OUT")
 
@@ -239,6 +248,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                            "prefix_hit_tokens": result.prefix_hit_tokens,
                                            "chunks_hit": result.chunks_hit, "load_s": result.load_s})
         ttft[str(n)] = {a: _summary(times[a], stats[a]) for a in arms}
+    profile = None
+    if args.profile:
+        question = "question p: which cache matters most here?"
+        draws = [rng.sample(texts, max(counts)) for _ in range(2)]
+        profile = _profile(engines["cachedrag"], draws, question, device)
     decode = _decode(runner, texts[:min(counts)], args.decode_tokens, copy_gbs, device)
     loads = _loads(engines, runner, texts[0], device, Path(tmp.name))
     for n, row in ttft.items():
@@ -260,6 +274,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
         "ttft": ttft, "decode": decode, "loads": loads,
     }
+    if profile is not None:
+        results["profile"] = profile
     results["targets"] = _targets(results)
     return results
 
@@ -293,6 +309,57 @@ def _ttft(arm: str, engines: dict, model, chunks: list[str], question: str, devi
     result = e.generate(chunks, question, SYSTEM_PROMPT, max_new_tokens=1)
     _sync(device)
     return time.perf_counter() - t0, result
+
+
+def _profile(engine, samples: list[list[str]], question: str, device) -> dict[str, Any]:
+    """One cachedrag request (chunks ``samples[0]``) under ``torch.profiler``: wall ms, device ms
+    (total and the top 15 kernels), CUDA runtime calls by name; on CUDA a second request (another
+    draw, ``samples[1]``: a repeat of the first would be promoted to an exact path) under the sync
+    debug mode names the call sites (ours) where the host waited for the GPU, first token and
+    store hand-off included."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        engine.generate(samples[0], question, SYSTEM_PROMPT, max_new_tokens=1)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernels = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in events
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: -k[1])
+    out: dict[str, Any] = {
+        "wall_ms": wall * 1e3,
+        "device_ms": sum(ms for _, ms, _ in kernels),
+        "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+        "kernels": [{"name": name, "ms": ms, "calls": n} for name, ms, n in kernels[:15]],
+        "runtime_calls": {e.key: e.count for e in events if e.key.startswith("cuda")},
+    }
+    if on_cuda:
+        sites: collections.Counter = collections.Counter()
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            ours = [f for f in traceback.extract_stack()[:-1] if "cachedrag" in f.filename]
+            sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in ours[::-1][:3])] += 1
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            shown, warnings.showwarning = warnings.showwarning, record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.generate(samples[1], question, SYSTEM_PROMPT, max_new_tokens=1)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                warnings.showwarning = shown
+        out["host_waits"] = dict(sites.most_common())
+    return out
 
 
 def _summary(times: list[float], stats: list[dict]) -> dict:
@@ -454,5 +521,13 @@ def format_table(res: dict) -> str:
         if tier in ld and "load_ms" in ld[tier]:
             r = ld[tier]
             lines.append(f"  {tier:<7} {r['load_ms']:.3f} ms  {r['gb_per_s']:.1f} GB/s  {r['of_recompute']:.1%} of recompute")
+    prof = res.get("profile")
+    if prof is not None:
+        lines += ["", f"profile of one cachedrag request: wall {prof['wall_ms']:.1f} ms, "
+                  f"device {prof['device_ms']:.1f} ms, host (profiler) {prof['host_ms']:.1f} ms"]
+        lines += [f"  {k['ms']:8.2f} ms  x{k['calls']:<5d} {k['name'][:70]}" for k in prof["kernels"][:8]]
+        if "host_waits" in prof:
+            lines.append(f"  host waits: {sum(prof['host_waits'].values())} "
+                         + "; ".join(f"{n} at {site}" for site, n in prof["host_waits"].items()))
     lines += ["", "targets: " + ", ".join(f"{k} {v:.2f}" for k, v in res["targets"].items())]
     return "\n".join(lines)

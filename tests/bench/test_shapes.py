@@ -67,3 +67,21 @@ def test_cuda_without_cuda_is_refused(capsys):
         pytest.skip("CUDA present")
     assert shapes.run(_args(device="cuda")) == 2
     assert "torch.cuda.is_available() is false" in capsys.readouterr().out
+
+
+def test_profile_reports_where_one_request_spends_its_time(tmp_path):
+    out = tmp_path / "shapes.json"
+    assert shapes.run(_args(json=str(out), profile=True, no_tiers=True, no_hf=True)) == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert prof["wall_ms"] > 0 and prof["host_ms"] > 0
+    assert prof["device_ms"] == 0 and prof["kernels"] == [] and "host_waits" not in prof  # no CUDA here
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_profile_on_cuda_names_kernels_and_host_waits(tmp_path):
+    out = tmp_path / "shapes.json"
+    assert shapes.run(_args(json=str(out), profile=True, no_tiers=True, no_hf=True, device="cuda")) == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert prof["device_ms"] > 0 and prof["kernels"] and prof["runtime_calls"].get("cudaLaunchKernel", 0) > 0
+    assert isinstance(prof["host_waits"], dict)  # sites where the host waited (a reuse request has a couple)
