@@ -200,7 +200,7 @@ def entry_payload(namespace: str, path: Sequence[str], role: str, exact: bool, k
     info = {"namespace": namespace, "segment_key": path[-1], "path": json.dumps(list(path)), "role": role,
             "exact": "1" if exact else "0", "n_tokens": str(k.shape[2])}
     if meta is not None:
-        tensors["token_inter"] = torch.tensor(list(meta.token_inter), dtype=torch.float32, device=k.device)  # [T]
+        tensors["token_inter"] = device_tensor(list(meta.token_inter), k.device, torch.float32)  # [T]
         info["variant"] = json.dumps({"prefix_keys": list(meta.prefix_keys), "inter": dict(meta.inter),
                                       "intra": meta.intra})
     return tensors, info
@@ -1135,11 +1135,13 @@ class CachedEngine:
         prior_mass = mass[:, prior] if prior else torch.zeros(mass.shape[0], 1, device=mass.device)  # [T, P]
         intra_t = mass[:, i]  # [T]
         inter_t = prior_mass.sum(-1)  # [T]
-        token_inter = (inter_t / (inter_t + intra_t).clamp_min(1e-12)).tolist()
-        inter = {keys[j]: float(prior_mass[:, c].mean()) for c, j in enumerate(prior)} if prior else {}
+        token_inter_t = inter_t / (inter_t + intra_t).clamp_min(1e-12)  # [T]
+        means = torch.stack([prior_mass[:, c].mean() for c in range(len(prior))] + [intra_t.mean()])  # [P + 1]
+        values = torch.cat([token_inter_t, means.to(token_inter_t.dtype)]).tolist()  # one read of the device
+        t = token_inter_t.shape[0]
+        inter = {keys[j]: values[t + c] for c, j in enumerate(prior)}
         return AttentionMetadata(
-            prefix_keys=tuple(keys[j] for j in prior), inter=inter, intra=float(intra_t.mean()),
-            token_inter=token_inter,
+            prefix_keys=tuple(keys[j] for j in prior), inter=inter, intra=values[-1], token_inter=values[:t],
         )
 
 
