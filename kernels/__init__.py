@@ -2,8 +2,9 @@
 
 Owns: RoPE re-rotation of cached keys (:func:`rerotate`) and selective-recompute attention with
 an absolute-position causal mask and per-segment attention mass (:func:`selective_attention`);
-for the CUDA-graph decode step, RMSNorm with an optional residual add (:func:`rmsnorm`) and RoPE
-of fresh q/k rows with their K/V written into the buffer (:func:`rope_rows`); plus the backend
+for the layers' rows (the CUDA-graph decode step and prefill layers), RMSNorm with an optional
+residual add (:func:`rmsnorm`) and RoPE of fresh q/k rows with their K/V written into the buffer
+(:func:`rope_rows`); plus the backend
 dispatch shared by all (:func:`which_backend`). Every public kernel returns a
 result naming the :class:`Backend` that ran (Triton on CUDA, the torch reference elsewhere; a
 fallback says so). Does not own: model weights, planning, or buffer management.
