@@ -627,18 +627,14 @@ class ModelRunner:
 
     def finish_layer(self, i: int, residual: torch.Tensor, attn_out: torch.Tensor, weights=None) -> torch.Tensor:
         """Output projection, residual and MLP of layer ``i``: ``[T, Dm]`` (``weights`` as in ``qkv``)."""
+        if self.row_kernels:  # the residual add and the norm in one kernel
+            h, mlp = self.finish_row(i, residual, attn_out, weights)  # [T, Dm] each
+            return h + mlp
         layer = self.layers[i]
         lw = self._projections(i, weights)
         o = lw.o(attn_out) if lw is not None else self.project(layer.self_attn.o_proj, attn_out)  # [T, Dm]
-        if self.row_kernels:  # the residual add and the norm in one kernel
-            from cachedrag.kernels import rmsnorm
-
-            w, eps = self.row_norms().posts[i]
-            normed = rmsnorm(o, w, eps, residual=residual, backend="triton")  # [T, Dm] each
-            h, x = normed.hidden, normed.out
-        else:
-            h = residual + o  # [T, Dm]
-            x = layer.post_attention_layernorm(h)  # [T, Dm]
+        h = residual + o  # [T, Dm]
+        x = layer.post_attention_layernorm(h)  # [T, Dm]
         return h + (lw.mlp(x) if lw is not None else gated_mlp(layer.mlp, x, self.project))  # [T, Dm]
 
     def _input_norm(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -715,20 +711,21 @@ class ModelRunner:
                       backend="triton").q  # [H_q, 1, D]; the K/V row written
         return q, h
 
-    def finish_row(self, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``finish_layer`` for one row in fused kernels, its last residual add deferred: output projection,
+    def finish_row(self, i: int, h: torch.Tensor, attn_out: torch.Tensor,
+                   weights=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``finish_layer`` in fused kernels, its last residual add deferred: output projection,
         ``h2 = h + o`` with the post-attention norm in one launch, the MLP. Returns ``(h2, mlp_out)``
-        ``[1, Dm]`` each: the layer's output is ``h2 + mlp_out``, added by the next ``write_row`` or by
-        ``logits_row``."""
+        ``[T, Dm]`` each: the layer's output is ``h2 + mlp_out``, added by the next ``write_row`` or by
+        ``logits_row`` (the decode step), or by ``finish_layer`` (``weights`` as there)."""
         from cachedrag.kernels import rmsnorm
 
         layer = self.layers[i]
-        lw = self._projections(i)
-        o = lw.o(attn_out) if lw is not None else self.project(layer.self_attn.o_proj, attn_out)  # [1, Dm]
+        lw = self._projections(i, weights)
+        o = lw.o(attn_out) if lw is not None else self.project(layer.self_attn.o_proj, attn_out)  # [T, Dm]
         w, eps = self.row_norms().posts[i]
-        normed = rmsnorm(o, w, eps, residual=h, backend="triton")  # [1, Dm] each
-        x = normed.out  # [1, Dm]
-        mlp = lw.mlp(x) if lw is not None else gated_mlp(layer.mlp, x, self.project)  # [1, Dm]
+        normed = rmsnorm(o, w, eps, residual=h, backend="triton")  # [T, Dm] each
+        x = normed.out  # [T, Dm]
+        mlp = lw.mlp(x) if lw is not None else gated_mlp(layer.mlp, x, self.project)  # [T, Dm]
         return normed.hidden, mlp
 
     def logits_row(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -736,10 +733,7 @@ class ModelRunner:
         from cachedrag.kernels import rmsnorm
 
         w, eps = self.row_norms().final
-        x = rmsnorm(delta, w, eps, residual=h, backend="triton").out  # [1, Dm]
-        if self.fast_head is not None:
-            return self.fast_head(x).float()
-        return self.project(self.model.lm_head, x).float()
+        return self._head(rmsnorm(delta, w, eps, residual=h, backend="triton").out)  # [1, V]
 
     def write_rotated(self, kv: KVBuffer, raw_k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Write a cached segment (raw K ``[L, H_kv, T, D]``, V) into buffer rows ``start..start+T``,
@@ -785,10 +779,8 @@ class ModelRunner:
             return rows
         from cachedrag.kernels import rerotate
 
-        if rows is None:
-            spans = [torch.arange(start, start + k.shape[1]) for k, _, start in parts]  # [T_i] each, host
-            rows = torch.cat(spans).pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
-                else torch.cat(spans).to(self.device)  # [sum T_i]; pinned: no wait for the GPU
+        if rows is None:  # [sum T_i], no wait for the GPU
+            rows = device_tensor([p for k, _, start in parts for p in range(start, start + k.shape[1])], self.device)
         raw = torch.cat([k.to(self.dtype) for k, _, _ in parts], dim=1)  # [H_kv, sum T_i, D]
         kv.v[layer].index_copy_(1, rows, torch.cat([v for _, v, _ in parts], dim=1).to(kv.v.dtype))  # rows of [H_kv, C, D]
         rerotate(raw, rows, self.rotary.inv_freq_on(self.device), out=kv.k[layer], out_rows=rows, backend="triton",
@@ -880,6 +872,10 @@ class ModelRunner:
             x = rmsnorm(hidden, w, eps, backend="triton").out  # [T, Dm]
         else:
             x = self.model.model.norm(hidden)  # [T, Dm]
+        return self._head(x)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head of normalised rows ``[T, Dm] -> [T, V]`` (float32)."""
         if self.fast_head is not None:
             return self.fast_head(x).float()
         return self.project(self.model.lm_head, x).float()

@@ -74,7 +74,7 @@ class LayerLoader:
         self._closed = False
         self._cond = threading.Condition()
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._stream = None  # the CUDA stream copies run on: the loader thread's own, or the shared copy stream
         self._thread: threading.Thread | None = None
         self._issued = -1  # queued copies: layers 0.._issued are queued (-1: none, or not queued)
         self._queued = False
@@ -85,6 +85,7 @@ class LayerLoader:
         elif self._cuda and isinstance(source, TensorSource) and source.pinned:
             self._queue_copies()  # page-locked memory: the GPU copies while the host moves on
         else:
+            self._stream = torch.cuda.Stream(self.device) if self._cuda else None
             self._thread = threading.Thread(target=self._run, name="cachedrag-layer-loader", daemon=True)
             self._thread.start()
 

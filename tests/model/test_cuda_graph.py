@@ -19,6 +19,20 @@ def _ids(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=g)
 
 
+def _steps_match(eager_runner, runner, eager, static, cap: int, check_v: bool = False) -> None:
+    """Four decode steps from position 20: ``static_step`` of ``runner`` over ``static`` gives the eager
+    step's logits and K (and V) row of ``eager_runner`` over ``eager``."""
+    cos, sin = runner.rotary.cos_sin(torch.arange(cap), runner.dtype, runner.device)  # [C, D] each
+    for step, token in enumerate([5, 77, 3, 250]):
+        pos = 20 + step
+        want = eager_runner.decode_step(token, pos, eager)
+        got = static_step(runner, static.k, static.v, torch.tensor([token]), torch.tensor([pos]), cos, sin)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(static.k[:, :, pos], eager.k[:, :, pos], atol=1e-5, rtol=0)
+        if check_v:
+            torch.testing.assert_close(static.v[:, :, pos], eager.v[:, :, pos], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_static_step_equals_the_eager_step(arch):
     """The step a graph captures (attention over the whole buffer under the position's mask, rows
@@ -29,13 +43,7 @@ def test_static_step_equals_the_eager_step(arch):
     eager, static = runner.new_kv(cap), runner.new_kv(cap)
     runner.prefill(ids, kv=eager)
     runner.prefill(ids, kv=static)
-    cos, sin = runner.rotary.cos_sin(torch.arange(cap), runner.dtype, runner.device)  # [C, D] each
-    for step, token in enumerate([5, 77, 3, 250]):
-        pos = 20 + step
-        want = runner.decode_step(token, pos, eager)
-        got = static_step(runner, static.k, static.v, torch.tensor([token]), torch.tensor([pos]), cos, sin)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-        torch.testing.assert_close(static.k[:, :, pos], eager.k[:, :, pos], atol=1e-5, rtol=0)
+    _steps_match(runner, runner, eager, static, cap)
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton does not import here")
@@ -53,14 +61,7 @@ def test_fused_static_step_equals_the_eager_step(arch, monkeypatch):
     eager, static = eager_runner.new_kv(cap), runner.new_kv(cap)
     eager_runner.prefill(ids, kv=eager)
     static.k[:, :, :20], static.v[:, :, :20] = eager.k[:, :, :20], eager.v[:, :, :20]  # the same rows to attend to
-    cos, sin = runner.rotary.cos_sin(torch.arange(cap), runner.dtype, runner.device)  # [C, D] each
-    for step, token in enumerate([5, 77, 3, 250]):
-        pos = 20 + step
-        want = eager_runner.decode_step(token, pos, eager)
-        got = static_step(runner, static.k, static.v, torch.tensor([token]), torch.tensor([pos]), cos, sin)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-        torch.testing.assert_close(static.k[:, :, pos], eager.k[:, :, pos], atol=1e-5, rtol=0)
-        torch.testing.assert_close(static.v[:, :, pos], eager.v[:, :, pos], atol=1e-5, rtol=0)
+    _steps_match(eager_runner, runner, eager, static, cap, check_v=True)
 
 
 def test_row_kernels_only_for_plain_rms_norms():
