@@ -301,6 +301,8 @@ class Campaign:
 
     def check(self, store=None, redis_tiers=()) -> None:
         store = store or self.store
+        if not store.wait_prefetches(self.timeout_s):  # the request's background promotions write tiers too
+            self.tally.fail("hangs", f"promotions still running after {self.timeout_s} s")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             for tier in store.tiers:

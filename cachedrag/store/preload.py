@@ -339,6 +339,12 @@ class Prefetcher:
             fut.add_done_callback(lambda f, k=key: self._done(k, f))
         return PrefetchHandle(futures)
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every key submitted so far was handled (or ``timeout``); ``True`` if all done."""
+        with self._lock:
+            pending = dict(self._inflight)
+        return PrefetchHandle(pending).wait(timeout)
+
     def _done(self, key: str, fut: Future) -> None:
         with self._lock:
             if self._inflight.get(key) is fut:

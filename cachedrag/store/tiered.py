@@ -573,6 +573,12 @@ class TieredStore:
             self.stats.prefetches += len(keys)
         return self._prefetcher.submit(keys)
 
+    def wait_prefetches(self, timeout: float | None = None) -> bool:
+        """Block until every promotion started so far finished (or ``timeout``); ``True`` if all did.
+        The engine starts them after a request (``CachedEngine`` promotes what it reused), so
+        whoever inspects the tiers right after a request waits here first."""
+        return self._prefetcher.wait(timeout)
+
     def _fetch_up(self, key: str) -> bool:
         """Prefetch worker: promote ``key``; ``True`` if it now sits in tier 0."""
         with self._lock:

@@ -173,6 +173,22 @@ def test_prefetch_moves_entries_up_in_the_background(tmp_path):
     store.close()
 
 
+def test_wait_prefetches_waits_for_promotions_nobody_holds_a_handle_of(tmp_path):
+    store = cpu_disk_store(tmp_path, cpu_entries=2)
+    for i in range(4):
+        store.put(key_of(i), make_entry(i))
+    gate = threading.Event()
+    fetch_up = store._fetch_up
+    store._prefetcher._fetch = lambda key: gate.wait(10) and fetch_up(key)
+    store.prefetch([key_of(0)])  # the engine drops its handle like this
+    assert not store.wait_prefetches(0.05)  # still held at the gate
+    assert store.where(key_of(0)) == "disk"
+    gate.set()
+    assert store.wait_prefetches(10)
+    assert store.where(key_of(0)) == "cpu" and store.wait_prefetches(0)  # nothing left in flight
+    store.close()
+
+
 @pytest.mark.redis
 def test_layer_loader_from_redis(redis_server, redis_prefix):
     store = TieredStore.from_config(StoreConfig(namespace=NS, redis_url=redis_server.url, redis_bytes=1 << 20,
