@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.datastructures import Headers
 
 from cachedrag.errors import CachedRAGError, ConfigError, ContextWindowError
 from cachedrag.integrations.template import Message
@@ -78,17 +79,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         return JSONResponse(P.APIError(400, message, param=".".join(loc) or None).body(), status_code=400)
 
     key = config.api_key.get_secret_value().encode() if config.api_key is not None else None
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        if key is not None and request.url.path.startswith("/v1") and not _authorized(request, key):
-            error = P.APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-            response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        else:
-            response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountAndAuthorize, metrics=metrics, key=key)
 
     @app.get("/health")
     async def health():
@@ -204,9 +195,11 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         try:
             if chat:
                 yield _sse(P.chat_chunk(oid, name, {"role": "assistant", "content": ""}))
+            pending = None
             while True:
-                event = await queue.get()
+                event, pending = pending or await queue.get(), None
                 if isinstance(event, Delta):
+                    event, pending = _merge_deltas(event, queue)
                     if calls is not None:
                         held.append(event.text)
                         if event.logprobs is not None:
@@ -275,8 +268,64 @@ def _tool_calls(calls: StructuredOutput | None, text: str, finish_reason: str) -
         return None
 
 
-def _authorized(request: Request, key: bytes) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+def _merge_deltas(first: Delta, queue: asyncio.Queue) -> tuple[Delta, object | None]:
+    """``first`` joined with the deltas already queued behind it (one SSE chunk for them: when
+    the event loop falls behind a batch of streams it catches up in fewer sends), and the first
+    queued event that is not a delta (``None`` if none was taken)."""
+    if queue.empty():
+        return first, None
+    texts, records = [first.text], None if first.logprobs is None else list(first.logprobs)
+    while not queue.empty():
+        event = queue.get_nowait()
+        if not isinstance(event, Delta):
+            return Delta("".join(texts), records), event
+        texts.append(event.text)
+        if records is not None:
+            records += event.logprobs or []
+    return Delta("".join(texts), records), None
+
+
+class _CountAndAuthorize:
+    """Pure ASGI middleware: refuses ``/v1`` requests without the API key (when one is set) and
+    counts every response by path and status. Not Starlette's ``BaseHTTPMiddleware`` (what
+    ``@app.middleware("http")`` builds): that one passes every chunk of a streamed response
+    through an extra memory stream and task, one more hop per token on the event loop that
+    streams every running request's tokens."""
+
+    def __init__(self, app, metrics: ServerMetrics, key: bytes | None) -> None:
+        self.app, self.metrics, self.key = app, metrics, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.key is not None and path.startswith("/v1") and not _authorized(Headers(scope=scope), self.key):
+            error = P.APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+            response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            self.metrics.requests.labels(path, "401").inc()
+            await response(scope, receive, send)
+            return
+        counted = False
+
+        async def counting_send(message) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not counted:  # no response started: the server's error handler answers 500
+                self.metrics.requests.labels(path, "500").inc()
+            raise
+
+
+def _authorized(headers: Headers, key: bytes) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
 
 

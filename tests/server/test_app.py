@@ -518,3 +518,24 @@ def test_disconnect_while_a_chunk_is_being_sent_frees_the_slot():
     assert running == 0
     assert "cachedrag_client_disconnects_total 1.0" in metrics
     assert "cachedrag_completion_tokens_total 0.0" in metrics  # its slot was freed: it never ran to max_tokens
+
+
+def test_queued_deltas_go_out_as_one_chunk():
+    import asyncio
+
+    from cachedrag.server.app import _merge_deltas
+    from cachedrag.server.loop import Delta, Failed, TokenLogprob
+
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+        alone = Delta("a")
+        assert _merge_deltas(alone, queue) == (alone, None)  # nothing queued behind it: as it was
+        done = Failed(RuntimeError("gone"))
+        lp = [TokenLogprob(1, -0.1, []), TokenLogprob(2, -0.2, []), TokenLogprob(3, -0.3, [])]
+        for event in (Delta(" b", lp[1:2]), Delta(" c", lp[2:]), done, Delta("never")):
+            queue.put_nowait(event)
+        merged, pending = _merge_deltas(Delta("a", lp[:1]), queue)
+        assert merged == Delta("a b c", lp) and pending is done
+        assert queue.qsize() == 1  # what follows the first non-delta stays queued
+
+    asyncio.run(run())
