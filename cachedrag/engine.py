@@ -5,8 +5,9 @@ per-request stats) and the tensor side of a request: loading planned KV into the
 buffer (raw K re-rotated to its new positions), computing only fresh + recompute + question
 tokens layer by layer, choosing the recompute tokens when the plan defers that choice (by measured
 K/V deviation, CacheBlend; by the question's attention to the re-rotated cache, ProphetKV-like; or
-both fused), budget by need, order-aware exact reuse (serving a cached tree path's order),
-teacher-forced scoring of a given answer, focused-chunk early termination, the layer-wise budget
+both fused), budget by need, order-aware exact reuse (serving a cached tree path's order), the
+tie guard (``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is
+prefilled again exactly), teacher-forced scoring of a given answer, focused-chunk early termination, the layer-wise budget
 (``CacheConfig.layer_taper``: fewer recompute rows in later layers; the counts come from
 ``planner.taper_counts``, the ranking from the token choice or the K/V deviation), measuring the inter/intra attention
 metadata of fresh chunks, and handing their raw K + V to the cache manager.
@@ -90,6 +91,8 @@ class EngineResult:
     #                                  exactly), "promoted" (served from reuse, then its exact tree path computed),
     #                                  "promote" (that computation handed to the caller: ``Prefilled.promote``)
     promotion_s: float = 0.0  # seconds spent computing the exact path after the response (not in ttft/total)
+    tie_guard: float | None = None  # CacheConfig.tie_guard: the approximate prefill's first-token top-2 logit gap
+    #                                 when it was near-tied and the request was prefilled again exactly (else None)
     teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
@@ -479,6 +482,39 @@ class CachedEngine:
                 repeat = "inline"
             else:
                 repeat = "promote"
+        pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers)
+        gap = None
+        if cache.tie_guard and mode is Mode.CACHEDRAG and not exact_plan and pre.info["approximations"]:
+            first = top2_gap(pre.logits[-1] if all_logits else pre.logits)
+            if first < cache.tie_guard:  # the approximation would pick a near-tied first token: prefill exactly
+                gap, seconds = first, pre.info["load_s"] + pre.info["prefill_s"]
+                plan = self.manager.plan(request, Mode.PREFIX)
+                pre, exact_hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits,
+                                                          between_layers)
+                hand_offs += exact_hand_offs  # the first prefill's fresh chunks are stored too
+                pre.info["prefill_s"] += seconds
+                repeat = None  # this prefill stores the exact path: nothing left to promote
+        if hand_offs:
+            run = functools.partial(_call_each, hand_offs)
+            if defer_store:
+                pre.hand_off = run
+            else:
+                run()
+        if self._layerwise:
+            self.manager.prefetch(plan)  # promote what this request reused (background; layer loads do not promote)
+        pre.info["chunk_order"] = chunk_order
+        pre.info["exact_repeat"] = repeat
+        pre.info["tie_guard"] = gap
+        if repeat == "promote":
+            pre.promote = functools.partial(self._promote, list(segments), mode)
+        if chunk_order is not None:
+            pre.info["approximations"].insert(0, "reordered")
+        return pre
+
+    def _execute_plan(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
+                      between_layers) -> tuple[_Prefill, list[Callable[[], None]]]:
+        """Execute ``plan`` (releasing it however that ends); returns the prefill and its store
+        hand-off, if any, as a list of calls for the caller to run now or after the first token."""
         used = False
         try:
             force_fresh: frozenset[int] = frozenset()
@@ -492,21 +528,9 @@ class CachedEngine:
             used = True
         finally:
             self.manager.release(plan, used=used)
-        if hand_off is not None:
-            run = functools.partial(self._hand_off, plan, [s.key for s in context], hand_off)
-            if defer_store:
-                pre.hand_off = run
-            else:
-                run()
-        if self._layerwise:
-            self.manager.prefetch(plan)  # promote what this request reused (background; layer loads do not promote)
-        pre.info["chunk_order"] = chunk_order
-        pre.info["exact_repeat"] = repeat
-        if repeat == "promote":
-            pre.promote = functools.partial(self._promote, list(segments), mode)
-        if chunk_order is not None:
-            pre.info["approximations"].insert(0, "reordered")
-        return pre
+        if hand_off is None:
+            return pre, []
+        return pre, [functools.partial(self._hand_off, plan, [s.key for s in context], hand_off)]
 
     def _execute(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
                  force_fresh: frozenset[int] = frozenset(), between_layers=None):
@@ -1232,3 +1256,14 @@ def _rank01(x: torch.Tensor) -> torch.Tensor:
     order = (n - 1) - torch.argsort(x.flip(0), stable=True)  # [T] ascending; among ties, later positions first
     r[order] = torch.arange(n, dtype=torch.float32, device=x.device)
     return r / max(1, x.shape[0] - 1)
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    """How far the top logit of ``logits`` ``[V]`` leads the second (nats of log-probability)."""
+    top = logits.float().topk(2).values  # [2]
+    return float(top[0] - top[1])
+
+
+def _call_each(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()

@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(CacheConfig.exact_repeats): 'off', N (the N-th reuse-served sighting of a chunk sequence gets "
                         "its exact path after the response) or N:inline (that sighting is prefilled exactly), e.g. "
                         "off,2:inline (rows 'cachedrag:repeats=SPEC')")
+    parser.add_argument("--tie-guards", default="", help="also run cachedrag with these tie guards "
+                        "(CacheConfig.tie_guard, nats; 0 = off), e.g. 0,0.3 (rows 'cachedrag:tie_guard=G')")
     parser.add_argument("--tapers", default="", help="also run cachedrag with these layer-wise budgets "
                         "(CacheConfig.layer_taper), comma-separated specs STEPS[/deviation][@RATIO] or off[@RATIO], STEPS = "
                         "LAYER:KEEP joined by '+', e.g. off,10:0.7+20:0.4/deviation@0.3 (rows 'cachedrag:taper=SPEC'; "
@@ -176,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     if "full" not in modes:
         modes.insert(0, "full")  # the fidelity reference
     repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}
+    tie_guards = [_number("--tie-guards", x.strip()) for x in args.tie_guards.split(",") if x.strip()]
     tapers = {spec: taper_setting(spec) for spec in [x.strip() for x in args.tapers.split(",") if x.strip()]}
     recompute = {spec: recompute_setting(spec) for spec in [x.strip() for x in args.recompute_dtypes.split(",") if x.strip()]}
     runner = ModelRunner(*load_model(args.model, device=device), dtype=args.dtype)
@@ -227,6 +230,12 @@ def run(args: argparse.Namespace) -> int:
     for choice in [x.strip() for x in args.choices.split(",") if x.strip()]:
         name = f"cachedrag:{choice}"
         cache = CacheConfig(**{**cache_kwargs, "token_choice": choice})
+        engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
+        modes.append(name)
+
+    for guard in tie_guards:
+        name = f"cachedrag:tie_guard={guard:g}"
+        cache = CacheConfig(**{**cache_kwargs, "tie_guard": guard})
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
@@ -305,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
             "approximations": dict(sorted(Counter(a for r in rs for a in r.approximations).items())),
             # exact repeats: "promoted" (exact path computed after the response), "inline" (prefilled exactly)
             "exact_repeats": dict(sorted(Counter(r.exact_repeat for r in rs if r.exact_repeat).items())),
-            "promotion_s": sum(r.promotion_s for r in rs),  # after the responses: in no TTFT, but compute spent
+            "promotion_s": sum(r.promotion_s for r in rs),
+            "tie_guarded": sum(r.tie_guard is not None for r in rs),  # prefilled again exactly (CacheConfig.tie_guard)  # after the responses: in no TTFT, but compute spent
             "ttft_sum_s": sum(ttft),
         }
         approx = [(r, f) for r, f in zip(rs, full) if r.prefix_hit_tokens + r.question_tokens < r.prompt_tokens
@@ -329,6 +339,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json(results, args.json_out)
     return 0
+
+
+def _number(option: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{option}: {text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"{option}: {text!r} must be a finite number >= 0")
+    return value
 
 
 def _repeat_setting(spec: str) -> dict:

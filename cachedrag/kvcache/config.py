@@ -208,6 +208,15 @@ class CacheConfig:
       repeat_memory: how many chunk-sequence fingerprints are remembered (least recently seen
         forgotten first). >= 1.
 
+    Tie guard (``CachedEngine``): an approximate prefill whose first token is a near tie lets the
+    approximation pick the answer's first token, and with it the answer (a 135M model's first
+    token is a near tie in about a third of requests; docs/fidelity.md, lever 4).
+      tie_guard: 0 = off. > 0: when a prefill that reused chunk variants ends with a first token
+        whose top-2 logits are closer than this many nats, the request is prefilled again
+        exactly (as prefix caching would: tree prefix, the rest fresh, its path stored), so
+        its answer is full prefill's; the TTFT of that request pays both prefills. Applies
+        to the ``cachedrag`` mode (not the ``naive`` / ``random`` ablations).
+
     Variant registry (``index.py``):
       max_chunks (N), max_variants_per_chunk (M): at most M variants per chunk and N x M in all.
       cfo_floor: each reuse adds 1 / max(CFO, cfo_floor) to the variant's f_r (CFO may be 0).
@@ -248,6 +257,7 @@ class CacheConfig:
     exact_repeats: int = 2
     exact_repeats_when: str = "after_response"
     repeat_memory: int = 10_000
+    tie_guard: float = 0.0
     max_chunks: int = 10_000
     max_variants_per_chunk: int = 4
     cfo_floor: float = 0.05
@@ -312,6 +322,7 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.exact_repeats_when must be one of {list(EXACT_REPEAT_TIMINGS)}, "
                               f"got {self.exact_repeats_when!r}")
         _check_int("repeat_memory", self.repeat_memory, 1)
+        _check_number("tie_guard", self.tie_guard, 0.0, math.inf, hi_open=True)
         _check_int("max_chunks", self.max_chunks, 1)
         _check_int("max_variants_per_chunk", self.max_variants_per_chunk, 1)
         _check_number("cfo_floor", self.cfo_floor, 0.0, 1.0, lo_open=True)

@@ -99,6 +99,9 @@ class ServerMetrics:
         self.chunk_misses = Counter("cachedrag_chunk_misses", "chunk segments computed fresh", registry=r)
         self.exact_hits = Counter("cachedrag_exact_hit_requests", "finished requests that reused cached chunks with "
                                   "no approximation (an exact knowledge-tree path)", registry=r)
+        self.tie_guarded = Counter("cachedrag_tie_guarded_requests", "finished requests whose approximate prefill "
+                                   "ended in a near-tied first token and were prefilled again exactly "
+                                   "(CacheConfig.tie_guard)", registry=r)
         self.disconnects = Counter("cachedrag_client_disconnects", "requests whose client went away", registry=r)
         self.queue = Gauge("cachedrag_queue_length", "requests waiting for prefill", registry=r)
         self.running = Gauge("cachedrag_running_requests", "requests decoding", registry=r)
@@ -132,6 +135,8 @@ class ServerMetrics:
         self.chunk_misses.inc(done.stats.get("chunks_missed", 0))
         if done.stats.get("chunks_hit", 0) and not done.stats.get("approximations"):
             self.exact_hits.inc()
+        if done.stats.get("tie_guard") is not None:
+            self.tie_guarded.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -103,6 +103,30 @@ def test_bench_ttft_exact_repeat_rows(tiny_model_dir, tiny_corpus, tmp_path):
     assert main(["bench", "ttft", "--exact-repeats", "2:idle"]) == 2  # refused before any model loads
 
 
+def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    """``--tie-guards``: rows with CacheConfig.tie_guard beside the default. A guard larger than any
+    logit gap re-prefills every approximate request exactly (the first one stores the exact path, so
+    the repeats after it are exact prefix hits): no reuse approximation is left, and its answers
+    equal full prefill's."""
+    corpus, _ = tiny_corpus
+    questions = tmp_path / "q.txt"
+    questions.write_text("\n".join(["How do I wrap text?"] + ["How do I pretty-print JSON?"] * 3))
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--corpus", corpus, "--questions", str(questions), "--model", tiny_model_dir,
+                 "--top-k", "4", "--chunk-tokens", "48", "--max-new-tokens", "3", "--warmup", "1",
+                 "--modes", "full,cachedrag", "--tie-guards", "1e9",
+                 "--planning-chunks", "50", "--skip-simulation", "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    guarded, plain = modes["cachedrag:tie_guard=1e+09"], modes["cachedrag"]
+    assert plain["tie_guarded"] == 0 and plain["approximations"].get("chunk_reuse", 0) >= 1
+    assert guarded["tie_guarded"] == 1
+    assert "chunk_reuse" not in guarded["approximations"]
+    assert guarded["rouge_l_vs_full"] == 1.0 and guarded["teacher_forced_top1"] == 1.0
+    for bad in ("-1", "x", "inf"):
+        assert main(["bench", "ttft", "--tie-guards", bad]) == 2  # refused before any model loads
+        assert "--tie-guards" in capsys.readouterr().err
+
+
 def test_bench_ttft_taper_rows(tiny_model_dir, tiny_corpus, tmp_path):
     """``--tapers``: rows with a layer-wise budget (CacheConfig.layer_taper) beside the default, named
     ``cachedrag:taper=SPEC``: the same tokens chosen, fewer of them through the later layers."""
