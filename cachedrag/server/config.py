@@ -78,13 +78,16 @@ class PassageConfig(BaseModel):
 SERVER_EXACT_REPEATS_WHEN = "after_response_else_inline"
 
 
-def server_cache_config(exact_repeats: int | None = None, exact_repeats_when: str | None = None):
+def server_cache_config(exact_repeats: int | None = None, exact_repeats_when: str | None = None,
+                        tie_guard: float | None = None):
     """The ``CacheConfig`` of a server's engine (one process or each replica): ``exact_repeats``
-    None = the engine's default, ``exact_repeats_when`` None = ``SERVER_EXACT_REPEATS_WHEN``."""
+    and ``tie_guard`` None = the engine's defaults, ``exact_repeats_when`` None =
+    ``SERVER_EXACT_REPEATS_WHEN``."""
     from cachedrag.kvcache.config import CacheConfig
 
+    given = {"exact_repeats": exact_repeats, "tie_guard": tie_guard}
     return CacheConfig(exact_repeats_when=exact_repeats_when or SERVER_EXACT_REPEATS_WHEN,
-                       **({} if exact_repeats is None else {"exact_repeats": exact_repeats}))
+                       **{k: v for k, v in given.items() if v is not None})
 
 
 class ServerConfig(BaseModel):
