@@ -82,19 +82,25 @@ def test_bench_ttft_reference_rows_run_the_reference_reuse_path(tiny_model_dir, 
     assert ref["computed_token_fraction"] == fast["computed_token_fraction"]
 
 
+def _repeated_question_rows(model_dir, tiny_corpus, tmp_path, repeats: int, *flags: str) -> dict:
+    """``bench ttft``'s rows for one question and then another asked ``repeats`` times (its chunks
+    were first cached in another order, by the first question's retrieval)."""
+    corpus, _ = tiny_corpus
+    questions = tmp_path / "q.txt"
+    questions.write_text("\n".join(["How do I wrap text?"] + ["How do I pretty-print JSON?"] * repeats))
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--corpus", corpus, "--questions", str(questions), "--model", model_dir,
+                 "--top-k", "4", "--chunk-tokens", "48", "--warmup", "1", "--planning-chunks", "50",
+                 "--skip-simulation", "--json", str(out), *flags]) == 0
+    return json.loads(out.read_text())["modes"]
+
+
 def test_bench_ttft_exact_repeat_rows(tiny_model_dir, tiny_corpus, tmp_path):
     """``--exact-repeats``: rows with exact repeats off and inline beside the default (promoted after the
     response). A question asked four times over chunks first cached in another order: served from reuse
     once, then (default) promoted after its second answer, exact after that."""
-    corpus, _ = tiny_corpus
-    questions = tmp_path / "q.txt"
-    questions.write_text("\n".join(["How do I wrap text?"] + ["How do I pretty-print JSON?"] * 4))
-    out = tmp_path / "ttft.json"
-    assert main(["bench", "ttft", "--corpus", corpus, "--questions", str(questions), "--model", tiny_model_dir,
-                 "--top-k", "4", "--chunk-tokens", "48", "--max-new-tokens", "2", "--warmup", "1",
-                 "--modes", "full,prefix,cachedrag", "--exact-repeats", "off,2:inline", "--planning-chunks", "50",
-                 "--skip-simulation", "--json", str(out)]) == 0
-    modes = json.loads(out.read_text())["modes"]
+    modes = _repeated_question_rows(tiny_model_dir, tiny_corpus, tmp_path, 4, "--max-new-tokens", "2",
+                                    "--modes", "full,prefix,cachedrag", "--exact-repeats", "off,2:inline")
     off, inline, default = modes["cachedrag:repeats=off"], modes["cachedrag:repeats=2:inline"], modes["cachedrag"]
     assert off["exact_repeats"] == {} and off["promotion_s"] == 0.0 and off["approximations"]["chunk_reuse"] == 4
     assert default["exact_repeats"] == {"promoted": 1} and default["promotion_s"] > 0
@@ -108,15 +114,8 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
     logit gap re-prefills every approximate request exactly (the first one stores the exact path, so
     the repeats after it are exact prefix hits): no reuse approximation is left, and its answers
     equal full prefill's."""
-    corpus, _ = tiny_corpus
-    questions = tmp_path / "q.txt"
-    questions.write_text("\n".join(["How do I wrap text?"] + ["How do I pretty-print JSON?"] * 3))
-    out = tmp_path / "ttft.json"
-    assert main(["bench", "ttft", "--corpus", corpus, "--questions", str(questions), "--model", tiny_model_dir,
-                 "--top-k", "4", "--chunk-tokens", "48", "--max-new-tokens", "3", "--warmup", "1",
-                 "--modes", "full,cachedrag", "--tie-guards", "1e9",
-                 "--planning-chunks", "50", "--skip-simulation", "--json", str(out)]) == 0
-    modes = json.loads(out.read_text())["modes"]
+    modes = _repeated_question_rows(tiny_model_dir, tiny_corpus, tmp_path, 3, "--max-new-tokens", "3",
+                                    "--modes", "full,cachedrag", "--tie-guards", "1e9")
     guarded, plain = modes["cachedrag:tie_guard=1e+09"], modes["cachedrag"]
     assert plain["tie_guarded"] == 0 and plain["approximations"].get("chunk_reuse", 0) >= 1
     assert guarded["tie_guarded"] == 1
