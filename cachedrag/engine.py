@@ -7,8 +7,8 @@ tokens layer by layer, choosing the recompute tokens when the plan defers that c
 K/V deviation, CacheBlend; by the question's attention to the re-rotated cache, ProphetKV-like; or
 both fused), budget by need, order-aware exact reuse (serving a cached tree path's order), the
 tie guard (``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is
-prefilled again exactly), teacher-forced scoring of a given answer, focused-chunk early termination, the layer-wise budget
-(``CacheConfig.layer_taper``: fewer recompute rows in later layers; the counts come from
+prefilled again exactly), teacher-forced scoring of a given answer, focused-chunk early
+termination, the layer-wise budget (``CacheConfig.layer_taper``: fewer recompute rows in later layers; the counts come from
 ``planner.taper_counts``, the ranking from the token choice or the K/V deviation), measuring the inter/intra attention
 metadata of fresh chunks, and handing their raw K + V to the cache manager.
 

@@ -314,9 +314,8 @@ def run(args: argparse.Namespace) -> int:
             "approximations": dict(sorted(Counter(a for r in rs for a in r.approximations).items())),
             # exact repeats: "promoted" (exact path computed after the response), "inline" (prefilled exactly)
             "exact_repeats": dict(sorted(Counter(r.exact_repeat for r in rs if r.exact_repeat).items())),
-            "promotion_s": sum(r.promotion_s for r in rs),
-            # requests prefilled again exactly (CacheConfig.tie_guard)
-            "tie_guarded": sum(r.tie_guard is not None for r in rs),  # after the responses: in no TTFT, but compute spent
+            "promotion_s": sum(r.promotion_s for r in rs),  # after the responses: in no TTFT, but compute spent
+            "tie_guarded": sum(r.tie_guard is not None for r in rs),  # prefilled again exactly (CacheConfig.tie_guard)
             "ttft_sum_s": sum(ttft),
         }
         approx = [(r, f) for r, f in zip(rs, full) if r.prefix_hit_tokens + r.question_tokens < r.prompt_tokens

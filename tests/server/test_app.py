@@ -539,3 +539,16 @@ def test_queued_deltas_go_out_as_one_chunk():
         assert queue.qsize() == 1  # what follows the first non-delta stays queued
 
     asyncio.run(run())
+
+
+def test_tie_guarded_requests_are_counted():
+    from cachedrag.server.loop import Finished
+    from cachedrag.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    for gap in (0.12, None, None):
+        metrics.on_finished(Finished("stop", 100, 4, 80, 0.1, 0.2, "ok", [1, 2, 3, 4],
+                                     stats={"chunks_hit": 2, "approximations": [], "tie_guard": gap}))
+    text = metrics.render().decode()
+    assert "cachedrag_tie_guarded_requests_total 1.0" in text
+    assert "cachedrag_exact_hit_requests_total 3.0" in text  # guarded requests are exact too
