@@ -79,6 +79,10 @@ VARIANTS = {
     # the recomputed rows' matmuls on bfloat16 copies (CacheConfig.recompute_dtype; docs/fidelity.md round 10)
     "bf16": {"recompute_dtype": "bfloat16"},
     "fp32": {"recompute_dtype": "float32"},  # the reference repairs (the default before round 10)
+    # the tie guard (CacheConfig.tie_guard, opt-in; docs/fidelity.md lever 4): a guarded request's exact prefill
+    # stores its tree path in the cache the rows share, so give one guard row, one ratio, per run
+    "guard15": {"tie_guard": 0.15},
+    "guard3": {"tie_guard": 0.3},
 }
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
