@@ -5,7 +5,8 @@ Owns: ``create_app(engine, config)`` with ``GET /health``, ``GET /v1/models``, `
 streaming, ``n=1``, temperature / top_p / max_tokens / stop / seed / frequency and presence
 penalties, structured output: ``response_format`` JSON and required tool calls (``structured``),
 ``logprobs`` (chat: ``logprobs`` / ``top_logprobs``; completions: ``logprobs``), ``usage`` with
-``prompt_tokens_details.cached_tokens``), OpenAI-shaped errors (400 bad parameter or a prompt
+``prompt_tokens_details.cached_tokens``, and a ``cachedrag`` object on each finished response
+saying how its prompt was served: ``protocol.served``), OpenAI-shaped errors (400 bad parameter or a prompt
 longer than the context window, 401 without the API key when one is set, 404 unknown model, 503
 queue full or shutting down), and freeing a request's batch slot when its client disconnects
 (streaming or not; ``_EventStream`` closes the event generator however the response ends).
@@ -168,11 +169,12 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
                 logprobs = _logprobs(records, chat)
                 if not chat:
-                    return JSONResponse(P.completion_response(oid, name, "".join(text), event.finish_reason, use,
-                                                              logprobs))
-                tool_calls = _tool_calls(calls, "".join(text), event.finish_reason)
-                return JSONResponse(P.chat_response(oid, name, "".join(text), "tool_calls" if tool_calls
-                                                    else event.finish_reason, use, tool_calls, logprobs))
+                    body = P.completion_response(oid, name, "".join(text), event.finish_reason, use, logprobs)
+                else:
+                    tool_calls = _tool_calls(calls, "".join(text), event.finish_reason)
+                    body = P.chat_response(oid, name, "".join(text), "tool_calls" if tool_calls
+                                           else event.finish_reason, use, tool_calls, logprobs)
+                return JSONResponse({**body, "cachedrag": P.served(event.stats)})
 
     def _logprobs(records: list | None, chat: bool, offset: int = 0) -> dict | None:
         """The OpenAI ``logprobs`` object of ``records`` (None: the request did not ask)."""
@@ -224,8 +226,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                         else:
                             delta = {"content": "".join(held)}
                         yield _sse(P.chat_chunk(oid, name, delta, logprobs=_logprobs(held_records, chat)))
-                    yield _sse(P.chat_chunk(oid, name, {}, reason) if chat
-                               else P.completion_chunk(oid, name, "", reason))
+                    last = P.chat_chunk(oid, name, {}, reason) if chat else P.completion_chunk(oid, name, "", reason)
+                    yield _sse({**last, "cachedrag": P.served(event.stats)})
                     if include_usage:
                         use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
                         yield _sse(P.chat_chunk(oid, name, {}, use=use, choices=False) if chat

@@ -220,6 +220,16 @@ def completion_logprobs(records, decode, offset: int = 0) -> dict:
             "top_logprobs": [{decode(t): lp for t, lp in r.top} for r in records], "text_offset": offsets}
 
 
+def served(stats: dict) -> dict:
+    """The ``cachedrag`` extension object of a finished response: how its prompt was served
+    (``approximations``: what made it differ from full prefill, empty = exact; chunk hits and
+    misses; ``exact_repeat`` and ``tie_guard`` as ``EngineResult`` names them). OpenAI clients
+    ignore it; ``response.model_extra["cachedrag"]`` reads it with the ``openai`` package."""
+    return {"approximations": list(stats.get("approximations", [])), "chunks_hit": stats.get("chunks_hit", 0),
+            "chunks_missed": stats.get("chunks_missed", 0), "exact_repeat": stats.get("exact_repeat"),
+            "tie_guard": stats.get("tie_guard")}
+
+
 def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict,
                   tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": text}

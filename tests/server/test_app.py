@@ -82,21 +82,28 @@ def test_chat_non_stream_and_stream_agree_and_count_cached_tokens(live_server):
                                            extra_body=extra)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert first.usage.completion_tokens == 6 and first.choices[0].finish_reason == "length"
+    served = first.model_extra["cachedrag"]  # how the prompt was served: cold, so exact and all fresh
+    assert served["approximations"] == [] and served["chunks_hit"] == 0 and served["chunks_missed"] >= 2
+    assert served["exact_repeat"] is None and served["tie_guard"] is None
     # chunks in another order: non-prefix reuse (random tiny weights attend everywhere, so the planner
     # recomputes most tokens; some still come from the chunk caches)
     again = client.chat.completions.create(model="tiny", messages=_messages(CHUNKS[::-1]), max_tokens=6,
                                            temperature=0, extra_body={"cachedrag": {"chunks": CHUNKS[::-1]}})
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+    served = again.model_extra["cachedrag"]
+    assert served["chunks_hit"] >= 2 and "chunk_reuse" in served["approximations"]
     stream = client.chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=6, temperature=0,
                                             extra_body=extra, stream=True, stream_options={"include_usage": True})
-    pieces, usage, reasons = [], None, []
+    pieces, usage, reasons, extra = [], None, [], []
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             reasons.append(choice.finish_reason)
+        extra += [chunk.model_extra["cachedrag"]] if "cachedrag" in (chunk.model_extra or {}) else []
     assert "".join(pieces) == first.choices[0].message.content  # same prompt again: exact prefix hit, same tokens
+    assert len(extra) == 1 and extra[0]["approximations"] == [] and extra[0]["chunks_hit"] >= 2  # on the last chunk
     assert reasons[-1] == "length" and usage.completion_tokens == 6
     assert usage.prompt_tokens_details.cached_tokens >= sum(len(c.encode()) for c in CHUNKS)  # a token per byte
 
