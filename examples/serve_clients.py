@@ -2,7 +2,8 @@
 
 Starts `cachedrag serve` on 127.0.0.1 (a free port) as a child process, then sends the same
 retrieved chunks three ways and prints how many prompt tokens the server served from its
-chunk cache (`usage.prompt_tokens_details.cached_tokens`):
+chunk cache (`usage.prompt_tokens_details.cached_tokens`; the response's `cachedrag` object says
+which approximations served it):
 
 1. the OpenAI SDK with the explicit extension field (`extra_body={"cachedrag": {"chunks": [...]}}`);
 2. an unmodified client (no field): the server finds the passages it has seen before;
@@ -58,13 +59,14 @@ def main() -> None:
                 messages=[{"role": "system", "content": "Answer from the documentation excerpts."},
                           {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: What are these modules for?"}],
                 extra_body={"cachedrag": {"chunks": order}} if explicit else None)
-            return r.usage
+            return r.usage, r.model_extra["cachedrag"]  # how the server served the prompt
 
-        first = ask(chunks[:2], explicit=True)
-        again = ask(chunks[:2][::-1], explicit=True)
+        first, _ = ask(chunks[:2], explicit=True)
+        again, served = ask(chunks[:2][::-1], explicit=True)
         print(f"explicit chunks: first request {first.prompt_tokens_details.cached_tokens}/{first.prompt_tokens} "
-              f"cached; same chunks reordered: {again.prompt_tokens_details.cached_tokens}/{again.prompt_tokens}")
-        auto = ask([chunks[1], chunks[0]], explicit=False)
+              f"cached; same chunks reordered: {again.prompt_tokens_details.cached_tokens}/{again.prompt_tokens}, "
+              f"approximations {served['approximations'] or 'none'}")
+        auto, _ = ask([chunks[1], chunks[0]], explicit=False)
         print(f"unmodified client (automatic detection): {auto.prompt_tokens_details.cached_tokens}/"
               f"{auto.prompt_tokens} cached")
 
