@@ -167,6 +167,28 @@ def test_reuse_accounting_is_truthful(runner):
     assert (full.cached_tokens, full.checked_tokens, full.computed_tokens) == (0, 0, full.prompt_tokens)
 
 
+def test_a_cache_budget_below_the_working_set_keeps_the_manager_true_to_the_store(runner):
+    """The default memory store and the manager share one budget: when it is full, the manager
+    evicts by its policy before each put, so the store never drops an entry on its own and every
+    entry the manager plans hits on is stored (before: the store dropped its least recently used
+    entries, which the manager kept referencing and counting)."""
+    import random
+
+    rng = random.Random(0)
+    chunks = [c[:60] + f" ({i})" for i, c in enumerate(CHUNKS * 3)]
+    probe = _engine(runner)
+    probe.generate(chunks[:1], "q", SYSTEM, max_new_tokens=1)
+    budget = 5 * probe.manager.used_bytes  # the system prompt and ~4 chunks
+    engine = _engine(runner, cache_bytes=budget)
+    for i in range(12):
+        r = engine.generate(rng.sample(chunks, 3), f"question {i}", SYSTEM, max_new_tokens=1)
+        m = engine.manager
+        assert all(m.store.contains(h) for h in m.handles()) and m.check() == []
+        assert m.used_bytes == m.store.used_bytes <= budget
+        assert r.chunks_hit + r.chunks_missed == 3
+    assert m.store.stats.evictions == 0 and m.tree.evictions + m.index.evictions > 0
+
+
 def test_inter_and_leading_choices_ignore_kv_deviation(runner):
     assert 40 not in _planted(runner, 40, token_choice="leading").chunk_recompute[1]
     assert 40 not in _planted(runner, 40, deviation_on="k").chunk_recompute[1]  # the plant is in V only

@@ -240,41 +240,15 @@ class ChunkCacheManager:
         """
         by_segment = {n.segment: n for n in new}
         exact = plan.exact_prefix_segments
-        stored = 0
         with self._lock:
             self._sync_drops()
-            for n in new:
-                sp = plan.segments[n.segment]
-                if (sp.action is not Action.FRESH and sp.handle is not None and sp.handle != n.handle
-                        and sp.handle in self._sizes and not self.store.contains(sp.handle)):
-                    self._lost(sp.handle)  # a planned variant could not be loaded: it is gone
-                in_tree = n.segment < exact  # computed on an exact prefix: its KV equals full prefill
-                parent = path_key(keys[:n.segment]) if in_tree and n.segment > 0 else None
-                p = priority if priority is not None else self._initial_priority(
-                    sp.start if in_tree else 0, sp.n_tokens, n.nbytes)
-                if n.handle in self._sizes and in_tree and n.handle not in self._exact:
-                    # the handle (= path) holds approximate KV: a variant computed behind reused
-                    # chunks of the same sequence. The exact entry replaces it; approximate KV
-                    # never becomes a tree node (the tree path below would reference it)
-                    self._invalidate(n.handle)
-                    self.counters["replaced_approximate"] += 1
-                if n.handle in self._sizes:  # the same segment in the same context is referenced:
-                    if self.store.contains(n.handle):  # stored (another request admitted it first)
-                        continue
-                    if not in_tree and n.handle in self._exact:  # an exact entry was lost: approximate
-                        self._invalidate(n.handle)  # KV never takes its place (the tree node goes)
-                        continue
-                    # lost since it was planned (its load missed): store it again; the tree node
-                    # and its subtree stay valid, the KV is the same
-                    if self._put(n.handle, n.entry, p, parent):
-                        self.counters["restored"] += 1
-                        stored += 1
-                    else:
-                        self._invalidate(n.handle)
-                    continue
-                if self._put(n.handle, n.entry, p, parent):
-                    self._track(n.handle, n.nbytes, exact=in_tree)
-                    stored += 1
+            # room is made by the policy before each put (``_make_room``); the tree nodes this
+            # request took its prefix from stay meanwhile (the path it stores goes through them)
+            self.tree.pin(plan._nodes)
+            try:
+                stored = self._store_new(plan, keys, new, exact, priority)
+            finally:
+                self.tree.unpin(plan._nodes)
             path_len = 0
             for i in range(exact):  # the tree path stops at the first segment with no stored entry
                 seg = plan.segments[i]
@@ -302,6 +276,45 @@ class ChunkCacheManager:
             self._sync_drops()  # the puts may have made the store drop others
             self.counters["stored"] += stored
         return {"stored": stored}
+
+    def _store_new(self, plan: Plan, keys: Sequence[str], new: Sequence[NewEntry], exact: int,
+                   priority: float | None) -> int:
+        """``admit``'s puts (lock held): each new entry stored under its handle, room made for it
+        by the policy first; returns how many were stored."""
+        stored = 0
+        for n in new:
+            sp = plan.segments[n.segment]
+            if (sp.action is not Action.FRESH and sp.handle is not None and sp.handle != n.handle
+                    and sp.handle in self._sizes and not self.store.contains(sp.handle)):
+                self._lost(sp.handle)  # a planned variant could not be loaded: it is gone
+            in_tree = n.segment < exact  # computed on an exact prefix: its KV equals full prefill
+            parent = path_key(keys[:n.segment]) if in_tree and n.segment > 0 else None
+            p = priority if priority is not None else self._initial_priority(
+                sp.start if in_tree else 0, sp.n_tokens, n.nbytes)
+            if n.handle in self._sizes and in_tree and n.handle not in self._exact:
+                # the handle (= path) holds approximate KV: a variant computed behind reused
+                # chunks of the same sequence. The exact entry replaces it; approximate KV
+                # never becomes a tree node (the tree path below would reference it)
+                self._invalidate(n.handle)
+                self.counters["replaced_approximate"] += 1
+            if n.handle in self._sizes:  # the same segment in the same context is referenced:
+                if self.store.contains(n.handle):  # stored (another request admitted it first)
+                    continue
+                if not in_tree and n.handle in self._exact:  # an exact entry was lost: approximate
+                    self._invalidate(n.handle)  # KV never takes its place (the tree node goes)
+                    continue
+                # lost since it was planned (its load missed): store it again; the tree node
+                # and its subtree stay valid, the KV is the same
+                if self._put(n.handle, n.entry, p, parent):
+                    self.counters["restored"] += 1
+                    stored += 1
+                else:
+                    self._invalidate(n.handle)
+                continue
+            if self._make_room(n.nbytes) and self._put(n.handle, n.entry, p, parent):
+                self._track(n.handle, n.nbytes, exact=in_tree)
+                stored += 1
+        return stored
 
     # ---------------------------------------------------------------- store contents
     def rebuild(self) -> RefreshReport:
@@ -474,12 +487,28 @@ class ChunkCacheManager:
         return len(gone)
 
     def _enforce_capacity(self) -> None:
+        if self.capacity_bytes is not None:
+            self._evict_to(self.capacity_bytes)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Before a put: evict by the policy until ``nbytes`` more fit under ``capacity_bytes``;
+        False if they cannot (what is left is this admission's own entries: the entry is not
+        stored). Left to itself, a full store would make room by its own order (a memory tier:
+        least recently used), not the policy's, and a store without a drop log would leave the
+        manager referencing, planning hits on and budgeting for entries it no longer has."""
         if self.capacity_bytes is None:
-            return
-        over = self._bytes - self.capacity_bytes
+            return True
+        if nbytes <= self.capacity_bytes:
+            self._evict_to(self.capacity_bytes - nbytes)
+        return self._bytes + nbytes <= self.capacity_bytes
+
+    def _evict_to(self, limit: int) -> None:
+        """Evict tree leaves by the tree's policy, then the lowest-f_r variants, until the
+        referenced bytes are at most ``limit``."""
+        over = self._bytes - limit
         if over > 0:
             self._unref(self.tree.evict_until(over))
-        while self._bytes > self.capacity_bytes and len(self.index) > 0:
+        while self._bytes > limit and len(self.index) > 0:
             evicted = self.index.evict(1)
             if not evicted:
                 break

@@ -357,6 +357,45 @@ def test_variant_priority_uses_reuse_score():
     assert variant.reuse_score > 1 and m.priority(h_c) >= m.tree.clock + variant.reuse_score * 20 / (100 * 20)
 
 
+class BudgetStore(PlainStore):
+    """A memory tier's behaviour: a byte budget, and a full store makes room by itself, least
+    recently used first, with no drop log for the manager to read."""
+
+    def __init__(self, budget: int):
+        super().__init__()
+        self.budget = budget
+        self.self_evictions = 0
+
+    def put(self, key, entry):
+        while self.entries and sum(e.nbytes for k, e in self.entries.items() if k != key) + entry.nbytes > self.budget:
+            del self.entries[next(iter(self.entries))]
+            self.self_evictions += 1
+        self.entries.pop(key, None)
+        self.entries[key] = entry
+        return True
+
+    def get(self, key):
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.entries[key] = entry  # most recently used last
+        return entry
+
+
+@pytest.mark.parametrize("capacity", [3000, 4500, 6000])
+def test_room_is_made_by_the_policy_before_a_budgeted_store_would_make_it(capacity):
+    """With the manager's cap equal to a self-evicting store's budget (the engine's default
+    memory tier), the manager evicts first, by its policy, so the store never drops an entry on
+    its own: everything the manager references (and plans hits on) is really stored."""
+    store = BudgetStore(capacity)
+    m = ChunkCacheManager(store, CacheConfig(), capacity_bytes=capacity)
+    for req in (request("A", "B", "C"), request("D", "C"), request("B", "A"), request("C", "D", "A"),
+                request("A", "D"), request("B", "C", "D")):
+        run(m, req)
+        assert set(store.entries) == set(m.handles()) and m.check() == []
+        assert m.used_bytes == sum(e.nbytes for e in store.entries.values()) <= capacity
+    assert store.self_evictions == 0
+
+
 @pytest.mark.parametrize("capacity", [3000, 6000])
 def test_capacity_is_respected_and_evicted_entries_leave_the_store(capacity):
     store = FakeStore(persistent=False)
