@@ -192,12 +192,13 @@ class VariantIndex:
         with self._lock:
             return [self._drop(v) for v in list(self._by_chunk.get(chunk_key, ()))]
 
-    def evict(self, count: int) -> list[Any]:
-        """Evict up to ``count`` lowest-f_r unpinned variants; returns their handles."""
+    def evict(self, count: int, *, spare: frozenset[str] | set[str] = frozenset()) -> list[Any]:
+        """Evict up to ``count`` lowest-f_r unpinned variants; returns their handles. Variants of
+        the chunk keys in ``spare`` are passed over (they stay evictable by a later call without it)."""
         with self._lock:
             out = []
             for _ in range(count):
-                h = self._pop_global()
+                h = self._pop_global(spare)
                 if h is _NOTHING:
                     break
                 out.append(h)
@@ -215,16 +216,25 @@ class VariantIndex:
             self._heap = [(x.reuse_score, x.last_used, next(self._seq), x) for x in self._by_id.values() if x.pins == 0]
             heapq.heapify(self._heap)
 
-    def _pop_global(self) -> Any:
-        while self._heap:
-            score, last, _, v = heapq.heappop(self._heap)
-            if not v.attached or v.pins > 0:
-                continue  # gone, or pinned (pushed again on unpin)
-            if score != v.reuse_score or last != v.last_used:
-                continue  # stale entry; a newer one exists
-            self.evictions += 1
-            return self._drop(v)
-        return _NOTHING
+    def _pop_global(self, spare: frozenset[str] | set[str] = frozenset()) -> Any:
+        spared = []
+        try:
+            while self._heap:
+                item = heapq.heappop(self._heap)
+                score, last, _, v = item
+                if not v.attached or v.pins > 0:
+                    continue  # gone, or pinned (pushed again on unpin)
+                if score != v.reuse_score or last != v.last_used:
+                    continue  # stale entry; a newer one exists
+                if v.chunk_key in spare:
+                    spared.append(item)
+                    continue
+                self.evictions += 1
+                return self._drop(v)
+            return _NOTHING
+        finally:
+            for item in spared:  # back in the heap, as they were
+                heapq.heappush(self._heap, item)
 
     def _drop(self, v: Variant) -> Any:
         v.attached = False

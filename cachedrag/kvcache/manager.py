@@ -35,8 +35,10 @@ unreferenced (the store evicts them first: they have no priority) and are not re
 ``refresh()`` picks up entries other processes wrote since (shared Redis).
 
 Budgets. ``capacity_bytes`` caps the bytes the manager references (tensor bytes, as the
-engine reports them): above it the tree evicts leaves by its policy and the index evicts
-lowest-f_r variants, and their entries are removed from the store. ``None`` = no cap: the
+engine reports them): before each put the tree evicts leaves by its policy and the index evicts
+lowest-f_r variants until the entry fits (else it is not stored), and their entries are removed
+from the store, so a store with the same budget never evicts by its own order. Chunks passed to
+``hold`` (what waiting requests will read) are evicted last. ``None`` = no cap: the
 store's own tier budgets govern, and what the store drops is forgotten here. With a
 ``TieredStore`` pass ``None`` (the tiers' budgets are the real limits; a cap below them only
 deletes entries the slower tiers could have kept).
@@ -152,6 +154,7 @@ class ChunkCacheManager:
         self.features = _Features.of(store)
         self._sizes: dict[str, int] = {}  # referenced handles -> entry bytes
         self._bytes = 0
+        self._held: frozenset[str] = frozenset()  # chunk keys waiting requests need (``hold``)
         self._nodes: dict[str, TreeNode] = {}  # handle -> its (attached) tree node
         self._variants: dict[str, Variant] = {}  # handle -> its (attached) variant
         self._ignored: set[str] = set()  # read by refresh, nothing could reference them
@@ -504,15 +507,27 @@ class ChunkCacheManager:
 
     def _evict_to(self, limit: int) -> None:
         """Evict tree leaves by the tree's policy, then the lowest-f_r variants, until the
-        referenced bytes are at most ``limit``."""
-        over = self._bytes - limit
-        if over > 0:
-            self._unref(self.tree.evict_until(over))
-        while self._bytes > limit and len(self.index) > 0:
-            evicted = self.index.evict(1)
-            if not evicted:
-                break
-            self._unref(evicted)
+        referenced bytes are at most ``limit``: first passing over the held chunks (``hold``),
+        then, if that was not enough, taking them too."""
+        for spare in ((self._held, frozenset()) if self._held else (frozenset(),)):
+            over = self._bytes - limit
+            if over > 0:
+                self._unref(self.tree.evict_until(over, spare=spare))
+            while self._bytes > limit and len(self.index) > 0:
+                evicted = self.index.evict(1, spare=spare)
+                if not evicted:
+                    break
+                self._unref(evicted)
+            if self._bytes <= limit:
+                return
+
+    def hold(self, chunk_keys) -> None:
+        """The chunks requests are waiting to use (the server's admission queue): until the next
+        call, eviction passes over their variants and tree nodes while anything else can go, so
+        a waiting request still finds what was cached when it arrived (RAGCache's point about
+        queued requests, kept without reordering them). Replaces the previous set."""
+        with self._lock:
+            self._held = frozenset(chunk_keys)
 
     # ---------------------------------------------------------------- priorities
     def _cost(self, prefix_tokens: int, n_tokens: int) -> float:

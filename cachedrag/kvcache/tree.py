@@ -291,22 +291,24 @@ class KnowledgeTree:
                 if node.pins == 0 and node.attached and node.is_leaf:
                     self._push(node)
 
-    def evict_until(self, bytes_needed: int, policy: str | EvictionPolicy | None = None) -> list[Any]:
+    def evict_until(self, bytes_needed: int, policy: str | EvictionPolicy | None = None, *,
+                    spare: frozenset[str] | set[str] = frozenset()) -> list[Any]:
         """Evict unpinned leaves, lowest policy key first, until >= ``bytes_needed`` are freed.
 
         Returns the evicted nodes' handles in eviction order (free their tensors). Stops early
         when nothing evictable is left (check ``total_bytes``). ``policy`` defaults to the
-        tree's own; another policy is served by a one-off scan of the leaves.
+        tree's own; another policy is served by a one-off scan of the leaves. Leaves whose key
+        is in ``spare`` are passed over (they stay evictable by a later call without it).
         """
         with self._lock:
             if bytes_needed <= 0:
                 return []
             if policy is None or make_policy(policy).name == self.policy.name:
-                return self._evict(self.policy, self._heap, bytes_needed, persistent=True)
+                return self._evict(self.policy, self._heap, bytes_needed, persistent=True, spare=spare)
             other = make_policy(policy)
             heap = [(other.sort_key(n.stats), next(self._seq), n._version, n) for n in self.leaves()]
             heapq.heapify(heap)
-            return self._evict(other, heap, bytes_needed, persistent=False)
+            return self._evict(other, heap, bytes_needed, persistent=False, spare=spare)
 
     def remove(self, node: TreeNode) -> list[Any]:
         """Drop ``node`` and its subtree (e.g. the store lost its tensors); returns their handles.
@@ -354,15 +356,21 @@ class KnowledgeTree:
         ]
         heapq.heapify(self._heap)
 
-    def _evict(self, policy: EvictionPolicy, heap: list, bytes_needed: int, *, persistent: bool) -> list[Any]:
+    def _evict(self, policy: EvictionPolicy, heap: list, bytes_needed: int, *, persistent: bool,
+               spare: frozenset[str] | set[str] = frozenset()) -> list[Any]:
         freed = 0
         out: list[Any] = []
+        spared: list = []
         while freed < bytes_needed and heap:
-            _, _, version, node = heapq.heappop(heap)
+            item = heapq.heappop(heap)
+            _, _, version, node = item
             if not node.attached or not node.is_leaf or node.pins > 0:
                 continue  # stale; pinned leaves come back on unpin, parents when they become leaves
             if persistent and version != node._version:
                 continue  # stats changed since this entry was pushed; a newer entry exists
+            if node.key in spare:
+                spared.append(item)
+                continue
             parent = node.parent
             assert parent is not None
             del parent.children[node.key]
@@ -379,6 +387,8 @@ class KnowledgeTree:
                     self._push(parent)
                 else:
                     heapq.heappush(heap, (policy.sort_key(parent.stats), next(self._seq), parent._version, parent))
+        for item in spared:  # back in the heap, as they were
+            heapq.heappush(heap, item)
         return out
 
     def _detach_subtree(self, node: TreeNode, handles: list[Any]) -> None:

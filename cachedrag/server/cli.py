@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-overtakes", type=int, default=None,
                         help="cache-aware order: a request passed by this many younger ones goes first "
                              "(default: no cap; 0 = arrival order)")
+    parser.add_argument("--hold-waiting", action=argparse.BooleanOptionalAction, default=True,
+                        help="the chunk cache evicts the chunks of waiting requests last, so a request finds what was "
+                             "cached when it arrived (matters below the working set; default on)")
     parser.add_argument("--prefills-per-step", type=int, default=1, help="prefills admitted between decode steps")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=256,
                         help="chunked prefill: running requests decode after every this many prompt tokens of "
@@ -120,7 +123,8 @@ def scheduler_config(args: argparse.Namespace):
 
     return SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
                            starvation_s=args.starvation_s, max_overtakes=args.max_overtakes,
-                           max_delay_s=_bound(args.max_delay_s), prefills_per_step=args.prefills_per_step,
+                           max_delay_s=_bound(args.max_delay_s), hold_waiting=args.hold_waiting,
+                           prefills_per_step=args.prefills_per_step,
                            prefill_chunk_tokens=args.prefill_chunk_tokens, kv_pool_tokens=args.kv_pool_tokens,
                            trim_heap_idle_s=_bound(args.trim_heap_idle_s))
 

@@ -32,6 +32,10 @@ class SchedulerConfig(BaseModel):
     max_overtakes: int | None = Field(
         None, ge=0, description="cache_aware: a request passed by this many younger ones is admitted before any "
                                 "younger one (None = no cap; 0 = arrival order)")
+    hold_waiting: bool = Field(
+        True, description="while requests wait, the chunk cache evicts their chunks last (ChunkCacheManager.hold), "
+                          "so a request finds what was cached when it arrived; matters when the cache budget is "
+                          "below the working set")
     prefills_per_step: int = Field(
         1, ge=1, description="prefills admitted between two decode steps (more: better TTFT under bursts, "
                              "longer stalls of the running requests)")

@@ -355,6 +355,7 @@ class EngineLoop:
         self._running.append(run)
         self._advance(run, pre.logits, first=True)
         if pre.hand_off is not None:  # the store hand-off waits for the first token, as in generate()
+            self._hold_waiting()
             try:
                 pre.hand_off()
             except Exception:  # the answer stands; only its caching failed (the next request misses)
@@ -376,7 +377,17 @@ class EngineLoop:
             self.heap_released_bytes += released
             log.debug("idle: returned %.1f MB of freed heap memory to the OS", released / 2**20)
 
+    def _hold_waiting(self) -> None:
+        """Tell the chunk cache what the waiting requests will read, before a store hand-off or
+        a promotion may evict (``ChunkCacheManager.hold``; ``SchedulerConfig.hold_waiting``)."""
+        if not self.config.hold_waiting:
+            return
+        with self._lock:
+            waiting = self.policy.waiting
+        self.engine.manager.hold({s.key for t in waiting for s in t.payload.segments[:-1]})
+
     def _promote(self) -> None:
+        self._hold_waiting()
         promote = self._promotions.popleft()
         try:
             promote(between_layers=self._yield_if_busy)

@@ -97,6 +97,8 @@ _CLUSTER_OWN = {"replicas", "backend", "router", "ray_address", "replica_cpus", 
 
 def _non_default(action: argparse.Action) -> list[str]:
     flag = action.option_strings[0]
+    if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the one that is not the default
+        return [action.option_strings[1] if action.default else flag]
     if action.nargs == 0:  # store_true
         return [flag]
     if action.choices:
@@ -127,7 +129,7 @@ def test_every_serve_option_reaches_the_replicas_or_is_refused(monkeypatch):
             assert cluster_config(args, None) != default, f"{action.option_strings[0]} does not reach the replicas"
         checked.append(action.dest)
     assert {"max_delay_s", "prefill_chunk_tokens", "kv_pool_tokens", "exact_repeats", "tie_guard", "threads",
-            "graceful_s", "dtype", "disk_dir"} <= set(checked)
+            "graceful_s", "dtype", "disk_dir", "hold_waiting"} <= set(checked)
 
 
 def test_scheduler_settings_reach_the_replica_app():

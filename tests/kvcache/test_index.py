@@ -104,6 +104,16 @@ def test_remove_and_evict():
     assert idx.evict(5) == ["h3"] and len(idx) == 0
 
 
+def test_spared_chunks_are_passed_over_and_stay_evictable():
+    idx = VariantIndex()
+    idx.add("c", "h1", m("a"))
+    idx.add("d", "h2", m())
+    idx.add("c", "h3", m("b"))
+    assert idx.evict(1, spare={"c"}) == ["h2"]  # the oldest is c's, but c is spared
+    assert idx.evict(2, spare={"c"}) == []
+    assert idx.evict(2) == ["h1", "h3"]  # lowest f_r, then least recent, as before
+
+
 def test_from_config():
     idx = VariantIndex.from_config(CacheConfig(max_chunks=3, max_variants_per_chunk=2, cfo_floor=0.1))
     assert idx.capacity == 6 and idx.cfo_floor == 0.1

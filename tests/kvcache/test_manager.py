@@ -404,3 +404,35 @@ def test_capacity_is_respected_and_evicted_entries_leave_the_store(capacity):
         run(m, req)
         assert m.used_bytes <= capacity and m.check() == []
         assert set(store.entries) == set(m.handles())
+
+
+def test_held_chunks_are_evicted_last():
+    """``hold``: eviction passes over the held chunks' variants and tree nodes while anything else
+    can go, and takes them when nothing else is left (a hold never overfills the budget)."""
+    sizes = {k: 100 * TOKENS[k] for k in ("S", "A", "B", "C", "D")}
+    capacity = sizes["S"] + sizes["A"] + sizes["D"]  # S plus two chunks
+    store = FakeStore(persistent=False)
+    m = ChunkCacheManager(store, CacheConfig(), capacity_bytes=capacity)
+    run(m, request("A"))
+    run(m, request("B"))
+    m.hold({"A"})  # a waiting request will read A: the older B goes instead
+    run(m, request("D"))
+    assert m.index.variants("A") and not m.index.variants("B") and m.index.variants("D")
+    assert m.used_bytes <= capacity and m.check() == [] and set(store.entries) == set(m.handles())
+    m.hold({"A", "D"})  # every chunk is held: held chunks go too, by the policy's order
+    run(m, request("C"))
+    assert m.index.variants("C") and not m.index.variants("A") and not m.index.variants("D")  # C is 2000
+    assert m.used_bytes <= capacity and m.check() == []
+    m.hold(())
+    run(m, request("B"))
+    assert m.index.variants("B") and m.used_bytes <= capacity
+
+
+def test_without_a_hold_the_policy_order_stands():
+    store = FakeStore(persistent=False)
+    sizes = {k: 100 * TOKENS[k] for k in ("S", "A", "B", "D")}
+    m = ChunkCacheManager(store, CacheConfig(), capacity_bytes=sum(sizes.values()) - 1)  # one chunk too many
+    run(m, request("A"))
+    run(m, request("B"))
+    run(m, request("D"))
+    assert not m.index.variants("A") and m.index.variants("B") and m.index.variants("D")  # the oldest went

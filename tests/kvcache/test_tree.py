@@ -74,6 +74,14 @@ def test_evict_until_frees_at_least_the_request():
     check_invariants(t)
 
 
+def test_spared_leaves_are_passed_over_and_stay_evictable():
+    t = build("lru")
+    assert t.evict_until(1, spare={"b"}) == ["hc"]  # b is the oldest leaf but spared
+    assert t.evict_until(1, spare={"b", "d"}) == []  # a is no leaf yet (b holds it): nothing to take
+    assert t.evict_until(1) == ["hb"]  # without the spare set, b goes as before
+    check_invariants(t)
+
+
 def test_touch_changes_lru_order():
     t = build("lru")
     t.touch(t.match_prefix(["s", "a", "b"]))

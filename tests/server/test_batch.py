@@ -539,3 +539,28 @@ def test_engine_loop_on_cuda_equals_the_cpu_engine():
     want = [cpu.generate(_chunks(i), QUESTIONS[i], max_new_tokens=n) for i, n in enumerate(lengths)]
     assert [r.token_ids for r in batched] == [w.token_ids for w in want]
     assert loop.steps < sum(lengths)  # steps were shared
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_waiting_requests_chunks_are_evicted_last(hold):
+    """``hold_waiting``: a prefill's store hand-off that must evict (a budget below the working
+    set) passes over the chunks a waiting request will read, so it still finds them cached; off,
+    the policy's order alone decides and the oldest chunks (the waiting request's) go."""
+    docs = [d.text for d in TINY_DOCS]
+    probe = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+    probe.generate(docs[:2], "warm", max_new_tokens=1)
+    budget = probe.manager.used_bytes * 2  # the system prompt, two chunks and about as much again
+    engine = CachedEngine(tiny_runner(), config=EngineConfig(lookup=LookupConfig(max_draft=0), cache_bytes=budget))
+    engine.generate(docs[:2], "warm", max_new_tokens=1)  # the waiting request's chunks, cached first (oldest)
+    loop = EngineLoop(engine, SchedulerConfig(max_batch=2, hold_waiting=hold))  # not started: requests stay waiting
+    waiting = engine.prompts.chat(docs[1::-1], "a question over the cached chunks")
+    loop.submit(ServeRequest(waiting, SamplingParams(max_new_tokens=1), emit=lambda e: None))
+    ticket = loop.policy.waiting[0]
+    assert loop._estimate(ticket) == sum(len(s) for s in waiting[:-1])  # all cached when it arrived
+    for i in range(2):  # two more requests over new chunks fill the budget
+        loop._prefill(ServeRequest(engine.prompts.chat(docs[2 + 2 * i:4 + 2 * i], "another question"),
+                                   SamplingParams(max_new_tokens=1), emit=lambda e: None))
+    m = engine.manager
+    assert m.used_bytes <= budget and m.check() == [] and m.tree.evictions + m.index.evictions > 0
+    kept = loop._estimate(ticket) == sum(len(s) for s in waiting[:-1])
+    assert kept == hold
