@@ -109,6 +109,7 @@ class _Features:
     info: bool  # info(key) / extras(key): header-only reads
     shared_keys: bool  # keys(shared=True)
     drops: bool  # drops_since(cursor)
+    hold: bool  # hold(keys): entries to evict last
     persistent: bool  # some tier survives a restart (disk, Redis)
     shared: bool  # some tier is shared with other processes (Redis)
 
@@ -131,6 +132,7 @@ class _Features:
             info=callable(getattr(store, "info", None)) and callable(getattr(store, "extras", None)),
             shared_keys=takes("keys", "shared"),
             drops=callable(getattr(store, "drops_since", None)),
+            hold=callable(getattr(store, "hold", None)),
             persistent=any(getattr(t, "persistent", False) for t in tiers),
             shared=any(getattr(t, "shared", False) for t in tiers),
         )
@@ -525,9 +527,14 @@ class ChunkCacheManager:
         """The chunks requests are waiting to use (the server's admission queue): until the next
         call, eviction passes over their variants and tree nodes while anything else can go, so
         a waiting request still finds what was cached when it arrived (RAGCache's point about
-        queued requests, kept without reordering them). Replaces the previous set."""
+        queued requests, kept without reordering them). A store with ``hold`` (``TieredStore``,
+        whose tiers move entries by their own policy) gets their entries' handles, which its
+        tiers move out last. Replaces the previous set."""
         with self._lock:
             self._held = frozenset(chunk_keys)
+            if self.features.hold:  # a store that places by its own policy (TieredStore): their entries
+                self.store.hold({v.handle for k in self._held for v in self.index.variants(k)}
+                                | {h for h, node in self._nodes.items() if node.key in self._held})
 
     # ---------------------------------------------------------------- priorities
     def _cost(self, prefix_tokens: int, n_tokens: int) -> float:

@@ -8,6 +8,8 @@ hands in: prompt segments, sampling parameters, an ``emit`` callback) and the ev
 2. the policy (``cachedrag.server.policy``) picks up to ``prefills_per_step`` waiting requests
    for the free batch slots; each is planned, loaded and prefilled through the engine's seam
    (``CachedEngine.prefill``: the shared chunk cache serves it) and its first token is chosen;
+   its store hand-off follows, with the cache told which chunks the waiting requests will read
+   (evicted last: ``ChunkCacheManager.hold``, ``SchedulerConfig.hold_waiting``);
 3. ONE batched decode forward (``cachedrag.server.batch``) gives every running request its next
    token; finished requests (EOS, stop string, ``max_tokens``) leave.
 

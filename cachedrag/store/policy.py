@@ -18,8 +18,9 @@ Rules:
   ``(priority, last_used)``) whose sort key is below the incoming key's, and only once no
   child of theirs is still a primary in t (children leave first, so a parent is never
   slower than its children). Protected keys (the incoming key and its ancestors) are never
-  victims. If the eligible set cannot free enough, there is no victim list: the incoming
-  entry does not belong in this tier.
+  victims. Held keys (``held``: what waiting requests will read) come after every other
+  eligible primary. If the eligible set cannot free enough, there is no victim list: the
+  incoming entry does not belong in this tier.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class PlacementPolicy:
         self._parent: dict[str, str] = {}  # child key -> parent key (links outlive nodes)
         self._children: dict[str, set[str]] = {}  # parent key -> child keys
         self._clock = 0
+        self.held: frozenset[str] = frozenset()  # keys waiting requests will read: evicted last
 
     # ---- nodes ---------------------------------------------------------------------------
     def node(self, key: str) -> Node | None:
@@ -199,7 +201,8 @@ class PlacementPolicy:
         if not primaries:
             return None
         bar = self.sort_key(self.nodes[incoming])
-        pool = sorted((n for n in in_tier if n.level == tier and self.sort_key(n) < bar), key=self.sort_key)
+        pool = sorted((n for n in in_tier if n.level == tier and self.sort_key(n) < bar),
+                      key=lambda n: (n.key in self.held, self.sort_key(n)))
         picked: set[str] = set()
         progress = True
         while freed < need and progress:

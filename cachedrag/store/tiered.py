@@ -391,6 +391,12 @@ class TieredStore:
                 self._repair_parent(key)
             return True
 
+    def hold(self, keys) -> None:
+        """Keys that waiting requests will read: until the next call, a tier making room moves
+        them out after every other eligible entry (``PlacementPolicy.held``). Replaces the set."""
+        with self._lock:
+            self._policy.held = frozenset(keys)
+
     # ---- remove --------------------------------------------------------------------------
     def remove(self, key: str) -> bool:
         """Delete ``key`` from every tier (shared tiers included). Its children stay cached.

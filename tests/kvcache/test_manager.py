@@ -436,3 +436,23 @@ def test_without_a_hold_the_policy_order_stands():
     run(m, request("B"))
     run(m, request("D"))
     assert not m.index.variants("A") and m.index.variants("B") and m.index.variants("D")  # the oldest went
+
+
+def test_a_store_that_places_by_itself_gets_the_held_chunks_entries():
+    """With a placing store (TieredStore) the manager has no cap of its own; ``hold`` hands the
+    store the handles of the held chunks' variants and tree nodes, which its tiers move out last."""
+
+    class HoldingStore(FakeStore):
+        held: frozenset = frozenset()
+
+        def hold(self, keys):
+            self.held = frozenset(keys)
+
+    store = HoldingStore(persistent=False)
+    m = ChunkCacheManager(store, CacheConfig())
+    run(m, request("A", "B"))
+    run(m, request("B", "A"), mode="prefix")  # A computed again behind B: a second tree node of A
+    m.hold({"A"})
+    assert store.held == {path_key(["S", "A"]), path_key(["S", "B", "A"])}  # the variant shares the first
+    m.hold(())
+    assert store.held == frozenset()

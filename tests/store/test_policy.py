@@ -69,6 +69,15 @@ def test_protected_keys_are_never_victims():
     assert p.victims(0, 1, size1, "new", protect=p.ancestors("new")) == ["x"]
 
 
+def test_held_keys_leave_a_tier_after_every_other_eligible_entry():
+    p = policy_with({"a": (1, {0}, None), "b": (2, {0}, None), "c": (3, {0}, None), "new": (5, set(), None)})
+    p.held = frozenset({"a"})
+    assert p.victims(0, 1, size1, "new") == ["b"]  # a is the lowest, but held
+    assert p.victims(0, 3, size1, "new") == ["b", "c", "a"]  # still a victim when nothing else is left
+    p.held = frozenset()
+    assert p.victims(0, 1, size1, "new") == ["a"]
+
+
 def test_tree_helpers():
     p = policy_with({"r": (0, {0}, None), "a": (0, {1}, "r"), "b": (0, {2}, "a"), "c": (0, set(), "a")})
     assert p.ancestors("b") == ["a", "r"]

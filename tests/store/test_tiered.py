@@ -64,6 +64,19 @@ def test_priority_decides_the_tier(tmp_path):
     assert_ok(store, tmp_path)
 
 
+def test_held_entries_stay_in_the_fast_tier(tmp_path):
+    store = store_of(tmp_path, cpu_entries=2)
+    store.put(key_of(0), make_entry(0))
+    store.put(key_of(1), make_entry(1))
+    store.hold({key_of(0)})  # a waiting request will read 0: the newer 1 is demoted instead
+    store.put(key_of(2), make_entry(2))
+    assert [store.where(key_of(i)) for i in range(3)] == ["cpu", "disk", "cpu"]
+    store.hold(())
+    store.put(key_of(3), make_entry(3))
+    assert store.where(key_of(0)) == "disk"  # the oldest again, without the hold
+    assert_ok(store, tmp_path)
+
+
 def test_delete_only_when_no_tier_takes_it(tmp_path):
     with store_of(tmp_path, cpu_entries=1) as probe:
         disk_one = probe.tier("disk").prepare(key_of(0), make_entry(0)).nbytes
