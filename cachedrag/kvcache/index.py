@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,14 +196,29 @@ class VariantIndex:
     def evict(self, count: int, *, spare: frozenset[str] | set[str] = frozenset()) -> list[Any]:
         """Evict up to ``count`` lowest-f_r unpinned variants; returns their handles. Variants of
         the chunk keys in ``spare`` are passed over (they stay evictable by a later call without it)."""
+        out: list[Any] = []
+        if count > 0:
+            self.evict_while(lambda handle: out.append(handle) or len(out) < count, spare=spare)
+        return out
+
+    def evict_while(self, more: Callable[[Any], bool], *, spare: frozenset[str] | set[str] = frozenset()) -> int:
+        """Evict the lowest-f_r unpinned variants one by one, passing each evicted handle to
+        ``more``, until it returns False or nothing is left; returns how many went. Variants of
+        the chunk keys in ``spare`` are passed over, once for the whole call (put back after)."""
         with self._lock:
-            out = []
-            for _ in range(count):
-                h = self._pop_global(spare)
-                if h is _NOTHING:
-                    break
-                out.append(h)
-            return out
+            spared: list = []
+            n = 0
+            try:
+                while True:
+                    h = self._pop_global(spare, spared)
+                    if h is _NOTHING:
+                        return n
+                    n += 1
+                    if not more(h):
+                        return n
+            finally:
+                for item in spared:  # back in the heap, as they were
+                    heapq.heappush(self._heap, item)
 
     def all_variants(self) -> list[Variant]:
         with self._lock:
@@ -216,25 +232,23 @@ class VariantIndex:
             self._heap = [(x.reuse_score, x.last_used, next(self._seq), x) for x in self._by_id.values() if x.pins == 0]
             heapq.heapify(self._heap)
 
-    def _pop_global(self, spare: frozenset[str] | set[str] = frozenset()) -> Any:
-        spared = []
-        try:
-            while self._heap:
-                item = heapq.heappop(self._heap)
-                score, last, _, v = item
-                if not v.attached or v.pins > 0:
-                    continue  # gone, or pinned (pushed again on unpin)
-                if score != v.reuse_score or last != v.last_used:
-                    continue  # stale entry; a newer one exists
-                if v.chunk_key in spare:
-                    spared.append(item)
-                    continue
-                self.evictions += 1
-                return self._drop(v)
-            return _NOTHING
-        finally:
-            for item in spared:  # back in the heap, as they were
-                heapq.heappush(self._heap, item)
+    def _pop_global(self, spare: frozenset[str] | set[str] = frozenset(), spared: list | None = None) -> Any:
+        """Drop the lowest-f_r unpinned variant; those of ``spare`` chunks go to ``spared`` (the
+        caller pushes them back)."""
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            score, last, _, v = item
+            if not v.attached or v.pins > 0:
+                continue  # gone, or pinned (pushed again on unpin)
+            if score != v.reuse_score or last != v.last_used:
+                continue  # stale entry; a newer one exists
+            if v.chunk_key in spare:
+                assert spared is not None
+                spared.append(item)
+                continue
+            self.evictions += 1
+            return self._drop(v)
+        return _NOTHING
 
     def _drop(self, v: Variant) -> Any:
         v.attached = False

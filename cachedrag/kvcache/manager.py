@@ -515,11 +515,8 @@ class ChunkCacheManager:
             over = self._bytes - limit
             if over > 0:
                 self._unref(self.tree.evict_until(over, spare=spare))
-            while self._bytes > limit and len(self.index) > 0:
-                evicted = self.index.evict(1, spare=spare)
-                if not evicted:
-                    break
-                self._unref(evicted)
+            if self._bytes > limit:
+                self.index.evict_while(lambda handle: self._unref([handle]) or self._bytes > limit, spare=spare)
             if self._bytes <= limit:
                 return
 

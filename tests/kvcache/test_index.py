@@ -114,6 +114,17 @@ def test_spared_chunks_are_passed_over_and_stay_evictable():
     assert idx.evict(2) == ["h1", "h3"]  # lowest f_r, then least recent, as before
 
 
+def test_evict_while_stops_when_told_and_puts_the_spared_back():
+    idx = VariantIndex()
+    for i in range(6):
+        idx.add(f"c{i}", f"h{i}", m())
+    seen = []
+    assert idx.evict_while(lambda h: seen.append(h) or len(seen) < 2, spare={"c0", "c2"}) == 2
+    assert seen == ["h1", "h3"]  # oldest first, the spared ones passed over
+    assert idx.evict_while(lambda h: True) == 4 and len(idx) == 0  # the spared ones are still there
+    assert idx.evict(0) == []
+
+
 def test_from_config():
     idx = VariantIndex.from_config(CacheConfig(max_chunks=3, max_variants_per_chunk=2, cfo_floor=0.1))
     assert idx.capacity == 6 and idx.cfo_floor == 0.1
