@@ -249,11 +249,13 @@ class ChunkCacheManager:
             self._sync_drops()
             # room is made by the policy before each put (``_make_room``); the tree nodes this
             # request took its prefix from stay meanwhile (the path it stores goes through them)
-            self.tree.pin(plan._nodes)
+            prefix = [self._nodes[sp.handle] for sp in plan.segments
+                      if sp.action is Action.TREE and sp.handle in self._nodes]
+            self.tree.pin(prefix)
             try:
                 stored = self._store_new(plan, keys, new, exact, priority)
             finally:
-                self.tree.unpin(plan._nodes)
+                self.tree.unpin(prefix)
             path_len = 0
             for i in range(exact):  # the tree path stops at the first segment with no stored entry
                 seg = plan.segments[i]
@@ -530,8 +532,10 @@ class ChunkCacheManager:
         with self._lock:
             self._held = frozenset(chunk_keys)
             if self.features.hold:  # a store that places by its own policy (TieredStore): their entries
-                self.store.hold({v.handle for k in self._held for v in self.index.variants(k)}
-                                | {h for h, node in self._nodes.items() if node.key in self._held})
+                handles = {v.handle for k in self._held for v in self.index.variants(k)}
+                if self._held:  # one pass over the tree's nodes, only when something is held
+                    handles |= {h for h, node in self._nodes.items() if node.key in self._held}
+                self.store.hold(handles)
 
     # ---------------------------------------------------------------- priorities
     def _cost(self, prefix_tokens: int, n_tokens: int) -> float:
