@@ -31,7 +31,9 @@ to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not nu
 ``--max-delay-s`` / ``--max-overtakes`` / ``--starvation-s`` (the cache-aware order's bounds) likewise go to every
 server, so one run compares FIFO (c) with one setting of the bounds (d); so does ``--cache-gb``
 (the chunk-cache budget: below the working set, chunks are evicted, and the order can change
-the hit rate, RAGCache's setting).
+the hit rate, RAGCache's setting). ``--disk-dir`` adds a disk tier below it: each server gets a
+new directory there (removed when it stops), so no configuration starts with another's entries,
+and each level reports hits per tier.
 Every level of one configuration replays the same requests as that level of every other, so
 answers compare request by request. Servers run one at a time (the CPU is shared).
 ``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}`` (``soak``: the
@@ -48,8 +50,10 @@ import os
 import random
 import re
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from cachedrag.bench import write_json
@@ -114,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-gb", type=float, default=None,
                         help="`cachedrag serve --cache-gb` (chunk-cache budget) of every server (default: the server's, "
                              "2 GB); below the working set, chunks are evicted and the order can change the hit rate")
+    parser.add_argument("--disk-dir", default=None,
+                        help="add a disk tier below the --cache-gb memory tier of every server, each in a new "
+                             "directory under this one (removed when the server stops)")
+    parser.add_argument("--disk-gb", type=float, default=None,
+                        help="`cachedrag serve --disk-gb` with --disk-dir (default: the server's, 10 GB)")
     parser.add_argument("--hold-waiting", action=argparse.BooleanOptionalAction, default=None,
                         help="`cachedrag serve --[no-]hold-waiting` of every server (default: the server's, on)")
     parser.add_argument("--kv-pool-tokens", type=int, default=None,
@@ -175,6 +184,24 @@ def cache_args(args: argparse.Namespace) -> list[str]:
     if args.cache_gb is not None and not args.cache_gb > 0:
         raise ConfigError(f"--cache-gb must be > 0, got {args.cache_gb}")
     return [] if args.cache_gb is None else ["--cache-gb", str(args.cache_gb)]
+
+
+def disk_args(args: argparse.Namespace, directory: str | None) -> list[str]:
+    """The disk tier of one server (``directory``: its own, new, under ``--disk-dir``)."""
+    if args.disk_gb is not None and not args.disk_gb > 0:
+        raise ConfigError(f"--disk-gb must be > 0, got {args.disk_gb}")
+    if args.disk_gb is not None and args.disk_dir is None:
+        raise ConfigError("--disk-gb needs --disk-dir")
+    if directory is None:
+        return []
+    return ["--disk-dir", directory] + ([] if args.disk_gb is None else ["--disk-gb", str(args.disk_gb)])
+
+
+def _server_disk_dir(args: argparse.Namespace, name: str) -> str | None:
+    """A new directory under ``--disk-dir`` for configuration ``name``'s server (None without one)."""
+    if args.disk_dir is None:
+        return None
+    return tempfile.mkdtemp(prefix=f"bench-serve-{name}-", dir=args.disk_dir)
 
 
 # ---------------------------------------------------------------------- server processes
@@ -240,6 +267,18 @@ def _metric_sum(text: str, name: str) -> float:
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _by_label(before: str, after: str, name: str, label: str) -> dict[str, float]:
+    """How much each ``label`` value's sample of metric ``name`` grew between two scrapes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(text: str) -> dict[str, float]:
+        return {s.labels[label]: s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name == name and label in s.labels}
+
+    was = samples(before)
+    return {k: v - was.get(k, 0.0) for k, v in samples(after).items()}
 
 
 # ---------------------------------------------------------------------- clients
@@ -386,6 +425,9 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         "ttft_s_by_request": [None if r["ttft_s"] is None else round(r["ttft_s"], 3) for r in results],
         # the chunk cache at the level's end (in memory; below a --cache-gb budget, eviction holds it there)
         "cache_mb_after": round(_metric_sum(after, "cachedrag_cache_bytes") / 2**20, 2),
+        # which store tier the level's cache reads came from, and the time they took (a tiered store: by tier)
+        "tier_hits": _by_label(before, after, "cachedrag_tier_hits_total", "tier"),
+        "tier_load_s": _by_label(before, after, "cachedrag_tier_load_seconds_total", "tier"),
         "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
         **_busy_window(results, level),
     }
@@ -411,6 +453,9 @@ def run(args: argparse.Namespace) -> int:
     n_total = args.warmup + args.requests * (len(levels) + 1) + max(0, args.queue_requests)
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
     model_args += numerics_args(args) + scheduler_args(args) + cache_args(args)
+    disk_args(args, None)  # a bad --disk-gb is refused before any work
+    if args.disk_dir is not None and not os.path.isdir(args.disk_dir):
+        raise ConfigError(f"--disk-dir {args.disk_dir!r} is not a directory")
     if args.tiny:
         from cachedrag.testing import TINY_DOCS
 
@@ -439,7 +484,8 @@ def run(args: argparse.Namespace) -> int:
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
         "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
-        "cache_gb": args.cache_gb, "hold_waiting": args.hold_waiting, "kv_pool_tokens": args.kv_pool_tokens,
+        "cache_gb": args.cache_gb, "disk_tier": args.disk_dir is not None, "disk_gb": args.disk_gb,
+        "hold_waiting": args.hold_waiting, "kv_pool_tokens": args.kv_pool_tokens,
         "trim_heap_idle_s": args.trim_heap_idle_s,
         "passage_chars": args.passage_chars, "tokenization": args.tokenization,
         "queue_requests": args.queue_requests,
@@ -451,7 +497,13 @@ def run(args: argparse.Namespace) -> int:
         label, flags, explicit = CONFIGS[name]
         batch = [] if "--max-batch" in flags else ["--max-batch", str(args.max_batch)]
         print(f"[{name}] {label}: starting server", file=sys.stderr)
-        server = ServerProcess(model_args + flags + batch)
+        disk = _server_disk_dir(args, name)
+        try:
+            server = ServerProcess(model_args + flags + batch + disk_args(args, disk))
+        except BaseException:
+            if disk is not None:
+                shutil.rmtree(disk, ignore_errors=True)
+            raise
         try:
             asyncio.run(_replay(server.url, bodies(explicit, 0, args.warmup, args.warmup_max_tokens), 1, args.rate, 0))
             results["configs"][name] = {}
@@ -480,6 +532,8 @@ def run(args: argparse.Namespace) -> int:
                 results["soak"] = {**rounds[0], "rounds": rounds}
         finally:
             server.stop()
+            if disk is not None:
+                shutil.rmtree(disk, ignore_errors=True)
         if args.json_out:  # partial results survive an interrupted run
             write_json(results, args.json_out)
     if "b" in texts:
@@ -615,6 +669,11 @@ def _print(results: dict) -> None:
         for lv, row in levels.items():
             vals = [row[k] for k, _ in cols]
             print(f"{name:>8} {lv:>5} " + " ".join(f"{v:>8.3f}" if isinstance(v, float) else f"{'-':>8}" for v in vals))
+    if cfg.get("disk_tier"):  # where a tiered store's reads came from
+        for name, levels in results["configs"].items():
+            for lv, row in levels.items():
+                print(f"{name} {lv} cache reads by tier: " + ", ".join(
+                    f"{t} {n:.0f} ({row['tier_load_s'].get(t, 0.0):.2f} s)" for t, n in row["tier_hits"].items()))
     for name, a in results.get("answers", {}).items():
         print(f"answers {name} vs b: ROUGE-L {a['rouge_l_vs_b']:.3f}, exact {a['exact_match_vs_b']:.2f}")
     for k, v in results.get("ratios", {}).items():

@@ -5,8 +5,8 @@ in tests, never collide) with request counts by endpoint and status, TTFT and pe
 latency histograms, decode batch sizes, queue length and running requests, prompt / cached /
 completion token counters, chunk hits and misses, requests served as exact tree paths, admissions
 (contested, reordered), exact-repeat promotions (stored, yielded, pending), idle-time heap trims
-(count, bytes released), the chunk cache's entries and bytes per store tier (read from the store
-when scraped) and the standard process metrics (``process_resident_memory_bytes``, CPU seconds).
+(count, bytes released), the chunk cache's entries, and bytes, hits and load seconds per store
+tier, and a tiered store's demotions and drops (read from the store when scraped) and the standard process metrics (``process_resident_memory_bytes``, CPU seconds).
 It is the engine loop's observer (``on_step``, ``on_first_token``, ``on_token``, ``on_finished``).
 
 Does not own: what is measured (the loop and app report it).
@@ -22,7 +22,8 @@ _TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.25, 0.5, 1.0, 2.0, 
 
 
 class _CacheCollector:
-    """Chunk-cache entries and bytes, per tier when the store has tiers (read at scrape time)."""
+    """Chunk-cache entries; bytes, hits and load time per store tier; a tiered store's demotions
+    and drops (read at scrape time)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -34,13 +35,31 @@ class _CacheCollector:
         entries.add_metric([], stats.get("entries", 0))
         yield entries
         tier_bytes = GaugeMetricFamily("cachedrag_cache_bytes", "bytes of chunk KV per store tier", labels=["tier"])
+        hits = CounterMetricFamily("cachedrag_tier_hits", "cached entries read from each store tier", labels=["tier"])
+        load_s = CounterMetricFamily("cachedrag_tier_load_seconds", "time spent reading and decoding each store "
+                                     "tier's hits", labels=["tier"])
         store = manager.store
         for tier in getattr(store, "tiers", None) or [store]:
+            name = [str(getattr(tier, "name", None) or type(tier).__name__)]
             used = getattr(tier, "used_bytes", None)
             used = used() if callable(used) else used
             if used is not None:
-                tier_bytes.add_metric([str(getattr(tier, "name", None) or type(tier).__name__)], float(used))
+                tier_bytes.add_metric(name, float(used))
+            stats = getattr(tier, "stats", None)
+            if stats is not None and hasattr(stats, "hits"):
+                hits.add_metric(name, float(stats.hits))
+                load_s.add_metric(name, float(stats.load_seconds))
         yield tier_bytes
+        yield hits
+        yield load_s
+        if getattr(store, "tiers", None):  # a tiered store: entries moved down a tier, and out of the last
+            stats = store.stats
+            for metric, value, help_ in (
+                    ("cachedrag_store_demotions", stats.demotions, "entries moved (or handed) to a slower tier"),
+                    ("cachedrag_store_drops", stats.drops, "entries deleted for lack of room in every tier")):
+                family = CounterMetricFamily(metric, help_)
+                family.add_metric([], float(value))
+                yield family
 
 
 class _LoopCollector:

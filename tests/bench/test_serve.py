@@ -47,6 +47,27 @@ def test_every_server_gets_the_requested_cache_budget(argv, flags):
     assert serve.cache_args(_args(*argv)) == flags
 
 
+@pytest.mark.parametrize("argv, directory, flags", [
+    ((), None, []),
+    (("--disk-dir", "/x"), "/x/bench-serve-d-1", ["--disk-dir", "/x/bench-serve-d-1"]),
+    (("--disk-dir", "/x", "--disk-gb", "2"), "/x/d", ["--disk-dir", "/x/d", "--disk-gb", "2.0"]),
+])
+def test_every_server_gets_its_own_disk_tier(argv, directory, flags):
+    assert serve.disk_args(_args(*argv), directory) == flags
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--disk-gb", "1"], "--disk-gb needs --disk-dir"),
+    (["--disk-dir", "{tmp}", "--disk-gb", "0"], "--disk-gb must be > 0"),
+    (["--disk-dir", "{tmp}/missing"], "is not a directory"),
+])
+def test_a_bad_disk_tier_is_one_clear_line(argv, says, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    rc = main(["bench", "serve", "--tiny", "--no-soak", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and "Traceback" not in err
+
+
 def test_int8_dynamic_in_float32_is_one_clear_line(capsys):
     rc = main(["bench", "serve", "--tiny", "--dtype", "float32", "--weights", "int8-dynamic", "--no-soak"])
     err = capsys.readouterr().err
@@ -110,3 +131,21 @@ def test_bad_configs_and_levels_exit_2_with_one_line(argv, says, capsys):
     assert main(["bench", "serve", "--tiny", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cachedrag: error:") and says in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_with_a_disk_tier_reports_hits_per_tier(tmp_path):
+    """Below a tiny memory tier, chunks evicted from memory come back from each server's own disk
+    directory, which is removed when the server stops."""
+    out, disk = tmp_path / "serve.json", tmp_path / "disk"
+    disk.mkdir()
+    rc = main(["bench", "serve", "--tiny", "--configs", "d", "--levels", "1", "--requests", "6", "--warmup", "1",
+               "--max-tokens", "2", "--queue-level", "0", "--no-soak", "--no-warm-c1", "--cache-gb", "0.0001",
+               "--disk-dir", str(disk), "--disk-gb", "0.01", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["disk_tier"] is True and data["config"]["disk_gb"] == 0.01
+    row = data["configs"]["d"]["1"]
+    assert set(row["tier_hits"]) == {"cpu", "disk"} and row["tier_hits"]["disk"] > 0
+    assert row["tier_load_s"]["disk"] > 0
+    assert list(disk.iterdir()) == []  # the server's directory went with it

@@ -559,3 +559,40 @@ def test_tie_guarded_requests_are_counted():
     text = metrics.render().decode()
     assert "cachedrag_tie_guarded_requests_total 1.0" in text
     assert "cachedrag_exact_hit_requests_total 3.0" in text  # guarded requests are exact too
+
+
+def test_metrics_report_hits_and_load_time_per_store_tier(tmp_path):
+    """With a tiered store, /metrics counts each tier's cache reads and their time (what `bench serve`
+    reads per level), and the store's demotions and drops; the figures are the tiers' own counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.server.metrics import ServerMetrics
+    from cachedrag.store.config import StoreConfig
+    from cachedrag.store.tiered import TieredStore
+    from cachedrag.testing import tiny_runner
+
+    runner = tiny_runner()
+    probe = CachedEngine(runner)
+    cfg = StoreConfig(namespace=probe.model_namespace.digest, cpu_bytes=64 << 20, disk_dir=str(tmp_path),
+                      disk_bytes=64 << 20, write_through=True)
+    writer = CachedEngine(runner, config=EngineConfig(), store=TieredStore.from_config(cfg))
+    writer.generate(CHUNKS, "What does it do?", max_new_tokens=1)
+    writer.manager.store.close()  # a restarted server finds every entry on disk
+    store = TieredStore.from_config(cfg)
+    engine = CachedEngine(runner, config=EngineConfig(), store=store)
+    engine.generate(CHUNKS[::-1], "What does it do?", max_new_tokens=1)
+    assert store.wait_prefetches(30)  # the reused entries' promotion to the CPU tier reads the disk too
+
+    def samples(name):
+        text = ServerMetrics(engine=engine).render().decode()
+        return {s.labels.get("tier"): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == name}
+
+    hits, load_s = samples("cachedrag_tier_hits_total"), samples("cachedrag_tier_load_seconds_total")
+    disk, cpu = store.tier("disk"), store.tier("cpu")
+    assert disk.stats.hits >= len(CHUNKS) and hits == {"cpu": cpu.stats.hits, "disk": disk.stats.hits}
+    assert load_s["disk"] == disk.stats.load_seconds > 0
+    assert samples("cachedrag_store_demotions_total") == {None: store.stats.demotions}
+    assert samples("cachedrag_store_drops_total") == {None: store.stats.drops}
