@@ -440,7 +440,10 @@ class CachedEngine:
         chunk sequence has now been served from reuse that many times, either the request is
         planned as prefix caching would (timing "inline": tree prefix, the rest fresh, so it is
         exact and stores its whole path) or ``pre.promote`` computes that path later (``_promote``).
-        ``exact_plan``: plan as prefix caching, in the given order (a promotion)."""
+        ``exact_plan``: plan as prefix caching, in the given order (a promotion).
+        The question is the last segment; text segments between the last chunk and it are
+        context (glue: stored with the chunks and part of their tree path), as the server's
+        automatic passage detection cuts what follows the last passage it knows."""
         runner = self.runner
         first_chunk = next((i for i, s in enumerate(segments) if s.kind == "chunk"), None)
         last_chunk = max((i for i, s in enumerate(segments) if s.kind == "chunk"), default=None)
@@ -449,8 +452,8 @@ class CachedEngine:
             n_question_from = len(segments) - 1
             system, middle = segments[:-1], []
         else:
-            n_question_from = last_chunk + 1
-            system, middle = segments[:first_chunk], segments[first_chunk:last_chunk + 1]
+            n_question_from = max(last_chunk + 1, len(segments) - 1)
+            system, middle = segments[:first_chunk], segments[first_chunk:n_question_from]
         question = segments[n_question_from:]
         if not question:
             raise ConfigError("a request must end with a text segment (the question)")

@@ -178,6 +178,20 @@ def paragraphs(text: str, min_chars: int) -> list[str]:
     return out
 
 
+def last_paragraph(text: str) -> str | None:
+    """The last paragraph of ``text`` (after its last blank or separator line), normalized, the
+    form ``paragraphs`` gives it; None if ``text`` has none. The server's automatic passage
+    detection takes it as the question."""
+    block: list[str] = []
+    last: list[str] = []
+    for line in text.split("\n") + [""]:
+        if _BOUNDARY.match(line):
+            last, block = (block or last), []
+        else:
+            block.append(line)
+    return normalize("\n".join(last)) or None
+
+
 def _leftmost_longest(found: set[tuple[int, str]]) -> list[Match]:
     chosen: list[Match] = []
     cursor = 0

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from cachedrag.errors import CachedRAGError
 from cachedrag.integrations.chunks import ChunkRegistry, ChunkRegistryConfig, Match, normalize
+from cachedrag.integrations.chunks import last_paragraph
 from cachedrag.integrations.chunks import paragraphs as passages
 from cachedrag.integrations.splitter import split_prompt
 from cachedrag.integrations.template import Message, RenderedPrompt, render_messages
@@ -128,9 +129,29 @@ class PromptPlanner:
         else:
             split = split_prompt(rendered, _ExplicitChunks(()))
             source = "none"
-        parts = attach_separators(split.parts) if self.config.attach_separators else split.parts
+        parts = split.parts
+        if source == "auto" and split.n_chunks:
+            parts = question_apart(parts, rendered.text, last_paragraph(contents[-1]))
+        parts = attach_separators(parts) if self.config.attach_separators else parts
         segments = self.engine.prompts.text_segments(parts, tokenization=self.config.tokenization)
         return PlannedPrompt(segments, split.n_chunks, source if split.n_chunks else "none")
+
+
+def question_apart(parts: Sequence[tuple[str, str]], text: str, question: str | None) -> list[tuple[str, str]]:
+    """Cut the text part after the last chunk where ``question`` (the last paragraph of the last
+    message) begins in ``text``, the prompt the parts concatenate to. What precedes the question
+    there is the retrieved context the detected passages did not cover (the rest of the last
+    chunk, template text): as its own text segment before the question, the engine keeps it with
+    the chunks (stored, and part of their tree path, so a recurring context is an exact prefix
+    hit up to the question) instead of computing it with the question every time."""
+    parts = list(parts)
+    if not question or len(parts) < 2 or parts[-1][0] != "text":
+        return parts
+    tail = parts[-1][1]
+    start, at = len(text) - len(tail), text.rfind(question)
+    if at <= start:  # the question starts the tail (or was not found): nothing before it to keep
+        return parts
+    return parts[:-1] + [("text", tail[:at - start]), ("text", tail[at - start:])]
 
 
 def attach_separators(parts: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -448,6 +448,58 @@ def test_passages_split_at_blank_and_separator_lines():
     assert passages(text, 40) == ["a" * 50 + "\nsecond line", "c" * 60]
 
 
+def test_the_question_is_cut_from_the_context_after_the_last_passage():
+    from cachedrag.server.prompts import last_paragraph, question_apart
+
+    text = "Context:\n\nP1\n\nrest of the last chunk\n\nQuestion: why?<end>"
+    parts = [("text", "Context:\n\n"), ("chunk", "P1"), ("text", "\n\nrest of the last chunk\n\nQuestion: why?<end>")]
+    question = last_paragraph("Context:\n\nP1\n\nrest of the last chunk\n\nQuestion: why?")
+    assert question == "Question: why?"
+    assert question_apart(parts, text, question) == parts[:2] + [("text", "\n\nrest of the last chunk\n\n"),
+                                                                 ("text", "Question: why?<end>")]
+    bare = parts[:2] + [("text", "Question: why?<end>")]  # nothing between the last chunk and the question
+    assert question_apart(bare, "Context:\n\nP1Question: why?<end>", question) == bare
+    assert question_apart(parts, text, "not in the prompt") == parts
+    assert question_apart(parts, text, None) == parts
+
+
+def test_automatic_detection_keeps_the_context_after_the_last_passage_cached():
+    """With automatic detection, what follows the last known passage up to the question (the rest
+    of a retrieved text that is no passage of its own) is context: stored with the passages, so the
+    same retrieved context with another question computes only the question, exactly (the prefill
+    equals full prefill of the same segments)."""
+    import torch
+
+    from cachedrag.engine import CachedEngine
+    from cachedrag.integrations.template import Message
+    from cachedrag.kvcache.config import CacheConfig
+    from cachedrag.config import EngineConfig
+    from cachedrag.server.config import PassageConfig
+    from cachedrag.server.prompts import PromptPlanner
+    from cachedrag.testing import tiny_runner
+
+    engine = CachedEngine(tiny_runner(), config=EngineConfig(cache=CacheConfig(exact_repeats=0)))
+    planner = PromptPlanner(engine, PassageConfig(min_chars=100))
+    passage, rest = TINY_DOCS[1].text, TINY_DOCS[2].text[:60]  # 60 characters: below min_chars, no passage
+
+    def ask(question):
+        msgs = [Message("user", f"Context:\n\n{passage}\n\n{rest}\n\nQuestion: {question}")]
+        planned = planner.chat(msgs)
+        pre = engine.prefill(planned.segments, 2, defer_store=True)
+        pre.hand_off and pre.hand_off()
+        return planned, pre
+
+    first, _ = ask("what is it?")
+    assert [s.kind for s in first.segments][-3:] == ["chunk", "text", "text"]
+    assert rest in first.segments[-2].text and "what is it?" in first.segments[-1].text
+    second, pre = ask("how is it used?")
+    question = len(second.segments[-1])
+    assert pre.info["computed_tokens"] == question  # the context, the rest of it included, came from cache
+    full = engine.prefill(second.segments, 2, mode="full")
+    assert torch.equal(pre.logits.argmax(-1), full.logits.argmax(-1))
+    torch.testing.assert_close(pre.logits, full.logits, rtol=1e-4, atol=1e-4)
+
+
 def test_disconnect_while_a_chunk_is_being_sent_frees_the_slot():
     """The race behind a once-seen flake: the client goes while the stream task is inside
     ``send`` (a chunk in flight), not waiting for the next event. Starlette then cancels the
