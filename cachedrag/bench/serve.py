@@ -7,7 +7,8 @@ MiniLM embedder) at each concurrency level with Poisson arrivals (``--rate`` req
 most ``level`` requests in flight), streaming every answer through SSE, and reports per level:
 requests/s, output tokens/s, TTFT p50/p95, time per output token p50, chunk hit rate (from the
 server's Prometheus counters), the ``cached_tokens`` share of prompt tokens, the admission
-counters' shares (contested: the order had a choice; reordered: it overtook an older request)
+counters' shares (contested: the order had a choice; reordered: it overtook an older request;
+preempted: it was prefilled between the layers of a running prefill, ahead of it)
 and output tokens/s over the level's busy window (all slots in flight, before the level
 drains). Configs c and d also replay ``--queue-level`` (default 16, above the batch limit of 8)
 on ``--queue-requests`` further requests ("16q"): there requests queue for batch slots, so
@@ -111,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`cachedrag serve --max-overtakes` of every server (default: the server's)")
     parser.add_argument("--max-delay-s", type=float, default=None,
                         help="`cachedrag serve --max-delay-s` of every server (default: the server's)")
+    parser.add_argument("--preempt-ratio", type=float, default=None,
+                        help="`cachedrag serve --preempt-ratio` of every server (default: the server's; it acts only "
+                             "where the order is cache-aware, so config c stays plain FIFO)")
     parser.add_argument("--exact-repeats", type=int, default=None,
                         help="`cachedrag serve --exact-repeats` of every server (default: the engine's)")
     parser.add_argument("--exact-repeats-when", default=None, choices=EXACT_REPEAT_TIMINGS,
@@ -176,6 +180,7 @@ def scheduler_args(args: argparse.Namespace) -> list[str]:
     out += [] if args.trim_heap_idle_s is None else ["--trim-heap-idle-s", str(args.trim_heap_idle_s)]
     out += [] if args.passage_chars is None else ["--passage-chars", str(args.passage_chars)]
     out += [] if args.tokenization is None else ["--tokenization", args.tokenization]
+    out += [] if args.preempt_ratio is None else ["--preempt-ratio", str(args.preempt_ratio)]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -416,6 +421,7 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         # how much the admission order could matter: admissions made with a choice, and ahead of an older request
         "contested_share": grew("cachedrag_contested_admissions_total") / admitted if admitted else 0.0,
         "reordered_share": grew("cachedrag_reordered_admissions_total") / admitted if admitted else 0.0,
+        "preempted_share": grew("cachedrag_preempted_prefills_total") / admitted if admitted else 0.0,
         # recurring chunk sequences: requests served as an exact tree path, exact paths stored / abandoned
         "exact_hit_share": grew("cachedrag_exact_hit_requests_total") / len(ok) if ok else 0.0,
         "promotions": grew("cachedrag_exact_promotions_total"),
@@ -482,6 +488,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
         "dtype": args.dtype, "weights": args.weights, "threads": args.threads,
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
+        "preempt_ratio": args.preempt_ratio,
         "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
         "cache_gb": args.cache_gb, "disk_tier": args.disk_dir is not None, "disk_gb": args.disk_gb,
@@ -659,7 +666,8 @@ def _print(results: dict) -> None:
             ("ttft_p95_s", "ttft95"), ("ttft_mean_s", "ttftavg"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
             ("cached_tokens_share", "cached"), ("completion_tokens_mean", "tok/req"), ("decode_batch_mean", "batch"),
             ("decode_step_s_mean", "step"), ("prefill_share", "prefill"), ("prefill_rows_mean", "rows/req"),
-            ("contested_share", "contest"), ("reordered_share", "reorder"), ("busy_output_tokens_per_s", "busy t/s")]
+            ("contested_share", "contest"), ("reordered_share", "reorder"), ("preempted_share", "preempt"),
+            ("busy_output_tokens_per_s", "busy t/s")]
     cfg = results["config"]
     numerics = cfg["dtype"] + ("" if cfg["weights"] == "dense" else f"+{cfg['weights']}")
     print(f"\nserve: {cfg['requests_per_level']} requests per level, max_tokens {cfg['max_tokens']}, "

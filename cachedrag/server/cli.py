@@ -21,7 +21,7 @@ import sys
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
 from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN
-from cachedrag.server.policy import MAX_DELAY_S
+from cachedrag.server.policy import MAX_DELAY_S, PREEMPT_RATIO
 
 log = logging.getLogger("cachedrag.server")
 
@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache-aware order: a younger request goes ahead only while every waiting request is "
                              "forecast to be admitted at most this much later than in arrival order "
                              f"(default {MAX_DELAY_S:g}; inf = no bound)")
+    parser.add_argument("--preempt-ratio", type=float, default=PREEMPT_RATIO,
+                        help="cache-aware order: between the layers of a running prefill, the next waiting request "
+                             "(when no older one waits) is prefilled first if its whole prefill is forecast to take "
+                             "at most this fraction of what the running one has left; once per prefill "
+                             f"(default {PREEMPT_RATIO:g}; 0 = off)")
     parser.add_argument("--max-overtakes", type=int, default=None,
                         help="cache-aware order: a request passed by this many younger ones goes first "
                              "(default: no cap; 0 = arrival order)")
@@ -123,7 +128,8 @@ def scheduler_config(args: argparse.Namespace):
 
     return SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
                            starvation_s=args.starvation_s, max_overtakes=args.max_overtakes,
-                           max_delay_s=_bound(args.max_delay_s), hold_waiting=args.hold_waiting,
+                           max_delay_s=_bound(args.max_delay_s), preempt_ratio=args.preempt_ratio,
+                           hold_waiting=args.hold_waiting,
                            prefills_per_step=args.prefills_per_step,
                            prefill_chunk_tokens=args.prefill_chunk_tokens, kv_pool_tokens=args.kv_pool_tokens,
                            trim_heap_idle_s=_bound(args.trim_heap_idle_s))

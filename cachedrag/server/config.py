@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from cachedrag.server.policy import MAX_DELAY_S
+from cachedrag.server.policy import MAX_DELAY_S, PREEMPT_RATIO
 
 
 class SchedulerConfig(BaseModel):
@@ -32,6 +32,12 @@ class SchedulerConfig(BaseModel):
     max_overtakes: int | None = Field(
         None, ge=0, description="cache_aware: a request passed by this many younger ones is admitted before any "
                                 "younger one (None = no cap; 0 = arrival order)")
+    preempt_ratio: float = Field(
+        PREEMPT_RATIO, ge=0.0, le=1.0,
+        description="cache_aware: between the layers of a running prefill, the order's next waiting request, when "
+                    "no older one waits, is prefilled first if its whole prefill is forecast to take at most this "
+                    "fraction of what the running prefill has left (a mostly cached request does not wait behind a "
+                    "cold one); at most one preemption per prefill; 0 = off")
     hold_waiting: bool = Field(
         True, description="while requests wait, the chunk cache evicts their chunks last (ChunkCacheManager.hold), "
                           "so a request finds what was cached when it arrived; matters when the cache budget is "

@@ -151,7 +151,7 @@ class EngineLoop:
         self.engine = engine
         self.config = config or SchedulerConfig()
         self.policy = SchedulerPolicy(self.config.order, self.config.max_waiting, self.config.starvation_s,
-                                      self.config.max_overtakes, self.config.max_delay_s)
+                                      self.config.max_overtakes, self.config.max_delay_s, self.config.preempt_ratio)
         self.observer = observer
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -165,6 +165,12 @@ class EngineLoop:
         self._step_s = 0.05  # one batched decode step (moving average)
         self._prefill_model = PrefillModel()  # prefill seconds vs computed prompt tokens
         self._decode_s = 0.0  # seconds spent in decode forwards so far
+        # preemption (``SchedulerConfig.preempt_ratio``): the prefill running now, as the policy's
+        # forecast sees it (its ticket's computed tokens), whether it was preempted already, and the
+        # seconds spent in preempting prefills so far (left out of the preempted one's cost sample)
+        self._current: Ticket | None = None
+        self._preempted_current = False
+        self._preempt_s = 0.0
         # pooled KV (``cachedrag.server.kvpool``): running requests decode from one slot tensor, so the
         # batched step attends over them in one call; where the fast decode path applies, and also with
         # --max-batch 1, so a request's arithmetic does not depend on the batch limit either
@@ -283,10 +289,11 @@ class EngineLoop:
             self._drop([r for r in self._running if r.request.id in cancel])
             self._running = [r for r in self._running if r.request.id not in cancel]
         for ticket in admitted:
-            t0, decoding = time.perf_counter(), self._decode_s
-            self._prefill(ticket.payload)
-            # the prefill's own time (what it stalls the running requests for), less the decode steps inside it
-            self._prefill_model.observe(ticket.compute_len, time.perf_counter() - t0 - (self._decode_s - decoding))
+            self._current, self._preempted_current = ticket, False
+            try:
+                self._timed_prefill(ticket)
+            finally:
+                self._current = None
         self._decode()
         self._running = [r for r in self._running if r.last is not None]
 
@@ -312,14 +319,62 @@ class EngineLoop:
                 self.observer.on_token(dt)
             self._advance(r, logits[b])
 
+    def _timed_prefill(self, ticket: Ticket) -> None:
+        """Prefill ``ticket``'s request and feed its cost to the forecast's prefill model: the
+        prefill's own time (what it stalls the running requests for), less the decode steps and
+        preempting prefills run between its layers."""
+        t0, decoding, preempting = time.perf_counter(), self._decode_s, self._preempt_s
+        self._prefill(ticket.payload)
+        own = time.perf_counter() - t0 - (self._decode_s - decoding) - (self._preempt_s - preempting)
+        self._prefill_model.observe(ticket.compute_len, own)
+
     def _between_layers(self, layer: int, tokens: int) -> None:
-        """Chunked prefill: called by the engine after each layer of a prefill. Once
+        """Called by the engine after each layer of a prefill. Chunked prefill: once
         ``prefill_chunk_tokens`` tokens' worth of prefill compute has run since the running
         requests' last decode step, they get one now, so a long prefill delays their next token
-        by one piece, not by the whole prefill."""
+        by one piece, not by the whole prefill. Preemption: a waiting request the policy ranks
+        first and forecasts to be short enough is prefilled here, before this one goes on."""
         self._prefill_work += tokens / self.engine.runner.n_layers
-        if self._prefill_work < self.config.prefill_chunk_tokens:
+        if (0 < self.config.prefill_chunk_tokens <= self._prefill_work
+                and any(r.last is not None for r in self._running)):
+            self._decode_between_layers()
+        self._preempt(layer)
+
+    def _preempt(self, layer: int) -> None:
+        """Preemption of the running (outermost) prefill after ``layer``, at most once per prefill:
+        the policy's next pick goes first when its forecast prefill is at most ``preempt_ratio`` of
+        the running prefill's remaining forecast time (``SchedulerPolicy.preempt``)."""
+        current = self._current
+        if current is None or self._preempted_current or self.policy.preempt_ratio <= 0:
             return
+        n_layers = self.engine.runner.n_layers
+        remaining = self._prefill_model.seconds(current.compute_len) * (n_layers - 1 - layer) / n_layers
+        now = time.perf_counter()
+        with self._lock:
+            if not len(self.policy):
+                return
+            for rid in list(self._cancel):  # waiting requests whose client left go first (as in ``step``)
+                ticket = self.policy.remove(rid)
+                if ticket is not None:
+                    ticket.payload.cancelled = True
+                    self._cancel.discard(rid)
+            # the running prefill holds a slot of its own (it joins the running requests when it ends)
+            staying = [r for r in self._running if r.last is not None and r.request.id not in self._cancel]
+            free = self.config.max_batch - len(staying) - 1
+            ticket = self.policy.preempt(remaining, free, now, estimate=self._estimate,
+                                         forecast=self._forecast(staying))
+        if ticket is None:
+            return
+        self._preempted_current, self._current = True, None  # no preemption inside the preempting prefill
+        t0 = time.perf_counter()
+        try:
+            self._timed_prefill(ticket)
+        finally:
+            self._current = current
+            self._preempt_s += time.perf_counter() - t0
+
+    def _decode_between_layers(self) -> None:
+        """One decode step for the running requests inside a prefill (chunked prefill)."""
         self._prefill_work = 0.0
         with self._lock:
             gone = {r.request.id for r in self._running} & self._cancel
@@ -343,13 +398,17 @@ class EngineLoop:
     def _prefill(self, request: ServeRequest) -> None:
         engine = self.engine
         chunked = self.config.prefill_chunk_tokens > 0 and any(r.last is not None for r in self._running)
-        self._prefill_work = 0.0
+        preemptible = self._current is not None and self._current.payload is request and self.policy.preempt_ratio > 0
+        outer_work, self._prefill_work = self._prefill_work, 0.0
         try:
             pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=request.mode,
-                                 between_layers=self._between_layers if chunked else None, defer_store=True)
+                                 between_layers=self._between_layers if chunked or preemptible else None,
+                                 defer_store=True)
         except Exception as exc:  # bad request content the HTTP side could not see (handed back, not raised)
             request.emit(Failed(exc))
             return
+        finally:
+            self._prefill_work = outer_work  # a preempting prefill leaves the preempted one's count as it was
         info = pre.info
         run = _Running(request=request, kv=pre.kv, stream=TextStream(engine.runner.tokenizer, request.params.stop),
                        generator=make_generator(request.params, engine.runner.device), stats=info,
@@ -476,8 +535,11 @@ class EngineLoop:
         return Forecast(left, step, model.base_s, model.per_token_s)
 
     def _estimate(self, ticket: Ticket) -> int:
-        """Prompt tokens of ``ticket`` the cache holds now: the knowledge tree's exact prefix,
-        then every later segment with a stored variant (reusable at any position)."""
+        """Prompt tokens of ``ticket`` the cache spares its prefill now: the knowledge tree's exact
+        prefix, then every later segment with a stored variant (reusable at any position) less
+        the share of it that is recomputed (``CacheConfig.recompute_ratio``): a request whose
+        chunks are all variants still computes that share of them, so it is not ranked (or
+        forecast, for preemption) as if only its question were computed."""
         request: ServeRequest = ticket.payload
         mode = Mode(request.mode or self.engine.config.mode)
         if mode is Mode.FULL:
@@ -487,7 +549,8 @@ class EngineLoop:
         nodes = manager.tree.match_prefix(keys)
         cached = sum(len(s) for s in request.segments[:len(nodes)])
         if mode is not Mode.PREFIX:
-            cached += sum(len(s) for s in request.segments[len(nodes):-1] if s.key in manager.index)
+            kept = 1.0 - (self.engine.config.cache.recompute_ratio or 0.0)
+            cached += int(kept * sum(len(s) for s in request.segments[len(nodes):-1] if s.key in manager.index))
         return cached
 
 

@@ -4,7 +4,7 @@ Owns: ``ServerMetrics``, a private ``CollectorRegistry`` (so several apps in one
 in tests, never collide) with request counts by endpoint and status, TTFT and per-output-token
 latency histograms, decode batch sizes, queue length and running requests, prompt / cached /
 completion token counters, chunk hits and misses, requests served as exact tree paths, admissions
-(contested, reordered), exact-repeat promotions (stored, yielded, pending), idle-time heap trims
+(contested, reordered, preempted), exact-repeat promotions (stored, yielded, pending), idle-time heap trims
 (count, bytes released), the chunk cache's entries, and bytes, hits and load seconds per store
 tier, and a tiered store's demotions and drops (read from the store when scraped) and the standard process metrics (``process_resident_memory_bytes``, CPU seconds).
 It is the engine loop's observer (``on_step``, ``on_first_token``, ``on_token``, ``on_finished``).
@@ -77,6 +77,8 @@ class _LoopCollector:
             ("cachedrag_contested_admissions", policy.contested,
              "admissions made while more requests waited than were admitted (the order had a choice)"),
             ("cachedrag_reordered_admissions", policy.reordered, "admissions ahead of an older waiting request"),
+            ("cachedrag_preempted_prefills", policy.preempted,
+             "admissions prefilled between the layers of a running prefill, ahead of it (SchedulerConfig.preempt_ratio)"),
             ("cachedrag_exact_promotions", loop.promotions,
              "exact tree paths of recurring chunk sequences computed and stored (CacheConfig.exact_repeats)"),
             ("cachedrag_exact_promotions_yielded", loop.promotions_yielded,

@@ -30,6 +30,17 @@ step given the free batch slots. Two orders:
 
   Due requests go before any younger one, oldest first.
 
+- Preemption of a running prefill (``cache_aware`` only; ``preempt_ratio``, 0 = off): between
+  the layers of a prefill, ``preempt`` offers the policy's next pick (the same order and bounds
+  as ``admit``), when no older request waits, to go first when its whole prefill is forecast
+  to take at most ``preempt_ratio`` of what the running prefill has left. A request that is
+  mostly cached (an exact tree hit, a few recompute rows) then gets its first token without
+  waiting behind a cold prefill that happened to start first (head-of-line blocking, which
+  arrival order cannot avoid even with free batch slots); the preempted prefill is set back by
+  at most that fraction of its remaining time, once (the executor allows one preemption per
+  prefill), and no waiting request is passed. Shortest remaining work first, with RAGCache's
+  cached/compute priority, at layer granularity.
+
 Counters ``admitted`` / ``contested`` (admitted while more requests waited than there were
 slots, i.e. the order had a choice) / ``reordered`` (admitted ahead of an older waiting
 request) tell how much the order can matter under a given load: with few requests in flight
@@ -53,6 +64,7 @@ from typing import Literal
 
 Order = Literal["fifo", "cache_aware"]
 MAX_DELAY_S = 0.0  # the default bound (chosen on `cachedrag bench serve`'s queue level: docs/serving.md)
+PREEMPT_RATIO = 0.5  # the default preemption bound: what it may cost the preempted prefill (docs/serving.md)
 CANDIDATES = 8  # best-ranked requests tried per admission before falling back to the earliest deadline
 
 
@@ -122,6 +134,10 @@ class PrefillModel:
         self.base_s, self.per_token_s, self.decay = base_s, per_token_s, decay
         self._n = self._x = self._y = self._xx = self._xy = 0.0
 
+    def seconds(self, tokens: int) -> float:
+        """Forecast seconds of a prefill that computes ``tokens`` prompt tokens."""
+        return self.base_s + self.per_token_s * tokens
+
     def observe(self, tokens: int, seconds: float) -> None:
         d = self.decay
         self._n, self._x, self._y = d * self._n + 1, d * self._x + tokens, d * self._y + seconds
@@ -139,17 +155,20 @@ class SchedulerPolicy:
     """Waiting queue + admission order. Not thread-safe: the executor thread owns it."""
 
     def __init__(self, order: Order = "cache_aware", max_waiting: int = 256, starvation_s: float = 10.0,
-                 max_overtakes: int | None = None, max_delay_s: float | None = MAX_DELAY_S):
+                 max_overtakes: int | None = None, max_delay_s: float | None = MAX_DELAY_S,
+                 preempt_ratio: float = PREEMPT_RATIO):
         if order not in ("fifo", "cache_aware"):
             raise ValueError(f"order must be 'fifo' or 'cache_aware', got {order!r}")
         if (max_waiting < 1 or starvation_s < 0 or (max_overtakes is not None and max_overtakes < 0)
-                or (max_delay_s is not None and max_delay_s < 0)):
-            raise ValueError("max_waiting must be >= 1, starvation_s >= 0, max_overtakes >= 0 and max_delay_s >= 0")
+                or (max_delay_s is not None and max_delay_s < 0) or not 0 <= preempt_ratio <= 1):
+            raise ValueError("max_waiting must be >= 1, starvation_s >= 0, max_overtakes >= 0, max_delay_s >= 0 "
+                             "and preempt_ratio in [0, 1]")
         self.order = order
         self.max_waiting = max_waiting
         self.starvation_s = starvation_s
         self.max_overtakes = max_overtakes  # None: no cap
         self.max_delay_s = max_delay_s  # None: no forecast bound
+        self.preempt_ratio = preempt_ratio  # 0: a running prefill is never preempted
         self._waiting: list[Ticket] = []  # push order
         # tickets arrival order (FIFO) would still admit before this one, for tickets without a deadline yet
         self._fifo_ahead: dict[int, int] = {}
@@ -158,6 +177,7 @@ class SchedulerPolicy:
         self.admitted = 0
         self.contested = 0
         self.reordered = 0
+        self.preempted = 0  # admissions that went ahead of a running prefill (``preempt``)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -196,6 +216,35 @@ class SchedulerPolicy:
         if n <= 0:
             return []
         ranked, passed = self._pick(now, estimate, n, forecast, free_slots)
+        self._take(ranked, passed)
+        return ranked
+
+    def preempt(self, remaining_s: float, free_slots: int, now: float,
+                estimate: Callable[[Ticket], int] | None = None, forecast: Forecast | None = None) -> Ticket | None:
+        """Between the layers of a running prefill with ``remaining_s`` seconds of compute left:
+        the waiting ticket to prefill first, or None. It is ``admit``'s next pick (same order and
+        bounds), taken only when it is also the oldest waiting ticket (a preemption passes the
+        running prefill alone: passing waiting requests as well would delay each of them by the
+        preempting prefill, which measured as a wash on bursts) and its forecast prefill
+        (``forecast.prefill_s``) is at most ``preempt_ratio x remaining_s``; it leaves the queue
+        as an admission (counted as ``preempted`` too). Needs the forecast (its prefill-cost
+        model) and a free slot."""
+        if (self.order != "cache_aware" or self.preempt_ratio <= 0 or forecast is None or free_slots < 1
+                or not self._waiting or remaining_s <= 0):
+            return None
+        ranked, passed = self._pick(now, estimate, 1, forecast, free_slots)
+        pick = ranked[0]
+        if self._age_rank()[pick.id] != 0:  # it would pass a waiting request too: every one behind the
+            return None  # running prefill waits for the preempting one as well, not only the running one
+        if forecast.prefill_s(pick) > self.preempt_ratio * remaining_s + 1e-9:
+            return None
+        self._take(ranked, passed)
+        self.preempted += 1
+        return pick
+
+    def _take(self, ranked: list[Ticket], passed: dict[int, int]) -> None:
+        """Admit ``ranked`` (picked in this order): out of the queue, counters and overtakes updated."""
+        n = len(ranked)
         chosen = {t.id for t in ranked}
         oldest = {t.id for t in self._waiting[:n]}
         self.admitted += n
@@ -209,7 +258,6 @@ class SchedulerPolicy:
                 self._fifo_ahead[t.id] = max(0, self._fifo_ahead[t.id] - n)
         for t in ranked:
             self._fifo_ahead.pop(t.id, None)
-        return ranked
 
     def ranked(self, now: float, estimate: Callable[[Ticket], int] | None = None,
                n: int | None = None, forecast: Forecast | None = None, free_slots: int = 0) -> list[Ticket]:

@@ -95,8 +95,14 @@ _USED_BY_THE_COMMAND = {"host", "port", "log_level", "redis_url",
 _CLUSTER_OWN = {"replicas", "backend", "router", "ray_address", "replica_cpus", "retries", "no_shared_cache"}
 
 
+#: options whose range leaves no room for ``default + 3``: a valid value other than the default
+_BOUNDED = {"preempt_ratio": "0.25"}
+
+
 def _non_default(action: argparse.Action) -> list[str]:
     flag = action.option_strings[0]
+    if action.dest in _BOUNDED:
+        return [flag, _BOUNDED[action.dest]]
     if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the one that is not the default
         return [action.option_strings[1] if action.default else flag]
     if action.nargs == 0:  # store_true
@@ -129,7 +135,7 @@ def test_every_serve_option_reaches_the_replicas_or_is_refused(monkeypatch):
             assert cluster_config(args, None) != default, f"{action.option_strings[0]} does not reach the replicas"
         checked.append(action.dest)
     assert {"max_delay_s", "prefill_chunk_tokens", "kv_pool_tokens", "exact_repeats", "tie_guard", "threads",
-            "graceful_s", "dtype", "disk_dir", "hold_waiting"} <= set(checked)
+            "graceful_s", "dtype", "disk_dir", "hold_waiting", "preempt_ratio"} <= set(checked)
 
 
 def test_scheduler_settings_reach_the_replica_app():

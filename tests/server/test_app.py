@@ -41,7 +41,7 @@ def test_health_models_and_metrics(live_server):
     assert 'cachedrag_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
     # one request alone: admitted without a choice to make
     assert "cachedrag_admissions_total 1.0" in text and "cachedrag_contested_admissions_total 0.0" in text
-    assert "cachedrag_reordered_admissions_total 0.0" in text
+    assert "cachedrag_reordered_admissions_total 0.0" in text and "cachedrag_preempted_prefills_total 0.0" in text
     # nothing cached yet: its prefill computed every prompt row through every layer
     assert "cachedrag_prefill_seconds_count 1.0" in text
     assert f"cachedrag_prefill_rows_total {float(first.usage.prompt_tokens)}" in text

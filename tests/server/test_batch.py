@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from cachedrag.config import EngineConfig
 from cachedrag.engine import CachedEngine
@@ -16,6 +17,7 @@ from cachedrag.model.lookup import LookupConfig
 from cachedrag.server.batch import PACKED_ROWS, batch_weights, batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
 from cachedrag.server.loop import EngineLoop, Failed, Finished, ServeRequest
+from cachedrag.server.metrics import ServerMetrics
 from cachedrag.model.runner import ModelRunner
 from cachedrag.testing import TINY_DOCS, byte_tokenizer, tiny_model, tiny_runner
 
@@ -556,11 +558,53 @@ def test_waiting_requests_chunks_are_evicted_last(hold):
     waiting = engine.prompts.chat(docs[1::-1], "a question over the cached chunks")
     loop.submit(ServeRequest(waiting, SamplingParams(max_new_tokens=1), emit=lambda e: None))
     ticket = loop.policy.waiting[0]
-    assert loop._estimate(ticket) == sum(len(s) for s in waiting[:-1])  # all cached when it arrived
+    # all cached when it arrived: the system prompt as the tree's exact prefix, the rest (another
+    # order) as variants, of which the recomputed share still costs compute
+    arrived = loop._estimate(ticket)
+    kept_share = 1 - engine.config.cache.recompute_ratio
+    assert arrived == len(waiting[0]) + int(kept_share * sum(len(s) for s in waiting[1:-1]))
     for i in range(2):  # two more requests over new chunks fill the budget
         loop._prefill(ServeRequest(engine.prompts.chat(docs[2 + 2 * i:4 + 2 * i], "another question"),
                                    SamplingParams(max_new_tokens=1), emit=lambda e: None))
     m = engine.manager
     assert m.used_bytes <= budget and m.check() == [] and m.tree.evictions + m.index.evictions > 0
-    kept = loop._estimate(ticket) == sum(len(s) for s in waiting[:-1])
-    assert kept == hold
+    assert (loop._estimate(ticket) == arrived) == hold
+
+
+def test_a_short_request_preempts_a_running_prefill_and_every_token_stays():
+    """Cache-aware order with preemption: a short request waiting while a long prefill runs is
+    prefilled between the long one's layers and answers first; both answers equal the run
+    without preemption (where the long request's first token comes first)."""
+    runs = {}
+    for ratio in (0.0, 1.0):
+        engine = CachedEngine(tiny_runner(), config=NO_DRAFTS)
+        loop = EngineLoop(engine, SchedulerConfig(max_batch=2, preempt_ratio=ratio))
+        order, finals, done = [], {}, threading.Event()
+
+        def emitter(name):
+            def emit(event):
+                order.append(name)
+                if isinstance(event, (Finished, Failed)):
+                    finals[name] = event
+                    if len(finals) == 2:
+                        done.set()
+            return emit
+
+        long = engine.prompts.chat([d.text for d in TINY_DOCS[:2]], QUESTIONS[0])
+        short = engine.prompts.chat([], QUESTIONS[1])
+        n_long, n_short = (sum(len(s) for s in p) for p in (long, short))
+        # the forecast's first guess (PrefillModel: 0.05 s + 0.5 ms a token): after layer 0 of 2 the long
+        # prefill has half its time left, and the short one's whole prefill fits in it
+        assert 0.05 + 0.0005 * n_short <= 0.5 * (0.05 + 0.0005 * n_long)
+        loop.submit(ServeRequest(long, SamplingParams(max_new_tokens=6), emitter("long")))
+        loop.submit(ServeRequest(short, SamplingParams(max_new_tokens=6), emitter("short")))
+        loop.start()  # the first step sees both waiting and admits the older, long one
+        assert done.wait(60)
+        loop.stop()
+        assert all(isinstance(f, Finished) for f in finals.values()), finals
+        runs[ratio] = (order[0], loop.policy.preempted, {k: f.token_ids for k, f in finals.items()})
+        scrape = generate_latest(ServerMetrics(engine, loop).registry).decode()
+        assert f"cachedrag_preempted_prefills_total {float(loop.policy.preempted)}" in scrape
+    assert runs[0.0][:2] == ("long", 0)
+    assert runs[1.0][:2] == ("short", 1)  # the short request's first token came before the long one's
+    assert runs[1.0][2] == runs[0.0][2] and all(len(t) == 6 for t in runs[1.0][2].values())

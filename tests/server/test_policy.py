@@ -285,3 +285,63 @@ def test_every_pick_keeps_the_others_within_their_deadlines_on_random_queues(see
         for t, x in zip(plan[1:], fc.admission_times(plan, free)[1:]):
             assert now + x <= max(t.deadline, now + base[t.id]) + 1e-9
     assert reordered > 0
+
+
+# ---------------------------------------------------------------- preemption of a running prefill
+_PREFILL_COST = Forecast(slot_free_in=[], step_s=0.05, prefill_s_base=0.05, prefill_s_per_token=0.0005)
+
+
+@pytest.mark.parametrize("remaining_s,ratio,expect", [
+    (0.20, 0.5, 2),  # the hot request's prefill (0.05 + 50 x 0.0005 = 0.075 s) <= 0.5 x 0.2 s: it goes first
+    (0.14, 0.5, None),  # 0.075 > 0.07: the running prefill finishes first
+    (0.15, 0.5, 2),  # the boundary: at most ratio x remaining
+    (1.00, 0.0, None),  # ratio 0: never
+])
+def test_preempt_takes_the_next_pick_only_when_it_is_short_against_the_running_prefill(remaining_s, ratio, expect):
+    p = SchedulerPolicy("cache_aware", starvation_s=1e9, preempt_ratio=ratio)
+    p.push(Ticket(2, 0.1, 1000, 950, max_new_tokens=64))  # compute 50 tokens: 0.075 s
+    got = p.preempt(remaining_s, free_slots=1, now=1.0, forecast=_PREFILL_COST)
+    assert (got.id if got else None) == expect
+    assert p.preempted == p.admitted == (1 if expect else 0) and len(p) == (0 if expect else 1)
+
+
+def test_preempt_passes_the_running_prefill_only_never_a_waiting_request():
+    """A hot request behind an older waiting cold one does not preempt, even where the order ranks
+    it first (no bound here): each request already waiting would wait for it too. Once the cold
+    one is admitted, the hot one, alone, preempts the cold one's prefill."""
+    p = SchedulerPolicy("cache_aware", starvation_s=1e9, max_delay_s=None, preempt_ratio=0.5)
+    p.push(Ticket(1, 0.0, 1000, 100))  # compute 900 tokens: 0.5 s
+    p.push(Ticket(2, 0.1, 1000, 950))
+    assert p.ranked(now=1.0)[0].id == 2  # the order's own pick
+    assert p.preempt(1.0, free_slots=2, now=1.0, forecast=_PREFILL_COST) is None and len(p) == 2
+    alone = SchedulerPolicy("cache_aware", starvation_s=1e9, max_delay_s=None, preempt_ratio=0.5)
+    alone.push(Ticket(2, 0.1, 1000, 950))  # the cold one's prefill is the running one now
+    assert alone.preempt(1.0, free_slots=2, now=1.0, forecast=_PREFILL_COST).id == 2
+
+
+def test_preempt_needs_cache_aware_order_a_forecast_a_free_slot_and_a_waiting_request():
+    def policy(order="cache_aware"):
+        p = SchedulerPolicy(order, starvation_s=1e9, preempt_ratio=1.0)
+        p.push(Ticket(1, 0.0, 100, 90))
+        return p
+
+    assert policy("fifo").preempt(10.0, 1, now=1.0, forecast=_PREFILL_COST) is None
+    assert policy().preempt(10.0, 1, now=1.0, forecast=None) is None
+    assert policy().preempt(10.0, 0, now=1.0, forecast=_PREFILL_COST) is None
+    assert policy().preempt(0.0, 1, now=1.0, forecast=_PREFILL_COST) is None
+    assert SchedulerPolicy(preempt_ratio=1.0).preempt(10.0, 1, now=1.0, forecast=_PREFILL_COST) is None
+    assert policy().preempt(10.0, 1, now=1.0, forecast=_PREFILL_COST).id == 1
+
+
+def test_preempt_ratio_is_validated_and_reaches_the_policy():
+    from cachedrag.server.config import SchedulerConfig
+    from cachedrag.server.loop import EngineLoop
+    from cachedrag.server.policy import PREEMPT_RATIO
+
+    assert SchedulerConfig().preempt_ratio == SchedulerPolicy().preempt_ratio == PREEMPT_RATIO
+    assert EngineLoop(None, SchedulerConfig(preempt_ratio=0.25)).policy.preempt_ratio == 0.25
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError):
+            SchedulerPolicy(preempt_ratio=bad)
+        with pytest.raises(ValueError):
+            SchedulerConfig(preempt_ratio=bad)
