@@ -165,11 +165,10 @@ class EngineLoop:
         self._step_s = 0.05  # one batched decode step (moving average)
         self._prefill_model = PrefillModel()  # prefill seconds vs computed prompt tokens
         self._decode_s = 0.0  # seconds spent in decode forwards so far
-        # preemption (``SchedulerConfig.preempt_ratio``): the prefill running now, as the policy's
-        # forecast sees it (its ticket's computed tokens), whether it was preempted already, and the
-        # seconds spent in preempting prefills so far (left out of the preempted one's cost sample)
+        # preemption (``SchedulerConfig.preempt_ratio``): the prefill running now that may still be
+        # preempted (None once it was: once per prefill), and the seconds spent in preempting
+        # prefills so far (left out of the preempted one's cost sample)
         self._current: Ticket | None = None
-        self._preempted_current = False
         self._preempt_s = 0.0
         # pooled KV (``cachedrag.server.kvpool``): running requests decode from one slot tensor, so the
         # batched step attends over them in one call; where the fast decode path applies, and also with
@@ -277,10 +276,7 @@ class EngineLoop:
         now = time.perf_counter()
         with self._lock:
             cancel, self._cancel = self._cancel, set()
-            for rid in cancel:
-                ticket = self.policy.remove(rid)
-                if ticket is not None:
-                    ticket.payload.cancelled = True
+            self._cancel_waiting(cancel)
             staying = [r for r in self._running if r.request.id not in cancel and r.last is not None]
             free = self.config.max_batch - len(staying)
             admitted = self.policy.admit(free, now, limit=self.config.prefills_per_step, estimate=self._estimate,
@@ -289,7 +285,7 @@ class EngineLoop:
             self._drop([r for r in self._running if r.request.id in cancel])
             self._running = [r for r in self._running if r.request.id not in cancel]
         for ticket in admitted:
-            self._current, self._preempted_current = ticket, False
+            self._current = ticket
             try:
                 self._timed_prefill(ticket)
             finally:
@@ -345,33 +341,38 @@ class EngineLoop:
         the policy's next pick goes first when its forecast prefill is at most ``preempt_ratio`` of
         the running prefill's remaining forecast time (``SchedulerPolicy.preempt``)."""
         current = self._current
-        if current is None or self._preempted_current or self.policy.preempt_ratio <= 0:
+        if current is None or self.policy.preempt_ratio <= 0:
             return
         n_layers = self.engine.runner.n_layers
-        remaining = self._prefill_model.seconds(current.compute_len) * (n_layers - 1 - layer) / n_layers
         now = time.perf_counter()
         with self._lock:
             if not len(self.policy):
                 return
-            for rid in list(self._cancel):  # waiting requests whose client left go first (as in ``step``)
-                ticket = self.policy.remove(rid)
-                if ticket is not None:
-                    ticket.payload.cancelled = True
-                    self._cancel.discard(rid)
+            self._cancel -= self._cancel_waiting(self._cancel)  # waiting requests whose client left go first
             # the running prefill holds a slot of its own (it joins the running requests when it ends)
             staying = [r for r in self._running if r.last is not None and r.request.id not in self._cancel]
             free = self.config.max_batch - len(staying) - 1
-            ticket = self.policy.preempt(remaining, free, now, estimate=self._estimate,
-                                         forecast=self._forecast(staying))
+            forecast = self._forecast(staying)
+            remaining = forecast.prefill_s(current) * (n_layers - 1 - layer) / n_layers
+            ticket = self.policy.preempt(remaining, free, now, estimate=self._estimate, forecast=forecast)
         if ticket is None:
             return
-        self._preempted_current, self._current = True, None  # no preemption inside the preempting prefill
+        self._current = None  # preempted once: no more, and none inside the preempting prefill
         t0 = time.perf_counter()
         try:
             self._timed_prefill(ticket)
         finally:
-            self._current = current
             self._preempt_s += time.perf_counter() - t0
+
+    def _cancel_waiting(self, ids: set[int]) -> set[int]:
+        """Lock held: drop the waiting requests among ``ids`` (their client left); returns those dropped."""
+        dropped = set()
+        for rid in ids:
+            ticket = self.policy.remove(rid)
+            if ticket is not None:
+                ticket.payload.cancelled = True
+                dropped.add(rid)
+        return dropped
 
     def _decode_between_layers(self) -> None:
         """One decode step for the running requests inside a prefill (chunked prefill)."""

@@ -134,10 +134,6 @@ class PrefillModel:
         self.base_s, self.per_token_s, self.decay = base_s, per_token_s, decay
         self._n = self._x = self._y = self._xx = self._xy = 0.0
 
-    def seconds(self, tokens: int) -> float:
-        """Forecast seconds of a prefill that computes ``tokens`` prompt tokens."""
-        return self.base_s + self.per_token_s * tokens
-
     def observe(self, tokens: int, seconds: float) -> None:
         d = self.decay
         self._n, self._x, self._y = d * self._n + 1, d * self._x + tokens, d * self._y + seconds
