@@ -36,7 +36,12 @@ the hit rate, RAGCache's setting). ``--disk-dir`` adds a disk tier below it: eac
 new directory there (removed when it stops), so no configuration starts with another's entries,
 and each level reports hits per tier.
 Every level of one configuration replays the same requests as that level of every other, so
-answers compare request by request. Servers run one at a time (the CPU is shared).
+answers compare request by request. Servers run one at a time (the CPU is shared): by default one
+configuration after another; with ``--interleave`` all are started first and each level runs on
+every one in turn, the order reversed from one replay to the next, every server idle (its
+background work done) before the next one's turn, so a slow stretch of a shared machine, or the
+position of a server in the run, does not fall on one configuration. ``--rounds N`` replays each
+level N times on the stream's next requests and pools the figures (ABBA with ``--interleave``).
 ``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}`` (``soak``: the
 first round's figures and ``rounds``, every round's).
 """
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -71,6 +77,9 @@ CONFIGS = {
 }
 WARM_C1_CONFIGS = ("d", "e")  # the pair whose concurrency-1 comparison depends on what the server has seen
 QUEUE_CONFIGS = ("c", "d")  # FIFO vs cache-aware order, side by side on a level where requests queue for slots
+# --interleave: the pause after one server's replay (and its background work) before the next
+# server's: its OpenMP workers spin for a while after their last parallel region
+SWITCH_PAUSE_S = 0.5
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
                  "given by the user. Be brief.")
 
@@ -91,6 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after the levels, configs d and e replay concurrency 1 again on the stream's next "
                              "requests, with the passages seen so far (the steady state of a running service); "
                              "the cold concurrency-1 level stays in the table")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=False,
+                        help="start every configuration's server first, then run each level on all of them in "
+                             "turn, the order reversed from one replay to the next (servers otherwise run one "
+                             "after another): a slow stretch of a shared machine, or a position effect, then "
+                             "falls on every configuration rather than on whichever ran during it")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="replay each level this many times, each on the stream's next requests, the level's "
+                             "figures pooled over them (with --interleave the configuration order reverses from "
+                             "round to round: ABBA)")
     parser.add_argument("--max-batch", type=int, default=8, help="batch size of the batched configurations")
     parser.add_argument("--queue-level", type=int, default=16,
                         help="the ordering comparison: configs c (FIFO) and d (cache-aware) also replay this "
@@ -357,36 +375,61 @@ async def _replay(url: str, bodies: list[dict], concurrency: int, rate: float, s
         return list(results), time.perf_counter() - start
 
 
-def _busy_window(results: list[dict], level: int) -> dict:
-    """Throughput while all ``level`` slots were busy: from the start of the ``level``-th request
-    (every slot filled) to the start of the last one (a slot is refilled as soon as a request
-    ends while others wait, so in between exactly ``level`` are in flight; after it the level
-    drains with fewer). With a dozen requests per level the drain is a large part of a high
-    level's wall time, so the whole-level figures understate what that concurrency sustains.
-    Tokens are counted by the share of each request's streamed deltas inside the window. (A
-    requests/s figure over the same window is biased low: the window opens when the level's
-    first requests start together, and none of them ends for a whole answer's time.)"""
+def _busy_window(results: list[dict], level: int) -> tuple[float, float] | None:
+    """Throughput while all ``level`` slots were busy, as (window seconds, output tokens inside it):
+    from the start of the ``level``-th request (every slot filled) to the start of the last one
+    (a slot is refilled as soon as a request ends while others wait, so in between exactly
+    ``level`` are in flight; after it the level drains with fewer). With a dozen requests per
+    level the drain is a large part of a high level's wall time, so the whole-level figures
+    understate what that concurrency sustains. Tokens are counted by the share of each request's
+    streamed deltas inside the window. (A requests/s figure over the same window is biased low:
+    the window opens when the level's first requests start together, and none of them ends for
+    a whole answer's time.) None when the replay never filled its slots."""
     ok = [r for r in results if r["status"] == 200 and r["usage"]]
     starts = sorted(r["t_start"] for r in results)
     if len(starts) <= level:
-        return {"busy_window_s": None, "busy_output_tokens_per_s": None}
+        return None
     lo, hi = starts[level - 1], starts[-1]
     if hi - lo <= 0:
-        return {"busy_window_s": None, "busy_output_tokens_per_s": None}
+        return None
     tokens = 0.0
     for r in ok:
         times = r["delta_times"]
         if times:
             inside = sum(lo <= t < hi for t in times)
             tokens += r["usage"]["completion_tokens"] * inside / len(times)
-    return {"busy_window_s": hi - lo, "busy_output_tokens_per_s": tokens / (hi - lo)}
+    return hi - lo, tokens
 
 
-def _level_stats(results: list[dict], wall: float, before: str, after: str, level: int = 1) -> dict:
-    """One level's figures from the clients' results and the server's /metrics before and after it."""
+@dataclasses.dataclass
+class Replay:
+    """One replay of a level on one server: the clients' results, its wall time and the server's
+    /metrics scraped just before and just after it."""
+
+    results: list[dict]
+    wall: float
+    before: str
+    after: str
+
+
+def _level_stats(replays: list[Replay], level: int = 1) -> dict:
+    """One level's figures, pooled over its replays (``--rounds``): requests, tokens and the
+    server's counters summed, wall times added, percentiles over every request."""
+    results = [r for rep in replays for r in rep.results]
+    wall = sum(rep.wall for rep in replays)
 
     def grew(name: str) -> float:
-        return _metric_sum(after, name) - _metric_sum(before, name)
+        return sum(_metric_sum(rep.after, name) - _metric_sum(rep.before, name) for rep in replays)
+
+    def grew_by(name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for rep in replays:
+            for k, v in _by_label(rep.before, rep.after, name, label).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    windows = [w for w in (_busy_window(rep.results, level) for rep in replays) if w is not None]
+    busy_s = sum(w for w, _ in windows)
 
     hits, misses = grew("cachedrag_chunk_hits_total"), grew("cachedrag_chunk_misses_total")
     admitted = grew("cachedrag_admissions_total")
@@ -430,12 +473,14 @@ def _level_stats(results: list[dict], wall: float, before: str, after: str, leve
         # every request's TTFT in the order the level sent them (the shape behind p50 / p95)
         "ttft_s_by_request": [None if r["ttft_s"] is None else round(r["ttft_s"], 3) for r in results],
         # the chunk cache at the level's end (in memory; below a --cache-gb budget, eviction holds it there)
-        "cache_mb_after": round(_metric_sum(after, "cachedrag_cache_bytes") / 2**20, 2),
+        "cache_mb_after": round(_metric_sum(replays[-1].after, "cachedrag_cache_bytes") / 2**20, 2),
         # which store tier the level's cache reads came from, and the time they took (a tiered store: by tier)
-        "tier_hits": _by_label(before, after, "cachedrag_tier_hits_total", "tier"),
-        "tier_load_s": _by_label(before, after, "cachedrag_tier_load_seconds_total", "tier"),
+        "tier_hits": grew_by("cachedrag_tier_hits_total", "tier"),
+        "tier_load_s": grew_by("cachedrag_tier_load_seconds_total", "tier"),
         "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:3],
-        **_busy_window(results, level),
+        "busy_window_s": busy_s if windows else None,
+        "busy_output_tokens_per_s": sum(t for _, t in windows) / busy_s if windows and busy_s > 0 else None,
+        "rounds": len(replays),
     }
 
 
@@ -456,7 +501,10 @@ def run(args: argparse.Namespace) -> int:
         levels = []
     if not levels or min(levels) < 1:
         raise ConfigError(f"--levels must list concurrency levels (integers >= 1, comma-separated), got {args.levels!r}")
-    n_total = args.warmup + args.requests * (len(levels) + 1) + max(0, args.queue_requests)
+    n_rounds = args.rounds
+    if n_rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1, got {n_rounds}")
+    n_total = args.warmup + n_rounds * (args.requests * (len(levels) + 1) + max(0, args.queue_requests))
     model_args = ["--tiny"] if args.tiny else (["--model", args.model] if args.model else [])
     model_args += numerics_args(args) + scheduler_args(args) + cache_args(args)
     disk_args(args, None)  # a bad --disk-gb is refused before any work
@@ -495,16 +543,19 @@ def run(args: argparse.Namespace) -> int:
         "hold_waiting": args.hold_waiting, "kv_pool_tokens": args.kv_pool_tokens,
         "trim_heap_idle_s": args.trim_heap_idle_s,
         "passage_chars": args.passage_chars, "tokenization": args.tokenization,
-        "queue_requests": args.queue_requests,
+        "queue_requests": args.queue_requests, "interleave": args.interleave, "rounds": n_rounds,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},
     }, "configs": {}, "answers": {}}
-    texts: dict[str, dict[int, list[str]]] = {}
-    for name in configs:
+    texts: dict[str, dict[str, list[str]]] = {}
+    disks: dict[str, str | None] = {}
+
+    def start(name: str) -> ServerProcess:
+        """``name``'s server, started and warmed with the warm-up requests."""
         label, flags, explicit = CONFIGS[name]
         batch = [] if "--max-batch" in flags else ["--max-batch", str(args.max_batch)]
         print(f"[{name}] {label}: starting server", file=sys.stderr)
-        disk = _server_disk_dir(args, name)
+        disk = disks[name] = _server_disk_dir(args, name)
         try:
             server = ServerProcess(model_args + flags + batch + disk_args(args, disk))
         except BaseException:
@@ -513,36 +564,90 @@ def run(args: argparse.Namespace) -> int:
             raise
         try:
             asyncio.run(_replay(server.url, bodies(explicit, 0, args.warmup, args.warmup_max_tokens), 1, args.rate, 0))
-            results["configs"][name] = {}
-            texts[name] = {}
-            # (label, concurrency, first request, requests): every config sees the same requests per level
-            runs = [(str(lv), lv, args.warmup + j * args.requests, args.requests) for j, lv in enumerate(levels)]
-            if args.queue_level > 0 and name in QUEUE_CONFIGS:
-                # before "1w", so c and d come to it with the same history (the same requests served)
-                runs.append((f"{args.queue_level}q", args.queue_level,
-                             args.warmup + (len(levels) + 1) * args.requests, args.queue_requests))
-            if args.warm_c1 and name in WARM_C1_CONFIGS and 1 in levels:
-                # concurrency 1 again, on new requests of the same stream
-                runs.append(("1w", 1, args.warmup + len(levels) * args.requests, args.requests))
-            for level, conc, lo, count in runs:
-                before = httpx.get(server.url + "/metrics").text
-                res, wall = asyncio.run(_replay(server.url, bodies(explicit, lo, lo + count, args.max_tokens),
-                                                conc, args.rate, args.seed + conc))
-                after = httpx.get(server.url + "/metrics").text
-                row = _level_stats(res, wall, before, after, conc)
-                results["configs"][name][level] = row
-                texts[name][level] = [r["text"] for r in res]
-                print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
-                      f"{row['ttft_p50_s']:.2f} s, {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
-            if args.soak and name == "d":
-                rounds = [_soak(server, args, model_name, work, k) for k in range(max(1, args.soak_rounds))]
-                results["soak"] = {**rounds[0], "rounds": rounds}
-        finally:
-            server.stop()
-            if disk is not None:
-                shutil.rmtree(disk, ignore_errors=True)
-        if args.json_out:  # partial results survive an interrupted run
+        except BaseException:
+            stop(name, server)
+            raise
+        results["configs"][name] = {}
+        texts[name] = {}
+        return server
+
+    def stop(name: str, server: ServerProcess) -> None:
+        server.stop()
+        if disks.get(name) is not None:
+            shutil.rmtree(disks[name], ignore_errors=True)
+
+    def replay(name: str, server: ServerProcess, conc: int, lo: int, count: int) -> Replay:
+        before = httpx.get(server.url + "/metrics").text
+        res, wall = asyncio.run(_replay(server.url, bodies(CONFIGS[name][2], lo, lo + count, args.max_tokens),
+                                        conc, args.rate, args.seed + conc))
+        return Replay(res, wall, before, httpx.get(server.url + "/metrics").text)
+
+    def record(name: str, level: str, conc: int, replays: list[Replay]) -> None:
+        row = _level_stats(replays, conc)
+        results["configs"][name][level] = row
+        texts[name][level] = [r["text"] for rep in replays for r in rep.results]
+        print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
+              f"{row['ttft_p50_s']:.2f} s, {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+
+    def soak(server: ServerProcess) -> None:
+        rounds = [_soak(server, args, model_name, work, k) for k in range(max(1, args.soak_rounds))]
+        results["soak"] = {**rounds[0], "rounds": rounds}
+
+    def save() -> None:  # partial results survive an interrupted run
+        if args.json_out:
             write_json(results, args.json_out)
+
+    # (label, concurrency, each round's first request, requests, configurations): every configuration
+    # that runs a level sees the same requests there, in the same order
+    requests_at = args.warmup + len(levels) * n_rounds * args.requests
+    runs = [(str(lv), lv, [args.warmup + (j * n_rounds + r) * args.requests for r in range(n_rounds)],
+             args.requests, configs) for j, lv in enumerate(levels)]
+    queue_pair = [c for c in configs if c in QUEUE_CONFIGS]
+    if args.queue_level > 0 and queue_pair:
+        # before "1w", so c and d come to it with the same history (the same requests served)
+        runs.append((f"{args.queue_level}q", args.queue_level,
+                     [requests_at + n_rounds * args.requests + r * args.queue_requests for r in range(n_rounds)],
+                     args.queue_requests, queue_pair))
+    warm_pair = [c for c in configs if c in WARM_C1_CONFIGS]
+    if args.warm_c1 and warm_pair and 1 in levels:  # concurrency 1 again, on new requests of the same stream
+        runs.append(("1w", 1, [requests_at + r * args.requests for r in range(n_rounds)], args.requests, warm_pair))
+    if not args.interleave:  # one server after another
+        for name in configs:
+            server = start(name)
+            try:
+                for level, conc, firsts, count, who in runs:
+                    if name in who:
+                        record(name, level, conc, [replay(name, server, conc, lo, count) for lo in firsts])
+                if args.soak and name == "d":
+                    soak(server)
+            finally:
+                stop(name, server)
+            save()
+    else:  # every server alive; each replay runs on all of them in turn, the order reversed from one to the next
+        servers: dict[str, ServerProcess] = {}
+        try:
+            for name in configs:
+                servers[name] = start(name)
+            turn = 0
+            for level, conc, firsts, count, who in runs:
+                replays: dict[str, list[Replay]] = {name: [] for name in who}
+                for lo in firsts:
+                    order = list(who) if turn % 2 == 0 else list(reversed(who))
+                    turn += 1
+                    for name in order:
+                        replays[name].append(replay(name, servers[name], conc, lo, count))
+                        # the next server runs alone: this one's background work (promotions) done, its
+                        # torch threads back asleep
+                        _wait_idle(servers[name])
+                        time.sleep(SWITCH_PAUSE_S)
+                for name in who:
+                    record(name, level, conc, replays[name])
+                save()
+            if args.soak and "d" in servers:
+                soak(servers["d"])
+        finally:
+            for name, server in servers.items():
+                stop(name, server)
     if "b" in texts:
         for name in texts:
             if name == "b":
@@ -557,11 +662,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_rest(server: ServerProcess, args, timeout_s: float = 120.0) -> None:
-    """Wait until the server has nothing to do and has trimmed its heap, for a memory reading:
-    no request running or waiting, no exact-repeat promotion pending (idle time computes those
-    first, and a soak leaves some), then past its idle heap trim (``--trim-heap-idle-s``, the
-    server's 1 s by default; at least 2 s, so the last disconnects are noticed)."""
+def _wait_idle(server: ServerProcess, timeout_s: float = 120.0) -> None:
+    """Wait until the server has nothing to do: no request running or waiting and no exact-repeat
+    promotion pending (a server computes those when it has no requests)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -569,8 +672,16 @@ def _at_rest(server: ServerProcess, args, timeout_s: float = 120.0) -> None:
         text = httpx.get(server.url + "/metrics").text
         if not any(_metric_sum(text, name) for name in ("cachedrag_exact_promotions_pending",
                                                        "cachedrag_running_requests", "cachedrag_queue_length")):
-            break
+            return
         time.sleep(0.25)
+
+
+def _at_rest(server: ServerProcess, args, timeout_s: float = 120.0) -> None:
+    """Wait until the server has nothing to do and has trimmed its heap, for a memory reading:
+    no request running or waiting, no exact-repeat promotion pending (idle time computes those
+    first, and a soak leaves some), then past its idle heap trim (``--trim-heap-idle-s``, the
+    server's 1 s by default; at least 2 s, so the last disconnects are noticed)."""
+    _wait_idle(server, timeout_s)
     trim_s = args.trim_heap_idle_s if args.trim_heap_idle_s is not None else 1.0
     time.sleep(max(2.0, trim_s + 1.0) if math.isfinite(trim_s) else 2.0)
 

@@ -149,3 +149,65 @@ def test_bench_serve_with_a_disk_tier_reports_hits_per_tier(tmp_path):
     assert set(row["tier_hits"]) == {"cpu", "disk"} and row["tier_hits"]["disk"] > 0
     assert row["tier_load_s"]["disk"] > 0
     assert list(disk.iterdir()) == []  # the server's directory went with it
+
+
+def _scrape(**counters: float) -> str:
+    return "".join(f"{name} {value}\n" for name, value in counters.items())
+
+
+def _request(t_start: float, ttft: float, tokens: int, deltas: list[float]) -> dict:
+    return {"status": 200, "usage": {"completion_tokens": tokens, "prompt_tokens": 100,
+                                     "prompt_tokens_details": {"cached_tokens": 40}},
+            "ttft_s": ttft, "total_s": ttft + 0.1 * (tokens - 1), "t_start": t_start, "delta_times": deltas, "text": ""}
+
+
+def test_a_level_pools_its_rounds():
+    """--rounds: requests and wall times add up, the server's counters grow by the sum of each
+    replay's growth (not by last-minus-first, which would count what ran between the replays),
+    percentiles span every request, busy windows add up."""
+    first = serve.Replay(
+        [_request(0.0, 0.5, 4, [0.05, 0.1, 0.15, 0.5]), _request(0.2, 1.0, 4, [1.2, 1.3, 1.4, 1.5])], 2.0,
+        _scrape(cachedrag_chunk_hits_total=10, cachedrag_chunk_misses_total=5, cachedrag_admissions_total=3),
+        _scrape(cachedrag_chunk_hits_total=13, cachedrag_chunk_misses_total=6, cachedrag_admissions_total=5))
+    second = serve.Replay(
+        [_request(10.0, 2.0, 2, [10.1, 12.1]), _request(10.4, 3.0, 2, [13.4, 13.5])], 6.0,
+        # another configuration's turn, or a level, ran in between: the counters moved on meanwhile
+        _scrape(cachedrag_chunk_hits_total=50, cachedrag_chunk_misses_total=20, cachedrag_admissions_total=9),
+        _scrape(cachedrag_chunk_hits_total=51, cachedrag_chunk_misses_total=23, cachedrag_admissions_total=11))
+    row = serve._level_stats([first, second], level=1)
+    assert row["rounds"] == 2 and row["requests"] == row["completed"] == 4
+    assert row["wall_s"] == 8.0 and row["requests_per_s"] == 0.5 and row["output_tokens_per_s"] == 12 / 8
+    assert row["chunk_hit_rate"] == 4 / 8  # (3 + 1) hits of (4 + 4) lookups
+    assert row["ttft_s_by_request"] == [0.5, 1.0, 2.0, 3.0] and row["ttft_mean_s"] == 1.625
+    assert row["cached_tokens_share"] == 0.4
+    # busy windows (level 1: from the first request's start to the last one's): 0.2 s and 0.4 s
+    assert row["busy_window_s"] == pytest.approx(0.6)
+    # tokens counted by the share of each request's deltas inside its replay's window: 3 of 4, then 1 of 2
+    assert row["busy_output_tokens_per_s"] == pytest.approx((4 * 3 / 4 + 2 * 1 / 2) / 0.6)
+    assert serve._level_stats([first], level=1)["chunk_hit_rate"] == 3 / 4
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_interleaved_rounds(tmp_path):
+    """--interleave --rounds 2: both servers alive, each level replayed twice on fresh requests and
+    pooled; the two configurations served the same requests (the same answers at concurrency 1)."""
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--tiny", "--configs", "c,d", "--levels", "1,2", "--requests", "2", "--warmup", "1",
+               "--max-tokens", "3", "--queue-level", "0", "--no-soak", "--no-warm-c1", "--interleave", "--rounds", "2",
+               "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["interleave"] is True and data["config"]["rounds"] == 2
+    for name in ("c", "d"):
+        assert set(data["configs"][name]) == {"1", "2"}
+        for row in data["configs"][name].values():
+            assert row["rounds"] == 2 and row["requests"] == row["completed"] == 4
+            assert len(row["ttft_s_by_request"]) == 4 and row["wall_s"] > 0
+    assert data["configs"]["c"]["1"]["prompt_tokens_mean"] == data["configs"]["d"]["1"]["prompt_tokens_mean"]
+    assert "c_vs_d_ttft_p50_c2" in data["ratios"]
+
+
+def test_rounds_below_one_is_one_clear_line(capsys):
+    assert main(["bench", "serve", "--tiny", "--rounds", "0", "--no-soak"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--rounds must be >= 1" in err and len(err.splitlines()) == 1
