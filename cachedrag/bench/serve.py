@@ -781,8 +781,10 @@ def _print(results: dict) -> None:
             ("busy_output_tokens_per_s", "busy t/s")]
     cfg = results["config"]
     numerics = cfg["dtype"] + ("" if cfg["weights"] == "dense" else f"+{cfg['weights']}")
-    print(f"\nserve: {cfg['requests_per_level']} requests per level, max_tokens {cfg['max_tokens']}, "
-          f"{cfg['model']} ({numerics})")
+    rounds = cfg.get("rounds", 1)
+    per_level = f"{cfg['requests_per_level']} requests per level" + (f" x {rounds} rounds" if rounds > 1 else "")
+    order = "servers interleaved" if cfg.get("interleave") else "servers one after another"
+    print(f"\nserve: {per_level}, max_tokens {cfg['max_tokens']}, {cfg['model']} ({numerics}), {order}")
     print(f"{'config':>8} {'conc':>5} " + " ".join(f"{h:>8}" for _, h in cols))
     for name, levels in results["configs"].items():
         for lv, row in levels.items():
