@@ -38,9 +38,12 @@ and each level reports hits per tier.
 Every level of one configuration replays the same requests as that level of every other, so
 answers compare request by request. Servers run one at a time (the CPU is shared): by default one
 configuration after another; with ``--interleave`` all are started first and each level runs on
-every one in turn, the order reversed from one replay to the next, every server idle (its
-background work done) before the next one's turn, so a slow stretch of a shared machine, or the
-position of a server in the run, does not fall on one configuration. ``--rounds N`` replays each
+every one in turn, the order reversed from one replay to the next, so a slow stretch of a shared
+machine, or the position of a server in the run, does not fall on one configuration. Outside its
+turns a server is stopped (SIGSTOP): it uses no CPU and does no background work (exact-repeat
+promotions, heap trims) meanwhile, so it serves the same uninterrupted sequence of levels as
+when run alone (idle time between levels would let it finish promotions a loaded service
+would not get to, raising its hit rate). ``--rounds N`` replays each
 level N times on the stream's next requests and pools the figures (ABBA with ``--interleave``).
 ``--json OUT`` writes ``{"config", "configs": {name: {level: {...}}}, "answers", "soak"}`` (``soak``: the
 first round's figures and ``rounds``, every round's).
@@ -58,6 +61,7 @@ import random
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,9 +81,6 @@ CONFIGS = {
 }
 WARM_C1_CONFIGS = ("d", "e")  # the pair whose concurrency-1 comparison depends on what the server has seen
 QUEUE_CONFIGS = ("c", "d")  # FIFO vs cache-aware order, side by side on a level where requests queue for slots
-# --interleave: the pause after one server's replay (and its background work) before the next
-# server's: its OpenMP workers spin for a while after their last parallel region
-SWITCH_PAUSE_S = 0.5
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
                  "given by the user. Be brief.")
 
@@ -104,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start every configuration's server first, then run each level on all of them in "
                              "turn, the order reversed from one replay to the next (servers otherwise run one "
                              "after another): a slow stretch of a shared machine, or a position effect, then "
-                             "falls on every configuration rather than on whichever ran during it")
+                             "falls on every configuration rather than on whichever ran during it; a server is "
+                             "stopped (SIGSTOP) outside its turns, so it does no background work meanwhile")
     parser.add_argument("--rounds", type=int, default=1,
                         help="replay each level this many times, each on the stream's next requests, the level's "
                              "figures pooled over them (with --interleave the configuration order reverses from "
@@ -236,6 +238,7 @@ class ServerProcess:
                                       "--log-level", "warning", *args], stderr=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = None
+        self.frozen = False
         lines = []
         deadline = time.monotonic() + 300
         while self.url is None:
@@ -275,7 +278,20 @@ class ServerProcess:
                     return int(line.split()[1]) * 1024
         return 0
 
+    def freeze(self) -> None:
+        """Stop the process (SIGSTOP) between its turns of an interleaved run: it uses no CPU and
+        does no background work (exact-repeat promotions, heap trims) while another server runs."""
+        if self.proc.poll() is None and not self.frozen:
+            self.proc.send_signal(signal.SIGSTOP)
+            self.frozen = True
+
+    def thaw(self) -> None:
+        if self.frozen:
+            self.proc.send_signal(signal.SIGCONT)
+            self.frozen = False
+
     def stop(self) -> int:
+        self.thaw()  # a stopped process would hold SIGTERM until continued
         self.proc.terminate()
         try:
             return self.proc.wait(timeout=60)
@@ -628,6 +644,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             for name in configs:
                 servers[name] = start(name)
+                servers[name].freeze()
             turn = 0
             for level, conc, firsts, count, who in runs:
                 replays: dict[str, list[Replay]] = {name: [] for name in who}
@@ -635,15 +652,14 @@ def run(args: argparse.Namespace) -> int:
                     order = list(who) if turn % 2 == 0 else list(reversed(who))
                     turn += 1
                     for name in order:
+                        servers[name].thaw()
                         replays[name].append(replay(name, servers[name], conc, lo, count))
-                        # the next server runs alone: this one's background work (promotions) done, its
-                        # torch threads back asleep
-                        _wait_idle(servers[name])
-                        time.sleep(SWITCH_PAUSE_S)
+                        servers[name].freeze()
                 for name in who:
                     record(name, level, conc, replays[name])
                 save()
             if args.soak and "d" in servers:
+                servers["d"].thaw()
                 soak(servers["d"])
         finally:
             for name, server in servers.items():

@@ -211,3 +211,25 @@ def test_rounds_below_one_is_one_clear_line(capsys):
     assert main(["bench", "serve", "--tiny", "--rounds", "0", "--no-soak"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--rounds must be >= 1" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_server_is_stopped_until_thawed_and_still_stops():
+    """--interleave's freeze: the process is stopped (state T) between its turns, answers again once
+    thawed, and stop() ends it even while frozen (a stopped process would hold SIGTERM)."""
+    import httpx
+
+    server = serve.ServerProcess(["--tiny"])
+    try:
+        def state() -> str:
+            with open(f"/proc/{server.proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+
+        server.freeze()
+        assert state() == "T"
+        server.thaw()
+        assert state() != "T" and httpx.get(server.url + "/health", timeout=30).status_code == 200
+        server.freeze()
+    finally:
+        rc = server.stop()
+    assert rc is not None and server.proc.poll() is not None
