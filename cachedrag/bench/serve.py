@@ -678,9 +678,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_idle(server: ServerProcess, timeout_s: float = 120.0) -> None:
-    """Wait until the server has nothing to do: no request running or waiting and no exact-repeat
-    promotion pending (a server computes those when it has no requests)."""
+def _at_rest(server: ServerProcess, args, timeout_s: float = 120.0) -> None:
+    """Wait until the server has nothing to do and has trimmed its heap, for a memory reading:
+    no request running or waiting, no exact-repeat promotion pending (idle time computes those
+    first, and a soak leaves some), then past its idle heap trim (``--trim-heap-idle-s``, the
+    server's 1 s by default; at least 2 s, so the last disconnects are noticed)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -688,16 +690,8 @@ def _wait_idle(server: ServerProcess, timeout_s: float = 120.0) -> None:
         text = httpx.get(server.url + "/metrics").text
         if not any(_metric_sum(text, name) for name in ("cachedrag_exact_promotions_pending",
                                                        "cachedrag_running_requests", "cachedrag_queue_length")):
-            return
+            break
         time.sleep(0.25)
-
-
-def _at_rest(server: ServerProcess, args, timeout_s: float = 120.0) -> None:
-    """Wait until the server has nothing to do and has trimmed its heap, for a memory reading:
-    no request running or waiting, no exact-repeat promotion pending (idle time computes those
-    first, and a soak leaves some), then past its idle heap trim (``--trim-heap-idle-s``, the
-    server's 1 s by default; at least 2 s, so the last disconnects are noticed)."""
-    _wait_idle(server, timeout_s)
     trim_s = args.trim_heap_idle_s if args.trim_heap_idle_s is not None else 1.0
     time.sleep(max(2.0, trim_s + 1.0) if math.isfinite(trim_s) else 2.0)
 
