@@ -2,14 +2,14 @@
 
 The server's engine loop prefills one request at a time. A request whose context is an exact
 knowledge-tree hit (only its question is computed) that arrives while a cold request is being
-prefilled waits for the whole cold prefill in arrival order. With ``preempt_ratio`` R > 0 (opt-in,
-cache-aware order only), the loop prefills it between the cold prefill's layers when its forecast
+prefilled waits for the whole cold prefill in arrival order. With ``preempt_ratio`` R > 0 (0.5 by
+default, cache-aware order only), the loop prefills it between the cold prefill's layers when its forecast
 prefill is at most R of what the cold one has left, and no older request waits: the hot request
 answers first, the cold one's first token comes later by about the hot prefill, and every token
 of both answers stays the same. This runs both settings on the same two requests, in one process
 (one loaded model, a fresh engine and cache for each setting). See docs/serving.md, "How it
-schedules" and "Preemption of a running prefill, measured" (on `bench serve` it gained nothing
-measurable, which is why it is off by default).
+schedules" and "Preemption of a running prefill, measured" (on `bench serve`, measured against
+two identical servers' noise, it lowered TTFT p50 by a quarter at concurrency 4 and 8).
 
     python examples/prefill_preemption.py            # embedded SmolLM2-135M-Instruct, bfloat16
 """
