@@ -771,6 +771,8 @@ def _ratios(results: dict) -> None:
                 out[f"c_vs_d_ttft_p50_c{lv}"] = c["c"][lv]["ttft_p50_s"] / c["d"][lv]["ttft_p50_s"]
                 out[f"c_vs_d_ttft_mean_c{lv}"] = c["c"][lv]["ttft_mean_s"] / c["d"][lv]["ttft_mean_s"]
                 out[f"d_p95_le_c_p95_c{lv}"] = c["d"][lv]["ttft_p95_s"] <= c["c"][lv]["ttft_p95_s"]
+                out.update({f"d_minus_c_{k}_c{lv}": v for k, v in _paired_ttft(
+                    c["c"][lv]["ttft_s_by_request"], c["d"][lv]["ttft_s_by_request"]).items()})
     if all(k in c for k in "ade"):
         for lv in c["e"]:
             base = c["a"].get("1" if lv == "1w" else lv)  # full mode has no warm state: c1 is its c1w
@@ -780,6 +782,23 @@ def _ratios(results: dict) -> None:
             gain_e = base["ttft_p50_s"] - c["e"][lv]["ttft_p50_s"]
             out[f"e_keeps_of_d_ttft_gain_c{lv}"] = gain_e / gain_d if gain_d > 0 else None
     results["ratios"] = out
+
+
+PAIRED_TIE_S = 0.02  # paired TTFTs closer than this count as neither faster nor slower
+
+
+def _paired_ttft(base: list, other: list) -> dict:
+    """Two servers replayed the same requests in the same order, so their TTFTs pair request by
+    request: the mean of ``other - base`` (seconds), how many requests ``other`` served more than
+    ``PAIRED_TIE_S`` sooner / later, and the largest gain and loss. Requests without a TTFT on
+    either side are left out."""
+    diffs = [y - x for x, y in zip(base, other) if x is not None and y is not None]
+    if not diffs:
+        return {}
+    return {"paired_ttft_mean_s": sum(diffs) / len(diffs),
+            "paired_sooner": sum(d < -PAIRED_TIE_S for d in diffs),
+            "paired_later": sum(d > PAIRED_TIE_S for d in diffs),
+            "paired_most_sooner_s": -min(min(diffs), 0.0), "paired_most_later_s": max(max(diffs), 0.0)}
 
 
 def _print(results: dict) -> None:

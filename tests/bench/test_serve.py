@@ -233,3 +233,19 @@ def test_a_frozen_server_is_stopped_until_thawed_and_still_stops():
     finally:
         rc = server.stop()
     assert rc is not None and server.proc.poll() is not None
+
+
+def test_c_and_d_ttfts_pair_request_by_request():
+    """The ratios pair c's and d's TTFTs request by request (the same requests, in the same order):
+    d's mean difference, how many it served sooner / later beyond a 20 ms tie, the extremes."""
+    rows = {"c": {"4": {"ttft_p50_s": 1.0, "ttft_mean_s": 1.0, "ttft_p95_s": 2.0,
+                        "ttft_s_by_request": [0.50, 0.60, 0.70, None, 0.40]}},
+            "d": {"4": {"ttft_p50_s": 1.0, "ttft_mean_s": 1.0, "ttft_p95_s": 2.0,
+                        "ttft_s_by_request": [0.10, 0.61, 0.90, 0.30, 0.40]}}}
+    results = {"configs": rows}
+    serve._ratios(results)
+    r = results["ratios"]
+    assert r["d_minus_c_paired_ttft_mean_s_c4"] == pytest.approx((-0.40 + 0.01 + 0.20 + 0.0) / 4)
+    assert r["d_minus_c_paired_sooner_c4"] == 1 and r["d_minus_c_paired_later_c4"] == 1  # 0.01 s is a tie
+    assert r["d_minus_c_paired_most_sooner_s_c4"] == pytest.approx(0.40)
+    assert r["d_minus_c_paired_most_later_s_c4"] == pytest.approx(0.20)
