@@ -7,7 +7,9 @@ tokens layer by layer, choosing the recompute tokens when the plan defers that c
 K/V deviation, CacheBlend; by the question's attention to the re-rotated cache, ProphetKV-like; or
 both fused), budget by need, order-aware exact reuse (serving a cached tree path's order), the
 tie guard (``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is
-prefilled again exactly), teacher-forced scoring of a given answer, focused-chunk early
+prefilled again exactly; with ``tie_guard_trend`` only when a second reading with the
+recomputed rows put back to their cached values says the recompute is closing in on a rival,
+the decision in ``kvcache/tie.py``), teacher-forced scoring of a given answer, focused-chunk early
 termination, the layer-wise budget (``CacheConfig.layer_taper``: fewer recompute rows in later layers; the counts come from
 ``planner.taper_counts``, the ranking from the token choice or the K/V deviation), measuring the inter/intra attention
 metadata of fresh chunks, and handing their raw K + V to the cache manager.
@@ -40,6 +42,7 @@ from cachedrag.kvcache.manager import ChunkCacheManager, NewEntry
 from cachedrag.kvcache.planner import (MODES, Action, Mode, PlanRequest, allocate_by_need, allocate_full_chunks,
                                        taper_counts)
 from cachedrag.kvcache.planner import Segment as PlanSegment
+from cachedrag.kvcache.tie import predicted_margin
 from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import SamplingParams, eos_token_ids
 from cachedrag.model.lookup import prompt_lookup
@@ -49,6 +52,8 @@ from cachedrag.model.textgen import check_context, stream_tokens
 from cachedrag.model.transfer import device_tensor
 from cachedrag.prompt import PromptBuilder, Segment
 
+#: the tie guard's trend check weighs the approximate top-1 against this many next-best tokens
+TREND_RIVALS = 8
 
 @dataclass
 class EngineResult:
@@ -93,6 +98,8 @@ class EngineResult:
     promotion_s: float = 0.0  # seconds spent computing the exact path after the response (not in ttft/total)
     tie_guard: float | None = None  # CacheConfig.tie_guard: the approximate prefill's first-token top-2 logit gap
     #                                 when it was near-tied and the request was prefilled again exactly (else None)
+    tie_guard_margin: float | None = None  # CacheConfig.tie_guard_trend: the trend check's predicted margin of the
+    #                                        approximate first token (< 0: prefilled again) when it ran (else None)
     teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
@@ -112,6 +119,9 @@ class _Prefill:
     info: dict
     hand_off: Callable[[], None] | None = None  # deferred store hand-off (``_prefill(defer_store=True)``)
     promote: Callable[..., float] | None = None  # exact path of a recurring sequence, to compute after the response
+    # CacheConfig.tie_guard_trend: per layer, the reused rows the prefill overwrote and their cached K/V
+    # as loaded, ``(layer, rows [R], k [H_kv, R, D], v [H_kv, R, D])``, for the trend check's second reading
+    cached_rows: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -486,10 +496,15 @@ class CachedEngine:
             else:
                 repeat = "promote"
         pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers)
-        gap = None
+        gap = margin = None
         if cache.tie_guard and mode is Mode.CACHEDRAG and not exact_plan and pre.info["approximations"]:
-            first = top2_gap(pre.logits[-1] if all_logits else pre.logits)
-            if first < cache.tie_guard:  # the approximation would pick a near-tied first token: prefill exactly
+            logits = pre.logits[-1] if all_logits else pre.logits  # [V]
+            first = top2_gap(logits)
+            if first < cache.tie_guard and cache.tie_guard_trend > 0 and pre.cached_rows is not None:
+                margin = self._trend_margin(pre, [t for s in question for t in s.ids], logits)
+            if first < cache.tie_guard and (margin is None or margin < 0):
+                # the approximation would pick a near-tied first token (and, checked, is closing in on a
+                # rival): prefill exactly
                 gap, seconds = first, pre.info["load_s"] + pre.info["prefill_s"]
                 plan = self.manager.plan(request, Mode.PREFIX)
                 pre, exact_hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits,
@@ -508,11 +523,43 @@ class CachedEngine:
         pre.info["chunk_order"] = chunk_order
         pre.info["exact_repeat"] = repeat
         pre.info["tie_guard"] = gap
+        pre.info["tie_guard_margin"] = margin
+        pre.cached_rows = None
         if repeat == "promote":
             pre.promote = functools.partial(self._promote, list(segments), mode)
         if chunk_order is not None:
             pre.info["approximations"].insert(0, "reordered")
         return pre
+
+    def _trend_margin(self, pre: _Prefill, question_ids: list[int], logits: torch.Tensor) -> float:
+        """The tie guard's trend check (``kvcache/tie.py``): the first token's logits read again on
+        ``pre``'s buffer with the recomputed rows of the reused chunks put back to their cached
+        values (the question's rows computed again through every layer), then the predicted margin
+        of the approximate top-1 over its ``TREND_RIVALS`` nearest rivals. The buffer is left as it
+        was, bit for bit: the swapped rows and the question's rows are restored."""
+        runner, kv = self.runner, pre.kv
+        total = pre.info["prompt_tokens"]
+        start = total - len(question_ids)
+        swapped = []
+        question_k = kv.k[:, :, start:total].clone()  # [L, H_kv, Tq, D]
+        question_v = kv.v[:, :, start:total].clone()
+        try:
+            for layer, rows, k, v in pre.cached_rows:
+                swapped.append((layer, rows, kv.k[layer].index_select(1, rows), kv.v[layer].index_select(1, rows)))
+                kv.k[layer].index_copy_(1, rows, k)  # rows of [H_kv, C, D]
+                kv.v[layer].index_copy_(1, rows, v)
+            ids = torch.tensor(question_ids, device=runner.device)  # [Tq]
+            pos = torch.arange(start, total, device=runner.device)  # [Tq]
+            reverted = runner.prefill(ids, pos, kv=kv, kv_len=total).float()  # [V]
+        finally:
+            for layer, rows, k, v in swapped:
+                kv.k[layer].index_copy_(1, rows, k)
+                kv.v[layer].index_copy_(1, rows, v)
+            kv.k[:, :, start:total] = question_k
+            kv.v[:, :, start:total] = question_v
+            kv.length = total
+        top = logits.float().topk(TREND_RIVALS + 1).indices  # [R+1], the approximate top-1 first
+        return predicted_margin(logits.float()[top].tolist(), reverted[top].tolist(), self.config.cache.tie_guard_trend)
 
     def _execute_plan(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
                       between_layers) -> tuple[_Prefill, list[Callable[[], None]]]:
@@ -731,6 +778,12 @@ class CachedEngine:
             low_layers = scoring_layers(runner, runner.n_layers)
             reuse_t = device_tensor(_reused_positions(plan, actions), device)  # [Tr]
 
+        # tie_guard_trend: the cached K/V of the reused rows each layer is about to overwrite, kept for the
+        # trend check's second reading (``_trend_margin``)
+        cached_rows = reused_rows = None
+        if mode is Mode.CACHEDRAG and cfg.tie_guard > 0 and cfg.tie_guard_trend > 0 and Action.REUSE in actions:
+            cached_rows, reused_rows = [], device_tensor(_reused_positions(plan, actions), device)  # [Tr]
+
         # 3. partial prefill, layer by layer
         t_prefill = time.perf_counter()
         paused = 0.0  # spent in between_layers (other requests' decode steps), not in this prefill
@@ -748,6 +801,11 @@ class CachedEngine:
         try:
             for layer in range(runner.n_layers):
                 load_layer(layer)
+                if cached_rows is not None:  # before anything this layer writes (the compute set only shrinks)
+                    rows = positions[torch.isin(positions, reused_rows)]  # [R]
+                    if rows.numel():
+                        cached_rows.append((layer, rows, kv.k[layer].index_select(1, rows),
+                                            kv.v[layer].index_select(1, rows)))
                 if n_lead and layer == lead.layer:  # the lead rows join with their pre-pass hidden states
                     positions = torch.cat([device_tensor(compute[:n_lead], device), positions])  # [Tc]
                     hidden = torch.cat([lead.hidden, hidden])  # [Tc, Dm]
@@ -869,7 +927,7 @@ class CachedEngine:
             "token_choice": used_choice,
             "approximations": approximations,
         }
-        return _Prefill(kv, logits, info), hand_off
+        return _Prefill(kv, logits, info, cached_rows=cached_rows), hand_off
 
     def _choose_deviating(self, layer: int, hidden, positions, rope, kv: KVBuffer, plan, deferred: dict[int, int],
                           probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int],

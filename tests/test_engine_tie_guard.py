@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cachedrag.config import EngineConfig
-from cachedrag.engine import CachedEngine, top2_gap
+from cachedrag.engine import TREND_RIVALS, CachedEngine, top2_gap
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import CacheConfig
 from tests.test_engine import SYSTEM
@@ -90,3 +90,69 @@ def test_exact_requests_and_ablation_modes_are_not_guarded(runner):
 def test_tie_guard_is_validated(bad):
     with pytest.raises(ConfigError, match="tie_guard"):
         CacheConfig(tie_guard=bad)
+
+
+# ---- the trend check (CacheConfig.tie_guard_trend, kvcache/tie.py)
+
+def _readings(runner) -> tuple[torch.Tensor, torch.Tensor]:
+    """SEQ's first-token logits ``[V]`` under the approximate prefill (recompute 0.3) and with no
+    recompute at all: every chunk of SEQ is reused and only the question is fresh, so the latter is
+    exactly the trend check's second reading (the recomputed rows put back to their cached values)."""
+    segs = _engine(runner, 0.0).prompts.chat(SEQ, QUESTION, SYSTEM)
+    approx = _engine(runner, 0.0).prefill_logits(segs)  # [V]
+    cache = CacheConfig(recompute_ratio=0.0, exact_repeats=0)
+    engine = CachedEngine(runner, config=EngineConfig(cache=cache))
+    _warm(engine)
+    return approx, engine.prefill_logits(segs)  # [V], [V]
+
+
+def _trend_engine(runner, trend: float) -> CachedEngine:
+    cache = CacheConfig(recompute_ratio=0.3, exact_repeats=0, tie_guard=1e9, tie_guard_trend=trend)
+    engine = CachedEngine(runner, config=EngineConfig(cache=cache))
+    _warm(engine)
+    return engine
+
+
+def test_the_trend_check_reads_the_margin_the_two_readings_predict(runner):
+    approx, reverted = _readings(runner)
+    top = approx.topk(TREND_RIVALS + 1).indices
+    s = approx[top[0]] - approx[top[1:]]  # [R] the approximate top-1's margins over its rivals
+    s0 = reverted[top[0]] - reverted[top[1:]]  # [R] the same, with no recompute
+    assert not torch.allclose(s, s0, atol=1e-4)  # the recompute really moved them
+    r = _trend_engine(runner, 0.5).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
+    assert r.tie_guard_margin == pytest.approx(float((s + 0.5 * (s - s0)).min()), abs=1e-4)
+
+
+def test_the_trend_check_reprefills_only_past_the_crossing_trend(runner):
+    approx, reverted = _readings(runner)
+    top = approx.topk(TREND_RIVALS + 1).indices
+    s = (approx[top[0]] - approx[top[1:]]).tolist()
+    s0 = (reverted[top[0]] - reverted[top[1:]]).tolist()
+    closing = [a / (b - a) for a, b in zip(s, s0) if b > a]  # the trend at which each closing rival would pass
+    assert closing, "the planted case needs a rival the recompute closes in on"
+    crossing = min(closing)
+    guard_off = _engine(runner, 0.0).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
+
+    below = _trend_engine(runner, crossing * 0.9).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
+    assert below.tie_guard is None and below.tie_guard_margin > 0 and "chunk_reuse" in below.approximations
+    # the second reading left the buffer as it was: the answer is the guard-off one, logprob for logprob
+    assert below.token_ids == guard_off.token_ids and below.token_logprobs == guard_off.token_logprobs
+
+    engine = _trend_engine(runner, crossing * 1.1)
+    above = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
+    assert above.tie_guard is not None and above.tie_guard_margin < 0 and above.approximations == []
+    assert above.token_ids == engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="full").token_ids
+    assert engine.manager.check() == []
+
+
+def test_without_the_trend_setting_nothing_is_checked(runner):
+    r = _engine(runner, 1e9).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
+    assert r.tie_guard is not None and r.tie_guard_margin is None
+
+
+def test_tie_guard_trend_is_validated():
+    with pytest.raises(ConfigError, match="tie_guard_trend needs tie_guard"):
+        CacheConfig(tie_guard_trend=0.5)
+    for bad in (-0.5, float("inf"), "x"):
+        with pytest.raises(ConfigError, match="tie_guard_trend"):
+            CacheConfig(tie_guard=0.3, tie_guard_trend=bad)

@@ -83,6 +83,8 @@ VARIANTS = {
     # stores its tree path in the cache the rows share, so give one guard row, one ratio, per run
     "guard15": {"tie_guard": 0.15},
     "guard3": {"tie_guard": 0.3},
+    # the trend check (CacheConfig.tie_guard_trend): near ties below 1 nat re-prefilled only when predicted to flip
+    "trend": {"tie_guard": 1.0, "tie_guard_trend": 0.6},
 }
 SYSTEM_PROMPTS = {
     "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "

@@ -91,8 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(CacheConfig.exact_repeats): 'off', N (the N-th reuse-served sighting of a chunk sequence gets "
                         "its exact path after the response) or N:inline (that sighting is prefilled exactly), e.g. "
                         "off,2:inline (rows 'cachedrag:repeats=SPEC')")
-    parser.add_argument("--tie-guards", default="", help="also run cachedrag with these tie guards "
-                        "(CacheConfig.tie_guard, nats; 0 = off), e.g. 0,0.3 (rows 'cachedrag:tie_guard=G')")
+    parser.add_argument("--tie-guards", default="", help="also run cachedrag with these tie guards, "
+                        "comma-separated G or G/T (CacheConfig.tie_guard, nats, 0 = off; /T: tie_guard_trend, the "
+                        "trend check), e.g. 0,0.3,1/0.5 (rows 'cachedrag:tie_guard=G' and 'cachedrag:tie_guard=G/T')")
     parser.add_argument("--tapers", default="", help="also run cachedrag with these layer-wise budgets "
                         "(CacheConfig.layer_taper), comma-separated specs STEPS[/deviation][@RATIO] or off[@RATIO], STEPS = "
                         "LAYER:KEEP joined by '+', e.g. off,10:0.7+20:0.4/deviation@0.3 (rows 'cachedrag:taper=SPEC'; "
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     if "full" not in modes:
         modes.insert(0, "full")  # the fidelity reference
     repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}
-    tie_guards = [_number("--tie-guards", x.strip()) for x in args.tie_guards.split(",") if x.strip()]
+    tie_guards = {spec: tie_guard_setting(spec) for spec in [x.strip() for x in args.tie_guards.split(",") if x.strip()]}
     tapers = {spec: taper_setting(spec) for spec in [x.strip() for x in args.tapers.split(",") if x.strip()]}
     recompute = {spec: recompute_setting(spec) for spec in [x.strip() for x in args.recompute_dtypes.split(",") if x.strip()]}
     runner = ModelRunner(*load_model(args.model, device=device), dtype=args.dtype)
@@ -233,9 +234,9 @@ def run(args: argparse.Namespace) -> int:
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
-    for guard in tie_guards:
-        name = f"cachedrag:tie_guard={guard:g}"
-        cache = CacheConfig(**{**cache_kwargs, "tie_guard": guard})
+    for spec, setting in tie_guards.items():
+        name = f"cachedrag:tie_guard={spec}"
+        cache = CacheConfig(**{**cache_kwargs, **setting})
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
@@ -316,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
             "exact_repeats": dict(sorted(Counter(r.exact_repeat for r in rs if r.exact_repeat).items())),
             "promotion_s": sum(r.promotion_s for r in rs),  # after the responses: in no TTFT, but compute spent
             "tie_guarded": sum(r.tie_guard is not None for r in rs),  # prefilled again exactly (CacheConfig.tie_guard)
+            "tie_guard_checked": sum(r.tie_guard_margin is not None for r in rs),  # trend checks run (tie_guard_trend)
             "ttft_sum_s": sum(ttft),
         }
         approx = [(r, f) for r, f in zip(rs, full) if r.prefix_hit_tokens + r.question_tokens < r.prompt_tokens
@@ -349,6 +351,27 @@ def _number(option: str, text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise ConfigError(f"{option}: {text!r} must be a finite number >= 0")
     return value
+
+
+def tie_guard_setting(spec: str) -> dict:
+    """``--tie-guards`` spec -> CacheConfig fields: 'G' or 'G/T' (the trend check, ``tie_guard_trend``).
+
+    >>> tie_guard_setting("0.3")
+    {'tie_guard': 0.3}
+    >>> tie_guard_setting("1/0.5")
+    {'tie_guard': 1.0, 'tie_guard_trend': 0.5}
+    """
+    gap, _, trend = spec.partition("/")
+    out = {"tie_guard": _number("--tie-guards", gap)}
+    if trend:
+        out["tie_guard_trend"] = _number("--tie-guards", trend)
+    from cachedrag.kvcache.config import CacheConfig
+
+    try:
+        CacheConfig(**out)  # validated now: a bad spec fails before the model loads
+    except ConfigError as exc:
+        raise ConfigError(f"--tie-guards: {spec!r}: {exc}") from None
+    return out
 
 
 def _repeat_setting(spec: str) -> dict:

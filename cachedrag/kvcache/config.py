@@ -217,6 +217,14 @@ class CacheConfig:
         exactly (as prefix caching would: tree prefix, the rest fresh, its path stored), so
         its answer is full prefill's; the TTFT of that request pays both prefills. Applies
         to the ``cachedrag`` mode (not the ``naive`` / ``random`` ablations).
+      tie_guard_trend: 0 = off (every near tie below ``tie_guard`` is prefilled again). > 0:
+        a near tie is first checked (``kvcache/tie.py``): the first token's logits are read
+        again with the recomputed rows of the reused chunks put back to their cached values
+        (the question's rows alone computed again, a few dozen tokens), and the request is
+        prefilled again only when the approximate top-1's margin over some rival, moved on by
+        ``tie_guard_trend`` times what the recompute already moved it, falls below 0: the
+        recompute is closing in on a rival. ``tie_guard`` then bounds which requests are
+        checked. Needs ``tie_guard`` > 0.
 
     Variant registry (``index.py``):
       max_chunks (N), max_variants_per_chunk (M): at most M variants per chunk and N x M in all.
@@ -259,6 +267,7 @@ class CacheConfig:
     exact_repeats_when: str = "after_response"
     repeat_memory: int = 10_000
     tie_guard: float = 0.0
+    tie_guard_trend: float = 0.0
     max_chunks: int = 10_000
     max_variants_per_chunk: int = 4
     cfo_floor: float = 0.05
@@ -324,6 +333,9 @@ class CacheConfig:
                               f"got {self.exact_repeats_when!r}")
         _check_int("repeat_memory", self.repeat_memory, 1)
         _check_number("tie_guard", self.tie_guard, 0.0, math.inf, hi_open=True)
+        _check_number("tie_guard_trend", self.tie_guard_trend, 0.0, math.inf, hi_open=True)
+        if self.tie_guard_trend > 0 and not self.tie_guard > 0:
+            raise ConfigError("CacheConfig.tie_guard_trend needs tie_guard > 0 (the gap below which a near tie is checked)")
         _check_int("max_chunks", self.max_chunks, 1)
         _check_int("max_variants_per_chunk", self.max_variants_per_chunk, 1)
         _check_number("cfo_floor", self.cfo_floor, 0.0, 1.0, lo_open=True)

@@ -97,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill a request again exactly when its approximate prefill's first token is a near "
                              "tie: top-2 logits closer than this many nats (CacheConfig.tie_guard; default 0 = off; "
                              "docs/fidelity.md, lever 4)")
+    parser.add_argument("--tie-guard-trend", type=float, default=None,
+                        help="with --tie-guard: prefill a near tie again only when the trend check predicts the "
+                             "approximation flips it (CacheConfig.tie_guard_trend; e.g. 0.5; default 0 = every near "
+                             "tie)")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
     parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
     parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")
@@ -231,7 +235,8 @@ def build_engine(args: argparse.Namespace):
         runner = ModelRunner.from_pretrained(args.model, device=args.device, **numerics)  # warmed up here
     gb = 1 << 30
     config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb),
-                          cache=server_cache_config(args.exact_repeats, args.exact_repeats_when, args.tie_guard))
+                          cache=server_cache_config(args.exact_repeats, args.exact_repeats_when, args.tie_guard,
+                                                    args.tie_guard_trend))
     store = None
     if args.disk_dir or args.redis_url:
         from cachedrag.store.config import StoreConfig

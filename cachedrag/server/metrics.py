@@ -123,6 +123,9 @@ class ServerMetrics:
         self.tie_guarded = Counter("cachedrag_tie_guarded_requests", "finished requests whose approximate prefill "
                                    "ended in a near-tied first token and were prefilled again exactly "
                                    "(CacheConfig.tie_guard)", registry=r)
+        self.tie_checked = Counter("cachedrag_tie_guard_checks", "finished requests whose near-tied first token "
+                                   "was checked by the tie guard's trend check (CacheConfig.tie_guard_trend), "
+                                   "prefilled again or not", registry=r)
         self.disconnects = Counter("cachedrag_client_disconnects", "requests whose client went away", registry=r)
         self.queue = Gauge("cachedrag_queue_length", "requests waiting for prefill", registry=r)
         self.running = Gauge("cachedrag_running_requests", "requests decoding", registry=r)
@@ -158,6 +161,8 @@ class ServerMetrics:
             self.exact_hits.inc()
         if done.stats.get("tie_guard") is not None:
             self.tie_guarded.inc()
+        if done.stats.get("tie_guard_margin") is not None:
+            self.tie_checked.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -115,13 +115,20 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
     the repeats after it are exact prefix hits): no reuse approximation is left, and its answers
     equal full prefill's."""
     modes = _repeated_question_rows(tiny_model_dir, tiny_corpus, tmp_path, 3, "--max-new-tokens", "3",
-                                    "--modes", "full,cachedrag", "--tie-guards", "1e9")
-    guarded, plain = modes["cachedrag:tie_guard=1e+09"], modes["cachedrag"]
+                                    "--modes", "full,cachedrag", "--tie-guards", "1e9,1e9/1e-9")
+    guarded, plain = modes["cachedrag:tie_guard=1e9"], modes["cachedrag"]
     assert plain["tie_guarded"] == 0 and plain["approximations"].get("chunk_reuse", 0) >= 1
+    assert plain["tie_guard_checked"] == 0 and guarded["tie_guard_checked"] == 0
     assert guarded["tie_guarded"] == 1
     assert "chunk_reuse" not in guarded["approximations"]
     assert guarded["rouge_l_vs_full"] == 1.0 and guarded["teacher_forced_top1"] == 1.0
-    for bad in ("-1", "x", "inf"):
+    # the trend check with a vanishing trend predicts each near tie's own gap (> 0): every approximate
+    # request is checked, none is prefilled again, and the answers are the plain row's
+    trend = modes["cachedrag:tie_guard=1e9/1e-9"]
+    assert trend["tie_guard_checked"] == plain["approximations"]["chunk_reuse"] and trend["tie_guarded"] == 0
+    assert trend["rouge_l_vs_full"] == plain["rouge_l_vs_full"]
+    assert trend["teacher_forced_kl"] == plain["teacher_forced_kl"]
+    for bad in ("-1", "x", "inf", "0.3/-1", "0/0.5"):
         assert main(["bench", "ttft", "--tie-guards", bad]) == 2  # refused before any model loads
         assert "--tie-guards" in capsys.readouterr().err
 
