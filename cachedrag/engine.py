@@ -55,6 +55,7 @@ from cachedrag.prompt import PromptBuilder, Segment
 #: the tie guard's trend check weighs the approximate top-1 against this many next-best tokens
 TREND_RIVALS = 8
 
+
 @dataclass
 class EngineResult:
     """Answer and per-request stats of one ``generate`` call."""
@@ -534,10 +535,15 @@ class CachedEngine:
     def _trend_margin(self, pre: _Prefill, question_ids: list[int], logits: torch.Tensor) -> float:
         """The tie guard's trend check (``kvcache/tie.py``): the first token's logits read again on
         ``pre``'s buffer with the recomputed rows of the reused chunks put back to their cached
-        values (the question's rows computed again through every layer), then the predicted margin
-        of the approximate top-1 over its ``TREND_RIVALS`` nearest rivals. The buffer is left as it
-        was, bit for bit: the swapped rows and the question's rows are restored."""
+        values (the question's rows computed again through every layer, their projections in
+        ``CacheConfig.question_dtype`` as the question pre-pass's: so few rows are bound by reading
+        the weights, and bfloat16 copies halve that), then the predicted margin of the approximate
+        top-1 over its ``TREND_RIVALS`` nearest rivals. The buffer is left as it was, bit for bit:
+        the swapped rows and the question's rows are restored."""
         runner, kv = self.runner, pre.kv
+        weights = None  # None: the runner's own projections
+        if self.config.cache.question_dtype == "bfloat16":
+            weights = scoring_layers(runner, runner.n_layers)
         total = pre.info["prompt_tokens"]
         start = total - len(question_ids)
         swapped = []
@@ -550,7 +556,7 @@ class CachedEngine:
                 kv.v[layer].index_copy_(1, rows, v)
             ids = torch.tensor(question_ids, device=runner.device)  # [Tq]
             pos = torch.arange(start, total, device=runner.device)  # [Tq]
-            reverted = runner.prefill(ids, pos, kv=kv, kv_len=total).float()  # [V]
+            reverted = runner.prefill(ids, pos, kv=kv, kv_len=total, weights=weights).float()  # [V]
         finally:
             for layer, rows, k, v in swapped:
                 kv.k[layer].index_copy_(1, rows, k)

@@ -8,7 +8,11 @@ default, 0, is off. These five questions have no first token within 0.3 nats, so
 runs G = 1 to show it acting: the second question is guarded, and since the exact prefill stores
 its knowledge-tree path the later questions over the same chunks are exact prefix hits. With
 G = 0 two answers differ from full prefill although their first tokens are decisive (gaps near
-2 nats): the guard does not look at those. See docs/fidelity.md, "Lever 4: the tie guard".
+2 nats): the guard does not look at those. The third setting adds the trend check
+(``tie_guard_trend=0.6``): each near tie below 1 nat is read again with the recomputed rows put
+back to their cached values, and prefilled again only when the recompute is closing in on a rival
+fast enough to pass it (``result.tie_guard_margin``, the predicted margin, < 0). See
+docs/fidelity.md, "Lever 4: the tie guard".
 
     python examples/tie_guard.py            # embedded SmolLM2-135M-Instruct
 """
@@ -33,17 +37,20 @@ def main() -> None:
     docs = {d.id: d.text for d in stdlib_corpus(("heapq", "bisect", "functools"))}
     chunks = [docs["stdlib/heapq"][:900], docs["stdlib/bisect"][:900], docs["stdlib/functools"][:900]]
     full = CachedEngine(runner, config=EngineConfig(mode="full"))
-    for guard in (0.0, 1.0):
+    for guard, trend in ((0.0, 0.0), (1.0, 0.0), (1.0, 0.6)):
         # exact_repeats off: every question is served from reuse, so each one meets the guard
-        engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(tie_guard=guard, exact_repeats=0)))
+        cache = CacheConfig(tie_guard=guard, tie_guard_trend=trend, exact_repeats=0)
+        engine = CachedEngine(runner, config=EngineConfig(cache=cache))
         engine.generate(chunks[::-1], "What are these modules for?", SYSTEM, max_new_tokens=1)  # warm, other order
-        print(f"tie_guard={guard}")
+        print(f"tie_guard={guard} tie_guard_trend={trend}")
         for question in QUESTIONS:
             segs = engine.prompts.chat(chunks, question, SYSTEM)
             reference = full.generate(chunks, question, SYSTEM, max_new_tokens=12)
             gap = top2_gap(full.prefill_logits(segs))
             r = engine.generate(chunks, question, SYSTEM, max_new_tokens=12)
             guarded = f"guarded (gap {r.tie_guard:.2f})" if r.tie_guard is not None else "not guarded"
+            if r.tie_guard_margin is not None:
+                guarded += f" after the trend check (predicted margin {r.tie_guard_margin:.2f})"
             print(f"  full prefill's first-token gap {gap:.2f}; {guarded}, approximations "
                   f"{r.approximations or 'none'}, TTFT {r.ttft_s:.3f} s, answer "
                   f"{'= full prefill' if r.token_ids == reference.token_ids else 'differs'}: {r.text.strip()[:50]!r}")

@@ -106,8 +106,11 @@ def _readings(runner) -> tuple[torch.Tensor, torch.Tensor]:
     return approx, engine.prefill_logits(segs)  # [V], [V]
 
 
-def _trend_engine(runner, trend: float) -> CachedEngine:
-    cache = CacheConfig(recompute_ratio=0.3, exact_repeats=0, tie_guard=1e9, tie_guard_trend=trend)
+def _trend_engine(runner, trend: float, question_dtype: str = "float32") -> CachedEngine:
+    """The trend check on every approximate request; its second reading in float32 (the reference
+    precision, so it compares exactly with ``_readings``) unless ``question_dtype`` says otherwise."""
+    cache = CacheConfig(recompute_ratio=0.3, exact_repeats=0, tie_guard=1e9, tie_guard_trend=trend,
+                        question_dtype=question_dtype)
     engine = CachedEngine(runner, config=EngineConfig(cache=cache))
     _warm(engine)
     return engine
@@ -121,6 +124,11 @@ def test_the_trend_check_reads_the_margin_the_two_readings_predict(runner):
     assert not torch.allclose(s, s0, atol=1e-4)  # the recompute really moved them
     r = _trend_engine(runner, 0.5).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
     assert r.tie_guard_margin == pytest.approx(float((s + 0.5 * (s - s0)).min()), abs=1e-4)
+    # the default reads with bfloat16 projections (question_dtype): near the float32 reading, not equal
+    fast = _trend_engine(runner, 0.5, "bfloat16").generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
+    assert fast.tie_guard_margin == pytest.approx(r.tie_guard_margin, abs=0.02)
+    assert fast.tie_guard_margin != r.tie_guard_margin  # the bfloat16 copies were used
+    assert fast.token_ids == r.token_ids
 
 
 def test_the_trend_check_reprefills_only_past_the_crossing_trend(runner):

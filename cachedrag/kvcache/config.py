@@ -224,7 +224,8 @@ class CacheConfig:
         prefilled again only when the approximate top-1's margin over some rival, moved on by
         ``tie_guard_trend`` times what the recompute already moved it, falls below 0: the
         recompute is closing in on a rival. ``tie_guard`` then bounds which requests are
-        checked. Needs ``tie_guard`` > 0.
+        checked. The reading's projections run in ``question_dtype`` (a few rows are bound by
+        reading the weights: bfloat16 copies halve that). Needs ``tie_guard`` > 0.
 
     Variant registry (``index.py``):
       max_chunks (N), max_variants_per_chunk (M): at most M variants per chunk and N x M in all.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -884,12 +885,14 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv: KVBuffer | None = None,
-        kv_len: int | None = None, all_logits: bool = False,
+        kv_len: int | None = None, all_logits: bool = False, weights: Sequence | None = None,
     ) -> torch.Tensor:
         """Run all layers for ``input_ids`` at ``positions`` (default ``0..T-1``) against ``kv``.
 
         Returns logits of the last token ``[V]`` (or ``[T, V]`` with ``all_logits``). With
-        ``kv=None`` a fresh buffer is made and kept in ``self.last_kv``.
+        ``kv=None`` a fresh buffer is made and kept in ``self.last_kv``. ``weights``: every layer's
+        projections from another set (``forward_layer``'s ``weights``, e.g. ``model/scoring.py``'s
+        bf16 copies); the LM head stays the runner's.
         """
         if positions is None:
             positions = torch.arange(input_ids.shape[0])
@@ -902,7 +905,8 @@ class ModelRunner:
         rope = self.rotary.cos_sin(positions, self.dtype, self.device)  # [T, D] each, shared by all layers
         blocks = self.causal_blocks(positions, kv_len)
         for i in range(self.n_layers):
-            hidden = self.forward_layer(i, hidden, positions, kv, kv_len, rope=rope, blocks=blocks)
+            hidden = self.forward_layer(i, hidden, positions, kv, kv_len, rope=rope, blocks=blocks,
+                                        weights=weights[i] if weights is not None else None)
         kv.length = max(kv.length, kv_len)
         return self.logits(hidden if all_logits else hidden[-1:])[0 if not all_logits else slice(None)]
 
