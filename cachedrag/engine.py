@@ -563,7 +563,6 @@ class CachedEngine:
                 kv.v[layer].index_copy_(1, rows, v)
             kv.k[:, :, start:total] = question_k
             kv.v[:, :, start:total] = question_v
-            kv.length = total
         top = logits.float().topk(TREND_RIVALS + 1).indices  # [R+1], the approximate top-1 first
         return predicted_margin(logits.float()[top].tolist(), reverted[top].tolist(), self.config.cache.tie_guard_trend)
 
@@ -777,18 +776,19 @@ class CachedEngine:
                 and len(chunk_seg) > 1):
             tracker = FocusTracker.from_config(len(chunk_seg), self.config.cache)
 
-        # recompute_dtype="bfloat16": the rows computed for reused chunks run their matmuls on bfloat16 copies
-        low_layers, reuse_t, low_rows = None, None, False
-        low = low_last = low_of = None  # the reused rows of the compute set ``low_of`` (rebuilt when it changes)
-        if mode is Mode.CACHEDRAG and cfg.recompute_dtype == "bfloat16" and Action.REUSE in actions:
-            low_layers = scoring_layers(runner, runner.n_layers)
+        # The reused rows of the compute set, read by two settings: recompute_dtype="bfloat16" (their matmuls
+        # on bfloat16 copies) and tie_guard_trend (the cached K/V of the reused rows each layer is about to
+        # overwrite, kept for the trend check's second reading, ``_trend_margin``)
+        low_bf16 = cfg.recompute_dtype == "bfloat16"
+        trend = cfg.tie_guard > 0 and cfg.tie_guard_trend > 0
+        reuse_t = None
+        if mode is Mode.CACHEDRAG and (low_bf16 or trend) and Action.REUSE in actions:
             reuse_t = device_tensor(_reused_positions(plan, actions), device)  # [Tr]
-
-        # tie_guard_trend: the cached K/V of the reused rows each layer is about to overwrite, kept for the
-        # trend check's second reading (``_trend_margin``)
-        cached_rows = reused_rows = None
-        if mode is Mode.CACHEDRAG and cfg.tie_guard > 0 and cfg.tie_guard_trend > 0 and Action.REUSE in actions:
-            cached_rows, reused_rows = [], device_tensor(_reused_positions(plan, actions), device)  # [Tr]
+        reuse_mask = reuse_rows = reuse_of = None  # for the compute set ``reuse_of`` (rebuilt when it changes)
+        low_layers = scoring_layers(runner, runner.n_layers) if low_bf16 and reuse_t is not None else None
+        low_rows = False
+        low = low_last = None  # RowSplit of the reused rows of ``reuse_of`` (all of them, and the last row's)
+        cached_rows = [] if trend and reuse_t is not None else None
 
         # 3. partial prefill, layer by layer
         t_prefill = time.perf_counter()
@@ -807,11 +807,6 @@ class CachedEngine:
         try:
             for layer in range(runner.n_layers):
                 load_layer(layer)
-                if cached_rows is not None:  # before anything this layer writes (the compute set only shrinks)
-                    rows = positions[torch.isin(positions, reused_rows)]  # [R]
-                    if rows.numel():
-                        cached_rows.append((layer, rows, kv.k[layer].index_select(1, rows),
-                                            kv.v[layer].index_select(1, rows)))
                 if n_lead and layer == lead.layer:  # the lead rows join with their pre-pass hidden states
                     positions = torch.cat([device_tensor(compute[:n_lead], device), positions])  # [Tc]
                     hidden = torch.cat([lead.hidden, hidden])  # [Tc, Dm]
@@ -832,14 +827,18 @@ class CachedEngine:
                 last = (layer + 1 == runner.n_layers and not all_logits  # only the last row's output is read
                         and not (refine and layer == cfg.refine_layer))
                 lw = None
-                if low_layers is not None:
-                    if low_of is not positions:
-                        mask = torch.isin(positions, reuse_t)  # [Tc] rows of reused chunks
-                        low, low_last, low_of = RowSplit(mask), RowSplit(mask[-1:]), positions
-                    if low.low is not None:
-                        lw = RowSplitLayer(runner.fast_layers[layer], low_layers[layer], low,
-                                           low_last if last else low)
-                        low_rows = True
+                if reuse_t is not None and reuse_of is not positions:
+                    reuse_mask, reuse_of = torch.isin(positions, reuse_t), positions  # [Tc] rows of reused chunks
+                    if cached_rows is not None:
+                        reuse_rows = positions[reuse_mask]  # [R]
+                    if low_layers is not None:
+                        low, low_last = RowSplit(reuse_mask), RowSplit(reuse_mask[-1:])
+                if cached_rows is not None and reuse_rows.numel():  # what this layer is about to overwrite
+                    cached_rows.append((layer, reuse_rows, kv.k[layer].index_select(1, reuse_rows),
+                                        kv.v[layer].index_select(1, reuse_rows)))
+                if low_layers is not None and low.low is not None:
+                    lw = RowSplitLayer(runner.fast_layers[layer], low_layers[layer], low, low_last if last else low)
+                    low_rows = True
                 hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope, blocks=blocks,
                                               out_rows=slice(-1, None) if last else None, weights=lw)
                 token_layers += positions.shape[0]
