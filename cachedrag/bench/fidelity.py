@@ -52,6 +52,7 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l
+from cachedrag.bench.workload import EMBEDDED_SYSTEM_PROMPTS
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import QUESTION_CHOICES
 
@@ -85,13 +86,10 @@ VARIANTS = {
     "guard3": {"tie_guard": 0.3},
     # the trend check (CacheConfig.tie_guard_trend): near ties below 1 nat re-prefilled only when predicted to flip
     "trend": {"tie_guard": 1.0, "tie_guard_trend": 0.6},
+    # with a floor under the predicted margin (CacheConfig.tie_guard_floor; docs/fidelity.md round 18)
+    "trendfloor": {"tie_guard": 1.0, "tie_guard_trend": 0.6, "tie_guard_floor": 0.1},
 }
-SYSTEM_PROMPTS = {
-    "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
-               "given by the user. Be brief."),
-    "info": ("You are a helpful assistant. Answer the question using the GNU manual excerpts given by the "
-             "user. Be brief."),
-}
+SYSTEM_PROMPTS = EMBEDDED_SYSTEM_PROMPTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

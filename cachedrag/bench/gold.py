@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cachedrag.corpus import INFO_TOPICS
+
 
 @dataclass(frozen=True)
 class GoldItem:
@@ -197,27 +199,9 @@ STDLIB_GOLD: tuple[GoldItem, ...] = (
 )
 
 # Questions over the GNU info manuals (grep, sed, gzip, time, bc, ed, diffutils): the second,
-# non-Python corpus of the fidelity benchmark. No gold answers; fidelity is measured vs full prefill.
-INFO_QUESTIONS: tuple[str, ...] = (
-    "How do I make grep ignore case distinctions?",
-    "What does grep's -v option do?",
-    "How do I count the matching lines with grep?",
-    "How do I print only the names of files that contain a match with grep?",
-    "How does the s command of sed substitute text?",
-    "How do I edit a file in place with sed?",
-    "How do I delete lines that match a pattern with sed?",
-    "How do I keep the original file when compressing with gzip?",
-    "How do I decompress a .gz file?",
-    "What does gzip's -9 option do?",
-    "How do I change the output format of the time command?",
-    "How do I set the number of digits after the decimal point in bc?",
-    "How do I print the current line in ed?",
-    "How do I produce a unified diff?",
-    "How do I make diff ignore changes in the amount of white space?",
-    "How do I compare two files side by side with diff?",
-    "What does cmp report for two files that differ?",
-    "How do I apply a patch made by diff?",
-)
+# non-Python corpus of the fidelity benchmark, one per topic of the info stream (its first phrasing).
+# No gold answers; fidelity is measured vs full prefill.
+INFO_QUESTIONS: tuple[str, ...] = tuple(topic[0] for topic in INFO_TOPICS)
 
 
 def gold_match(answer: str, gold: str) -> bool:

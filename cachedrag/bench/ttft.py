@@ -26,13 +26,11 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l, summary
+from cachedrag.bench.workload import EMBEDDED_NAMES, EMBEDDED_SYSTEM_PROMPTS
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import TOKEN_CHOICES
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a helpful assistant. Answer the question using the Python documentation excerpts "
-    "given by the user. Be brief."
-)
+DEFAULT_SYSTEM_PROMPT = EMBEDDED_SYSTEM_PROMPTS["stdlib"]
 ALL_MODES = ("full", "prefix", "naive", "random", "cachedrag")
 #: the engine default until the measured frontier chose one (docs/fidelity.md), for before/after rows
 PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None, "layer_taper": ()},
@@ -44,7 +42,11 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", help="directory of .txt/.md files or a JSONL of {id, text} (default: stdlib docs)")
-    parser.add_argument("--questions", help="one question per line, used in order (default: a Zipf stream of stdlib questions)")
+    parser.add_argument("--embedded-corpus", choices=("stdlib", "info"), default=None,
+                        help="without --corpus: the embedded corpus and its Zipf question stream (default stdlib: "
+                             "the Python docs; info: the GNU info manuals under /usr/share/info)")
+    parser.add_argument("--questions", help="one question per line, used in order (default: a Zipf stream of the "
+                        "embedded corpus's questions)")
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="the runner's numerics in every mode (default: the model's, float32 for the embedded "
@@ -92,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its exact path after the response) or N:inline (that sighting is prefilled exactly), e.g. "
                         "off,2:inline (rows 'cachedrag:repeats=SPEC')")
     parser.add_argument("--tie-guards", default="", help="also run cachedrag with these tie guards, "
-                        "comma-separated G or G/T (CacheConfig.tie_guard, nats, 0 = off; /T: tie_guard_trend, the "
-                        "trend check), e.g. 0,0.3,1/0.5 (rows 'cachedrag:tie_guard=G' and 'cachedrag:tie_guard=G/T')")
+                        "comma-separated G, G/T or G/T/F (CacheConfig.tie_guard, nats, 0 = off; /T: tie_guard_trend, "
+                        "the trend check; /F: tie_guard_floor, the floor under its predicted margin), e.g. "
+                        "0,0.3,1/0.5,1/0.6/0.1 (rows 'cachedrag:tie_guard=SPEC')")
     parser.add_argument("--tapers", default="", help="also run cachedrag with these layer-wise budgets "
                         "(CacheConfig.layer_taper), comma-separated specs STEPS[/deviation][@RATIO] or off[@RATIO], STEPS = "
                         "LAYER:KEEP joined by '+', e.g. off,10:0.7+20:0.4/deviation@0.3 (rows 'cachedrag:taper=SPEC'; "
@@ -108,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-teacher-forced", action="store_true",
                         help="skip teacher-forced agreement (saves one full-prefill scoring pass per request)")
     parser.add_argument("--order-aware", action="store_true", help="EngineConfig.order_aware for every mode")
-    parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT)
+    parser.add_argument("--system-prompt", default=None,
+                        help="default: the embedded corpus's (the Python docs one for --corpus and --workload files)")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the generated stream and of the cache (default 0; with --workload: the file's)")
     parser.add_argument("--planning-chunks", type=int, default=10_000, help="cached chunks in the planning micro-benchmark")
@@ -136,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         loaded, tokenizer_id = load_workload(args.workload)  # checked before any model loads
         params = loaded.params
         # what the file fixes: refused beside it, but for a value equal to the file's (a command line kept as it was)
-        fixed = (("--corpus", args.corpus, None), ("--questions", args.questions, None), ("--top-k", args.top_k, "top_k"),
+        fixed = (("--corpus", args.corpus, None), ("--embedded-corpus", args.embedded_corpus, None),
+                 ("--questions", args.questions, None), ("--top-k", args.top_k, "top_k"),
                  ("--chunk-tokens", args.chunk_tokens, "chunk_tokens"), ("--requests", args.requests, "n_requests"),
                  ("--zipf", args.zipf, "zipf_s"))
         given = [flag for flag, value, key in fixed if value is not None and (key is None or params.get(key) != value)]
@@ -149,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         if args.seed is None:
             args.seed = params.get("seed") if isinstance(params.get("seed"), int) else 0
     else:
+        if args.corpus and args.embedded_corpus:
+            raise ConfigError("--corpus and --embedded-corpus name the corpus twice; give one")
         for name, value in WORKLOAD_DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
@@ -160,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
 
     def build(tokenizer):
         work = build_workload(tokenizer, args.corpus, args.questions, top_k=args.top_k, chunk_tokens=args.chunk_tokens,
-                              n_requests=args.requests, zipf_s=args.zipf, seed=args.seed)
+                              n_requests=args.requests, zipf_s=args.zipf, seed=args.seed,
+                              embedded=args.embedded_corpus or "stdlib")
         if args.workload_out:
             save_workload(work, args.workload_out,
                           tokenizer={"model": model_name, "fingerprint": tokenizer_fingerprint(tokenizer)})
@@ -197,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
                   f"but chunk sizes in tokens may differ from a built run's", file=sys.stderr)
     else:
         work = build(runner.tokenizer)
+    if args.system_prompt is None:  # the embedded corpus's own (a workload file names its corpus)
+        embedded = {name: key for key, name in EMBEDDED_NAMES.items()}.get(work.corpus_name, "stdlib")
+        args.system_prompt = EMBEDDED_SYSTEM_PROMPTS[embedded]
     # the first token is read as a Python int (an argmax's .item(): a device sync), so TTFT's end waits for
     # the GPU; its start must not include work still queued by the previous call (scoring, teacher forcing)
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
@@ -284,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
 
     results = {"config": {
         "model": model_name, "corpus": work.corpus_name, "questions": work.question_source,
-        "n_chunks": len(work.chunks), "top_k": args.top_k, "chunk_tokens": args.chunk_tokens, "modes": modes,
+        "system_prompt": args.system_prompt, "n_chunks": len(work.chunks), "top_k": args.top_k, "chunk_tokens": args.chunk_tokens, "modes": modes,
         "warmup": warmup, "max_new_tokens": args.max_new_tokens, "cache": config.cache.to_dict(),
         "early_termination": config.early_termination, "torch_threads": torch.get_num_threads(),
         "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
@@ -354,17 +365,22 @@ def _number(option: str, text: str) -> float:
 
 
 def tie_guard_setting(spec: str) -> dict:
-    """``--tie-guards`` spec -> CacheConfig fields: 'G' or 'G/T' (the trend check, ``tie_guard_trend``).
+    """``--tie-guards`` spec -> CacheConfig fields: 'G', 'G/T' (the trend check, ``tie_guard_trend``)
+    or 'G/T/F' (with ``tie_guard_floor``).
 
     >>> tie_guard_setting("0.3")
     {'tie_guard': 0.3}
     >>> tie_guard_setting("1/0.5")
     {'tie_guard': 1.0, 'tie_guard_trend': 0.5}
+    >>> tie_guard_setting("1/0.6/0.1")
+    {'tie_guard': 1.0, 'tie_guard_trend': 0.6, 'tie_guard_floor': 0.1}
     """
-    gap, _, trend = spec.partition("/")
-    out = {"tie_guard": _number("--tie-guards", gap)}
-    if trend:
-        out["tie_guard_trend"] = _number("--tie-guards", trend)
+    parts = spec.split("/")
+    if len(parts) > 3:
+        raise ConfigError(f"--tie-guards: {spec!r} must be G, G/T or G/T/F")
+    out = {"tie_guard": _number("--tie-guards", parts[0])}
+    for field, text in zip(("tie_guard_trend", "tie_guard_floor"), parts[1:]):
+        out[field] = _number("--tie-guards", text)
     from cachedrag.kvcache.config import CacheConfig
 
     try:

@@ -1,7 +1,8 @@
 """Benchmark workloads: a corpus, its chunks, exact top-k retrieval and a question stream.
 
 Owns: what the engine-level suites (ttft, tiers, pipelines) feed their engines, built the
-same way for each so their figures compare: corpus (a user path, or the stdlib docs),
+same way for each so their figures compare: corpus (a user path, or an embedded one: the stdlib
+docs or the GNU info manuals),
 token chunks in the LLM's tokenizer, MiniLM embeddings, exact inner-product top-k, and a
 deterministic Zipf-skewed question stream when no question file is given. Also a workload's
 file form (``save_workload`` / ``load_workload``: what a run needs downstream of retrieval, so a
@@ -19,12 +20,22 @@ from pathlib import Path
 
 import numpy as np
 
-from cachedrag.corpus import STDLIB_TOPICS, load_corpus, load_questions, stdlib_corpus
+from cachedrag.corpus import INFO_TOPICS, STDLIB_TOPICS, info_corpus, load_corpus, load_questions, stdlib_corpus
 from cachedrag.errors import ConfigError
 
 #: the ``format`` tag and ``version`` of a saved workload file
 WORKLOAD_FORMAT = "cachedrag-bench-workload"
 WORKLOAD_VERSION = 1
+#: the corpora shipped with the package (no data files): name -> (documents, the topics of its question stream)
+EMBEDDED_CORPORA = {"stdlib": (stdlib_corpus, STDLIB_TOPICS), "info": (info_corpus, INFO_TOPICS)}
+EMBEDDED_NAMES = {"stdlib": "stdlib docs", "info": "GNU info manuals"}
+#: the system prompt the benchmarks ask each embedded corpus's questions under
+EMBEDDED_SYSTEM_PROMPTS = {
+    "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
+               "given by the user. Be brief."),
+    "info": ("You are a helpful assistant. Answer the question using the GNU manual excerpts given by the "
+             "user. Be brief."),
+}
 
 
 @dataclass
@@ -55,21 +66,27 @@ def zipf_stream(pool, n: int, s: float = 1.1, seed: int = 0) -> list[str]:
 
 
 def build_workload(tokenizer, corpus: str | None = None, questions: str | None = None, *, top_k: int = 5,
-                   chunk_tokens: int = 256, n_requests: int = 40, zipf_s: float = 1.1, seed: int = 0) -> Workload:
+                   chunk_tokens: int = 256, n_requests: int = 40, zipf_s: float = 1.1, seed: int = 0,
+                   embedded: str = "stdlib") -> Workload:
+    """``corpus``: a user path; without one, the embedded corpus ``embedded`` (``EMBEDDED_CORPORA``),
+    whose topics make the Zipf stream when no ``questions`` file is given."""
     from cachedrag.retrieval.chunker import chunk_documents
     from cachedrag.retrieval.config import ChunkConfig
     from cachedrag.retrieval.embedder import Embedder
 
-    docs = load_corpus(corpus) if corpus else stdlib_corpus()
+    if embedded not in EMBEDDED_CORPORA:
+        raise ConfigError(f"unknown embedded corpus {embedded!r}; choose one of {', '.join(EMBEDDED_CORPORA)}")
+    make_docs, topics = EMBEDDED_CORPORA[embedded]
+    docs = load_corpus(corpus) if corpus else make_docs()
     chunk_objs = chunk_documents(docs, tokenizer, ChunkConfig(chunk_tokens=chunk_tokens, overlap=0), progress=False)
     texts = [c.text for c in chunk_objs]
     if questions:
         stream = load_questions(questions)
         source = str(questions)
     else:
-        stream = zipf_stream(list(STDLIB_TOPICS), n_requests, zipf_s, seed)
-        source = (f"zipf(s={zipf_s}) stream of {n_requests} over {len(STDLIB_TOPICS)} stdlib topics "
-                  f"x {len(STDLIB_TOPICS[0])} phrasings")
+        stream = zipf_stream(list(topics), n_requests, zipf_s, seed)
+        source = (f"zipf(s={zipf_s}) stream of {n_requests} over {len(topics)} {embedded} topics "
+                  f"x {len(topics[0])} phrasings")
     embedder = Embedder()
     chunk_vecs = embedder.encode(texts)  # [N, d]
     unique = sorted(set(stream))
@@ -79,7 +96,7 @@ def build_workload(tokenizer, corpus: str | None = None, questions: str | None =
     params = {"top_k": top_k, "chunk_tokens": chunk_tokens, "overlap": 0,
               "n_requests": None if questions else n_requests, "zipf_s": None if questions else zipf_s,
               "seed": None if questions else seed, "embedder": embedder.name}
-    return Workload(texts, stream, [by_question[q] for q in stream], corpus or "stdlib docs", source, params)
+    return Workload(texts, stream, [by_question[q] for q in stream], corpus or EMBEDDED_NAMES[embedded], source, params)
 
 
 def _chunks_digest(chunks: list[str]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -215,3 +216,67 @@ def test_bench_ttft_replays_a_hand_made_workload(tiny_model_dir, tiny_corpus, tm
     assert data["modes"]["prefix"]["chunk_hit_rate"] > 0 and data["modes"]["full"]["teacher_forced_top1"] == 1.0
     for row in data["modes"].values():
         assert row["ttft_median_s"] > 0 and 0.0 <= row["teacher_forced_top1"] <= 1.0
+
+
+
+def test_the_system_prompt_follows_the_workloads_corpus(tiny_model_dir, tiny_corpus, tmp_path):
+    """Without --system-prompt, a workload of the embedded info corpus is asked under the GNU manuals'
+    prompt (any other corpus under the Python docs' one); a given --system-prompt wins."""
+    from cachedrag.bench.workload import EMBEDDED_SYSTEM_PROMPTS
+
+    corpus, _ = tiny_corpus
+    docs = [path.read_text() for path in sorted(Path(corpus).glob("*.txt"))]
+    tok = load_tokenizer(tiny_model_dir)
+    for name, given, expected in (("GNU info manuals", None, EMBEDDED_SYSTEM_PROMPTS["info"]),
+                                  ("tiny docs", None, EMBEDDED_SYSTEM_PROMPTS["stdlib"]),
+                                  ("GNU info manuals", "Answer in one word.", "Answer in one word.")):
+        wl, out = tmp_path / "w.json", tmp_path / "ttft.json"
+        save_workload(Workload(docs, ["q1", "q2"], [docs[:2], docs[1:3]], name, "hand-made", {"top_k": 2}), wl,
+                      tokenizer={"model": tiny_model_dir, "fingerprint": tokenizer_fingerprint(tok)})
+        extra = [] if given is None else ["--system-prompt", given]
+        assert main(["bench", "ttft", "--workload", str(wl), "--model", tiny_model_dir, "--modes", "full",
+                     "--no-teacher-forced", "--json", str(out), *SMALL, *extra]) == 0
+        assert json.loads(out.read_text())["config"]["system_prompt"] == expected, name
+
+
+_INFO = pytest.mark.skipif(not list(Path("/usr/share/info").glob("grep.info*")),
+                           reason="needs the GNU info manuals under /usr/share/info")
+
+
+@_INFO
+def test_the_info_stream_is_built_from_the_info_manuals_and_its_topics(tiny_model_dir, tmp_path, monkeypatch):
+    from cachedrag.corpus import INFO_TOPICS
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("--workload-only loaded the model")
+
+    monkeypatch.setattr("cachedrag.model.loader.load_model", no_model)
+    wl = tmp_path / "info.json"
+    assert main(["bench", "ttft", "--embedded-corpus", "info", "--model", tiny_model_dir, "--requests", "12",
+                 "--seed", "1", "--top-k", "3", "--chunk-tokens", "256", "--workload-out", str(wl),
+                 "--workload-only"]) == 0
+    work, _ = load_workload(wl)
+    phrasings = {q for topic in INFO_TOPICS for q in topic}
+    assert work.corpus_name == "GNU info manuals" and len(work.questions) == 12
+    assert set(work.questions) <= phrasings and "18 info topics x 3 phrasings" in work.question_source
+    # the chunks are the manuals' text, and a question naming a program retrieves that program's manual
+    named = 0
+    for q, r in zip(work.questions, work.retrieved):
+        for program in re.findall(r"\b(grep|sed|gzip|bc|diff|patch|cmp)\b", q):
+            named += 1
+            assert any(program in t for t in r), (q, r)
+    assert named >= 3
+
+
+def test_embedded_corpus_conflicts_are_one_line(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    corpus, questions = tiny_corpus
+    assert main(["bench", "ttft", "--corpus", corpus, "--embedded-corpus", "info", "--model", tiny_model_dir]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--corpus and --embedded-corpus name the corpus twice" in err
+    wl = tmp_path / "w.json"
+    save_workload(build_workload(load_tokenizer(tiny_model_dir), corpus, questions, top_k=2, chunk_tokens=48), wl,
+                  tokenizer={"model": "m", "fingerprint": "f"})
+    assert main(["bench", "ttft", "--workload", str(wl), "--embedded-corpus", "stdlib"]) == 2
+    assert "--embedded-corpus come from the workload file" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="unknown embedded corpus 'man'"):
+        build_workload(load_tokenizer(tiny_model_dir), top_k=2, embedded="man")
