@@ -8,8 +8,8 @@ K/V deviation, CacheBlend; by the question's attention to the re-rotated cache, 
 both fused), budget by need, order-aware exact reuse (serving a cached tree path's order), the
 tie guard (``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is
 prefilled again exactly; with ``tie_guard_trend`` only when a second reading with the
-recomputed rows put back to their cached values says the recompute is closing in on a rival,
-the decision in ``kvcache/tie.py``), teacher-forced scoring of a given answer, focused-chunk early
+recomputed rows put back to their cached values predicts a margin over some rival below
+``tie_guard_floor``, the decision in ``kvcache/tie.py``), teacher-forced scoring of a given answer, focused-chunk early
 termination, the layer-wise budget (``CacheConfig.layer_taper``: fewer recompute rows in later layers; the counts come from
 ``planner.taper_counts``, the ranking from the token choice or the K/V deviation), measuring the inter/intra attention
 metadata of fresh chunks, and handing their raw K + V to the cache manager.
@@ -100,7 +100,8 @@ class EngineResult:
     tie_guard: float | None = None  # CacheConfig.tie_guard: the approximate prefill's first-token top-2 logit gap
     #                                 when it was near-tied and the request was prefilled again exactly (else None)
     tie_guard_margin: float | None = None  # CacheConfig.tie_guard_trend: the trend check's predicted margin of the
-    #                                        approximate first token (< 0: prefilled again) when it ran (else None)
+    #                                        approximate first token (< tie_guard_floor: prefilled again) when it
+    #                                        ran (else None)
     teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
@@ -503,9 +504,9 @@ class CachedEngine:
             first = top2_gap(logits)
             if first < cache.tie_guard and cache.tie_guard_trend > 0 and pre.cached_rows is not None:
                 margin = self._trend_margin(pre, [t for s in question for t in s.ids], logits)
-            if first < cache.tie_guard and (margin is None or margin < 0):
+            if first < cache.tie_guard and (margin is None or margin < cache.tie_guard_floor):
                 # the approximation would pick a near-tied first token (and, checked, is closing in on a
-                # rival): prefill exactly
+                # rival, or stays within the floor's noise of one): prefill exactly
                 gap, seconds = first, pre.info["load_s"] + pre.info["prefill_s"]
                 plan = self.manager.plan(request, Mode.PREFIX)
                 pre, exact_hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits,

@@ -11,8 +11,10 @@ G = 0 two answers differ from full prefill although their first tokens are decis
 2 nats): the guard does not look at those. The third setting adds the trend check
 (``tie_guard_trend=0.6``): each near tie below 1 nat is read again with the recomputed rows put
 back to their cached values, and prefilled again only when the recompute is closing in on a rival
-fast enough to pass it (``result.tie_guard_margin``, the predicted margin, < 0). See
-docs/fidelity.md, "Lever 4: the tie guard".
+fast enough to pass it (``result.tie_guard_margin``, the predicted margin, < 0). The fourth adds
+a floor under that margin (``tie_guard_floor=0.1``: prefilled again below 0.1 nats, not 0). On a
+second corpus the trend's calibration did not carry over, and the plain gap guard at 0.25 was the
+setting that caught every flip measured (docs/fidelity.md, "Lever 4: the tie guard", round 18).
 
     python examples/tie_guard.py            # embedded SmolLM2-135M-Instruct
 """
@@ -37,12 +39,12 @@ def main() -> None:
     docs = {d.id: d.text for d in stdlib_corpus(("heapq", "bisect", "functools"))}
     chunks = [docs["stdlib/heapq"][:900], docs["stdlib/bisect"][:900], docs["stdlib/functools"][:900]]
     full = CachedEngine(runner, config=EngineConfig(mode="full"))
-    for guard, trend in ((0.0, 0.0), (1.0, 0.0), (1.0, 0.6)):
+    for guard, trend, floor in ((0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (1.0, 0.6, 0.0), (1.0, 0.6, 0.1)):
         # exact_repeats off: every question is served from reuse, so each one meets the guard
-        cache = CacheConfig(tie_guard=guard, tie_guard_trend=trend, exact_repeats=0)
+        cache = CacheConfig(tie_guard=guard, tie_guard_trend=trend, tie_guard_floor=floor, exact_repeats=0)
         engine = CachedEngine(runner, config=EngineConfig(cache=cache))
         engine.generate(chunks[::-1], "What are these modules for?", SYSTEM, max_new_tokens=1)  # warm, other order
-        print(f"tie_guard={guard} tie_guard_trend={trend}")
+        print(f"tie_guard={guard} tie_guard_trend={trend} tie_guard_floor={floor}")
         for question in QUESTIONS:
             segs = engine.prompts.chat(chunks, question, SYSTEM)
             reference = full.generate(chunks, question, SYSTEM, max_new_tokens=12)

@@ -106,11 +106,11 @@ def _readings(runner) -> tuple[torch.Tensor, torch.Tensor]:
     return approx, engine.prefill_logits(segs)  # [V], [V]
 
 
-def _trend_engine(runner, trend: float, question_dtype: str = "float32") -> CachedEngine:
+def _trend_engine(runner, trend: float, question_dtype: str = "float32", floor: float = 0.0) -> CachedEngine:
     """The trend check on every approximate request; its second reading in float32 (the reference
     precision, so it compares exactly with ``_readings``) unless ``question_dtype`` says otherwise."""
     cache = CacheConfig(recompute_ratio=0.3, exact_repeats=0, tie_guard=1e9, tie_guard_trend=trend,
-                        question_dtype=question_dtype)
+                        question_dtype=question_dtype, tie_guard_floor=floor)
     engine = CachedEngine(runner, config=EngineConfig(cache=cache))
     _warm(engine)
     return engine
@@ -151,6 +151,33 @@ def test_the_trend_check_reprefills_only_past_the_crossing_trend(runner):
     assert above.tie_guard is not None and above.tie_guard_margin < 0 and above.approximations == []
     assert above.token_ids == engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="full").token_ids
     assert engine.manager.check() == []
+
+
+def test_a_predicted_margin_below_the_floor_is_prefilled_again(runner):
+    """``tie_guard_floor``: the same reading as below the crossing trend (margin > 0, the answer
+    stood), but a floor just above that margin re-prefills it; just below, it still stands."""
+    probe = _trend_engine(runner, 0.05).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
+    margin = probe.tie_guard_margin
+    assert margin > 0 and probe.tie_guard is None
+    kept = _trend_engine(runner, 0.05, floor=margin * 0.9).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
+    assert kept.tie_guard is None and kept.tie_guard_margin == pytest.approx(margin, abs=1e-6)
+    assert "chunk_reuse" in kept.approximations
+    engine = _trend_engine(runner, 0.05, floor=margin * 1.1)
+    guarded = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
+    assert guarded.tie_guard is not None and guarded.approximations == []
+    assert guarded.token_ids == engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="full").token_ids
+    assert engine.manager.check() == []
+
+
+def test_tie_guard_floor_is_validated():
+    with pytest.raises(ConfigError, match="tie_guard_floor needs tie_guard_trend"):
+        CacheConfig(tie_guard=1.0, tie_guard_floor=0.1)
+    with pytest.raises(ConfigError, match="must be below tie_guard"):
+        CacheConfig(tie_guard=0.1, tie_guard_trend=0.5, tie_guard_floor=0.1)
+    for bad in (-0.1, float("inf"), "x"):
+        with pytest.raises(ConfigError, match="tie_guard_floor"):
+            CacheConfig(tie_guard=1.0, tie_guard_trend=0.5, tie_guard_floor=bad)
+    assert CacheConfig(tie_guard=1.0, tie_guard_trend=0.6, tie_guard_floor=0.1).tie_guard_floor == 0.1
 
 
 def test_without_the_trend_setting_nothing_is_checked(runner):

@@ -226,6 +226,14 @@ class CacheConfig:
         recompute is closing in on a rival. ``tie_guard`` then bounds which requests are
         checked. The reading's projections run in ``question_dtype`` (a few rows are bound by
         reading the weights: bfloat16 copies halve that). Needs ``tie_guard`` > 0.
+      tie_guard_floor: nats, >= 0 and below ``tie_guard``; with ``tie_guard_trend``: the
+        request is prefilled again when the predicted margin falls below this floor instead of
+        below 0. The trend sees only the direction the recompute moved the logits; what the rows
+        still not recomputed do beyond it (and the reading's own rounding) is noise of a few
+        hundredths of a nat, and a near tie within it flips either way (on the GNU info streams
+        9 of 20 flips came where the recompute had barely moved the margin, most of them with a
+        gap below 0.07; docs/fidelity.md, round 18). 0 = the trend alone. On those streams the
+        plain gap guard (``tie_guard=0.25``, no trend) was the setting that caught every flip.
 
     Variant registry (``index.py``):
       max_chunks (N), max_variants_per_chunk (M): at most M variants per chunk and N x M in all.
@@ -269,6 +277,7 @@ class CacheConfig:
     repeat_memory: int = 10_000
     tie_guard: float = 0.0
     tie_guard_trend: float = 0.0
+    tie_guard_floor: float = 0.0
     max_chunks: int = 10_000
     max_variants_per_chunk: int = 4
     cfo_floor: float = 0.05
@@ -337,6 +346,13 @@ class CacheConfig:
         _check_number("tie_guard_trend", self.tie_guard_trend, 0.0, math.inf, hi_open=True)
         if self.tie_guard_trend > 0 and not self.tie_guard > 0:
             raise ConfigError("CacheConfig.tie_guard_trend needs tie_guard > 0 (the gap below which a near tie is checked)")
+        _check_number("tie_guard_floor", self.tie_guard_floor, 0.0, math.inf, hi_open=True)
+        if self.tie_guard_floor > 0 and not self.tie_guard_trend > 0:
+            raise ConfigError("CacheConfig.tie_guard_floor needs tie_guard_trend > 0 (it is a floor under the trend "
+                              "check's predicted margin)")
+        if self.tie_guard_floor > 0 and not self.tie_guard_floor < self.tie_guard:
+            raise ConfigError(f"CacheConfig.tie_guard_floor ({self.tie_guard_floor}) must be below tie_guard "
+                              f"({self.tie_guard}): only near ties below tie_guard are checked")
         _check_int("max_chunks", self.max_chunks, 1)
         _check_int("max_variants_per_chunk", self.max_variants_per_chunk, 1)
         _check_number("cfo_floor", self.cfo_floor, 0.0, 1.0, lo_open=True)

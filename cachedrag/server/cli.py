@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --tie-guard: prefill a near tie again only when the trend check predicts the "
                              "approximation flips it (CacheConfig.tie_guard_trend; e.g. 0.5; default 0 = every near "
                              "tie)")
+    parser.add_argument("--tie-guard-floor", type=float, default=None,
+                        help="with --tie-guard-trend: prefill a near tie again when its predicted margin falls below "
+                             "this many nats instead of 0 (CacheConfig.tie_guard_floor; e.g. 0.1; default 0)")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
     parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
     parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")
@@ -236,7 +239,7 @@ def build_engine(args: argparse.Namespace):
     gb = 1 << 30
     config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb),
                           cache=server_cache_config(args.exact_repeats, args.exact_repeats_when, args.tie_guard,
-                                                    args.tie_guard_trend))
+                                                    args.tie_guard_trend, args.tie_guard_floor))
     store = None
     if args.disk_dir or args.redis_url:
         from cachedrag.store.config import StoreConfig

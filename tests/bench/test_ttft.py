@@ -115,7 +115,7 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
     the repeats after it are exact prefix hits): no reuse approximation is left, and its answers
     equal full prefill's."""
     modes = _repeated_question_rows(tiny_model_dir, tiny_corpus, tmp_path, 3, "--max-new-tokens", "3",
-                                    "--modes", "full,cachedrag", "--tie-guards", "1e9,1e9/1e-9")
+                                    "--modes", "full,cachedrag", "--tie-guards", "1e9,1e9/1e-9,1e9/1e-9/1e8")
     guarded, plain = modes["cachedrag:tie_guard=1e9"], modes["cachedrag"]
     assert plain["tie_guarded"] == 0 and plain["approximations"].get("chunk_reuse", 0) >= 1
     assert plain["tie_guard_checked"] == 0 and guarded["tie_guard_checked"] == 0
@@ -128,7 +128,12 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
     assert trend["tie_guard_checked"] == plain["approximations"]["chunk_reuse"] and trend["tie_guarded"] == 0
     assert trend["rouge_l_vs_full"] == plain["rouge_l_vs_full"]
     assert trend["teacher_forced_kl"] == plain["teacher_forced_kl"]
-    for bad in ("-1", "x", "inf", "0.3/-1", "0/0.5"):
+    # a floor above every predicted margin: the first checked request is prefilled again (storing the
+    # exact path the repeats then hit), as the gap-only guard does
+    floor = modes["cachedrag:tie_guard=1e9/1e-9/1e8"]
+    assert floor["tie_guarded"] == 1 and floor["tie_guard_checked"] == 1
+    assert "chunk_reuse" not in floor["approximations"] and floor["rouge_l_vs_full"] == 1.0
+    for bad in ("-1", "x", "inf", "0.3/-1", "0/0.5", "1/0/0.1", "1/0.5/2", "1/0.5/0.1/3"):
         assert main(["bench", "ttft", "--tie-guards", bad]) == 2  # refused before any model loads
         assert "--tie-guards" in capsys.readouterr().err
 

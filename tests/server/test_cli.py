@@ -71,6 +71,7 @@ def test_bad_setting_exits_2_with_one_line():
     (["--device", "tpu7"], "unknown device"),
     (["--port", "99999"], "port"),  # refused before the model loads
     (["--max-tokens", "0"], "default_max_tokens"),
+    (["--tie-guard", "1", "--tie-guard-floor", "0.1"], "tie_guard_floor needs tie_guard_trend"),
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):
     port = [] if "--port" in args else ["--port", "0"]
@@ -118,6 +119,9 @@ def test_build_engine_uses_the_requested_numerics():
     assert other.exact_repeats_when == "after_response" and other.exact_repeats == 3
     text = engine.generate(["heapq pushes items onto a heap."], "What does heapq do?", max_new_tokens=3).text
     assert isinstance(text, str)
+    guard = build_engine(build_parser().parse_args(["serve", "--tiny", "--tie-guard", "1", "--tie-guard-trend", "0.6",
+                                                    "--tie-guard-floor", "0.1"])).config.cache
+    assert (guard.tie_guard, guard.tie_guard_trend, guard.tie_guard_floor) == (1.0, 0.6, 0.1)
 
 
 def test_startup_objects_leave_the_collectors_scans():
