@@ -7,13 +7,14 @@ choice and ignored by ``deviation`` (which looks at V); a V outlier the other wa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from cachedrag.config import FIDELITY_PRESETS, EngineConfig
-from cachedrag.engine import CachedEngine
+from cachedrag.engine import CachedEngine, top2_gap
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import CacheConfig
 from cachedrag.model.generation import SamplingParams
@@ -262,7 +263,7 @@ def test_order_aware_reuse_serves_the_cached_order_exactly(runner):
     assert on.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1, mode="full").chunk_order is None
 
 
-@pytest.mark.parametrize("level", ["exact", "balanced", "fast"])
+@pytest.mark.parametrize("level", ["exact", "guarded", "balanced", "fast"])
 def test_fidelity_levels_set_mode_policy_and_order(level):
     cfg = EngineConfig(fidelity=level, cache={"alpha": 2.0})
     preset = FIDELITY_PRESETS[level]
@@ -271,6 +272,29 @@ def test_fidelity_levels_set_mode_policy_and_order(level):
     assert cfg.cache.alpha == 2.0  # fields the preset does not own are kept
     for name, value in preset["cache"].items():
         assert getattr(cfg.cache, name) == value
+
+
+def test_guarded_is_balanced_with_the_gap_tie_guard(runner):
+    """'guarded': the balanced policy, plus the tie guard at 0.25 nats without the trend check (round 18)."""
+    guarded, balanced = EngineConfig(fidelity="guarded"), EngineConfig(fidelity="balanced")
+    assert (guarded.cache.tie_guard, guarded.cache.tie_guard_trend, guarded.cache.tie_guard_floor) == (0.25, 0.0, 0.0)
+    assert dataclasses.replace(guarded.cache, tie_guard=0.0) == balanced.cache
+    assert guarded.mode == balanced.mode and guarded.order_aware == balanced.order_aware
+    # a user's trend check is replaced by the level's plain gap guard
+    assert EngineConfig(fidelity="guarded", cache={"tie_guard": 1.0, "tie_guard_trend": 0.6}).cache.tie_guard_trend == 0
+    engines = {}
+    for level in ("balanced", "guarded"):
+        engines[level] = CachedEngine(runner, config=EngineConfig(fidelity=level, cache={"exact_repeats": 0}))
+        engines[level].generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
+    segs = engines["balanced"].prompts.chat(ORDER, QUESTION, SYSTEM)
+    gap = top2_gap(engines["balanced"].prefill_logits(segs))  # the approximate prefill's first-token gap
+    r = engines["guarded"].generate(ORDER, QUESTION, SYSTEM, max_new_tokens=4)
+    assert (r.tie_guard is not None) == (gap < 0.25), gap
+    if r.tie_guard is not None:  # a near tie (0.024 nats on this tiny model): prefilled again, exactly
+        full = engines["guarded"].generate(ORDER, QUESTION, SYSTEM, max_new_tokens=4, mode="full")
+        assert r.tie_guard == pytest.approx(gap, abs=1e-5) and r.approximations == [] and r.token_ids == full.token_ids
+    else:
+        assert "chunk_reuse" in r.approximations
 
 
 def test_default_settings_are_the_balanced_level():

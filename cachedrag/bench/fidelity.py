@@ -89,7 +89,7 @@ VARIANTS = {
     # with a floor under the predicted margin (CacheConfig.tie_guard_floor; docs/fidelity.md round 18)
     "trendfloor": {"tie_guard": 1.0, "tie_guard_trend": 0.6, "tie_guard_floor": 0.1},
 }
-SYSTEM_PROMPTS = EMBEDDED_SYSTEM_PROMPTS
+SYSTEM_PROMPTS = EMBEDDED_SYSTEM_PROMPTS  # per corpus: the prompt bench ttft asks it under too
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -295,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
 
     results = {"config": {
         "model": model_name, "corpus": work.corpus_name, "questions": work.question_source,
-        "system_prompt": args.system_prompt, "n_chunks": len(work.chunks), "top_k": args.top_k, "chunk_tokens": args.chunk_tokens, "modes": modes,
+        "system_prompt": args.system_prompt, "n_chunks": len(work.chunks), "top_k": args.top_k,
+        "chunk_tokens": args.chunk_tokens, "modes": modes,
         "warmup": warmup, "max_new_tokens": args.max_new_tokens, "cache": config.cache.to_dict(),
         "early_termination": config.early_termination, "torch_threads": torch.get_num_threads(),
         "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),

@@ -2,9 +2,10 @@
 
 Owns: what the engine-level suites (ttft, tiers, pipelines) feed their engines, built the
 same way for each so their figures compare: corpus (a user path, or an embedded one: the stdlib
-docs or the GNU info manuals),
-token chunks in the LLM's tokenizer, MiniLM embeddings, exact inner-product top-k, and a
-deterministic Zipf-skewed question stream when no question file is given. Also a workload's
+docs or the GNU info manuals, ``EMBEDDED_CORPORA``, each with the system prompt its questions are
+asked under), token chunks in the LLM's tokenizer, MiniLM embeddings, exact inner-product top-k,
+and a deterministic Zipf-skewed question stream over the embedded corpus's topics when no
+question file is given. Also a workload's
 file form (``save_workload`` / ``load_workload``: what a run needs downstream of retrieval, so a
 machine without the embedder, or with another Python whose stdlib docs differ, replays the same
 requests; ``bench ttft --workload-out`` / ``--workload``).
