@@ -52,7 +52,7 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l
-from cachedrag.bench.workload import EMBEDDED_SYSTEM_PROMPTS
+from cachedrag.bench.workload import EMBEDDED_CORPORA
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import QUESTION_CHOICES
 
@@ -89,7 +89,6 @@ VARIANTS = {
     # with a floor under the predicted margin (CacheConfig.tie_guard_floor; docs/fidelity.md round 18)
     "trendfloor": {"tie_guard": 1.0, "tie_guard_trend": 0.6, "tie_guard_floor": 0.1},
 }
-SYSTEM_PROMPTS = EMBEDDED_SYSTEM_PROMPTS  # per corpus: the prompt bench ttft asks it under too
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     choices = [c.strip() for c in args.choices.split(",") if c.strip()]
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
     bad = [c for c in choices + _et_choices(args) if c not in ALL_CHOICES] + [
-        c for c in corpora if c not in ("stdlib", "info")] + [
+        c for c in corpora if c not in EMBEDDED_CORPORA] + [
         v for v in _variants(args) if v.partition("/")[0] not in QUESTION_CHOICES or v.partition("/")[2] not in VARIANTS]
     if bad:
         raise ConfigError(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
@@ -340,20 +339,18 @@ def _variants(args) -> list[str]:
 def _corpus(runner, name: str, args):
     """(chunk texts, request items, system prompt); an item is (question, retrieved texts, gold or None)."""
     from cachedrag.bench.gold import INFO_QUESTIONS, STDLIB_GOLD
-    from cachedrag.corpus import info_corpus, stdlib_corpus
 
-    docs = stdlib_corpus() if name == "stdlib" else info_corpus()
-    if name == "stdlib":
-        return _retrieve(runner, docs, [(g.question, g.doc, g.answer) for g in STDLIB_GOLD], args) + (
-            SYSTEM_PROMPTS["stdlib"],)
-    return _retrieve(runner, docs, [(q, None, None) for q in INFO_QUESTIONS], args) + (SYSTEM_PROMPTS["info"],)
+    corpus = EMBEDDED_CORPORA[name]
+    asked = ([(g.question, g.doc, g.answer) for g in STDLIB_GOLD] if name == "stdlib"
+             else [(q, None, None) for q in INFO_QUESTIONS])
+    return _retrieve(runner, corpus.documents(), asked, args) + (corpus.system_prompt,)
 
 
 def _custom(runner, args):
     from cachedrag.corpus import load_corpus, load_questions
 
     return _retrieve(runner, load_corpus(args.corpus), [(q, None, None) for q in dict.fromkeys(
-        load_questions(args.questions))], args) + (SYSTEM_PROMPTS["stdlib"],)
+        load_questions(args.questions))], args) + (EMBEDDED_CORPORA["stdlib"].system_prompt,)
 
 
 def _retrieve(runner, docs, questions, args):

@@ -26,11 +26,11 @@ import time
 
 from cachedrag.bench import write_json
 from cachedrag.bench.metrics import rouge_l, summary
-from cachedrag.bench.workload import EMBEDDED_NAMES, EMBEDDED_SYSTEM_PROMPTS
+from cachedrag.bench.workload import EMBEDDED_CORPORA, embedded_corpus_of
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import TOKEN_CHOICES
 
-DEFAULT_SYSTEM_PROMPT = EMBEDDED_SYSTEM_PROMPTS["stdlib"]
+DEFAULT_SYSTEM_PROMPT = EMBEDDED_CORPORA["stdlib"].system_prompt
 ALL_MODES = ("full", "prefix", "naive", "random", "cachedrag")
 #: the engine default until the measured frontier chose one (docs/fidelity.md), for before/after rows
 PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None, "layer_taper": ()},
@@ -42,7 +42,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", help="directory of .txt/.md files or a JSONL of {id, text} (default: stdlib docs)")
-    parser.add_argument("--embedded-corpus", choices=("stdlib", "info"), default=None,
+    parser.add_argument("--embedded-corpus", choices=tuple(EMBEDDED_CORPORA), default=None,
                         help="without --corpus: the embedded corpus and its Zipf question stream (default stdlib: "
                              "the Python docs; info: the GNU info manuals under /usr/share/info)")
     parser.add_argument("--questions", help="one question per line, used in order (default: a Zipf stream of the "
@@ -206,8 +206,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         work = build(runner.tokenizer)
     if args.system_prompt is None:  # the embedded corpus's own (a workload file names its corpus)
-        embedded = {name: key for key, name in EMBEDDED_NAMES.items()}.get(work.corpus_name, "stdlib")
-        args.system_prompt = EMBEDDED_SYSTEM_PROMPTS[embedded]
+        args.system_prompt = embedded_corpus_of(work).system_prompt
     # the first token is read as a Python int (an argmax's .item(): a device sync), so TTFT's end waits for
     # the GPU; its start must not include work still queued by the previous call (scoring, teacher forcing)
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)

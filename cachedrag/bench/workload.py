@@ -5,10 +5,10 @@ same way for each so their figures compare: corpus (a user path, or an embedded 
 docs or the GNU info manuals, ``EMBEDDED_CORPORA``, each with the system prompt its questions are
 asked under), token chunks in the LLM's tokenizer, MiniLM embeddings, exact inner-product top-k,
 and a deterministic Zipf-skewed question stream over the embedded corpus's topics when no
-question file is given. Also a workload's
-file form (``save_workload`` / ``load_workload``: what a run needs downstream of retrieval, so a
-machine without the embedder, or with another Python whose stdlib docs differ, replays the same
-requests; ``bench ttft --workload-out`` / ``--workload``).
+question file is given. Also a workload's file form (``save_workload`` / ``load_workload``: what
+a run needs downstream of retrieval, so a machine without the embedder, or with another Python
+whose stdlib docs differ, replays the same requests; ``bench ttft --workload-out`` /
+``--workload``).
 """
 
 from __future__ import annotations
@@ -16,27 +16,45 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from cachedrag.corpus import INFO_TOPICS, STDLIB_TOPICS, info_corpus, load_corpus, load_questions, stdlib_corpus
+from cachedrag.corpus import (INFO_TOPICS, STDLIB_TOPICS, Document, info_corpus, load_corpus, load_questions,
+                              stdlib_corpus)
 from cachedrag.errors import ConfigError
 
 #: the ``format`` tag and ``version`` of a saved workload file
 WORKLOAD_FORMAT = "cachedrag-bench-workload"
 WORKLOAD_VERSION = 1
-#: the corpora shipped with the package (no data files): name -> (documents, the topics of its question stream)
-EMBEDDED_CORPORA = {"stdlib": (stdlib_corpus, STDLIB_TOPICS), "info": (info_corpus, INFO_TOPICS)}
-EMBEDDED_NAMES = {"stdlib": "stdlib docs", "info": "GNU info manuals"}
-#: the system prompt the benchmarks ask each embedded corpus's questions under
-EMBEDDED_SYSTEM_PROMPTS = {
-    "stdlib": ("You are a helpful assistant. Answer the question using the Python documentation excerpts "
-               "given by the user. Be brief."),
-    "info": ("You are a helpful assistant. Answer the question using the GNU manual excerpts given by the "
-             "user. Be brief."),
+
+
+@dataclass(frozen=True)
+class EmbeddedCorpus:
+    """A corpus shipped with the package (no data files) and how the benchmarks ask it."""
+
+    title: str  # a built workload's ``corpus_name``
+    documents: Callable[[], list[Document]]
+    topics: tuple[tuple[str, ...], ...]  # the Zipf stream's topics, each a few phrasings of one question
+    system_prompt: str  # the system prompt its questions are asked under
+
+
+EMBEDDED_CORPORA: dict[str, EmbeddedCorpus] = {
+    "stdlib": EmbeddedCorpus("stdlib docs", stdlib_corpus, STDLIB_TOPICS,
+                             "You are a helpful assistant. Answer the question using the Python documentation "
+                             "excerpts given by the user. Be brief."),
+    "info": EmbeddedCorpus("GNU info manuals", info_corpus, INFO_TOPICS,
+                           "You are a helpful assistant. Answer the question using the GNU manual excerpts given "
+                           "by the user. Be brief."),
 }
+
+
+def embedded_corpus_of(work: "Workload") -> EmbeddedCorpus:
+    """The embedded corpus a workload was built from (by its ``corpus_name``); the stdlib one for any
+    other (a user corpus, a hand-made workload)."""
+    return next((c for c in EMBEDDED_CORPORA.values() if c.title == work.corpus_name), EMBEDDED_CORPORA["stdlib"])
 
 
 @dataclass
@@ -77,8 +95,8 @@ def build_workload(tokenizer, corpus: str | None = None, questions: str | None =
 
     if embedded not in EMBEDDED_CORPORA:
         raise ConfigError(f"unknown embedded corpus {embedded!r}; choose one of {', '.join(EMBEDDED_CORPORA)}")
-    make_docs, topics = EMBEDDED_CORPORA[embedded]
-    docs = load_corpus(corpus) if corpus else make_docs()
+    topics = EMBEDDED_CORPORA[embedded].topics
+    docs = load_corpus(corpus) if corpus else EMBEDDED_CORPORA[embedded].documents()
     chunk_objs = chunk_documents(docs, tokenizer, ChunkConfig(chunk_tokens=chunk_tokens, overlap=0), progress=False)
     texts = [c.text for c in chunk_objs]
     if questions:
@@ -97,7 +115,8 @@ def build_workload(tokenizer, corpus: str | None = None, questions: str | None =
     params = {"top_k": top_k, "chunk_tokens": chunk_tokens, "overlap": 0,
               "n_requests": None if questions else n_requests, "zipf_s": None if questions else zipf_s,
               "seed": None if questions else seed, "embedder": embedder.name}
-    return Workload(texts, stream, [by_question[q] for q in stream], corpus or EMBEDDED_NAMES[embedded], source, params)
+    return Workload(texts, stream, [by_question[q] for q in stream], corpus or EMBEDDED_CORPORA[embedded].title,
+                    source, params)
 
 
 def _chunks_digest(chunks: list[str]) -> str:

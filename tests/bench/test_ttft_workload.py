@@ -222,13 +222,15 @@ def test_bench_ttft_replays_a_hand_made_workload(tiny_model_dir, tiny_corpus, tm
 def test_the_system_prompt_follows_the_workloads_corpus(tiny_model_dir, tiny_corpus, tmp_path):
     """Without --system-prompt, a workload of the embedded info corpus is asked under the GNU manuals'
     prompt (any other corpus under the Python docs' one); a given --system-prompt wins."""
-    from cachedrag.bench.workload import EMBEDDED_SYSTEM_PROMPTS
+    from cachedrag.bench.workload import EMBEDDED_CORPORA
+
+    prompts = {name: corpus.system_prompt for name, corpus in EMBEDDED_CORPORA.items()}
 
     corpus, _ = tiny_corpus
     docs = [path.read_text() for path in sorted(Path(corpus).glob("*.txt"))]
     tok = load_tokenizer(tiny_model_dir)
-    for name, given, expected in (("GNU info manuals", None, EMBEDDED_SYSTEM_PROMPTS["info"]),
-                                  ("tiny docs", None, EMBEDDED_SYSTEM_PROMPTS["stdlib"]),
+    for name, given, expected in (("GNU info manuals", None, prompts["info"]),
+                                  ("tiny docs", None, prompts["stdlib"]),
                                   ("GNU info manuals", "Answer in one word.", "Answer in one word.")):
         wl, out = tmp_path / "w.json", tmp_path / "ttft.json"
         save_workload(Workload(docs, ["q1", "q2"], [docs[:2], docs[1:3]], name, "hand-made", {"top_k": 2}), wl,
