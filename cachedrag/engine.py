@@ -266,6 +266,11 @@ class CachedEngine:
         # any layer reads it, decode rows are written before they are read); a number fills it first
         # (0.0: the reference path of the equivalence tests; NaN there proves no unwritten row is read)
         self.buffer_fill: float | None = None
+        # the question pre-pass: "cuda-graph" replays it from graphs captured per buffer and row bucket
+        # (model/question_graph.py; the default on CUDA), "static" runs that padded pass eagerly (its CPU
+        # check), "eager" op by op in ``_question_scores`` (the reference; the default elsewhere)
+        self.question_pass = "cuda-graph" if runner.device.type == "cuda" else "eager"
+        self.question_graphs = None  # QuestionPassGraphs once a padded pass ran (its captures, passes, failure)
         n = runner.n_layers
         k = min(self.config.metadata_layers, n)
         self.metadata_layers = sorted({round(1 + j * (n - 2) / max(1, k - 1)) if n > 2 else j for j in range(k)})
@@ -1039,7 +1044,19 @@ class CachedEngine:
         weights = None  # None: the runner's own projections
         if self.config.cache.question_dtype == "bfloat16" and not (lead is not None and lead.leading):
             weights = scoring_layers(runner, max(layers) + 1)
-        pos = device_tensor(sorted(set(fresh_pos) | set(question_pos)), device)  # [Tp]
+        rows = sorted(set(fresh_pos) | set(question_pos))
+        last = max(layers)
+        n_lead = lead.rows if lead is not None and last > 0 else 0
+        graphs = self._question_pass_graphs()
+        if graphs is not None and not hidden and not n_lead and all(w is None for w in runner.windows):
+            for layer in range(last + 1):  # every layer the pass reads, loaded before the replay
+                load_layer(layer)
+            scores = graphs.scores(kv, ids, rows, len(question_pos),
+                                   [(plan.segments[i].start, plan.segments[i].end) for i in deferred], total,
+                                   layers, weights)  # [T] or None (too many rows: the pass below)
+            if scores is not None:
+                return scores
+        pos = device_tensor(rows, device)  # [Tp]
         q_rows = torch.arange(pos.shape[0] - len(question_pos), pos.shape[0], device=device)  # question: the last rows
         inside = torch.zeros(total, dtype=torch.bool, device=device)  # [T]
         for i in deferred:
@@ -1054,8 +1071,6 @@ class CachedEngine:
         rope = runner.rotary.cos_sin(pos, runner.dtype, device)  # [Tp, D] each
         blocks = runner.causal_blocks(pos, total, hidden_keys)
         scores = torch.zeros(total, dtype=torch.float32, device=device)  # [T]
-        last = max(layers)
-        n_lead = lead.rows if lead is not None and last > 0 else 0
         for layer in range(last + 1):
             load_layer(layer)
             if hidden_idx is not None:  # masked rows must be finite: 0 x NaN would still poison the attention
@@ -1079,6 +1094,22 @@ class CachedEngine:
         if n_lead:
             lead.hidden, lead.layer = x[:n_lead], last  # [Tl, Dm]: the input of layer ``last``
         return scores  # [T]
+
+    def _question_pass_graphs(self):
+        """The padded static pre-pass (``model/question_graph.py``) per ``question_pass``, or None (eager)."""
+        if self.question_pass == "eager":
+            return None
+        if self.question_pass not in ("cuda-graph", "static"):
+            raise ConfigError(f"question_pass must be 'cuda-graph', 'static' or 'eager', got {self.question_pass!r}")
+        capture = self.question_pass == "cuda-graph"
+        if capture and self.runner.device.type != "cuda":
+            raise ConfigError("question_pass='cuda-graph' needs a CUDA runner")
+        graphs = self.question_graphs
+        if graphs is None or graphs.capture != capture:
+            from cachedrag.model.question_graph import QuestionPassGraphs
+
+            graphs = self.question_graphs = QuestionPassGraphs(self.runner, capture=capture)
+        return graphs
 
     def _refine(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, total: int, plan,
                 refine: dict[int, int], recompute_pos: dict[int, list[int]],

@@ -11,7 +11,9 @@ characters is N tokens). Measured side by side in one run:
   SDPA (one forward, cache built, last logits), our runner's full prefill (``mode="full"``),
   prefix reuse (``mode="prefix"``), and cachedrag at ``--recompute`` (chunk caches in a GPU tier);
   cachedrag again with the caches in a pinned-CPU tier and on disk, which shows what layer-wise
-  loading hides: ``overlap`` = 1 - (TTFT_tier - TTFT_gpu) / (n x load time per chunk);
+  loading hides: ``overlap`` = 1 - (TTFT_tier - TTFT_gpu) / (n x load time per chunk); on CUDA,
+  cachedrag again with its question pre-pass run op by op (``cachedrag_eager_pass``) beside the
+  default replay of a captured graph (``model/question_graph.py``);
 - decode: tokens/s of the one-token step as the runner runs it (the CUDA-graph step on CUDA) and
   the eager step, after an ``n``-chunk prompt; the graph capture time; the weight-bandwidth limit
   (projection and LM-head bytes over the device's measured copy bandwidth) and the ratio to it;
@@ -61,6 +63,8 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }
 TTFT_ARMS = ("hf_sdpa", "full", "prefix", "cachedrag")
 TIER_ARMS = ("cachedrag_cpu", "cachedrag_disk")
+#: on CUDA: cachedrag with the question pre-pass run op by op instead of replayed from a graph
+EAGER_PASS_ARM = "cachedrag_eager_pass"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,6 +221,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     fast_tier = {"gpu_bytes": budget} if on_cuda else {"cpu_bytes": budget}
     engines = {"full": engine("full", cpu_bytes=64 << 20), "prefix": engine("prefix", **fast_tier),
                "cachedrag": engine("cachedrag", **fast_tier)}
+    if on_cuda:
+        engines[EAGER_PASS_ARM] = engine("cachedrag", **fast_tier)
+        engines[EAGER_PASS_ARM].question_pass = "eager"
     if not args.no_tiers:
         engines["cachedrag_cpu"] = engine("cachedrag", cpu_bytes=budget)
         engines["cachedrag_disk"] = engine("cachedrag", disk_dir=str(Path(tmp.name) / "disk"), disk_bytes=budget,
@@ -230,7 +237,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     _sync(device)
     ttft: dict[str, Any] = {}
     for n in counts:
-        arms = [a for a in (*TTFT_ARMS, *TIER_ARMS) if a in engines or (a == "hf_sdpa" and not args.no_hf)]
+        arms = [a for a in (*TTFT_ARMS, EAGER_PASS_ARM, *TIER_ARMS)
+                if a in engines or (a == "hf_sdpa" and not args.no_hf)]
         times: dict[str, list[float]] = {a: [] for a in arms}
         stats: dict[str, list[dict]] = {a: [] for a in arms}
         for r in range(args.requests + 1):
@@ -273,11 +281,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "decode_step": runner.decode_step_kind,
         },
         "ttft": ttft, "decode": decode, "loads": loads,
+        "question_pass": _question_pass(engines["cachedrag"]),
     }
     if profile is not None:
         results["profile"] = profile
     results["targets"] = _targets(results)
     return results
+
+
+def _question_pass(engine) -> dict[str, Any]:
+    """How the cachedrag arm ran its question pre-pass: the kind, and graphs captured and passes served."""
+    graphs = engine.question_graphs
+    return {"kind": engine.question_pass, "captures": graphs.captures if graphs is not None else 0,
+            "passes": graphs.passes if graphs is not None else 0,
+            "capture_failed": graphs.failed if graphs is not None else None}
 
 
 def _version(module: str) -> str | None:
@@ -477,6 +494,8 @@ def _targets(res: dict) -> dict:
         out["cachedrag_vs_prefix"] = row["prefix"]["median_ms"] / row["cachedrag"]["median_ms"]
         if "hf_sdpa" in row:
             out["cachedrag_vs_hf_sdpa"] = row["hf_sdpa"]["median_ms"] / row["cachedrag"]["median_ms"]
+        if EAGER_PASS_ARM in row:  # what the captured question pre-pass saves
+            out["eager_pass_vs_graph_pass"] = row[EAGER_PASS_ARM]["median_ms"] / row["cachedrag"]["median_ms"]
     cpu = res["loads"].get("cpu", {})
     if "of_recompute" in cpu:
         out["pinned_cpu_load_of_recompute"] = cpu["of_recompute"]

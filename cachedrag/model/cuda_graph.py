@@ -129,11 +129,12 @@ def step_masks(runner, position: torch.Tensor, capacity: int) -> list[torch.Tens
 
 
 def attend_row(runner, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA of the step's query row ``q`` ``[H_q, 1, D]`` over one layer's whole buffer ``k``/``v``
-    ``[H_kv, C, D]`` under ``mask`` ``[1, C]``: ``[1, H_q*D]``."""
+    """SDPA of the query rows ``q`` ``[H_q, T, D]`` (the step's one row; the question pre-pass's
+    rows, ``model/question_graph.py``) over one layer's whole buffer ``k``/``v`` ``[H_kv, C, D]``
+    under the additive ``mask`` ``[T, C]``: ``[T, H_q*D]``."""
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None], scale=runner.scaling,
-                                         enable_gqa=runner.n_heads != runner.n_kv_heads)  # [1, H_q, 1, D]
-    return out[0].transpose(0, 1).reshape(1, -1)  # [1, H_q*D]
+                                         enable_gqa=runner.n_heads != runner.n_kv_heads)  # [1, H_q, T, D]
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [T, H_q*D]
 
 
 def buffer_key(kv) -> tuple:
