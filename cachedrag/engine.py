@@ -266,10 +266,11 @@ class CachedEngine:
         # any layer reads it, decode rows are written before they are read); a number fills it first
         # (0.0: the reference path of the equivalence tests; NaN there proves no unwritten row is read)
         self.buffer_fill: float | None = None
-        # the question pre-pass: "cuda-graph" replays it from graphs captured per buffer and row bucket
-        # (model/question_graph.py; the default on CUDA), "static" runs that padded pass eagerly (its CPU
-        # check), "eager" op by op in ``_question_scores`` (the reference; the default elsewhere)
-        self.question_pass = "cuda-graph" if runner.device.type == "cuda" else "eager"
+        # the question pre-pass: "eager" op by op in ``_question_scores`` (the default, and the reference);
+        # "cuda-graph" replays it from graphs captured per buffer and row bucket (model/question_graph.py;
+        # opt-in on CUDA until a GPU run proves it equal, docs/gpu.md); "static" runs that padded pass
+        # eagerly (its CPU check)
+        self.question_pass = "eager"
         self.question_graphs = None  # QuestionPassGraphs once a padded pass ran (its captures, passes, failure)
         n = runner.n_layers
         k = min(self.config.metadata_layers, n)

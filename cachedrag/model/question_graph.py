@@ -22,6 +22,11 @@ outside the pass is written. Rows of the buffer at or past the prompt's end are 
 replay: attention runs over the whole capacity, and a masked key's weight 0 times an
 uninitialised NaN would still be NaN.
 
+Status: opt-in (``CachedEngine.question_pass = "cuda-graph"``; the default is the eager pass). It
+was written on a machine without a GPU: the padded static pass is tested against the eager pass
+on the CPU, the capture only by GPU-marked tests not yet run; ``cachedrag bench shapes`` times it
+beside the eager pass on CUDA (``cachedrag_graph_pass``). docs/gpu.md says what remains.
+
 Does not own: which requests may take it (the engine: no hidden rows, no leading fresh rows shared
 with the prefill, no sliding windows), the layer loads it reads (done before the replay), or what
 the scores rank.

@@ -134,7 +134,8 @@ def test_question_pass_is_validated():
         engine.generate([CHUNKS[i] for i in ORDERS[0]], "q?", SYSTEM, max_new_tokens=1)
 
 
-def test_cpu_engines_default_to_the_eager_pass():
+def test_engines_default_to_the_eager_pass():
+    """The captured pass is opt-in until a GPU run proves it (docs/gpu.md)."""
     assert CachedEngine(tiny_runner("llama", seed=5)).question_pass == "eager"
 
 
@@ -144,7 +145,6 @@ def test_cpu_engines_default_to_the_eager_pass():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_captured_pass_equals_the_eager_pass_on_cuda(dtype, atol, arch):
     engine = _engine("cuda-graph", device="cuda", dtype=dtype, arch=arch)
-    assert CachedEngine(engine.runner).question_pass == "cuda-graph"  # the default on CUDA
     for order in ORDERS:
         _, calls = _calls(engine, order)
         torch.testing.assert_close(calls[0]["got"], calls[0]["want"], atol=atol, rtol=0)
