@@ -29,7 +29,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def _engine(question_pass: str, device: str = "cpu", dtype: str = "float32", fill=None, fresh: str = "all",
             arch: str = "llama"):
     runner = tiny_runner(arch, seed=5, device=device, dtype=dtype)
-    cache = CacheConfig(recompute_ratio=0.27, token_choice="question+inter", question_pass_fresh=fresh)
+    cache = CacheConfig(recompute_ratio=0.27, token_choice="question+inter", question_pass_fresh=fresh,
+                        exact_repeats=0)  # a repeated sequence would be served exactly: no pre-pass to compare
     engine = CachedEngine(runner, config=EngineConfig(cache=cache))
     engine.question_pass = question_pass
     engine.buffer_fill = fill
@@ -153,12 +154,23 @@ def test_captured_pass_equals_the_eager_pass_on_cuda(dtype, atol, arch):
     assert graphs.passes == len(ORDERS) and 1 <= graphs.captures <= graphs.passes
 
 
+def _three_requests_of_one_size(engine) -> None:
+    for order, animal in (([1, 0, 2], "fox"), ([0, 2, 1], "dog"), ([1, 2, 0], "box")):  # same sizes, new orders
+        r = engine.generate([CHUNKS[i] for i in order], f"which chunk names the {animal}?", SYSTEM, max_new_tokens=4)
+        assert r.chunks_hit == 3 and r.approximations
+
+
+def test_each_reuse_request_takes_one_static_pass():
+    engine = _engine("static", fill=math.nan)
+    _three_requests_of_one_size(engine)
+    assert engine.question_graphs.passes == 3 and engine.question_graphs.captures == 0
+
+
 @pytest.mark.gpu
 @cuda
 def test_captured_pass_is_replayed_for_the_next_request_of_its_size():
     engine = _engine("cuda-graph", device="cuda", fill=math.nan)
-    for question in ("which chunk names the fox?", "which chunk names the dog?", "which one packs a box?"):
-        engine.generate([CHUNKS[i] for i in ORDERS[0]], question, SYSTEM, max_new_tokens=4)
+    _three_requests_of_one_size(engine)
     graphs = engine.question_graphs
     assert graphs.failed is None
     assert graphs.passes == 3 and graphs.captures == 1  # same buffer size, same row bucket
