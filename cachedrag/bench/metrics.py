@@ -1,7 +1,8 @@
 """Answer-fidelity and latency metrics shared by the benchmark suites.
 
 Owns: ROUGE-L F1 (LCS over lower-cased word tokens, the standard definition), order
-statistics (median, mean, p95) and speedup ratios. Pure Python.
+statistics (median, mean, p95) and speedup ratios, and where a teacher-forced answer first
+leaves the reference (``divergence``, ``divergence_summary``). Pure Python.
 """
 
 from __future__ import annotations
@@ -56,3 +57,45 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"median": math.nan, "mean": math.nan, "p95": math.nan}
     return {"median": statistics.median(values), "mean": statistics.fmean(values), "p95": percentile(values, 95)}
+
+
+def divergence(reference_top: Sequence[int], mode_top: Sequence[int], reference_gaps: Sequence[float],
+               mode_gaps: Sequence[float]) -> dict:
+    """Where a mode's greedy answer first leaves the reference's, read off one teacher-forced pass
+    over the reference answer: ``reference_top`` / ``mode_top`` are each reading's top-1 token at
+    every answer position, ``*_gaps`` its top-1 minus top-2 logit there (nats). Along the
+    reference's own tokens the two greedy answers are equal up to the first position whose top-1
+    differs, so that position is where the free-running answers part. Returns ``position`` (None:
+    the answers are equal over the whole answer), the two gaps there, and ``mode_gap_min``: the
+    smallest gap of the mode's reading up to there (over the whole answer when they never part),
+    what a gap guard watching every decode step would have seen before the answers parted."""
+    n = min(len(reference_top), len(mode_top))
+    position = next((j for j in range(n) if reference_top[j] != mode_top[j]), None)
+    end = n if position is None else position + 1
+    return {"position": position,
+            "reference_gap": None if position is None else reference_gaps[position],
+            "mode_gap": None if position is None else mode_gaps[position],
+            "mode_gap_min": min(mode_gaps[:end]) if end else None}
+
+
+def divergence_summary(records: Sequence[dict], near_tie: float = 0.25) -> dict:
+    """Over ``divergence`` records: how many answers part from the reference, where (median
+    position), how near a tie the reference itself was there (median gap, and how many under
+    ``near_tie`` nats), and how many of the approximate answers (records with ``approximate``
+    true) a gap guard at ``near_tie`` watching every decode step would prefill again
+    (``mode_gap_min`` under it) against the partings that would prevent."""
+    parted = [r for r in records if r["position"] is not None]
+    guarded = [r for r in records if r.get("approximate", True) and r["mode_gap_min"] is not None
+               and r["mode_gap_min"] < near_tie]
+    return {
+        "answers": len(records),
+        "approximate": sum(bool(r.get("approximate", True)) for r in records),
+        "parted": len(parted),
+        "first_token_parted": sum(r["position"] == 0 for r in parted),
+        "position_median": statistics.median(r["position"] for r in parted) if parted else None,
+        "reference_gap_median": statistics.median(r["reference_gap"] for r in parted) if parted else None,
+        "near_tie": near_tie,
+        "parted_at_reference_near_tie": sum(r["reference_gap"] < near_tie for r in parted),
+        "step_guard_prefills": len(guarded),
+        "step_guard_prevents": sum(r["position"] is not None for r in guarded),
+    }

@@ -7,7 +7,10 @@ reports per mode: TTFT median/mean/p95, computed-token fraction, chunk hit rate,
 first-token agreement against the ``full`` answer of the same request, teacher-forced agreement
 over that answer (``teacher_forced_top1``: the mode's top-1 equals full's at each answer position;
 ``teacher_forced_kl``: mean KL(full || mode) per position; the same prefill as the free-running
-answer, so no compounding of an early divergence), and speedups measured in the same run. Also reports the planner micro-benchmark (10k cached chunks) and the
+answer, so no compounding of an early divergence), where the greedy answers part from full's
+(``answer_divergence``: how many, at which position, how near a tie full prefill itself was
+there, and what a gap guard watching every decode step would prefill again and prevent;
+``answer_divergences``: each parting), and speedups measured in the same run. Also reports the planner micro-benchmark (10k cached chunks) and the
 replacement-policy trace simulation. Prints a table; ``--json OUT`` writes
 ``{"config", "n_requests", "modes": {mode: {...}}, "planning", "policy_simulation"}``.
 ``--device`` picks where the model runs (CPU by default; on CUDA the clock starts after a device
@@ -25,7 +28,7 @@ import sys
 import time
 
 from cachedrag.bench import write_json
-from cachedrag.bench.metrics import rouge_l, summary
+from cachedrag.bench.metrics import divergence, divergence_summary, rouge_l, summary
 from cachedrag.bench.workload import EMBEDDED_CORPORA, embedded_corpus_of
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import TOKEN_CHOICES
@@ -273,10 +276,11 @@ def run(args: argparse.Namespace) -> int:
 
     records: dict[str, list] = {m: [] for m in modes}
     teacher: dict[str, list] = {m: [] for m in modes}  # per counted request: (top1, kl) vs full
+    parting: dict[str, list] = {m: [] for m in modes}  # per counted request: where its answer leaves full's
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     for i in tqdm(range(n), desc="bench ttft", unit="req", file=sys.stderr):
         segs = engines["full"].prompts.chat(work.retrieved[i], work.questions[i], args.system_prompt)
-        ref_logp = answer = None
+        ref_logp = answer = ref_top = None
         for m in modes:  # "full" first: its answer is what the other modes are teacher-forced on
             sync()
             with torch.inference_mode():
@@ -284,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
             if m == "full" and not args.no_teacher_forced and r.token_ids:
                 answer = r.token_ids
                 ref_logp = engines["full"].score(segs, answer, mode="full").log_softmax(-1)  # [A, V]
+                ref_top = ref_logp.topk(2, dim=-1).values  # [A, 2]
             if i >= warmup:
                 records[m].append(r)
                 if ref_logp is not None:
@@ -291,6 +296,12 @@ def run(args: argparse.Namespace) -> int:
                     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [A]
                     top1 = (logp.argmax(-1) == ref_logp.argmax(-1)).float()  # [A]
                     teacher[m].append((float(top1.mean()), float(kl.mean())))
+                    if m != "full":
+                        top = logp.topk(2, dim=-1).values  # [A, 2]
+                        parting[m].append({**divergence(
+                            ref_logp.argmax(-1).tolist(), logp.argmax(-1).tolist(),
+                            (ref_top[:, 0] - ref_top[:, 1]).tolist(), (top[:, 0] - top[:, 1]).tolist()),
+                            "request": i, "approximate": bool(r.approximations)})
 
     results = {"config": {
         "model": model_name, "corpus": work.corpus_name, "questions": work.question_source,
@@ -321,6 +332,9 @@ def run(args: argparse.Namespace) -> int:
             "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rs),
             "teacher_forced_top1": statistics.fmean(t[0] for t in teacher[m]) if teacher[m] else None,
             "teacher_forced_kl": statistics.fmean(t[1] for t in teacher[m]) if teacher[m] else None,
+            # where the greedy answers leave full's, read off the teacher-forced pass (bench.metrics.divergence)
+            "answer_divergence": divergence_summary(parting[m]) if parting[m] else None,
+            "answer_divergences": [p for p in parting[m] if p["position"] is not None],
             "token_choices": sorted({r.token_choice for r in rs if r.token_choice}),
             # how many responses named each approximation (EngineResult.approximations)
             "approximations": dict(sorted(Counter(a for r in rs for a in r.approximations).items())),
@@ -467,6 +481,15 @@ def _simulate() -> dict:
     return out
 
 
+def parting_line(mode: str, div: dict) -> str:
+    """One printed line of a mode's ``answer_divergence`` (``bench.metrics.divergence_summary``)."""
+    return (f"answers parting from full, {mode}: {div['parted']} of {div['answers']} (first token "
+            f"{div['first_token_parted']}), median position {div['position_median']:g}, full's own top-2 gap there "
+            f"{div['reference_gap_median']:.3f} nats (under {div['near_tie']:g}: {div['parted_at_reference_near_tie']}); "
+            f"a gap guard at {div['near_tie']:g} on every step would prefill {div['step_guard_prefills']} of "
+            f"{div['approximate']} approximate answers again, preventing {div['step_guard_prevents']}")
+
+
 def _print_table(results: dict) -> None:
     cols = ["ttft_median_s", "ttft_p95_s", "computed_token_fraction", "chunk_hit_rate", "rouge_l_vs_full",
             "rouge_l_vs_full_approximate", "first_token_match_vs_full", "teacher_forced_top1", "teacher_forced_kl",
@@ -480,6 +503,10 @@ def _print_table(results: dict) -> None:
         print("  ".join([f"{m:>14}"] + [f"{v:>10}" for v in vals]))
     print("rougeL~: ROUGE-L vs full over requests served partly from non-prefix chunk reuse; tf_*: teacher-forced "
           "over full's answer")
+    for m, row in results["modes"].items():
+        div = row.get("answer_divergence")
+        if div and div["parted"]:
+            print(parting_line(m, div))
     for m, row in results["modes"].items():
         if row.get("exact_repeats"):
             print(f"exact repeats, {m}: {row['exact_repeats']}; {row['promotion_s']:.2f} s computing exact paths "

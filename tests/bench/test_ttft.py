@@ -24,12 +24,24 @@ def test_bench_ttft_reports_every_mode(tiny_model_dir, tiny_corpus, tmp_path, ca
     assert prefix["teacher_forced_top1"] == 1.0 and prefix["teacher_forced_kl"] < 1e-6
     for row in data["modes"].values():
         assert 0.0 <= row["teacher_forced_top1"] <= 1.0 and row["teacher_forced_kl"] >= -1e-6
+    assert full["answer_divergence"] is None
+    assert prefix["answer_divergence"]["parted"] == 0 and prefix["answer_divergences"] == []
+    for name in ("naive", "random", "cachedrag"):
+        row = data["modes"][name]
+        div = row["answer_divergence"]
+        assert div["answers"] == 5 and len(row["answer_divergences"]) == div["parted"]
+        assert (div["parted"] == 0) == (row["teacher_forced_top1"] == 1.0)  # parted iff a position disagrees
+        assert all(0 <= p["position"] < 3 and p["reference_gap"] >= 0 for p in row["answer_divergences"])
     assert prefix["chunk_hit_rate"] > 0  # repeated questions hit their exact prefix
     assert prefix["rouge_l_vs_full"] == 1.0  # exact reuse does not change answers
     for row in data["modes"].values():
         assert row["ttft_median_s"] > 0 and row["speedup_vs_full"] > 0
     assert data["planning"]["n_chunks"] == 200
-    assert "TTFT over 5 requests" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "TTFT over 5 requests" in printed
+    for m in ("naive", "random", "cachedrag"):  # a line for each mode whose answers part
+        parted = data["modes"][m]["answer_divergence"]["parted"]
+        assert (f"answers parting from full, {m}:" in printed) == (parted > 0)
 
 
 def test_bench_ttft_runs_the_default_beside_the_previous_one(tiny_model_dir, tiny_corpus, tmp_path):
