@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         c for c in corpora if c not in EMBEDDED_CORPORA] + [
         v for v in _variants(args) if v.partition("/")[0] not in QUESTION_CHOICES or v.partition("/")[2] not in VARIANTS]
     if bad:
-        raise ConfigError(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; corpora: stdlib,info")
+        raise ConfigError(f"unknown choices/corpora {bad}; choices: {','.join(ALL_CHOICES)}; "
+                          f"corpora: {','.join(EMBEDDED_CORPORA)}")
     per_corpus = _requests(args.requests, corpora + (["custom"] if args.corpus else []))
     if any(not 0 <= r <= 1 for r in ratios) or not seeds:
         raise ConfigError("ratios must be in [0, 1], --seeds non-empty")

@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     for i in tqdm(range(n), desc="bench ttft", unit="req", file=sys.stderr):
         segs = engines["full"].prompts.chat(work.retrieved[i], work.questions[i], args.system_prompt)
-        ref_logp = answer = ref_top = None
+        ref_logp = answer = ref_pick = ref_ids = ref_gaps = None
         for m in modes:  # "full" first: its answer is what the other modes are teacher-forced on
             sync()
             with torch.inference_mode():
@@ -289,18 +289,21 @@ def run(args: argparse.Namespace) -> int:
                 answer = r.token_ids
                 ref_logp = engines["full"].score(segs, answer, mode="full").log_softmax(-1)  # [A, V]
                 ref_top = ref_logp.topk(2, dim=-1).values  # [A, 2]
+                ref_pick = ref_logp.argmax(-1)  # [A] full's top-1 at each answer position
+                ref_ids = ref_pick.tolist()
+                ref_gaps = (ref_top[:, 0] - ref_top[:, 1]).tolist()
             if i >= warmup:
                 records[m].append(r)
                 if ref_logp is not None:
                     logp = ref_logp if m == "full" else r.teacher_logits.log_softmax(-1)  # [A, V]
                     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [A]
-                    top1 = (logp.argmax(-1) == ref_logp.argmax(-1)).float()  # [A]
+                    pick = logp.argmax(-1)  # [A]
+                    top1 = (pick == ref_pick).float()  # [A]
                     teacher[m].append((float(top1.mean()), float(kl.mean())))
                     if m != "full":
                         top = logp.topk(2, dim=-1).values  # [A, 2]
                         parting[m].append({**divergence(
-                            ref_logp.argmax(-1).tolist(), logp.argmax(-1).tolist(),
-                            (ref_top[:, 0] - ref_top[:, 1]).tolist(), (top[:, 0] - top[:, 1]).tolist()),
+                            ref_ids, pick.tolist(), ref_gaps, (top[:, 0] - top[:, 1]).tolist()),
                             "request": i, "approximate": bool(r.approximations)})
 
     results = {"config": {
