@@ -108,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-dtypes", default="", help="also run cachedrag with the recomputed rows' "
                         "matmuls in these dtypes (CacheConfig.recompute_dtype), comma-separated DTYPE[@RATIO], e.g. "
                         "bfloat16,bfloat16@0.35 (rows 'cachedrag:recompute=SPEC'; @RATIO: recompute_ratio, else the default's)")
+    parser.add_argument("--cache-rows", default="", help="also run cachedrag with these CacheConfig settings, "
+                        "comma-separated rows of FIELD=VALUE joined by '+' (scalar fields: a number, a word, "
+                        "true/false or none), e.g. fresh_dtype=bfloat16,fresh_dtype=bfloat16+tie_guard=0.25 "
+                        "(rows 'cachedrag:SPEC'; fields not named keep the default's)")
     parser.add_argument("--previous-default", action="store_true",
                         help="also run the engine default before the frontier picked one (row 'cachedrag:previous': "
                              "deviation choice, per-chunk CFO counts, early termination on), for a before/after")
@@ -193,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     tie_guards = {spec: tie_guard_setting(spec) for spec in [x.strip() for x in args.tie_guards.split(",") if x.strip()]}
     tapers = {spec: taper_setting(spec) for spec in [x.strip() for x in args.tapers.split(",") if x.strip()]}
     recompute = {spec: recompute_setting(spec) for spec in [x.strip() for x in args.recompute_dtypes.split(",") if x.strip()]}
+    cache_rows = {spec: cache_row_setting(spec) for spec in [x.strip() for x in args.cache_rows.split(",") if x.strip()]}
     runner = ModelRunner(*load_model(args.model, device=device), dtype=args.dtype)
     on_cuda = runner.device.type == "cuda"
     if on_cuda:  # CUDA context, kernel selection and JIT, allocator growth: paid here, not by the first requests
@@ -259,9 +264,9 @@ def run(args: argparse.Namespace) -> int:
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
-    for prefix, settings in (("taper", tapers), ("recompute", recompute)):
+    for prefix, settings in (("taper=", tapers), ("recompute=", recompute), ("", cache_rows)):
         for spec, setting in settings.items():
-            name = f"cachedrag:{prefix}={spec}"
+            name = f"cachedrag:{prefix}{spec}"
             cache = CacheConfig(**{**cache_kwargs, **setting})
             engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
             modes.append(name)
@@ -405,6 +410,52 @@ def tie_guard_setting(spec: str) -> dict:
     except ConfigError as exc:
         raise ConfigError(f"--tie-guards: {spec!r}: {exc}") from None
     return out
+
+
+def cache_row_setting(spec: str) -> dict:
+    """``--cache-rows`` spec -> CacheConfig fields: FIELD=VALUE pairs joined by '+', each VALUE a
+    number, true/false, none or a word, validated by CacheConfig before any model loads.
+
+    >>> cache_row_setting("fresh_dtype=bfloat16+tie_guard=0.25")
+    {'fresh_dtype': 'bfloat16', 'tie_guard': 0.25}
+    >>> cache_row_setting("exact_repeats=0+refine_layer=none")
+    {'exact_repeats': 0, 'refine_layer': None}
+    """
+    import dataclasses
+
+    from cachedrag.kvcache.config import CacheConfig
+
+    fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    out: dict = {}
+    for pair in spec.split("+"):
+        name, sep, text = (x.strip() for x in pair.partition("="))
+        if not sep or not name or not text:
+            raise ConfigError(f"--cache-rows: {pair!r} in {spec!r} is not FIELD=VALUE")
+        if name not in fields:
+            raise ConfigError(f"--cache-rows: {spec!r}: CacheConfig has no field {name!r}")
+        if name in out:
+            raise ConfigError(f"--cache-rows: {spec!r} sets {name} twice")
+        out[name] = _scalar(text)
+    try:
+        CacheConfig(**out)  # validated now: a bad spec fails before the model loads
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"--cache-rows: {spec!r}: {exc}") from None
+    return out
+
+
+def _scalar(text: str):
+    """A ``--cache-rows`` VALUE: an int, a float, a bool, None, or the word itself."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _repeat_setting(spec: str) -> dict:

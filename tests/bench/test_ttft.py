@@ -150,6 +150,28 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
         assert "--tie-guards" in capsys.readouterr().err
 
 
+def test_bench_ttft_cache_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    """``--cache-rows``: rows with any scalar CacheConfig fields beside the default, named
+    ``cachedrag:SPEC``. Each row really runs its settings: every reused token recomputed in float32
+    gives full prefill's answers, a guard above any logit gap prefills the approximate request again."""
+    modes = _repeated_question_rows(tiny_model_dir, tiny_corpus, tmp_path, 3, "--max-new-tokens", "3",
+                                    "--modes", "full,cachedrag", "--cache-rows",
+                                    "recompute_ratio=1+recompute_dtype=float32+exact_repeats=0,tie_guard=1e9")
+    plain, every = modes["cachedrag"], modes["cachedrag:recompute_ratio=1+recompute_dtype=float32+exact_repeats=0"]
+    guarded = modes["cachedrag:tie_guard=1e9"]
+    assert plain["approximations"].get("chunk_reuse", 0) >= 1 and plain["tie_guarded"] == 0
+    assert every["approximations"].get("chunk_reuse", 0) >= 1
+    assert "recompute_bfloat16" not in every["approximations"] and "recompute_bfloat16" in plain["approximations"]
+    assert every["rouge_l_vs_full"] == 1.0 and every["teacher_forced_top1"] == 1.0
+    assert guarded["tie_guarded"] == 1 and "chunk_reuse" not in guarded["approximations"]
+    capsys.readouterr()  # the run's own output
+    for bad in ("tie_guard", "no_such_field=1", "tie_guard=-1", "fresh_dtype=float16", "tie_guard=1+tie_guard=2",
+                "question_layers=4"):
+        assert main(["bench", "ttft", "--cache-rows", bad]) == 2  # refused before any model loads
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--cache-rows" in err
+
+
 def test_bench_ttft_taper_rows(tiny_model_dir, tiny_corpus, tmp_path):
     """``--tapers``: rows with a layer-wise budget (CacheConfig.layer_taper) beside the default, named
     ``cachedrag:taper=SPEC``: the same tokens chosen, fewer of them through the later layers."""
