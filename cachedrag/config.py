@@ -31,6 +31,8 @@ FIDELITY_PRESETS: dict[str, dict] = {
     # so order-aware off (docs/fidelity.md)
     # (round 10: the recomputed rows' matmuls in bfloat16, CacheConfig.recompute_dtype's default, keep those figures
     # at x_prefix 2.51 / 1.96 on bench ttft's two streams, 1.99 / 1.80 with float32 repairs in the same runs)
+    # (round 20: the missed chunks behind a reused one on the same bfloat16 copies, CacheConfig.fresh_dtype's default,
+    # keep the fidelity figures; x_prefix 2.73 -> 2.89, 1.98 -> 2.40 on stdlib seeds 0 / 1, 1.62 -> 2.00 on info seed 0)
     # (round 9: a layer-wise budget, layer_taper=((15, 0.5),), met bench ttft's bars at x_prefix 2.41 / 2.00 but
     # raised teacher-forced KL 38-59% and lost gold answers on all-reused requests: opt-in, docs/fidelity.md)
     "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27},

@@ -279,13 +279,14 @@ class CachedEngine:
 
     def _prepare_question_pass(self) -> None:
         """Build the question pre-pass's bfloat16 weight copies now (``model/scoring.py``: ~130 ms
-        and 120 MB for the default model; every layer's with ``recompute_dtype="bfloat16"``, which
-        its recomputed rows run on), so the first reuse-served request does not pay them.
+        and 120 MB for the default model; every layer's with ``recompute_dtype`` or ``fresh_dtype``
+        "bfloat16", which its recomputed rows and the fresh rows behind a reused chunk run on), so
+        the first reuse-served request does not pay them.
         Only where this engine's default can use them: mode ``cachedrag`` with a question token
         choice and ``question_dtype="bfloat16"`` (a per-call ``mode="cachedrag"`` on an engine
         with another default builds them on its first reuse instead)."""
         cache = self.config.cache
-        if self.config.mode == "cachedrag" and cache.recompute_dtype == "bfloat16":  # every layer's copy
+        if self.config.mode == "cachedrag" and "bfloat16" in (cache.recompute_dtype, cache.fresh_dtype):  # every layer's
             scoring_layers(self.runner, self.runner.n_layers)
         elif (self.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
                 and cache.question_dtype == "bfloat16"):
@@ -785,16 +786,23 @@ class CachedEngine:
 
         # The reused rows of the compute set, read by two settings: recompute_dtype="bfloat16" (their matmuls
         # on bfloat16 copies) and tie_guard_trend (the cached K/V of the reused rows each layer is about to
-        # overwrite, kept for the trend check's second reading, ``_trend_margin``)
+        # overwrite, kept for the trend check's second reading, ``_trend_margin``); with fresh_dtype="bfloat16"
+        # the fresh rows after the first reused chunk run on those copies too (``low_t``: every such row)
         low_bf16 = cfg.recompute_dtype == "bfloat16"
+        fresh_bf16 = cfg.fresh_dtype == "bfloat16"
         trend = cfg.tie_guard > 0 and cfg.tie_guard_trend > 0
-        reuse_t = None
-        if mode is Mode.CACHEDRAG and (low_bf16 or trend) and Action.REUSE in actions:
-            reuse_t = device_tensor(_reused_positions(plan, actions), device)  # [Tr]
+        reuse_t = low_t = None
+        if mode is Mode.CACHEDRAG and (low_bf16 or fresh_bf16 or trend) and Action.REUSE in actions:
+            reused = _reused_positions(plan, actions)
+            reuse_t = device_tensor(reused, device)  # [Tr]
+            fresh_after = [p for p in fresh_pos if p > first_reuse] if fresh_bf16 else []
+            low_t = device_tensor(sorted((reused if low_bf16 else []) + fresh_after), device)  # [Tlow]
+        low_fresh = bool(fresh_bf16 and low_t is not None and any(p > first_reuse for p in fresh_pos))
         reuse_mask = reuse_rows = reuse_of = None  # for the compute set ``reuse_of`` (rebuilt when it changes)
-        low_layers = scoring_layers(runner, runner.n_layers) if low_bf16 and reuse_t is not None else None
+        low_layers = scoring_layers(runner, runner.n_layers) if low_t is not None and low_t.numel() else None
         low_rows = False
-        low = low_last = None  # RowSplit of the reused rows of ``reuse_of`` (all of them, and the last row's)
+        low_of = None  # the compute set ``low`` was built for
+        low = low_last = None  # RowSplit of the low-precision rows of ``low_of`` (all of them, and the last row's)
         cached_rows = [] if trend and reuse_t is not None else None
 
         # 3. partial prefill, layer by layer
@@ -834,12 +842,12 @@ class CachedEngine:
                 last = (layer + 1 == runner.n_layers and not all_logits  # only the last row's output is read
                         and not (refine and layer == cfg.refine_layer))
                 lw = None
-                if reuse_t is not None and reuse_of is not positions:
+                if cached_rows is not None and reuse_of is not positions:
                     reuse_mask, reuse_of = torch.isin(positions, reuse_t), positions  # [Tc] rows of reused chunks
-                    if cached_rows is not None:
-                        reuse_rows = positions[reuse_mask]  # [R]
-                    if low_layers is not None:
-                        low, low_last = RowSplit(reuse_mask), RowSplit(reuse_mask[-1:])
+                    reuse_rows = positions[reuse_mask]  # [R]
+                if low_layers is not None and low_of is not positions:
+                    low_mask, low_of = torch.isin(positions, low_t), positions  # [Tc] rows on the bfloat16 copies
+                    low, low_last = RowSplit(low_mask), RowSplit(low_mask[-1:])
                 if cached_rows is not None and reuse_rows.numel():  # what this layer is about to overwrite
                     cached_rows.append((layer, reuse_rows, kv.k[layer].index_select(1, reuse_rows),
                                         kv.v[layer].index_select(1, reuse_rows)))
@@ -916,8 +924,10 @@ class CachedEngine:
                 approximations.append("early_termination")
             if tapered:
                 approximations.append("layer_taper")
-            if low_rows:
+            if low_rows and low_bf16 and len(compute) > len(fresh_pos) + len(question_pos):  # reused rows computed
                 approximations.append("recompute_bfloat16")
+            if low_rows and low_fresh:
+                approximations.append("fresh_bfloat16")
         info = {
             "prompt_tokens": total,
             "computed_tokens": len(full_depth),

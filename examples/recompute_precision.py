@@ -1,11 +1,13 @@
-"""The precision of recomputed rows (``CacheConfig.recompute_dtype``): bfloat16 repairs vs float32.
+"""The precision of the rows a reuse prefill computes: bfloat16 vs float32.
 
 A reuse-served request recomputes ~27% of each reused chunk's tokens to repair the cached K/V
-they carry from other neighbours. By default those rows' matmuls run on bfloat16 copies of the
-weights (the question, fresh chunks and the logits stay float32); ``recompute_dtype="float32"``
-is the reference. Both engines below serve the same reordered retrieval, every chunk cached
-before in another order, and print TTFT, the approximations each used and the answer, beside
-full prefill (docs/fidelity.md, round 10).
+they carry from other neighbours (``CacheConfig.recompute_dtype``), and computes the chunks it
+missed; those behind a reused chunk attend to its approximate K/V (``CacheConfig.fresh_dtype``).
+By default both kinds of rows run their matmuls on bfloat16 copies of the weights (the system
+prompt, fresh chunks before every reused one, the question and the logits stay float32);
+``"float32"`` for both is the reference. Both engines below serve the same retrieval: three
+chunks cached before in another order and one new chunk behind them. Each prints TTFT, the
+approximations it used and the answer, beside full prefill (docs/fidelity.md, rounds 10 and 20).
 
     python examples/recompute_precision.py            # embedded SmolLM2-135M-Instruct
 """
@@ -27,18 +29,20 @@ def main() -> None:
     docs = {d.id: d.text for d in stdlib_corpus(("heapq", "bisect", "functools", "itertools"))}
     chunks = [docs[f"stdlib/{m}"][:1000] for m in ("heapq", "bisect", "functools", "itertools")]
     question = "Which function keeps a list sorted while inserting an item?"
-    order = [chunks[2], chunks[0], chunks[3], chunks[1]]  # every chunk cached below, none in this order
+    cached = chunks[:3]  # cached below; itertools is new to every engine
+    order = [chunks[2], chunks[0], chunks[3], chunks[1]]  # the cached ones in another order, the new one behind them
     full = CachedEngine(runner, config=EngineConfig(mode="full")).generate(order, question, SYSTEM, max_new_tokens=24)
     print(f"     full prefill: TTFT {full.ttft_s:.3f} s  {full.text.strip()!r}")
     for dtype in ("bfloat16", "float32"):
-        engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(recompute_dtype=dtype, exact_repeats=0)))
-        engine.generate(chunks, "What are these modules for?", SYSTEM, max_new_tokens=1)  # caches every chunk
-        engine.generate(order, "warm-up question", SYSTEM, max_new_tokens=1)  # first reuse (one-time costs)
+        cache = CacheConfig(recompute_dtype=dtype, fresh_dtype=dtype, exact_repeats=0)
+        engine = CachedEngine(runner, config=EngineConfig(cache=cache))
+        engine.generate(cached, "What are these modules for?", SYSTEM, max_new_tokens=1)  # caches three chunks
+        engine.generate(cached[::-1], "warm-up question", SYSTEM, max_new_tokens=1)  # first reuse (one-time costs)
         r = engine.generate(order, question, SYSTEM, max_new_tokens=24)
         same = "same as full" if r.token_ids == full.token_ids else "differs from full"
-        print(f"{dtype:>9} repairs: TTFT {r.ttft_s:.3f} s, computed {r.computed_fraction:.2f}, "
+        print(f"{dtype:>9} rows: TTFT {r.ttft_s:.3f} s, computed {r.computed_fraction:.2f}, "
               f"approximations {r.approximations}  ({same})")
-        print(f"                   {r.text.strip()!r}")
+        print(f"                {r.text.strip()!r}")
 
 
 if __name__ == "__main__":

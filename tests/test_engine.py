@@ -40,7 +40,8 @@ def _logits(engine, chunks, question, mode=None):
 def test_full_recompute_of_reused_chunks_equals_full_prefill(runner):
     # the recomputed rows in the runner's own precision (the reference; bfloat16 repairs, the default,
     # are close to it: tests/test_engine_scoring.py)
-    engine = _engine(runner, early_termination=False, cache={"recompute_ratio": 1.0, "recompute_dtype": "float32"})
+    engine = _engine(runner, early_termination=False, cache={"recompute_ratio": 1.0, "recompute_dtype": "float32",
+                                                             "fresh_dtype": "float32"})
     engine.generate(CHUNKS[:3], "warm up", SYSTEM, max_new_tokens=1)
     reordered = [CHUNKS[2], CHUNKS[0], CHUNKS[1]]  # every chunk cached, none in exact-prefix order
     r = engine.generate(reordered, "which module memoizes?", SYSTEM, max_new_tokens=1)

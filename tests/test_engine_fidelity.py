@@ -171,7 +171,8 @@ def test_full_chunk_last_recomputes_the_chunk_next_to_the_question(runner):
 
 
 def test_full_chunks_of_every_chunk_equals_full_prefill(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 1.0, "full_chunks": 3, "recompute_dtype": "float32"})
+    engine = _engine(runner, cache={"recompute_ratio": 1.0, "full_chunks": 3, "recompute_dtype": "float32",
+                                    "fresh_dtype": "float32"})
     _warm(engine)
     segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
     torch.testing.assert_close(engine.prefill_logits(segs), engine.prefill_logits(segs, mode="full"),
@@ -182,7 +183,8 @@ def test_dense_layers_compute_every_reused_token_through_the_first_layers(runner
     """Layer 0's K/V depend on the token and its position only, so computing every reused token
     through layer 0 (dense_layers=1) changes no logit; through every layer it is full prefill (the recomputed rows in the runner's
     precision)."""
-    engines = {d: _engine(runner, cache={"recompute_ratio": 0.2, "dense_layers": d, "recompute_dtype": "float32"})
+    engines = {d: _engine(runner, cache={"recompute_ratio": 0.2, "dense_layers": d, "recompute_dtype": "float32",
+                                         "fresh_dtype": "float32"})
                for d in (0, 1, 2)}
     out = {}
     for d, e in engines.items():
@@ -221,7 +223,7 @@ def test_second_stage_keeps_the_budget_after_probing_candidates(runner):
 
 def test_question_choice_at_full_recompute_equals_full_prefill(runner):
     engine = _engine(runner, cache={"recompute_ratio": 1.0, "token_choice": "question", "need_weight": 1.0,
-                                    "recompute_dtype": "float32"})
+                                    "recompute_dtype": "float32", "fresh_dtype": "float32"})
     _warm(engine)
     segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
     torch.testing.assert_close(engine.prefill_logits(segs), engine.prefill_logits(segs, mode="full"),

@@ -28,7 +28,7 @@ def runner():
 
 def _engine(runner, dtype: str, **cache):
     cache = {"recompute_ratio": 0.27, "token_choice": "question+inter", "question_dtype": dtype,
-             "recompute_dtype": "float32", **cache}
+             "recompute_dtype": "float32", "fresh_dtype": "float32", **cache}
     return CachedEngine(runner, config=EngineConfig(cache=CacheConfig(**cache)))
 
 
@@ -209,3 +209,53 @@ def test_recompute_dtype_is_validated_and_builds_every_layer_at_construction():
     r = tiny_runner("llama", seed=6)
     _engine(r, "bfloat16", recompute_dtype="bfloat16")
     assert len(scoring._BUILT.get(r, [])) == r.n_layers
+
+
+# --- the fresh rows after a reused chunk on the bfloat16 copies (CacheConfig.fresh_dtype) ---
+
+
+@pytest.mark.parametrize("recompute_dtype", ["float32", "bfloat16"])
+def test_bf16_fresh_rows_are_exactly_the_fresh_rows_after_the_first_reused_chunk(runner, recompute_dtype):
+    """``fresh_dtype="bfloat16"``: order [1, 0, 3, 2, 4] has chunk 3 and 4 fresh behind reused chunk 1
+    (chunk 3's rows and chunk 4's go to the copies; with ``recompute_dtype="bfloat16"`` the recomputed
+    rows too), the question's rows stay float32; the logits move but stay close, the response names
+    ``fresh_bfloat16``, and the choice of recomputed tokens is the float32 setting's."""
+    from cachedrag.model.scoring import RowSplitLayer
+
+    order = [1, 0, 3, 2, 4]
+    got, _, got_weights = _prefill(_engine(runner, "bfloat16", recompute_dtype=recompute_dtype,
+                                           fresh_dtype="bfloat16"), order)
+    want, _, want_weights = _prefill(_engine(runner, "bfloat16", recompute_dtype=recompute_dtype), order)
+    assert got.info["chunk_recompute"] == want.info["chunk_recompute"]
+    assert got.info["chunks_missed"] == 2 and got.info["fresh_tokens"] > 0
+    n_recomputed = sum(len(c) for c in got.info["chunk_recompute"] if c)
+    expect = got.info["fresh_tokens"] + (n_recomputed if recompute_dtype == "bfloat16" else 0)
+    prefill_layers = [w for w in got_weights if isinstance(w, RowSplitLayer)]
+    assert len(prefill_layers) == runner.n_layers
+    for w in prefill_layers:
+        assert int(w._low.sum()) == expect
+        assert not bool(w._low[-1])  # the logits' row stays float32
+    assert "fresh_bfloat16" in got.info["approximations"]
+    assert "fresh_bfloat16" not in want.info["approximations"]
+    assert ("recompute_bfloat16" in got.info["approximations"]) == (recompute_dtype == "bfloat16")
+    g, r = got.logits, want.logits
+    assert not torch.equal(g, r)
+    assert (g - r).abs().max() < 0.05 * float(r.max() - r.min())
+
+
+def test_bf16_fresh_rows_leave_leading_fresh_chunks_and_cold_requests_exact(runner):
+    """Fresh chunks before every reused one see only exact rows: they keep float32 (order [3, 0, 1]:
+    chunk 3 leads, 0 and 1 reused), as does a cold request; with ``recompute_dtype="float32"`` the
+    setting then changes nothing, bit for bit."""
+    for order in ([3, 0, 1], [4, 3]):
+        logits = {}
+        for fresh in ("bfloat16", "float32"):
+            pre, _, _ = _prefill(_engine(runner, "bfloat16", fresh_dtype=fresh), order)
+            assert "fresh_bfloat16" not in pre.info["approximations"]
+            logits[fresh] = pre.logits
+        assert torch.equal(logits["bfloat16"], logits["float32"])
+
+
+def test_fresh_dtype_is_validated():
+    with pytest.raises(ConfigError, match="fresh_dtype"):
+        CacheConfig(fresh_dtype="float16")

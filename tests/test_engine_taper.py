@@ -32,6 +32,7 @@ def runner():
 
 def _engine(runner, **cache):
     cache.setdefault("recompute_ratio", 0.3)
+    cache.setdefault("fresh_dtype", "float32")
     cache.setdefault("recompute_dtype", "float32")  # the rows' own precision: what the taper changes is their depth
     engine = CachedEngine(runner, config=EngineConfig(early_termination=False, cache=CacheConfig(**cache)))
     engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)  # caches every chunk after the system prompt
@@ -176,7 +177,7 @@ def test_round_9s_schedule_tapers_a_deep_model():
                                   layer_types=["full_attention"] * 16), tok)
     out = {}
     for name, cache in {"default": {"layer_taper": ((15, 0.5),)}, "off": {}}.items():
-        cache["recompute_dtype"] = "float32"
+        cache["recompute_dtype"] = cache["fresh_dtype"] = "float32"
         engine = CachedEngine(deep, config=EngineConfig(cache=CacheConfig(**cache)))
         engine.generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
         out[name] = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)

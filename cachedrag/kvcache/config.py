@@ -26,7 +26,8 @@ QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
 FULL_CHUNK_PICKS = ("need", "last")
 #: precision of the question pre-pass's projections (``CacheConfig.question_dtype``)
 QUESTION_DTYPES = ("bfloat16", "float32")
-#: precision of the projections of recomputed reused tokens (``CacheConfig.recompute_dtype``)
+#: precision of the projections of recomputed reused tokens and of fresh tokens after a reused chunk
+#: (``CacheConfig.recompute_dtype``, ``CacheConfig.fresh_dtype``)
 RECOMPUTE_DTYPES = ("float32", "bfloat16")
 #: which fresh rows the question pre-pass computes (``CacheConfig.question_pass_fresh``)
 QUESTION_PASS_FRESH = ("leading", "all")
@@ -120,12 +121,23 @@ class CacheConfig:
         accumulation; the residual stream, norms, RoPE and attention stay in the runner's
         precision; a float32 runner with fused fast layers only, else its own precision) or
         "float32" (the runner's own weights, the reference). Those rows only repair approximate
-        cached K/V, so their precision is a fidelity/speed setting like the ratio; question, fresh
-        and system rows keep the runner's precision. On the frontier (8 requests, 2 seeds) the
+        cached K/V, so their precision is a fidelity/speed setting like the ratio; question, system
+        and fresh rows keep the runner's precision (fresh rows after a reused chunk: ``fresh_dtype``). On the frontier (8 requests, 2 seeds) the
         teacher-forced KL at 27 / 35 / 45% is the float32 setting's to 3 decimals, x full 2.95 ->
         3.80 at 27%; on ``bench ttft``'s streams the same fidelity figures and x prefix 1.99 ->
         2.51 (seed 0), 1.80 -> 1.96 (seed 1) (docs/fidelity.md, round 10). Costs a bfloat16 copy
         of every layer (SmolLM2-135M: 212 MB).
+      fresh_dtype: precision of the projections of the fresh rows a reuse prefill computes after
+        its first reused chunk (missed chunks placed behind a reused one): "bfloat16" (default: the
+        bfloat16 copies the recomputed rows run on, fp32 accumulation; a float32 runner with fused
+        fast layers only, else its own precision) or "float32" (the runner's own weights, the
+        reference). Those rows attend to the reused chunks' approximate K/V, so they are
+        approximate already; their precision is a speed setting like ``recompute_dtype``. Fresh
+        rows before every reused chunk (exact there), system and question rows keep the runner's
+        precision. Reported as the approximation ``fresh_bfloat16``. On ``bench ttft``'s stdlib
+        seed-1 and info seed-0/1 streams: the same fidelity figures (KL within 2%, top-1 equal or
+        higher), median TTFT -17 to -19%, x prefix 1.98 -> 2.40, 1.62 -> 2.00, 1.52 -> 1.87
+        (docs/fidelity.md, round 20).
       question_pass_fresh: which fresh (missed) rows the question pre-pass computes besides the
         question: "leading" (default) only those before every reused chunk (the prefill takes them
         over, ``engine._Lead``: computed once); fresh chunks after a reused one are left out of
@@ -261,6 +273,7 @@ class CacheConfig:
     question_dtype: str = "bfloat16"
     question_pass_fresh: str = "leading"
     recompute_dtype: str = "bfloat16"
+    fresh_dtype: str = "bfloat16"
     question_weight: float = 0.5
     need_weight: float = 0.0
     sink_tokens: int = 0
@@ -314,6 +327,9 @@ class CacheConfig:
         if self.recompute_dtype not in RECOMPUTE_DTYPES:
             raise ConfigError(f"CacheConfig.recompute_dtype must be one of {list(RECOMPUTE_DTYPES)}, "
                               f"got {self.recompute_dtype!r}")
+        if self.fresh_dtype not in RECOMPUTE_DTYPES:
+            raise ConfigError(f"CacheConfig.fresh_dtype must be one of {list(RECOMPUTE_DTYPES)}, "
+                              f"got {self.fresh_dtype!r}")
         if self.question_pass_fresh not in QUESTION_PASS_FRESH:
             raise ConfigError(f"CacheConfig.question_pass_fresh must be one of {list(QUESTION_PASS_FRESH)}, "
                               f"got {self.question_pass_fresh!r}")
