@@ -792,13 +792,14 @@ class CachedEngine:
         fresh_bf16 = cfg.fresh_dtype == "bfloat16"
         trend = cfg.tie_guard > 0 and cfg.tie_guard_trend > 0
         reuse_t = low_t = None
+        fresh_after = [p for p in fresh_pos if p > first_reuse] if fresh_bf16 else []  # never exact rows
         if mode is Mode.CACHEDRAG and (low_bf16 or fresh_bf16 or trend) and Action.REUSE in actions:
             reused = _reused_positions(plan, actions)
-            reuse_t = device_tensor(reused, device)  # [Tr]
-            fresh_after = [p for p in fresh_pos if p > first_reuse] if fresh_bf16 else []
+            if trend:
+                reuse_t = device_tensor(reused, device)  # [Tr]
             low_t = device_tensor(sorted((reused if low_bf16 else []) + fresh_after), device)  # [Tlow]
-        low_fresh = bool(fresh_bf16 and low_t is not None and any(p > first_reuse for p in fresh_pos))
-        reuse_mask = reuse_rows = reuse_of = None  # for the compute set ``reuse_of`` (rebuilt when it changes)
+        low_fresh = bool(fresh_after) and low_t is not None
+        reuse_rows = reuse_of = None  # for the compute set ``reuse_of`` (rebuilt when it changes)
         low_layers = scoring_layers(runner, runner.n_layers) if low_t is not None and low_t.numel() else None
         low_rows = False
         low_of = None  # the compute set ``low`` was built for
@@ -843,8 +844,7 @@ class CachedEngine:
                         and not (refine and layer == cfg.refine_layer))
                 lw = None
                 if cached_rows is not None and reuse_of is not positions:
-                    reuse_mask, reuse_of = torch.isin(positions, reuse_t), positions  # [Tc] rows of reused chunks
-                    reuse_rows = positions[reuse_mask]  # [R]
+                    reuse_rows, reuse_of = positions[torch.isin(positions, reuse_t)], positions  # [R] reused chunks' rows
                 if low_layers is not None and low_of is not positions:
                     low_mask, low_of = torch.isin(positions, low_t), positions  # [Tc] rows on the bfloat16 copies
                     low, low_last = RowSplit(low_mask), RowSplit(low_mask[-1:])

@@ -122,11 +122,11 @@ class CacheConfig:
         precision; a float32 runner with fused fast layers only, else its own precision) or
         "float32" (the runner's own weights, the reference). Those rows only repair approximate
         cached K/V, so their precision is a fidelity/speed setting like the ratio; question, system
-        and fresh rows keep the runner's precision (fresh rows after a reused chunk: ``fresh_dtype``). On the frontier (8 requests, 2 seeds) the
-        teacher-forced KL at 27 / 35 / 45% is the float32 setting's to 3 decimals, x full 2.95 ->
-        3.80 at 27%; on ``bench ttft``'s streams the same fidelity figures and x prefix 1.99 ->
-        2.51 (seed 0), 1.80 -> 1.96 (seed 1) (docs/fidelity.md, round 10). Costs a bfloat16 copy
-        of every layer (SmolLM2-135M: 212 MB).
+        and fresh rows keep the runner's precision (fresh rows after a reused chunk: ``fresh_dtype``).
+        On the frontier (8 requests, 2 seeds) the teacher-forced KL at 27 / 35 / 45% is the
+        float32 setting's to 3 decimals, x full 2.95 -> 3.80 at 27%; on ``bench ttft``'s streams
+        the same fidelity figures and x prefix 1.99 -> 2.51 (seed 0), 1.80 -> 1.96 (seed 1)
+        (docs/fidelity.md, round 10). Costs a bfloat16 copy of every layer (SmolLM2-135M: 212 MB).
       fresh_dtype: precision of the projections of the fresh rows a reuse prefill computes after
         its first reused chunk (missed chunks placed behind a reused one): "bfloat16" (default: the
         bfloat16 copies the recomputed rows run on, fp32 accumulation; a float32 runner with fused
@@ -134,9 +134,9 @@ class CacheConfig:
         reference). Those rows attend to the reused chunks' approximate K/V, so they are
         approximate already; their precision is a speed setting like ``recompute_dtype``. Fresh
         rows before every reused chunk (exact there), system and question rows keep the runner's
-        precision. Reported as the approximation ``fresh_bfloat16``. On ``bench ttft``'s stdlib
-        seed-1 and info seed-0/1 streams: the same fidelity figures (KL within 2%, top-1 equal or
-        higher), median TTFT -17 to -19%, x prefix 1.98 -> 2.40, 1.62 -> 2.00, 1.52 -> 1.87
+        precision. Reported as the approximation ``fresh_bfloat16``. On ``bench ttft``'s four
+        streams (stdlib and info, seeds 0-1): the same fidelity figures (KL within 2%, top-1 equal
+        or higher), x prefix 2.73 -> 2.89, 1.98 -> 2.40 (stdlib), 1.62 -> 2.00, 1.52 -> 1.87 (info)
         (docs/fidelity.md, round 20).
       question_pass_fresh: which fresh (missed) rows the question pre-pass computes besides the
         question: "leading" (default) only those before every reused chunk (the prefill takes them
