@@ -134,10 +134,10 @@ class CacheConfig:
         reference). Those rows attend to the reused chunks' approximate K/V, so they are
         approximate already; their precision is a speed setting like ``recompute_dtype``. Fresh
         rows before every reused chunk (exact there), system and question rows keep the runner's
-        precision. Reported as the approximation ``fresh_bfloat16``. On ``bench ttft``'s four
-        streams (stdlib and info, seeds 0-1): the same fidelity figures (KL within 2%, top-1 equal
-        or higher), x prefix 2.73 -> 2.89, 1.98 -> 2.40 (stdlib), 1.62 -> 2.00, 1.52 -> 1.87 (info)
-        (docs/fidelity.md, round 20).
+        precision. Reported as the approximation ``fresh_bfloat16``. On ``bench ttft``'s six
+        streams (stdlib and info, seeds 0-2): the same fidelity figures (first token equal, KL
+        within 2%, top-1 within 0.001), x prefix 2.73 -> 2.89, 1.98 -> 2.40 (stdlib seeds 0-1),
+        1.62 -> 2.00, 1.52 -> 1.87 (info seeds 0-1) (docs/fidelity.md, round 20).
       question_pass_fresh: which fresh (missed) rows the question pre-pass computes besides the
         question: "leading" (default) only those before every reused chunk (the prefill takes them
         over, ``engine._Lead``: computed once); fresh chunks after a reused one are left out of
