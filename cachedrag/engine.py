@@ -286,7 +286,7 @@ class CachedEngine:
         choice and ``question_dtype="bfloat16"`` (a per-call ``mode="cachedrag"`` on an engine
         with another default builds them on its first reuse instead)."""
         cache = self.config.cache
-        if self.config.mode == "cachedrag" and "bfloat16" in (cache.recompute_dtype, cache.fresh_dtype):  # every layer's
+        if self.config.mode == "cachedrag" and "bfloat16" in (cache.recompute_dtype, cache.fresh_dtype):
             scoring_layers(self.runner, self.runner.n_layers)
         elif (self.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
                 and cache.question_dtype == "bfloat16"):

@@ -91,9 +91,8 @@ def compiled_kernels(tmp_path_factory):
 
     ext = tmp_path_factory.mktemp("kernels-home") / "ext"
     if attention.kernel() is not None:  # None where no compiler is: then each run finds none either
-        name = f"cachedrag_decode_attn_{attention._key()}"
-        shutil.copytree(attention._cache_dir() / name, ext / name,
-                        ignore=shutil.ignore_patterns("*.o", "*.ninja*", "build.ninja", "*.cpp"))
+        built = attention.library_dir()
+        shutil.copytree(built, ext / built.name, ignore=shutil.ignore_patterns("*.o", "*.ninja*", "*.cpp"))
     return ext
 
 

@@ -193,11 +193,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown modes {unknown}; choose from {ALL_MODES}")
     if "full" not in modes:
         modes.insert(0, "full")  # the fidelity reference
-    repeats = {spec: _repeat_setting(spec) for spec in [x.strip() for x in args.exact_repeats.split(",") if x.strip()]}
-    tie_guards = {spec: tie_guard_setting(spec) for spec in [x.strip() for x in args.tie_guards.split(",") if x.strip()]}
-    tapers = {spec: taper_setting(spec) for spec in [x.strip() for x in args.tapers.split(",") if x.strip()]}
-    recompute = {spec: recompute_setting(spec) for spec in [x.strip() for x in args.recompute_dtypes.split(",") if x.strip()]}
-    cache_rows = {spec: cache_row_setting(spec) for spec in [x.strip() for x in args.cache_rows.split(",") if x.strip()]}
+    repeats = _settings(args.exact_repeats, _repeat_setting)
+    tie_guards = _settings(args.tie_guards, tie_guard_setting)
+    tapers = _settings(args.tapers, taper_setting)
+    recompute = _settings(args.recompute_dtypes, recompute_setting)
+    cache_rows = _settings(args.cache_rows, cache_row_setting)
     runner = ModelRunner(*load_model(args.model, device=device), dtype=args.dtype)
     on_cuda = runner.device.type == "cuda"
     if on_cuda:  # CUDA context, kernel selection and JIT, allocator growth: paid here, not by the first requests
@@ -410,6 +410,11 @@ def tie_guard_setting(spec: str) -> dict:
     except ConfigError as exc:
         raise ConfigError(f"--tie-guards: {spec!r}: {exc}") from None
     return out
+
+
+def _settings(text: str, parse) -> dict[str, dict]:
+    """A comma-separated row option (``--tie-guards``, ``--cache-rows``, ...) -> {spec: its CacheConfig fields}."""
+    return {spec: parse(spec) for spec in [x.strip() for x in text.split(",") if x.strip()]}
 
 
 def cache_row_setting(spec: str) -> dict:

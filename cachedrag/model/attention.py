@@ -846,11 +846,17 @@ def _key() -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def library_dir(cache_dir: Path | None = None) -> Path:
+    """The folder of this build of the kernel's library (sources, flags, torch, CPU) under
+    ``cache_dir`` (default ``cache_home()/ext``)."""
+    return (cache_dir or _cache_dir()) / f"cachedrag_decode_attn_{_key()}"
+
+
 def _load(cache_dir: Path | None = None):
     """Load the kernel's library from ``cache_dir`` (default ``cache_home()/ext``) when its digest
     matches, else build it there (under a file lock: concurrent processes build once)."""
-    name = f"cachedrag_decode_attn_{_key()}"
-    directory = (cache_dir or _cache_dir()) / name
+    directory = library_dir(cache_dir)
+    name = directory.name
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory.parent / f"{name}.lock", "w") as lock:
         try:

@@ -175,10 +175,11 @@ def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, 
     byte makes it a miss that is rebuilt (the build here is stubbed to fail, so nothing is loaded)."""
     from torch.utils import cpp_extension
 
-    name = f"cachedrag_decode_attn_{attention._key()}"
+    built = attention.library_dir()
+    name = built.name
     intact, changed = tmp_path / "intact", tmp_path / "changed"
     for cache in (intact, changed):
-        shutil.copytree(attention._cache_dir() / name, cache / name)
+        shutil.copytree(built, cache / name)
     builds = []
 
     def no_build(**kwargs):
