@@ -504,6 +504,7 @@ class CachedEngine:
                 repeat = "inline"
             else:
                 repeat = "promote"
+        t_first = time.perf_counter()
         pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers)
         gap = margin = None
         if cache.tie_guard and mode is Mode.CACHEDRAG and not exact_plan and pre.info["approximations"]:
@@ -514,7 +515,12 @@ class CachedEngine:
             if first < cache.tie_guard and (margin is None or margin < cache.tie_guard_floor):
                 # the approximation would pick a near-tied first token (and, checked, is closing in on a
                 # rival, or stays within the floor's noise of one): prefill exactly
-                gap, seconds = first, pre.info["load_s"] + pre.info["prefill_s"]
+                if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:plan.exact_prefix_segments]):
+                    # the first prefill computed fresh chunks before its first reused one, exactly: stored
+                    # now, they are tree prefix hits for the exact prefill below instead of computed again
+                    _call_each(hand_offs)
+                    hand_offs = []
+                gap, seconds = first, time.perf_counter() - t_first
                 plan = self.manager.plan(request, Mode.PREFIX)
                 pre, exact_hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits,
                                                           between_layers)

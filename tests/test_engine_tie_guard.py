@@ -86,6 +86,35 @@ def test_exact_requests_and_ablation_modes_are_not_guarded(runner):
     assert fresh.tie_guard is None and fresh.approximations == []
 
 
+MISSED = "zipfile reads ZIP files."  # no request has cached it
+
+
+def test_the_exact_prefill_takes_the_first_prefills_leading_fresh_chunk_from_the_tree(runner):
+    """A missed chunk before every reused one is computed exactly by the approximate prefill; when
+    the guard fires it is stored first, so the exact prefill finds it on the tree and computes only
+    from the first reused chunk on, and the logits are full prefill's."""
+    engine = _engine(runner, 1e9)  # every approximate prefill is prefilled again
+    chunks = [MISSED, *SEQ[:2]]  # the byte tokenizer: within the tiny model's 512 positions
+    segs = engine.prompts.chat(chunks, QUESTION, SYSTEM)
+    second_chunk = [i for i, s in enumerate(segs) if s.kind == "chunk"][1]
+    lead = sum(len(s) for s in segs[:second_chunk])  # system, the missed chunk and what precedes SEQ
+    pre = engine.prefill(segs, 4, defer_store=True)
+    assert pre.info["tie_guard"] is not None and pre.info["approximations"] == []
+    assert pre.info["prefix_hit_tokens"] == lead  # the missed chunk came from the tree, not computed again
+    assert pre.info["computed_tokens"] == pre.info["prompt_tokens"] - lead
+    pre.hand_off()
+    exact = _engine(runner, 0.0, mode="full").prefill_logits(segs)
+    torch.testing.assert_close(pre.logits, exact, atol=1e-5, rtol=0)
+    assert engine.manager.check() == []
+    # generation: the same answer as full prefill, and the whole order is now an exact tree path
+    other = _engine(runner, 1e9)
+    r = other.generate(chunks, QUESTION, SYSTEM, max_new_tokens=6)
+    assert r.tie_guard is not None and r.prefix_hit_tokens == lead
+    assert r.token_ids == other.generate(chunks, QUESTION, SYSTEM, max_new_tokens=6, mode="full").token_ids
+    again = other.generate(chunks, "what wraps text?", SYSTEM, max_new_tokens=2)
+    assert again.approximations == [] and again.prefix_hit_tokens == again.prompt_tokens - again.question_tokens
+
+
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.3x"])
 def test_tie_guard_is_validated(bad):
     with pytest.raises(ConfigError, match="tie_guard"):
