@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +52,8 @@ from cachedrag.model.scoring import RowSplit, RowSplitLayer, scoring_layers
 from cachedrag.model.textgen import check_context, stream_tokens
 from cachedrag.model.transfer import device_tensor
 from cachedrag.prompt import PromptBuilder, Segment
+
+log = logging.getLogger(__name__)
 
 #: the tie guard's trend check weighs the approximate top-1 against this many next-best tokens
 TREND_RIVALS = 8
@@ -518,7 +521,10 @@ class CachedEngine:
                 if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:plan.exact_prefix_segments]):
                     # the first prefill computed fresh chunks before its first reused one, exactly: stored
                     # now, they are tree prefix hits for the exact prefill below instead of computed again
-                    _call_each(hand_offs)
+                    try:
+                        _call_each(hand_offs)
+                    except Exception:  # only the caching failed: the exact prefill computes them itself
+                        log.exception("store hand-off before the tie guard's exact prefill failed")
                     hand_offs = []
                 gap, seconds = first, time.perf_counter() - t_first
                 plan = self.manager.plan(request, Mode.PREFIX)

@@ -115,6 +115,23 @@ def test_the_exact_prefill_takes_the_first_prefills_leading_fresh_chunk_from_the
     assert again.approximations == [] and again.prefix_hit_tokens == again.prompt_tokens - again.question_tokens
 
 
+def test_a_failing_store_before_the_exact_prefill_costs_only_the_reuse(runner, monkeypatch, caplog):
+    """The early store fails: the exact prefill computes the missed chunk itself, logits unchanged."""
+    engine = _engine(runner, 1e9)
+    chunks = [MISSED, *SEQ[:2]]
+    segs = engine.prompts.chat(chunks, QUESTION, SYSTEM)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(engine.manager, "admit", broken)
+    pre = engine.prefill(segs, 4, defer_store=True)
+    assert pre.info["approximations"] == [] and pre.info["prefix_hit_tokens"] == len(segs[0])  # the system only
+    assert "store hand-off before the tie guard's exact prefill failed" in caplog.text
+    exact = _engine(runner, 0.0, mode="full").prefill_logits(segs)
+    torch.testing.assert_close(pre.logits, exact, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.3x"])
 def test_tie_guard_is_validated(bad):
     with pytest.raises(ConfigError, match="tie_guard"):
