@@ -105,6 +105,11 @@ class EngineResult:
     tie_guard_margin: float | None = None  # CacheConfig.tie_guard_trend: the trend check's predicted margin of the
     #                                        approximate first token (< tie_guard_floor: prefilled again) when it
     #                                        ran (else None)
+    segment_actions: list[str] = field(default_factory=list)  # per system segment, then chunk, in the order served:
+    #                                                          "tree" (exact prefix hit), "reuse" (a chunk variant),
+    #                                                          "fresh" (computed); the prefill that made the answer
+    tie_guard_actions: list[str] | None = None  # the approximate prefill's segment_actions when the tie guard
+    #                                             prefilled the request again (else None)
     teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
@@ -509,7 +514,7 @@ class CachedEngine:
                 repeat = "promote"
         t_first = time.perf_counter()
         pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers)
-        gap = margin = None
+        gap = margin = first_actions = None
         if cache.tie_guard and mode is Mode.CACHEDRAG and not exact_plan and pre.info["approximations"]:
             logits = pre.logits[-1] if all_logits else pre.logits  # [V]
             first = top2_gap(logits)
@@ -526,7 +531,7 @@ class CachedEngine:
                     except Exception:  # only the caching failed: the exact prefill computes them itself
                         log.exception("store hand-off before the tie guard's exact prefill failed")
                     hand_offs = []
-                gap, seconds = first, time.perf_counter() - t_first
+                gap, seconds, first_actions = first, time.perf_counter() - t_first, pre.info["segment_actions"]
                 plan = self.manager.plan(request, Mode.PREFIX)
                 pre, exact_hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits,
                                                           between_layers)
@@ -545,6 +550,7 @@ class CachedEngine:
         pre.info["exact_repeat"] = repeat
         pre.info["tie_guard"] = gap
         pre.info["tie_guard_margin"] = margin
+        pre.info["tie_guard_actions"] = first_actions
         pre.cached_rows = None
         if repeat == "promote":
             pre.promote = functools.partial(self._promote, list(segments), mode)
@@ -957,6 +963,7 @@ class CachedEngine:
             "focus_layer": focus_layer,
             "load_s": load_s,
             "prefill_s": prefill_s,
+            "segment_actions": [a.value for a in actions],
             "notes": notes,
             "token_choice": used_choice,
             "approximations": approximations,

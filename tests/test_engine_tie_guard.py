@@ -63,6 +63,7 @@ def test_below_the_gap_the_approximate_answer_stands(runner):
     assert gap > 0
     r = _engine(runner, gap * 0.99).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
     assert r.tie_guard is None and "chunk_reuse" in r.approximations
+    assert r.tie_guard_actions is None and r.segment_actions == ["tree", "reuse", "reuse", "reuse"]
     assert r.token_ids == approximate
 
 
@@ -102,6 +103,9 @@ def test_the_exact_prefill_takes_the_first_prefills_leading_fresh_chunk_from_the
     assert pre.info["tie_guard"] is not None and pre.info["approximations"] == []
     assert pre.info["prefix_hit_tokens"] == lead  # the missed chunk came from the tree, not computed again
     assert pre.info["computed_tokens"] == pre.info["prompt_tokens"] - lead
+    # system, then the three chunks: what each prefill did with them
+    assert pre.info["tie_guard_actions"] == ["tree", "fresh", "reuse", "reuse"]
+    assert pre.info["segment_actions"] == ["tree", "tree", "fresh", "fresh"]
     pre.hand_off()
     exact = _engine(runner, 0.0, mode="full").prefill_logits(segs)
     torch.testing.assert_close(pre.logits, exact, atol=1e-5, rtol=0)
@@ -110,6 +114,7 @@ def test_the_exact_prefill_takes_the_first_prefills_leading_fresh_chunk_from_the
     other = _engine(runner, 1e9)
     r = other.generate(chunks, QUESTION, SYSTEM, max_new_tokens=6)
     assert r.tie_guard is not None and r.prefix_hit_tokens == lead
+    assert r.tie_guard_actions == ["tree", "fresh", "reuse", "reuse"] and r.segment_actions[:2] == ["tree", "tree"]
     assert r.token_ids == other.generate(chunks, QUESTION, SYSTEM, max_new_tokens=6, mode="full").token_ids
     again = other.generate(chunks, "what wraps text?", SYSTEM, max_new_tokens=2)
     assert again.approximations == [] and again.prefix_hit_tokens == again.prompt_tokens - again.question_tokens
@@ -128,6 +133,7 @@ def test_a_failing_store_before_the_exact_prefill_costs_only_the_reuse(runner, m
     pre = engine.prefill(segs, 4, defer_store=True)
     assert pre.info["approximations"] == [] and pre.info["prefix_hit_tokens"] == len(segs[0])  # the system only
     assert "store hand-off before the tie guard's exact prefill failed" in caplog.text
+    assert pre.info["segment_actions"] == ["tree", "fresh", "fresh", "fresh"]
     exact = _engine(runner, 0.0, mode="full").prefill_logits(segs)
     torch.testing.assert_close(pre.logits, exact, atol=1e-5, rtol=0)
 

@@ -358,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
         results["modes"][m]["n_approximate"] = len(approx)
         results["modes"][m]["rouge_l_vs_full_approximate"] = (
             statistics.fmean(rouge_l(r.text, f.text) for r, f in approx) if approx else None)
+        results["modes"][m]["requests"] = [request_record(warmup + k, r, f) for k, (r, f) in enumerate(zip(rs, full))]
     base_full = results["modes"]["full"]["ttft_median_s"]
     base_prefix = results["modes"].get("prefix", {}).get("ttft_median_s")
     for m, row in results["modes"].items():
@@ -415,6 +416,23 @@ def tie_guard_setting(spec: str) -> dict:
 def _settings(text: str, parse) -> dict[str, dict]:
     """A comma-separated row option (``--tie-guards``, ``--cache-rows``, ...) -> {spec: its CacheConfig fields}."""
     return {spec: parse(spec) for spec in [x.strip() for x in text.split(",") if x.strip()]}
+
+
+def plan_letters(actions: list[str] | None) -> str | None:
+    """A prefill's segment actions as one letter each (T tree, R reuse, F fresh), system first.
+
+    >>> plan_letters(["tree", "fresh", "reuse", "fresh"])
+    'TFRF'
+    """
+    return None if actions is None else "".join(a[0].upper() for a in actions)
+
+
+def request_record(index: int, r, f) -> dict:
+    """One counted request of a row in the JSON: its TTFT, the plan that made the answer and, when
+    the tie guard prefilled it again, the approximate plan before (``plan_letters``)."""
+    return {"request": index, "ttft_s": r.ttft_s, "plan": plan_letters(r.segment_actions),
+            "guarded_plan": plan_letters(r.tie_guard_actions), "tie_guard": r.tie_guard,
+            "exact_repeat": r.exact_repeat, "first_token_match": r.token_ids[:1] == f.token_ids[:1]}
 
 
 def cache_row_setting(spec: str) -> dict:

@@ -134,6 +134,13 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
     assert guarded["tie_guarded"] == 1
     assert "chunk_reuse" not in guarded["approximations"]
     assert guarded["rouge_l_vs_full"] == 1.0 and guarded["teacher_forced_top1"] == 1.0
+    # per request: which one was prefilled again, from what approximate plan, and what each prefill did
+    assert [q["request"] for q in guarded["requests"]] == [1, 2, 3]
+    first = guarded["requests"][0]
+    assert first["tie_guard"] is not None and "R" in first["guarded_plan"] and "R" not in first["plan"]
+    assert all(q["guarded_plan"] is None and set(q["plan"]) == {"T"} for q in guarded["requests"][1:])
+    assert all(q["first_token_match"] and q["ttft_s"] > 0 for q in guarded["requests"])
+    assert "R" in plain["requests"][0]["plan"] and all(q["guarded_plan"] is None for q in plain["requests"])
     # the trend check with a vanishing trend predicts each near tie's own gap (> 0): every approximate
     # request is checked, none is prefilled again, and the answers are the plain row's
     trend = modes["cachedrag:tie_guard=1e9/1e-9"]
