@@ -105,7 +105,8 @@ class EngineResult:
     tie_guard_margin: float | None = None  # CacheConfig.tie_guard_trend: the trend check's predicted margin of the
     #                                        approximate first token (< tie_guard_floor: prefilled again) when it
     #                                        ran (else None)
-    segment_actions: list[str] = field(default_factory=list)  # per system segment, then chunk, in the order served:
+    segment_actions: list[str] = field(default_factory=list)  # per segment before the question (system, then the
+    #                                                          chunks and any text between them), in the order served:
     #                                                          "tree" (exact prefix hit), "reuse" (a chunk variant),
     #                                                          "fresh" (computed); the prefill that made the answer
     tie_guard_actions: list[str] | None = None  # the approximate prefill's segment_actions when the tie guard

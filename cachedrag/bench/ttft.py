@@ -419,7 +419,8 @@ def _settings(text: str, parse) -> dict[str, dict]:
 
 
 def plan_letters(actions: list[str] | None) -> str | None:
-    """A prefill's segment actions as one letter each (T tree, R reuse, F fresh), system first.
+    """A prefill's segment actions (``EngineResult.segment_actions``) as one letter each: T tree,
+    R reuse, F fresh, system first.
 
     >>> plan_letters(["tree", "fresh", "reuse", "fresh"])
     'TFRF'
