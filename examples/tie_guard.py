@@ -6,7 +6,10 @@ in a first token whose top-2 logits are closer than G nats is prefilled again ex
 answer is full prefill's, its TTFT pays both prefills; ``result.tie_guard`` holds the gap). The
 default, 0, is off. These five questions have no first token within 0.3 nats, so the example
 runs G = 1 to show it acting: the second question is guarded, and since the exact prefill stores
-its knowledge-tree path the later questions over the same chunks are exact prefix hits. With
+its knowledge-tree path the later questions over the same chunks are exact prefix hits (the
+guarded line shows both plans, ``result.tie_guard_actions`` -> ``result.segment_actions``: every
+chunk reused, then every chunk computed exactly; missed chunks ahead of the first reused one would
+come from the tree in the exact plan, since the guard stores them first). With
 G = 0 two answers differ from full prefill although their first tokens are decisive (gaps near
 2 nats): the guard does not look at those. The third setting adds the trend check
 (``tie_guard_trend=0.6``): each near tie below 1 nat is read again with the recomputed rows put
@@ -21,6 +24,7 @@ setting that caught every flip measured (docs/fidelity.md, "Lever 4: the tie gua
 
 from __future__ import annotations
 
+from cachedrag.bench.ttft import plan_letters
 from cachedrag.config import EngineConfig
 from cachedrag.corpus import stdlib_corpus
 from cachedrag.engine import CachedEngine, top2_gap
@@ -50,7 +54,10 @@ def main() -> None:
             reference = full.generate(chunks, question, SYSTEM, max_new_tokens=12)
             gap = top2_gap(full.prefill_logits(segs))
             r = engine.generate(chunks, question, SYSTEM, max_new_tokens=12)
-            guarded = f"guarded (gap {r.tie_guard:.2f})" if r.tie_guard is not None else "not guarded"
+            guarded = "not guarded"
+            if r.tie_guard is not None:  # plans: T tree, R reused, F fresh (system first), approximate -> exact
+                guarded = (f"guarded (gap {r.tie_guard:.2f}, plan {plan_letters(r.tie_guard_actions)} -> "
+                           f"{plan_letters(r.segment_actions)})")
             if r.tie_guard_margin is not None:
                 guarded += f" after the trend check (predicted margin {r.tie_guard_margin:.2f})"
             print(f"  full prefill's first-token gap {gap:.2f}; {guarded}, approximations "

@@ -189,16 +189,22 @@ def test_bf16_recompute_runs_exactly_the_reused_rows_on_the_copies(runner, order
     assert (g - r).abs().max() < 0.05 * float(r.max() - r.min())
 
 
+def _setting_changes_nothing(runner, field: str, approximation: str, prefill) -> None:
+    """``prefill(engine)`` with the CacheConfig ``field`` at bfloat16 and at float32: neither names
+    ``approximation``, and the logits are equal bit for bit."""
+    logits = {}
+    for dt in ("bfloat16", "float32"):
+        pre = prefill(_engine(runner, "bfloat16", **{field: dt}))
+        assert approximation not in pre.info["approximations"]
+        logits[dt] = pre.logits
+    assert torch.equal(logits["bfloat16"], logits["float32"])
+
+
 def test_bf16_recompute_leaves_a_request_without_reuse_unchanged(runner):
     """A cold request (every chunk fresh) has no reused rows: the setting changes nothing."""
     prompts = [CHUNKS[i] for i in (2, 1, 0)]
-    logits = {}
-    for dt in ("bfloat16", "float32"):
-        engine = _engine(runner, "bfloat16", recompute_dtype=dt)
-        pre = engine.prefill(engine.prompts.chat(prompts, "which chunk?", SYSTEM), 2)
-        assert "recompute_bfloat16" not in pre.info["approximations"]
-        logits[dt] = pre.logits
-    assert torch.equal(logits["bfloat16"], logits["float32"])
+    _setting_changes_nothing(runner, "recompute_dtype", "recompute_bfloat16",
+                             lambda engine: engine.prefill(engine.prompts.chat(prompts, "which chunk?", SYSTEM), 2))
 
 
 def test_recompute_dtype_is_validated_and_builds_every_layer_at_construction():
@@ -248,12 +254,7 @@ def test_bf16_fresh_rows_leave_leading_fresh_chunks_and_cold_requests_exact(runn
     chunk 3 leads, 0 and 1 reused), as does a cold request; with ``recompute_dtype="float32"`` the
     setting then changes nothing, bit for bit."""
     for order in ([3, 0, 1], [4, 3]):
-        logits = {}
-        for fresh in ("bfloat16", "float32"):
-            pre, _, _ = _prefill(_engine(runner, "bfloat16", fresh_dtype=fresh), order)
-            assert "fresh_bfloat16" not in pre.info["approximations"]
-            logits[fresh] = pre.logits
-        assert torch.equal(logits["bfloat16"], logits["float32"])
+        _setting_changes_nothing(runner, "fresh_dtype", "fresh_bfloat16", lambda engine: _prefill(engine, order)[0])
 
 
 def test_fresh_dtype_is_validated():
