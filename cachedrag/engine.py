@@ -111,6 +111,13 @@ class EngineResult:
     #                                                          "fresh" (computed); the prefill that made the answer
     tie_guard_actions: list[str] | None = None  # the approximate prefill's segment_actions when the tie guard
     #                                             prefilled the request again (else None)
+    tie_guard_switch: int | None = None  # CacheConfig.tie_guard_decode: the answer token (0-based) before which a near
+    #                                      tie moved decoding onto an exact prefill of the prompt and the answer so far
+    #                                      (else None); that token and the rest came from exact KV
+    tie_guard_switch_gap: float | None = None  # the approximate top-2 logit gap there
+    tie_guard_switch_s: float | None = None  # seconds the answer paused for that exact prefill (in total_s)
+    tie_guard_agreed: int | None = None  # how many leading tokens before the switch are the exact prefill's greedy
+    #                                      choices too (== tie_guard_switch: the whole greedy answer is full prefill's)
     teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
@@ -133,6 +140,7 @@ class _Prefill:
     # CacheConfig.tie_guard_trend: per layer, the reused rows the prefill overwrote and their cached K/V
     # as loaded, ``(layer, rows [R], k [H_kv, R, D], v [H_kv, R, D])``, for the trend check's second reading
     cached_rows: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
 
 
 @dataclass
@@ -183,6 +191,7 @@ class Prefilled:
     #                                              sequence's exact tree path (returns its seconds); run it after the
     #                                              response, e.g. when idle; ``between_layers=`` may abandon it by
     #                                              raising (nothing stored). None: nothing to promote
+    segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
 
 
 class _LoadFailed(Exception):
@@ -211,6 +220,87 @@ class GenerationStream:
 class _Holder:
     result: EngineResult | None = None
     last_result = None  # set by textgen.stream_tokens
+
+
+class DecodeTieGuard:
+    """The tie guard during decoding (``CacheConfig.tie_guard_decode``) for one answer.
+
+    While the answer decodes on an approximate prefill's KV, ``due`` says whether the logits about
+    to choose the next token are a near tie (top-2 gap below the threshold); ``switch`` then
+    prefills the prompt and the answer so far exactly (``CachedEngine.prefill_exact_continuation``),
+    once per answer, and decoding goes on from its KV. ``generate`` hands the guard to the decode
+    loop as its ``switch`` hook (``__call__``); the server's engine loop calls ``due`` after a
+    batched step and ``switch`` in its next scheduling step. ``stats`` are the
+    ``EngineResult.tie_guard_switch*`` / ``tie_guard_agreed`` fields.
+    """
+
+    def __init__(self, engine: "CachedEngine", segments: list[Segment], threshold: float, max_new_tokens: int):
+        self.engine, self.segments, self.threshold, self.max_new_tokens = engine, segments, threshold, max_new_tokens
+        self.token: int | None = None  # the answer token chosen from the exact prefill's logits
+        self.gap: float | None = None
+        self.seconds: float | None = None
+        self.agreed: int | None = None
+        self.failure: str | None = None  # why the exact prefill failed (the answer went on approximately)
+        self._pending: Callable[[], None] | None = None  # the exact prefill's store hand-off, after the next token
+
+    @classmethod
+    def for_request(cls, engine: "CachedEngine", segments: list[Segment] | None, info: dict, mode: str,
+                    max_new_tokens: int) -> "DecodeTieGuard | None":
+        """The guard for an answer after a prefill with stats ``info``, or None: the setting is off,
+        the mode is not ``cachedrag``, or the prefill was exact (a reordered exact prefix is exact KV)."""
+        threshold = engine.config.cache.tie_guard_decode
+        approximate = [a for a in info.get("approximations", ()) if a != "reordered"]
+        if threshold <= 0 or mode != Mode.CACHEDRAG.value or not approximate or segments is None or max_new_tokens < 2:
+            return None
+        return cls(engine, list(segments), threshold, max_new_tokens)
+
+    def due(self, logits: torch.Tensor, n_tokens: int) -> bool:
+        """Whether the answer, ``n_tokens`` (>= 1) tokens long, should move onto exact KV before its
+        next token (chosen from ``logits`` ``[V]``); records the gap when it should."""
+        if self.token is not None or self.failure is not None or not 0 < n_tokens < self.max_new_tokens:
+            return False
+        gap = top2_gap(logits)
+        if gap >= self.threshold:
+            return False
+        self.gap = gap
+        return True
+
+    def switch(self, answer: Sequence[int], between_layers: Callable[[int, int], None] | None = None) -> "Prefilled":
+        """The exact prefill of the prompt and ``answer``; the caller decodes on from its KV and runs
+        its ``hand_off`` once the next token is out."""
+        t0 = time.perf_counter()
+        exact = self.engine.prefill_exact_continuation(self.segments, answer, self.max_new_tokens, between_layers)
+        self.token, self.agreed = len(answer), exact.info["answer_agreed"]
+        self.seconds = time.perf_counter() - t0
+        return exact
+
+    def __call__(self, logits: torch.Tensor, answer: list[int]):
+        """``decode_loop``'s ``switch`` hook. If the exact prefill fails, the answer goes on from the
+        approximate logits (logged; ``failure`` says why)."""
+        self.close()  # the previous switch's token is out: store its exact path now
+        if not self.due(logits, len(answer)):
+            return None
+        try:
+            exact = self.switch(answer)
+        except Exception as exc:
+            log.exception("the tie guard's exact prefill during decoding failed")
+            self.failure = f"tie guard during decoding: exact prefill failed: {exc!r}"
+            return None
+        self._pending = exact.hand_off
+        return exact.kv, exact.logits
+
+    def close(self) -> None:
+        """Run a pending store hand-off (a failure costs only the caching)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending()
+            except Exception:
+                log.exception("store hand-off of the tie guard's exact prefill during decoding failed")
+
+    def stats(self) -> dict:
+        return {"tie_guard_switch": self.token, "tie_guard_switch_gap": self.gap,
+                "tie_guard_switch_s": self.seconds, "tie_guard_agreed": self.agreed}
 
 
 def entry_payload(namespace: str, path: Sequence[str], role: str, exact: bool, k: torch.Tensor, v: torch.Tensor,
@@ -373,7 +463,41 @@ class CachedEngine:
         """
         pre = self._prefill(list(segments), self._mode(mode), max_new_tokens, between_layers=between_layers,
                             defer_store=defer_store)
-        return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info, hand_off=pre.hand_off, promote=pre.promote)
+        return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info, hand_off=pre.hand_off, promote=pre.promote,
+                         segments=pre.segments)
+
+    def prefill_exact_continuation(self, segments: Sequence[Segment], answer: Sequence[int], max_new_tokens: int,
+                                   between_layers: Callable[[int, int], None] | None = None) -> "Prefilled":
+        """The tie guard during decoding (``CacheConfig.tie_guard_decode``): prefill exactly, as prefix
+        caching would (tree prefix, the rest fresh), ``segments`` as served (``Prefilled.segments``)
+        followed by the ``answer`` token ids chosen so far (>= 1).
+
+        Returns a ``Prefilled`` whose buffer holds the prompt and answer rows (capacity prompt +
+        ``max_new_tokens``), whose ``logits`` ``[V]`` predict the next answer token, and whose
+        ``info`` is the exact prefill's stats plus ``answer_agreed``: how many leading ``answer``
+        tokens are its greedy choices too. ``hand_off`` stores its exact path (run it once the next
+        token is out). ``between_layers`` as in ``prefill``.
+        """
+        answer = list(answer)
+        if not 0 < len(answer) < max_new_tokens:
+            raise ConfigError("an exact continuation needs 1..max_new_tokens-1 answer tokens")
+        pre = self._exact_continuation(list(segments), answer, max_new_tokens, between_layers)
+        rows = pre.logits  # [len(answer) + 1, V]: row j predicts answer token j
+        chosen = rows[:-1].argmax(-1).tolist()
+        pre.info["answer_agreed"] = next((j for j, (c, a) in enumerate(zip(chosen, answer)) if c != a), len(answer))
+        return Prefilled(kv=pre.kv, logits=rows[-1].float(), info=pre.info, hand_off=pre.hand_off,
+                         segments=pre.segments)
+
+    def _exact_continuation(self, segments: list[Segment], answer: list[int], max_new_tokens: int,
+                            between_layers=None) -> _Prefill:
+        """Exact prefill of ``segments`` with ``answer`` appended to the question; ``pre.logits`` holds
+        the rows ``[len(answer) + 1, V]`` predicting each answer token and the next one; the store
+        hand-off is left in ``pre.hand_off``."""
+        question = segments[-1]
+        extended = dataclasses.replace(question, ids=tuple(question.ids) + tuple(answer))
+        return self._prefill(segments[:-1] + [extended], Mode.PREFIX, max_new_tokens - len(answer),
+                             between_layers=between_layers, defer_store=True, exact_plan=True,
+                             tail_logits=len(answer) + 1)
 
     def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
         """Prefill only; returns the last-position logits ``[V]`` (for equivalence tests and FLARE)."""
@@ -413,10 +537,20 @@ class CachedEngine:
         pre = self._prefill(segments, mode, params.max_new_tokens, defer_store=True)
         prompt_tokens = pre.info["prompt_tokens"]
         lookup = prompt_lookup(self.config.lookup, [t for s in segments for t in s.ids], params.temperature == 0.0)
-        yield from stream_tokens(self.runner, pre.kv, pre.logits, prompt_tokens, params, self.eos_ids, start, holder,
-                                 lookup, after_first=pre.hand_off)  # the store hand-off waits for the first token
+        guard = DecodeTieGuard.for_request(self, pre.segments, pre.info, mode.value, params.max_new_tokens)
+        try:
+            yield from stream_tokens(self.runner, pre.kv, pre.logits, prompt_tokens, params, self.eos_ids, start,
+                                     holder, lookup, after_first=pre.hand_off,  # the hand-off waits for the 1st token
+                                     switch=guard)
+        finally:
+            if guard is not None:
+                guard.close()
         g = holder.last_result
         info = pre.info
+        if guard is not None:
+            info = dict(info, **guard.stats())
+            if guard.failure is not None:
+                info["notes"] = [*info["notes"], guard.failure]
         holder.result = EngineResult(
             text=g.text, token_ids=g.token_ids, mode=mode.value, ttft_s=g.ttft_s, total_s=g.total_s,
             prompt_tokens=prompt_tokens, finish_reason=g.finish_reason, token_logprobs=g.token_logprobs,
@@ -426,6 +560,10 @@ class CachedEngine:
         )
         if teacher is not None:
             holder.result.teacher_logits = self._teacher_forced(pre, prompt_tokens, list(teacher))
+            if guard is not None:
+                self._guard_teacher(holder.result.teacher_logits, pre.segments, list(teacher), guard)
+        if guard is not None and guard.token is not None:
+            pre.promote = None  # the switch stored this sequence's exact path already
         if pre.promote is not None:  # the answer is out: now compute the recurring sequence's exact path
             try:
                 holder.result.promotion_s = pre.promote()
@@ -445,6 +583,19 @@ class CachedEngine:
         return time.perf_counter() - t0
 
     @torch.inference_mode()
+    def _guard_teacher(self, rows: torch.Tensor, segments: list[Segment], teacher: list[int],
+                       guard: DecodeTieGuard) -> None:
+        """Teacher-forced logits ``rows`` ``[A, V]`` as the tie guard during decoding would give them: from
+        the first position >= 1 whose approximate logits are a near tie on, the exact prefill's rows
+        (the prompt and ``teacher[:-1]`` prefilled exactly; nothing stored: a measurement must not
+        change the cache)."""
+        at = next((j for j in range(1, len(teacher)) if top2_gap(rows[j]) < guard.threshold), None)
+        if at is None:
+            return
+        exact = self._exact_continuation(segments, teacher[:-1], guard.max_new_tokens)  # [A, V]
+        rows[at:] = exact.logits[at:].float()
+
+    @torch.inference_mode()
     def _teacher_forced(self, pre: _Prefill, start: int, teacher: list[int]) -> torch.Tensor:
         """Logits ``[A, V]`` predicting ``teacher[j]`` after the prefilled prompt and
         ``teacher[:j]``: one pass over ``teacher[:-1]`` on the request's buffer (decoding wrote
@@ -459,7 +610,7 @@ class CachedEngine:
     @torch.inference_mode()
     def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False,
                  between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False,
-                 exact_plan: bool = False) -> _Prefill:
+                 exact_plan: bool = False, tail_logits: int = 1) -> _Prefill:
         """Plan, load and prefill. What the request computed fresh is handed to the cache
         manager (``_HandOff``: metadata, entry copies, store writes) before returning, or with
         ``defer_store`` left in ``pre.hand_off`` for the caller to run once the first token is
@@ -468,7 +619,9 @@ class CachedEngine:
         chunk sequence has now been served from reuse that many times, either the request is
         planned as prefix caching would (timing "inline": tree prefix, the rest fresh, so it is
         exact and stores its whole path) or ``pre.promote`` computes that path later (``_promote``).
-        ``exact_plan``: plan as prefix caching, in the given order (a promotion).
+        ``exact_plan``: plan as prefix caching, in the given order (a promotion, the tie guard during
+        decoding). ``tail_logits`` > 1: ``pre.logits`` holds the last that many positions' logits
+        ``[tail_logits, V]`` (the tie guard during decoding reads the answer's rows).
         The question is the last segment; text segments between the last chunk and it are
         context (glue: stored with the chunks and part of their tree path), as the server's
         automatic passage detection cuts what follows the last passage it knows."""
@@ -514,10 +667,11 @@ class CachedEngine:
             else:
                 repeat = "promote"
         t_first = time.perf_counter()
-        pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers)
+        pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers,
+                                            tail_logits)
         gap = margin = first_actions = None
         if cache.tie_guard and mode is Mode.CACHEDRAG and not exact_plan and pre.info["approximations"]:
-            logits = pre.logits[-1] if all_logits else pre.logits  # [V]
+            logits = pre.logits[-1] if pre.logits.dim() == 2 else pre.logits  # [V]
             first = top2_gap(logits)
             if first < cache.tie_guard and cache.tie_guard_trend > 0 and pre.cached_rows is not None:
                 margin = self._trend_margin(pre, [t for s in question for t in s.ids], logits)
@@ -535,7 +689,7 @@ class CachedEngine:
                 gap, seconds, first_actions = first, time.perf_counter() - t_first, pre.info["segment_actions"]
                 plan = self.manager.plan(request, Mode.PREFIX)
                 pre, exact_hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits,
-                                                          between_layers)
+                                                          between_layers, tail_logits)
                 hand_offs += exact_hand_offs  # the first prefill's fresh chunks are stored too
                 pre.info["prefill_s"] += seconds
                 repeat = None  # this prefill stores the exact path: nothing left to promote
@@ -553,6 +707,7 @@ class CachedEngine:
         pre.info["tie_guard_margin"] = margin
         pre.info["tie_guard_actions"] = first_actions
         pre.cached_rows = None
+        pre.segments = segments
         if repeat == "promote":
             pre.promote = functools.partial(self._promote, list(segments), mode)
         if chunk_order is not None:
@@ -594,7 +749,7 @@ class CachedEngine:
         return predicted_margin(logits.float()[top].tolist(), reverted[top].tolist(), self.config.cache.tie_guard_trend)
 
     def _execute_plan(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
-                      between_layers) -> tuple[_Prefill, list[Callable[[], None]]]:
+                      between_layers, tail_logits: int = 1) -> tuple[_Prefill, list[Callable[[], None]]]:
         """Execute ``plan`` (releasing it however that ends); returns the prefill and its store
         hand-off, if any, as a list of calls for the caller to run now or after the first token."""
         used = False
@@ -603,7 +758,7 @@ class CachedEngine:
             while True:  # a cached entry that fails mid-load (corrupt, lost) is recomputed: restart once per failure
                 try:
                     pre, hand_off = self._execute(plan, segments, context, mode, max_new_tokens, all_logits,
-                                                  force_fresh, between_layers)
+                                                  force_fresh, between_layers, tail_logits)
                     break
                 except _LoadFailed as failed:
                     force_fresh = force_fresh | {failed.segment}
@@ -615,7 +770,7 @@ class CachedEngine:
         return pre, [functools.partial(self._hand_off, plan, [s.key for s in context], hand_off)]
 
     def _execute(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
-                 force_fresh: frozenset[int] = frozenset(), between_layers=None):
+                 force_fresh: frozenset[int] = frozenset(), between_layers=None, tail_logits: int = 1):
         runner = self.runner
         device = runner.device
         total = plan.total_tokens
@@ -866,7 +1021,7 @@ class CachedEngine:
                     reuse_rows, reuse_of = positions[torch.isin(positions, reuse_t)], positions  # [R] reused chunks' rows
                 if low_layers is not None and low_of is not positions:
                     low_mask, low_of = torch.isin(positions, low_t), positions  # [Tc] rows on the bfloat16 copies
-                    low, low_last = RowSplit(low_mask), RowSplit(low_mask[-1:])
+                    low, low_last = RowSplit(low_mask), RowSplit(low_mask[-tail_logits:])
                 if cached_rows is not None and reuse_rows.numel():  # what this layer is about to overwrite
                     cached_rows.append((layer, reuse_rows, kv.k[layer].index_select(1, reuse_rows),
                                         kv.v[layer].index_select(1, reuse_rows)))
@@ -874,7 +1029,7 @@ class CachedEngine:
                     lw = RowSplitLayer(runner.fast_layers[layer], low_layers[layer], low, low_last if last else low)
                     low_rows = True
                 hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope, blocks=blocks,
-                                              out_rows=slice(-1, None) if last else None, weights=lw)
+                                              out_rows=slice(-tail_logits, None) if last else None, weights=lw)
                 token_layers += positions.shape[0]
                 if refine and layer == cfg.refine_layer:
                     narrow(self._refine(layer, raw["q"], positions, kv, total, plan, refine, recompute_pos,
@@ -914,6 +1069,8 @@ class CachedEngine:
         load_s += load_wait[0]
         if all_logits:
             logits = runner.logits(hidden)  # [Tc, V]
+        elif tail_logits > 1:
+            logits = runner.logits(hidden[-tail_logits:])  # [tail_logits, V]
         else:
             logits = runner.logits(hidden[-1:])[0]  # [V] (the last layer computed only this row's output)
         kv.length = total

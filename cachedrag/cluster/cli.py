@@ -57,6 +57,7 @@ def cluster_config(args: argparse.Namespace, redis_url: str | None):
             scheduler=scheduler_config(args), passages=passage_config(args), exact_repeats=args.exact_repeats,
             exact_repeats_when=args.exact_repeats_when or SERVER_EXACT_REPEATS_WHEN, tie_guard=args.tie_guard,
             tie_guard_trend=args.tie_guard_trend, tie_guard_floor=args.tie_guard_floor,
+            tie_guard_decode=args.tie_guard_decode,
             max_tokens=args.max_tokens, api_key=args.api_key)
         return ClusterConfig(replicas=args.replicas, router=args.router, retries=args.retries,
                              replica_cpus=args.replica_cpus, graceful_s=args.graceful_s, replica=replica)

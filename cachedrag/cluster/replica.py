@@ -65,6 +65,9 @@ class ReplicaSettings(BaseModel):
     tie_guard_floor: float | None = Field(None, ge=0, allow_inf_nan=False,
                                           description="CacheConfig.tie_guard_floor of each replica's engine (None "
                                                       "= the engine's default, 0)")
+    tie_guard_decode: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                           description="CacheConfig.tie_guard_decode of each replica's engine (None "
+                                                       "= the engine's default, off)")
     passages: PassageConfig = Field(default_factory=PassageConfig,
                                     description="how request text becomes segments, as in one server: automatic "
                                                 "chunk detection (its min_chars also fingerprints requests for the "
@@ -107,7 +110,7 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
         runner = ModelRunner(*load_model(settings.model))
     try:
         cache = server_cache_config(settings.exact_repeats, settings.exact_repeats_when, settings.tie_guard,
-                                    settings.tie_guard_trend, settings.tie_guard_floor)
+                                    settings.tie_guard_trend, settings.tie_guard_floor, settings.tie_guard_decode)
         overrides = {"cache": cache, **settings.engine_overrides}
         config = EngineConfig(mode=settings.mode, cache_bytes=int(settings.cache_gb * GB), **overrides)
     except ValueError as exc:

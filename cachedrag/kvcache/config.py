@@ -250,6 +250,17 @@ class CacheConfig:
         9 of 20 flips came where the recompute had barely moved the margin, most of them with a
         gap below 0.07; docs/fidelity.md, round 18). 0 = the trend alone. On those streams the
         plain gap guard (``tie_guard=0.25``, no trend) was the setting that caught every flip.
+      tie_guard_decode: 0 = off. > 0: the guard during decoding. While an answer decodes on the KV
+        of an approximate prefill (one that reused chunk variants and was not prefilled again
+        for its first token), each later answer token whose top-2 logits are closer than this
+        many nats is not chosen from them: the prompt and the answer so far are prefilled
+        exactly (as prefix caching would: tree prefix, the rest fresh, its path stored) and
+        decoding goes on from that KV, so the rest of the answer is full prefill's answer to
+        the same prefix. The answer pauses for that prefill (once per answer; its TTFT does not
+        change); the result says at which token (``EngineResult.tie_guard_switch``) and whether
+        the tokens before it were full prefill's greedy choices too (``tie_guard_agreed``).
+        Independent of ``tie_guard`` (which watches the first token). Applies to the
+        ``cachedrag`` mode.
 
     Variant registry (``index.py``):
       max_chunks (N), max_variants_per_chunk (M): at most M variants per chunk and N x M in all.
@@ -295,6 +306,7 @@ class CacheConfig:
     tie_guard: float = 0.0
     tie_guard_trend: float = 0.0
     tie_guard_floor: float = 0.0
+    tie_guard_decode: float = 0.0
     max_chunks: int = 10_000
     max_variants_per_chunk: int = 4
     cfo_floor: float = 0.05
@@ -373,6 +385,7 @@ class CacheConfig:
         if self.tie_guard_floor > 0 and not self.tie_guard_floor < self.tie_guard:
             raise ConfigError(f"CacheConfig.tie_guard_floor ({self.tie_guard_floor}) must be below tie_guard "
                               f"({self.tie_guard}): only near ties below tie_guard are checked")
+        _check_number("tie_guard_decode", self.tie_guard_decode, 0.0, math.inf, hi_open=True)
         _check_int("max_chunks", self.max_chunks, 1)
         _check_int("max_variants_per_chunk", self.max_variants_per_chunk, 1)
         _check_number("cfo_floor", self.cfo_floor, 0.0, 1.0, lo_open=True)

@@ -11,7 +11,7 @@ Does not own: the forward pass (``runner.py``) or prompt assembly (the engine).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -191,9 +191,16 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generated: Sequen
     return token
 
 
+#: ``decode_loop``'s ``switch`` hook: called with the logits row ``[V]`` about to choose answer token
+#: ``i >= 1`` and the ``i`` tokens chosen so far; returns None to go on, or ``(kv, logits)`` to go on
+#: from instead: a KV buffer whose rows hold the prompt and those tokens, and the logits ``[V]`` of
+#: the last of them (the engine's tie guard during decoding prefills exactly there).
+Switch = Callable[[torch.Tensor, list[int]], "tuple[object, torch.Tensor] | None"]
+
+
 def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
                 eos_ids: set[int], stream: TextStream | None = None,
-                logprobs: list[float] | None = None, lookup=None) -> Iterator[int]:
+                logprobs: list[float] | None = None, lookup=None, switch: Switch | None = None) -> Iterator[int]:
     """Yield generated token ids until EOS, a stop string, or ``max_new_tokens``.
 
     ``first_logits`` are the prefill's last-position logits; the token chosen from them sits
@@ -201,11 +208,12 @@ def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, par
     probability of each yielded token (under the unscaled distribution) is appended to it.
 
     ``lookup`` (a ``PromptLookup`` over the prompt's token ids) turns on speculative greedy
-    decoding when ``temperature == 0``: see :func:`speculative_decode_loop`.
+    decoding when ``temperature == 0``: see :func:`speculative_decode_loop`. ``switch`` (see
+    ``Switch``) may move decoding onto another KV buffer before any token after the first.
     """
     if lookup is not None and params.temperature == 0.0 and not uses_history(params):
         yield from speculative_decode_loop(runner, kv, first_logits, start_position, params, eos_ids, lookup,
-                                           stream, logprobs)
+                                           stream, logprobs, switch)
         return
     generator = make_generator(params, runner.device)
     logits = first_logits
@@ -213,6 +221,10 @@ def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, par
     generated: list[int] = []
     constraint = params.constraint
     for step in range(params.max_new_tokens):
+        if switch is not None and step:
+            moved = switch(logits, generated)
+            if moved is not None:
+                kv, logits = moved
         token = choose_token(logits, params, generated, generator, eos_ids)
         if token in eos_ids:
             return
@@ -232,7 +244,7 @@ def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, par
 
 def speculative_decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
                             eos_ids: set[int], lookup, stream: TextStream | None = None,
-                            logprobs: list[float] | None = None) -> Iterator[int]:
+                            logprobs: list[float] | None = None, switch: Switch | None = None) -> Iterator[int]:
     """Greedy decoding that verifies prompt-lookup drafts (the same tokens as greedy ``decode_loop``
     up to float rounding of multi-row passes).
 
@@ -241,21 +253,33 @@ def speculative_decode_loop(runner, kv, first_logits: torch.Tensor, start_positi
     that equals the argmax of the logits before it is accepted. The first mismatch is replaced
     by that argmax, so each pass yields at least one token, like a plain decode step. Rows of
     rejected draft tokens stay in the buffer past the accepted length: the next pass overwrites
-    them, and no query attends past its own position.
+    them, and no query attends past its own position. ``switch`` is asked before each token after
+    the first; when it moves decoding, the pass's later choices are dropped and the token comes
+    from the logits it returned.
     """
     choices = [(int(torch.argmax(first_logits)), first_logits)]  # (token, the logits row that chose it)
-    generated = 0
+    tokens: list[int] = []
     while True:
-        for token, row in choices:
+        j = 0
+        while j < len(choices):
+            token, row = choices[j]
+            if switch is not None and tokens:
+                moved = switch(row, tokens)
+                if moved is not None:
+                    kv, row = moved
+                    choices = [(int(torch.argmax(row)), row)]
+                    token, j = choices[0][0], 0
+            j += 1
             if token in eos_ids:
                 return
             if logprobs is not None:
                 logprobs.append(float(torch.log_softmax(row.float(), dim=-1)[token]))
             yield token
-            generated += 1
-            if (stream is not None and stream.stopped) or generated == params.max_new_tokens:
+            tokens.append(token)
+            if (stream is not None and stream.stopped) or len(tokens) == params.max_new_tokens:
                 return
             lookup.extend((token,))
+        generated = len(tokens)
         position = start_position + generated - 1  # where the last yielded token sits
         draft = lookup.draft(params.max_new_tokens - generated - 1)
         if not draft:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cachedrag.errors import ContextWindowError, EmptyInputError
-from cachedrag.model.generation import SamplingParams, TextStream, decode_loop, eos_token_ids
+from cachedrag.model.generation import SamplingParams, Switch, TextStream, decode_loop, eos_token_ids
 from cachedrag.model.lookup import LookupConfig, PromptLookup, prompt_lookup
 from cachedrag.model.runner import ModelRunner
 
@@ -94,13 +94,14 @@ class TextGenerator:
 
 def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams, eos_ids: set[int],
                   start: float, owner, lookup: PromptLookup | None = None,
-                  after_first: Callable[[], None] | None = None) -> Iterator[str]:
+                  after_first: Callable[[], None] | None = None, switch: Switch | None = None) -> Iterator[str]:
     """Shared decode tail: yields text deltas and sets ``owner.last_result`` at the end.
 
     TTFT is taken when the first token is chosen (prefill done + one argmax/sample). ``lookup``
     (over the prompt ids) turns on speculative greedy decoding. ``after_first`` runs once, after
     the first token's text went out and before the first decode step (or when the stream ends
     or is closed first): work the first token need not wait for (the engine's store hand-off).
+    ``switch``: ``decode_loop``'s hook (the engine's tie guard during decoding).
     """
     text_stream = TextStream(runner.tokenizer, params.stop)
     ttft = None
@@ -110,7 +111,7 @@ def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams
     try:
         with torch.inference_mode():
             for token in decode_loop(runner, kv, logits, prompt_tokens, params, eos_ids, text_stream, logprobs,
-                                     lookup):
+                                     lookup, switch):
                 if ttft is None:
                     ttft = time.perf_counter() - start
                 tokens.append(token)

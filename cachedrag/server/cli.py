@@ -104,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tie-guard-floor", type=float, default=None,
                         help="with --tie-guard-trend: prefill a near tie again when its predicted margin falls below "
                              "this many nats instead of 0 (CacheConfig.tie_guard_floor; e.g. 0.1; default 0)")
+    parser.add_argument("--tie-guard-decode", type=float, default=None,
+                        help="while an answer decodes on approximate KV, a token whose top-2 logits are closer than "
+                             "this many nats moves it onto an exact prefill of the prompt and the answer so far "
+                             "(CacheConfig.tie_guard_decode; default 0 = off; docs/fidelity.md)")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
     parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
     parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")
@@ -239,7 +243,8 @@ def build_engine(args: argparse.Namespace):
     gb = 1 << 30
     config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb),
                           cache=server_cache_config(args.exact_repeats, args.exact_repeats_when, args.tie_guard,
-                                                    args.tie_guard_trend, args.tie_guard_floor))
+                                                    args.tie_guard_trend, args.tie_guard_floor,
+                                                    args.tie_guard_decode))
     store = None
     if args.disk_dir or args.redis_url:
         from cachedrag.store.config import StoreConfig

@@ -90,14 +90,14 @@ SERVER_EXACT_REPEATS_WHEN = "after_response_else_inline"
 
 def server_cache_config(exact_repeats: int | None = None, exact_repeats_when: str | None = None,
                         tie_guard: float | None = None, tie_guard_trend: float | None = None,
-                        tie_guard_floor: float | None = None):
+                        tie_guard_floor: float | None = None, tie_guard_decode: float | None = None):
     """The ``CacheConfig`` of a server's engine (one process or each replica): ``exact_repeats``,
-    ``tie_guard``, ``tie_guard_trend`` and ``tie_guard_floor`` None = the engine's defaults,
+    ``tie_guard``, ``tie_guard_trend``, ``tie_guard_floor`` and ``tie_guard_decode`` None = the engine's defaults,
     ``exact_repeats_when`` None = ``SERVER_EXACT_REPEATS_WHEN``."""
     from cachedrag.kvcache.config import CacheConfig
 
     given = {"exact_repeats": exact_repeats, "tie_guard": tie_guard, "tie_guard_trend": tie_guard_trend,
-             "tie_guard_floor": tie_guard_floor}
+             "tie_guard_floor": tie_guard_floor, "tie_guard_decode": tie_guard_decode}
     return CacheConfig(exact_repeats_when=exact_repeats_when or SERVER_EXACT_REPEATS_WHEN,
                        **{k: v for k, v in given.items() if v is not None})
 

@@ -13,7 +13,12 @@ hands in: prompt segments, sampling parameters, an ``emit`` callback) and the ev
 3. ONE batched decode forward (``cachedrag.server.batch``) gives every running request its next
    token; finished requests (EOS, stop string, ``max_tokens``) leave.
 
-So requests join and leave between steps (continuous batching). Idle time (nothing waiting or
+So requests join and leave between steps (continuous batching). The tie guard during decoding
+(``CacheConfig.tie_guard_decode``): a request decoding on an approximate prefill's KV whose next
+token would come from near-tied logits leaves the batch for one step; at the start of the next, its
+prompt and answer so far are prefilled exactly (``DecodeTieGuard.switch``, chunked like an
+admitted prefill, so the others keep decoding) and it goes on from that KV, holding its batch slot
+meanwhile. Idle time (nothing waiting or
 running) computes the exact knowledge-tree paths of recurring chunk sequences that prefills
 handed over (``Prefilled.promote``, ``CacheConfig.exact_repeats``), one per idle turn; a request
 that arrives meanwhile makes it yield after the current layer (abandoned, nothing stored; it
@@ -51,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cachedrag.engine import DecodeTieGuard
 from cachedrag.executor import release_openmp_threads
 from cachedrag.heap import trim_heap
 from cachedrag.kvcache.planner import Mode
@@ -133,6 +139,8 @@ class _Running:
     ttft_s: float = 0.0
     last: int | None = None  # the token to feed next
     logprobs: list[TokenLogprob] = field(default_factory=list)  # chosen, not yet sent with a text delta
+    guard: DecodeTieGuard | None = None  # CacheConfig.tie_guard_decode (None: off, or the prefill was exact)
+    near_tie: torch.Tensor | None = None  # [V] the near-tied logits while the request waits for its exact prefill
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         if self.request.logprobs is None:
@@ -157,6 +165,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._running: list[_Running] = []
+        self._switching: list[_Running] = []  # tie guard during decoding: waiting for their exact prefill
         self._cancel: set[int] = set()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -223,7 +232,7 @@ class EngineLoop:
     @property
     def running(self) -> int:
         with self._lock:
-            return len(self._running)
+            return len(self._running) + len(self._switching)
 
     # ------------------------------------------------------------------ the loop
     def _serve(self) -> None:
@@ -231,14 +240,15 @@ class EngineLoop:
         trim_at = None  # when freed heap memory goes back to the OS if nothing comes in first (monotonic clock)
         while True:
             with self._lock:
-                while not self._stop and not len(self.policy) and not self._running and not self._promotions:
+                while (not self._stop and not len(self.policy) and not self._running and not self._switching
+                       and not self._promotions):
                     wait = None if trim_at is None else trim_at - time.monotonic()
                     if wait is not None and wait <= 0:
                         break
                     self._wake.wait(wait)
                 if self._stop:
                     break
-                idle = not len(self.policy) and not self._running
+                idle = not len(self.policy) and not self._running and not self._switching
                 nothing = idle and not self._promotions  # woken by the trim's time alone
             if nothing:
                 trim_at = None
@@ -251,18 +261,18 @@ class EngineLoop:
                     self.step()
                 except Exception as exc:  # a bug in a step must not kill the server: fail the running requests
                     log.exception("engine step failed")
-                    for r in self._running:
+                    for r in self._running + self._switching:
                         r.request.emit(Failed(exc))
-                    self._running = []
+                    self._running, self._switching = [], []
                     if self.pool is not None:
                         self.pool.clear()
             if self.config.trim_heap_idle_s is not None:  # idle from now on: trim then
                 trim_at = time.monotonic() + self.config.trim_heap_idle_s
         if self.pool is not None:
             self.pool.clear()
-        for r in self._running:
+        for r in self._running + self._switching:
             r.request.emit(Failed(RuntimeError("server shutting down")))
-        self._running = []
+        self._running, self._switching = [], []
         with self._lock:
             waiting = self.policy.waiting
             for t in waiting:
@@ -277,13 +287,17 @@ class EngineLoop:
         with self._lock:
             cancel, self._cancel = self._cancel, set()
             self._cancel_waiting(cancel)
-            staying = [r for r in self._running if r.request.id not in cancel and r.last is not None]
+            staying = [r for r in self._running + self._switching if r.request.id not in cancel
+                       and (r.last is not None or r.near_tie is not None)]
             free = self.config.max_batch - len(staying)
             admitted = self.policy.admit(free, now, limit=self.config.prefills_per_step, estimate=self._estimate,
                                          forecast=self._forecast(staying))
         if cancel:
-            self._drop([r for r in self._running if r.request.id in cancel])
+            self._drop([r for r in self._running + self._switching if r.request.id in cancel])
             self._running = [r for r in self._running if r.request.id not in cancel]
+            self._switching = [r for r in self._switching if r.request.id not in cancel]
+        while self._switching:  # requests that met a near tie last step: onto exact KV first
+            self._switch(self._switching.pop(0))
         for ticket in admitted:
             self._current = ticket
             try:
@@ -350,7 +364,8 @@ class EngineLoop:
                 return
             self._cancel -= self._cancel_waiting(self._cancel)  # waiting requests whose client left go first
             # the running prefill holds a slot of its own (it joins the running requests when it ends)
-            staying = [r for r in self._running if r.last is not None and r.request.id not in self._cancel]
+            staying = [r for r in self._running + self._switching if r.request.id not in self._cancel
+                       and (r.last is not None or r.near_tie is not None)]
             free = self.config.max_batch - len(staying) - 1
             forecast = self._forecast(staying)
             remaining = forecast.prefill_s(current) * (n_layers - 1 - layer) / n_layers
@@ -413,7 +428,9 @@ class EngineLoop:
         info = pre.info
         run = _Running(request=request, kv=pre.kv, stream=TextStream(engine.runner.tokenizer, request.params.stop),
                        generator=make_generator(request.params, engine.runner.device), stats=info,
-                       position=info["prompt_tokens"])
+                       position=info["prompt_tokens"],
+                       guard=DecodeTieGuard.for_request(engine, pre.segments, info, request.mode or engine.config.mode,
+                                                        request.params.max_new_tokens))
         self._running.append(run)
         self._advance(run, pre.logits, first=True)
         if pre.hand_off is not None:  # the store hand-off waits for the first token, as in generate()
@@ -430,6 +447,42 @@ class EngineLoop:
             self._promotions.append(pre.promote)
             while len(self._promotions) > engine.config.cache.repeat_memory:
                 self._promotions.popleft()
+
+    def _switch(self, run: _Running) -> None:
+        """The tie guard during decoding: prefill ``run``'s prompt and answer so far exactly and go on
+        from that KV (its token comes from the exact logits). Other requests decode between the
+        prefill's layers as during an admitted prefill. If the exact prefill fails, the answer goes
+        on from the near-tied approximate logits (logged and noted in its stats)."""
+        near_tie, run.near_tie = run.near_tie, None
+        guard, run.guard = run.guard, None  # once per answer
+        chunked = self.config.prefill_chunk_tokens > 0 and any(r.last is not None for r in self._running)
+        outer_work, self._prefill_work = self._prefill_work, 0.0
+        try:
+            exact = guard.switch(run.tokens, between_layers=self._between_layers if chunked else None)
+        except Exception as exc:
+            log.exception("the tie guard's exact prefill during decoding of request %d failed", run.request.id)
+            guard.failure = f"tie guard during decoding: exact prefill failed: {exc!r}"
+            run.stats = {**run.stats, "notes": [*run.stats.get("notes", []), guard.failure]}
+            self._running.append(run)
+            self._advance(run, near_tie)
+            return
+        finally:
+            self._prefill_work = outer_work
+        self._drop([run])  # the approximate KV's pool slot
+        run.kv = exact.kv
+        run.stats = {**run.stats, **guard.stats()}
+        self._running.append(run)
+        self._advance(run, exact.logits)
+        if exact.hand_off is not None:  # the exact path is stored once the token is out
+            self._hold_waiting()
+            try:
+                exact.hand_off()
+            except Exception:
+                log.exception("store hand-off of the tie guard's exact prefill failed")
+        if self.pool is not None and run.last is not None:
+            pooled = self.pool.admit(run.kv, run.position)
+            if pooled is not None:
+                run.kv = pooled
 
     def _trim_heap(self) -> None:
         """Idle for ``trim_heap_idle_s``: give the finished requests' freed buffers back to the OS."""
@@ -473,6 +526,10 @@ class EngineLoop:
         no token) fails this request alone."""
         params = run.request.params
         constraint = params.constraint
+        if not first and run.guard is not None and run.guard.due(logits, len(run.tokens)):
+            run.near_tie, run.last = logits, None  # leaves the batch; ``step`` runs its exact prefill next
+            self._switching.append(run)
+            return
         try:
             token = choose_token(logits, params, run.tokens, run.generator, self.engine.eos_ids)
         except Exception as exc:

@@ -126,6 +126,9 @@ class ServerMetrics:
         self.tie_checked = Counter("cachedrag_tie_guard_checks", "finished requests whose near-tied first token "
                                    "was checked by the tie guard's trend check (CacheConfig.tie_guard_trend), "
                                    "prefilled again or not", registry=r)
+        self.tie_switched = Counter("cachedrag_tie_guard_switches", "finished requests whose answer met a near tie "
+                                    "while decoding on approximate KV and went on from an exact prefill of the prompt "
+                                    "and the answer so far (CacheConfig.tie_guard_decode)", registry=r)
         self.disconnects = Counter("cachedrag_client_disconnects", "requests whose client went away", registry=r)
         self.queue = Gauge("cachedrag_queue_length", "requests waiting for prefill", registry=r)
         self.running = Gauge("cachedrag_running_requests", "requests decoding", registry=r)
@@ -163,6 +166,8 @@ class ServerMetrics:
             self.tie_guarded.inc()
         if done.stats.get("tie_guard_margin") is not None:
             self.tie_checked.inc()
+        if done.stats.get("tie_guard_switch") is not None:
+            self.tie_switched.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
