@@ -337,6 +337,10 @@ def run(args: argparse.Namespace) -> int:
             "rouge_l_vs_full": statistics.fmean(rouge_l(r.text, f.text) for r, f in zip(rs, full)),
             "first_token_match_vs_full": statistics.fmean(
                 float(r.token_ids[:1] == f.token_ids[:1]) for r, f in zip(rs, full)),
+            "answer_match_vs_full": statistics.fmean(float(r.token_ids == f.token_ids) for r, f in zip(rs, full)),
+            # the whole answer's time (prefill + decode, and any exact prefill during decoding)
+            "total_median_s": summary([r.total_s for r in rs])["median"],
+            "total_mean_s": summary([r.total_s for r in rs])["mean"],
             "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rs),
             "teacher_forced_top1": statistics.fmean(t[0] for t in teacher[m]) if teacher[m] else None,
             "teacher_forced_kl": statistics.fmean(t[1] for t in teacher[m]) if teacher[m] else None,
@@ -351,6 +355,9 @@ def run(args: argparse.Namespace) -> int:
             "promotion_s": sum(r.promotion_s for r in rs),  # after the responses: in no TTFT, but compute spent
             "tie_guarded": sum(r.tie_guard is not None for r in rs),  # prefilled again exactly (CacheConfig.tie_guard)
             "tie_guard_checked": sum(r.tie_guard_margin is not None for r in rs),  # trend checks run (tie_guard_trend)
+            # answers moved onto exact KV while decoding (CacheConfig.tie_guard_decode), and the seconds they paused
+            "tie_guard_switches": sum(r.tie_guard_switch is not None for r in rs),
+            "tie_guard_switch_s": sum(r.tie_guard_switch_s or 0.0 for r in rs),
             "ttft_sum_s": sum(ttft),
         }
         approx = [(r, f) for r, f in zip(rs, full) if r.prefix_hit_tokens + r.question_tokens < r.prompt_tokens
@@ -429,11 +436,15 @@ def plan_letters(actions: list[str] | None) -> str | None:
 
 
 def request_record(index: int, r, f) -> dict:
-    """One counted request of a row in the JSON: its TTFT, the plan that made the answer and, when
-    the tie guard prefilled it again, the approximate plan before (``plan_letters``)."""
-    return {"request": index, "ttft_s": r.ttft_s, "plan": plan_letters(r.segment_actions),
+    """One counted request of a row in the JSON: its TTFT and answer time, the plan that made the
+    answer and, when the tie guard prefilled it again, the approximate plan before (``plan_letters``),
+    the answer token where the tie guard during decoding moved it onto exact KV (``switch``), and
+    whether its first token and whole answer are full prefill's."""
+    return {"request": index, "ttft_s": r.ttft_s, "total_s": r.total_s, "plan": plan_letters(r.segment_actions),
             "guarded_plan": plan_letters(r.tie_guard_actions), "tie_guard": r.tie_guard,
-            "exact_repeat": r.exact_repeat, "first_token_match": r.token_ids[:1] == f.token_ids[:1]}
+            "switch": r.tie_guard_switch, "switch_s": r.tie_guard_switch_s, "agreed": r.tie_guard_agreed,
+            "exact_repeat": r.exact_repeat, "first_token_match": r.token_ids[:1] == f.token_ids[:1],
+            "answer_match": r.token_ids == f.token_ids}
 
 
 def cache_row_setting(spec: str) -> dict:
@@ -585,6 +596,12 @@ def _print_table(results: dict) -> None:
         div = row.get("answer_divergence")
         if div and div["parted"]:
             print(parting_line(m, div))
+    for m, row in results["modes"].items():
+        if row.get("tie_guard_switches"):
+            print(f"tie guard during decoding, {m}: {row['tie_guard_switches']} answers moved onto exact KV "
+                  f"({row['tie_guard_switch_s']:.2f} s of exact prefills); whole answers equal to full's "
+                  f"{row['answer_match_vs_full']:.3f}; answer time median {row['total_median_s']:.3f} s, "
+                  f"mean {row['total_mean_s']:.3f} s")
     for m, row in results["modes"].items():
         if row.get("exact_repeats"):
             print(f"exact repeats, {m}: {row['exact_repeats']}; {row['promotion_s']:.2f} s computing exact paths "

@@ -160,10 +160,12 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
 def test_bench_ttft_cache_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     """``--cache-rows``: rows with any scalar CacheConfig fields beside the default, named
     ``cachedrag:SPEC``. Each row really runs its settings: every reused token recomputed in float32
-    gives full prefill's answers, a guard above any logit gap prefills the approximate request again."""
+    gives full prefill's answers, a guard above any logit gap prefills the approximate request again,
+    and one during decoding moves the approximate answer onto exact KV before its second token."""
     modes = _repeated_question_rows(tiny_model_dir, tiny_corpus, tmp_path, 3, "--max-new-tokens", "3",
                                     "--modes", "full,cachedrag", "--cache-rows",
-                                    "recompute_ratio=1+recompute_dtype=float32+exact_repeats=0,tie_guard=1e9")
+                                    "recompute_ratio=1+recompute_dtype=float32+exact_repeats=0,tie_guard=1e9,"
+                                    "tie_guard_decode=1e9")
     plain, every = modes["cachedrag"], modes["cachedrag:recompute_ratio=1+recompute_dtype=float32+exact_repeats=0"]
     guarded = modes["cachedrag:tie_guard=1e9"]
     assert plain["approximations"].get("chunk_reuse", 0) >= 1 and plain["tie_guarded"] == 0
@@ -171,7 +173,18 @@ def test_bench_ttft_cache_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     assert "recompute_bfloat16" not in every["approximations"] and "recompute_bfloat16" in plain["approximations"]
     assert every["rouge_l_vs_full"] == 1.0 and every["teacher_forced_top1"] == 1.0
     assert guarded["tie_guarded"] == 1 and "chunk_reuse" not in guarded["approximations"]
-    capsys.readouterr()  # the run's own output
+    # the guard during decoding: the first (approximate) answer switches before its second token and
+    # stores the exact path, so the repeats are exact hits; after the switch the answer is full prefill's
+    # continuation of its first token, so it equals full's whole answer exactly when that token does
+    decoding = modes["cachedrag:tie_guard_decode=1e9"]
+    assert plain["tie_guard_switches"] == 0 and all(q["switch"] is None for q in plain["requests"])
+    assert decoding["tie_guard_switches"] == 1 and decoding["tie_guard_switch_s"] > 0
+    first = decoding["requests"][0]
+    assert first["switch"] == 1 and "R" in first["plan"] and first["answer_match"] == first["first_token_match"]
+    assert all(set(q["plan"]) == {"T"} and q["answer_match"] for q in decoding["requests"][1:])
+    assert decoding["total_median_s"] >= decoding["ttft_median_s"] > 0
+    out = capsys.readouterr().out  # the run's own output
+    assert "tie guard during decoding, cachedrag:tie_guard_decode=1e9: 1 answers moved onto exact KV" in out
     for bad in ("tie_guard", "no_such_field=1", "tie_guard=-1", "fresh_dtype=float16", "tie_guard=1+tie_guard=2",
                 "question_layers=4"):
         assert main(["bench", "ttft", "--cache-rows", bad]) == 2  # refused before any model loads

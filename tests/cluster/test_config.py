@@ -135,7 +135,7 @@ def test_every_serve_option_reaches_the_replicas_or_is_refused(monkeypatch):
             assert cluster_config(args, None) != default, f"{action.option_strings[0]} does not reach the replicas"
         checked.append(action.dest)
     assert {"max_delay_s", "prefill_chunk_tokens", "kv_pool_tokens", "exact_repeats", "tie_guard", "tie_guard_trend",
-            "tie_guard_floor", "threads", "graceful_s", "dtype", "disk_dir", "hold_waiting", "preempt_ratio"} <= set(checked)
+            "tie_guard_floor", "tie_guard_decode", "threads", "graceful_s", "dtype", "disk_dir", "hold_waiting", "preempt_ratio"} <= set(checked)
 
 
 def test_scheduler_settings_reach_the_replica_app():

@@ -87,6 +87,7 @@ def test_chat_non_stream_and_stream_agree_and_count_cached_tokens(live_server):
     assert served["exact_repeat"] is None and served["tie_guard"] is None
     assert served["segment_actions"][0] in ("tree", "fresh") and "reuse" not in served["segment_actions"]
     assert served["segment_actions"].count("fresh") >= 2 and served["tie_guard_actions"] is None
+    assert served["tie_guard_switch"] is None and served["tie_guard_agreed"] is None
     # chunks in another order: non-prefix reuse (random tiny weights attend everywhere, so the planner
     # recomputes most tokens; some still come from the chunk caches)
     again = client.chat.completions.create(model="tiny", messages=_messages(CHUNKS[::-1]), max_tokens=6,
@@ -612,7 +613,10 @@ def test_tie_guarded_requests_are_counted():
         metrics.on_finished(Finished("stop", 100, 4, 80, 0.1, 0.2, "ok", [1, 2, 3, 4],
                                      stats={"chunks_hit": 2, "approximations": [], "tie_guard": gap,
                                             "tie_guard_margin": margin}))
+    metrics.on_finished(Finished("stop", 100, 4, 80, 0.1, 0.2, "ok", [1, 2, 3, 4],
+                                 stats={"chunks_hit": 2, "approximations": ["chunk_reuse"], "tie_guard_switch": 2}))
     text = metrics.render().decode()
+    assert "cachedrag_tie_guard_switches_total 1.0" in text  # moved onto exact KV while decoding
     assert "cachedrag_tie_guarded_requests_total 1.0" in text
     assert "cachedrag_tie_guard_checks_total 2.0" in text  # checked: one prefilled again, one not
     assert "cachedrag_exact_hit_requests_total 3.0" in text  # guarded requests are exact too

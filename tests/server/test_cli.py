@@ -72,6 +72,7 @@ def test_bad_setting_exits_2_with_one_line():
     (["--port", "99999"], "port"),  # refused before the model loads
     (["--max-tokens", "0"], "default_max_tokens"),
     (["--tie-guard", "1", "--tie-guard-floor", "0.1"], "tie_guard_floor needs tie_guard_trend"),
+    (["--tie-guard-decode", "-1"], "tie_guard_decode"),
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):
     port = [] if "--port" in args else ["--port", "0"]
@@ -122,6 +123,8 @@ def test_build_engine_uses_the_requested_numerics():
     guard = build_engine(build_parser().parse_args(["serve", "--tiny", "--tie-guard", "1", "--tie-guard-trend", "0.6",
                                                     "--tie-guard-floor", "0.1"])).config.cache
     assert (guard.tie_guard, guard.tie_guard_trend, guard.tie_guard_floor) == (1.0, 0.6, 0.1)
+    decoding = build_engine(build_parser().parse_args(["serve", "--tiny", "--tie-guard-decode", "0.25"])).config.cache
+    assert decoding.tie_guard_decode == 0.25 and decoding.tie_guard == 0.0
 
 
 def test_startup_objects_leave_the_collectors_scans():
