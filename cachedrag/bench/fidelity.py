@@ -88,6 +88,11 @@ VARIANTS = {
     "trend": {"tie_guard": 1.0, "tie_guard_trend": 0.6},
     # with a floor under the predicted margin (CacheConfig.tie_guard_floor; docs/fidelity.md round 18)
     "trendfloor": {"tie_guard": 1.0, "tie_guard_trend": 0.6, "tie_guard_floor": 0.1},
+    # ``fidelity="guarded"``'s first-token guard plus the guard during decoding (CacheConfig.tie_guard_decode;
+    # docs/fidelity.md round 22): a near tie while decoding moves the answer onto an exact prefill (stored
+    # too: one such row per run)
+    "decode25": {"tie_guard": 0.25, "tie_guard_decode": 0.25},
+    "decode10": {"tie_guard": 0.25, "tie_guard_decode": 0.1},
 }
 
 
@@ -456,7 +461,8 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
         logits = r.teacher_logits  # [A, V]
         kl = (ref_logp.exp() * (ref_logp - logits.log_softmax(-1))).sum(-1)  # [A]
         agree = logits.argmax(-1) == ref_top  # [A]
-        return {"ttft_s": r.ttft_s, "computed_fraction": r.computed_fraction,
+        return {"ttft_s": r.ttft_s, "total_s": r.total_s, "switch": r.tie_guard_switch,
+                "computed_fraction": r.computed_fraction,
                 "tf_top1": float(agree.float().mean()), "tf_kl": float(kl.mean()),
                 "tf_top1_decisive": float(agree[decisive].float().mean()) if decisive.any() else None,
                 "tf_top1_tied": float(agree[~decisive].float().mean()) if (~decisive).any() else None,
@@ -465,7 +471,7 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
                 "approximations": r.approximations, "chunks_hit": r.chunks_hit}
 
     record["decisive_share"] = float(decisive.float().mean())
-    record["rows"]["full"] = {"ttft_s": ref.ttft_s, "computed_fraction": 1.0, "tf_top1": 1.0, "tf_kl": 0.0,
+    record["rows"]["full"] = {"ttft_s": ref.ttft_s, "total_s": ref.total_s, "switch": None, "computed_fraction": 1.0, "tf_top1": 1.0, "tf_kl": 0.0,
                               "tf_top1_decisive": 1.0 if decisive.any() else None,
                               "tf_top1_tied": 1.0 if (~decisive).any() else None,
                               "first_token": 1.0, "rouge_l": 1.0, "exact": 1.0,
@@ -500,6 +506,9 @@ def _aggregate(recs: list[dict], row: str) -> dict:
         out[m] = statistics.fmean(vals) if vals else None
     out["gold_n"] = sum(r["rows"][row]["gold"] is not None for r in recs)
     out["ttft_median_s"] = statistics.median(r["rows"][row]["ttft_s"] for r in recs)
+    totals = [r["rows"][row]["total_s"] for r in recs if "total_s" in r["rows"][row]]  # (older JSON lacks it)
+    out["total_median_s"] = statistics.median(totals) if totals else None
+    out["switches"] = sum(r["rows"][row].get("switch") is not None for r in recs)  # CacheConfig.tie_guard_decode
     out["n"] = len(recs)
     return out
 
@@ -581,6 +590,10 @@ def _print_table(results: dict) -> None:
           f"gold {fmt(n['order_noise_gold'])}")
     print(f"tf_decis: teacher-forced top-1 on positions where full prefill's top-1 leads its top-2 by >= "
           f"{DECISIVE_MARGIN} probability ({fmt(results.get('decisive_share'))} of positions); the rest are near ties")
+    for name, row in results["rows"].items():
+        if row.get("switches"):
+            print(f"tie guard during decoding, {name}: {row['switches']} of {row['n']} answers moved onto exact KV; "
+                  f"answer time median {fmt(row['total_median_s'])} s (full {fmt(results['rows']['full'].get('total_median_s'))} s)")
     _print_gold_paired(results)
     corpora = list(results["by_corpus"])
     if len(corpora) > 1:
