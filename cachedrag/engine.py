@@ -9,7 +9,9 @@ both fused), budget by need, order-aware exact reuse (serving a cached tree path
 tie guard (``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is
 prefilled again exactly; with ``tie_guard_trend`` only when a second reading with the
 recomputed rows put back to their cached values predicts a margin over some rival below
-``tie_guard_floor``, the decision in ``kvcache/tie.py``), teacher-forced scoring of a given answer, focused-chunk early
+``tie_guard_floor``, the decision in ``kvcache/tie.py``), the tie guard during decoding (``DecodeTieGuard``,
+``CacheConfig.tie_guard_decode``: an answer decoding on approximate KV that meets a near tie goes on from an exact
+prefill of the prompt and the answer so far), teacher-forced scoring of a given answer, focused-chunk early
 termination, the layer-wise budget (``CacheConfig.layer_taper``: fewer recompute rows in later layers; the counts come from
 ``planner.taper_counts``, the ranking from the token choice or the K/V deviation), measuring the inter/intra attention
 metadata of fresh chunks, and handing their raw K + V to the cache manager.
@@ -562,8 +564,9 @@ class CachedEngine:
             holder.result.teacher_logits = self._teacher_forced(pre, prompt_tokens, list(teacher))
             if guard is not None:
                 self._guard_teacher(holder.result.teacher_logits, pre.segments, list(teacher), guard)
-        if guard is not None and guard.token is not None:
-            pre.promote = None  # the switch stored this sequence's exact path already
+        if guard is not None and guard.token is not None and pre.promote is not None:
+            pre.promote = None  # the switch stored this sequence's exact path already: nothing to promote
+            holder.result.exact_repeat = None
         if pre.promote is not None:  # the answer is out: now compute the recurring sequence's exact path
             try:
                 holder.result.promotion_s = pre.promote()

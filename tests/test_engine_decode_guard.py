@@ -10,6 +10,8 @@ the approximate decode's own top-2 gaps (read teacher-forced on the same approxi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -97,7 +99,7 @@ def test_below_every_gap_the_approximate_answer_stands(runner, plant):
 
 def test_a_switch_after_the_first_token_continues_full_prefill_of_that_prefix(runner, plant):
     approximate, full, _, _ = plant
-    engine = _engine(runner, 1e9)  # every gap is below: the switch comes before token 1
+    engine = _engine(runner, math.inf)  # every gap is below: the switch comes before token 1
     r = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=TOKENS)
     assert r.tie_guard_switch == 1 and r.tie_guard_agreed == 1
     segs = engine.prompts.chat(SEQ, QUESTION, SYSTEM)
@@ -138,8 +140,9 @@ def test_no_guard_on_exact_prefills_or_other_modes(runner):
     full = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="full")
     prefix = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="prefix")
     assert full.tie_guard_switch is None and prefix.tie_guard_switch is None
-    with pytest.raises(ConfigError):
-        CacheConfig(tie_guard_decode=-0.1)
+    for bad in (-0.1, math.nan, "0.2"):
+        with pytest.raises(ConfigError):
+            CacheConfig(tie_guard_decode=bad)
 
 
 def test_a_failed_exact_prefill_keeps_the_approximate_answer(runner, plant, monkeypatch, caplog):

@@ -265,7 +265,7 @@ def test_order_aware_reuse_serves_the_cached_order_exactly(runner):
     assert on.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1, mode="full").chunk_order is None
 
 
-@pytest.mark.parametrize("level", ["exact", "guarded", "balanced", "fast"])
+@pytest.mark.parametrize("level", ["exact", "faithful", "guarded", "balanced", "fast"])
 def test_fidelity_levels_set_mode_policy_and_order(level):
     cfg = EngineConfig(fidelity=level, cache={"alpha": 2.0})
     preset = FIDELITY_PRESETS[level]
@@ -297,6 +297,14 @@ def test_guarded_is_balanced_with_the_gap_tie_guard(runner):
         assert r.tie_guard == pytest.approx(gap, abs=1e-5) and r.approximations == [] and r.token_ids == full.token_ids
     else:
         assert "chunk_reuse" in r.approximations
+
+
+def test_faithful_is_guarded_with_the_guard_during_decoding():
+    """'faithful': the guarded level, plus the tie guard during decoding at every token (round 22)."""
+    faithful, guarded = EngineConfig(fidelity="faithful"), EngineConfig(fidelity="guarded")
+    assert faithful.cache.tie_guard_decode == math.inf and guarded.cache.tie_guard_decode == 0.0
+    assert dataclasses.replace(faithful.cache, tie_guard_decode=0.0) == guarded.cache
+    assert faithful.mode == guarded.mode and faithful.order_aware == guarded.order_aware
 
 
 def test_default_settings_are_the_balanced_level():

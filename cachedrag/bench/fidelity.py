@@ -93,6 +93,7 @@ VARIANTS = {
     # too: one such row per run)
     "decode25": {"tie_guard": 0.25, "tie_guard_decode": 0.25},
     "decode10": {"tie_guard": 0.25, "tie_guard_decode": 0.1},
+    "decodeinf": {"tie_guard": 0.25, "tie_guard_decode": float("inf")},  # every answer switches before token 1
 }
 
 

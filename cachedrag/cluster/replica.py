@@ -65,7 +65,7 @@ class ReplicaSettings(BaseModel):
     tie_guard_floor: float | None = Field(None, ge=0, allow_inf_nan=False,
                                           description="CacheConfig.tie_guard_floor of each replica's engine (None "
                                                       "= the engine's default, 0)")
-    tie_guard_decode: float | None = Field(None, ge=0, allow_inf_nan=False,
+    tie_guard_decode: float | None = Field(None, ge=0, allow_inf_nan=True,  # inf: switch before every 2nd token
                                            description="CacheConfig.tie_guard_decode of each replica's engine (None "
                                                        "= the engine's default, off)")
     passages: PassageConfig = Field(default_factory=PassageConfig,

@@ -259,6 +259,8 @@ class CacheConfig:
         the same prefix. The answer pauses for that prefill (once per answer; its TTFT does not
         change); the result says at which token (``EngineResult.tie_guard_switch``) and whether
         the tokens before it were full prefill's greedy choices too (``tie_guard_agreed``).
+        ``math.inf``: every approximate answer switches before its second token, so the whole
+        answer is full prefill's whenever its first token is.
         Independent of ``tie_guard`` (which watches the first token). Applies to the
         ``cachedrag`` mode.
 
@@ -385,7 +387,8 @@ class CacheConfig:
         if self.tie_guard_floor > 0 and not self.tie_guard_floor < self.tie_guard:
             raise ConfigError(f"CacheConfig.tie_guard_floor ({self.tie_guard_floor}) must be below tie_guard "
                               f"({self.tie_guard}): only near ties below tie_guard are checked")
-        _check_number("tie_guard_decode", self.tie_guard_decode, 0.0, math.inf, hi_open=True)
+        if self.tie_guard_decode != math.inf:  # inf: every approximate answer switches before its second token
+            _check_number("tie_guard_decode", self.tie_guard_decode, 0.0, math.inf, hi_open=True)
         _check_int("max_chunks", self.max_chunks, 1)
         _check_int("max_variants_per_chunk", self.max_variants_per_chunk, 1)
         _check_number("cfo_floor", self.cfo_floor, 0.0, 1.0, lo_open=True)
