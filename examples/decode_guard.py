@@ -22,23 +22,18 @@ from __future__ import annotations
 
 import math
 
+from tie_guard import QUESTIONS, SYSTEM, excerpts  # the first-token guard's example: same chunks and questions
+
 from cachedrag.config import EngineConfig
-from cachedrag.corpus import stdlib_corpus
 from cachedrag.engine import CachedEngine
 from cachedrag.kvcache.config import CacheConfig
 from cachedrag.model.loader import load_model
 from cachedrag.model.runner import ModelRunner
 
-SYSTEM = "Answer the question using the Python documentation excerpts given by the user. Be brief."
-QUESTIONS = ["Which heapq function pushes an item and then pops the smallest?",
-             "How do I insert into a sorted list?", "What does functools.lru_cache do?",
-             "Which module keeps a list sorted?", "How do I cache the results of a function?"]
-
 
 def main() -> None:
     runner = ModelRunner(*load_model(None))  # one loaded model shared by every engine
-    docs = {d.id: d.text for d in stdlib_corpus(("heapq", "bisect", "functools"))}
-    chunks = [docs["stdlib/heapq"][:900], docs["stdlib/bisect"][:900], docs["stdlib/functools"][:900]]
+    chunks = excerpts()
     full = CachedEngine(runner, config=EngineConfig(mode="full"))
     for decode in (0.0, 0.25, math.inf):  # "guarded", a threshold, "faithful"
         print(f"tie_guard=0.25 tie_guard_decode={decode}")

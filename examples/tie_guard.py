@@ -38,10 +38,15 @@ QUESTIONS = ["Which heapq function pushes an item and then pops the smallest?",
              "Which module keeps a list sorted?", "How do I cache the results of a function?"]
 
 
+def excerpts() -> list[str]:
+    """The three retrieved chunks: the heapq, bisect and functools docs' openings (embedded corpus)."""
+    docs = {d.id: d.text for d in stdlib_corpus(("heapq", "bisect", "functools"))}
+    return [docs["stdlib/heapq"][:900], docs["stdlib/bisect"][:900], docs["stdlib/functools"][:900]]
+
+
 def main() -> None:
     runner = ModelRunner(*load_model(None))  # one loaded model shared by every engine
-    docs = {d.id: d.text for d in stdlib_corpus(("heapq", "bisect", "functools"))}
-    chunks = [docs["stdlib/heapq"][:900], docs["stdlib/bisect"][:900], docs["stdlib/functools"][:900]]
+    chunks = excerpts()
     full = CachedEngine(runner, config=EngineConfig(mode="full"))
     for guard, trend, floor in ((0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (1.0, 0.6, 0.0), (1.0, 0.6, 0.1)):
         # exact_repeats off: every question is served from reuse, so each one meets the guard
