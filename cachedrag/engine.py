@@ -285,11 +285,16 @@ class DecodeTieGuard:
         try:
             exact = self.switch(answer)
         except Exception as exc:
-            log.exception("the tie guard's exact prefill during decoding failed")
-            self.failure = f"tie guard during decoding: exact prefill failed: {exc!r}"
+            self.fail(exc)
             return None
         self._pending = exact.hand_off
         return exact.kv, exact.logits
+
+    def fail(self, exc: BaseException) -> None:
+        """The exact prefill failed: log it and record why; the answer goes on approximately and the
+        guard watches no more."""
+        log.exception("the tie guard's exact prefill during decoding failed")
+        self.failure = f"tie guard during decoding: exact prefill failed: {exc!r}"
 
     def close(self) -> None:
         """Run a pending store hand-off (a failure costs only the caching)."""

@@ -472,7 +472,8 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
                 "approximations": r.approximations, "chunks_hit": r.chunks_hit}
 
     record["decisive_share"] = float(decisive.float().mean())
-    record["rows"]["full"] = {"ttft_s": ref.ttft_s, "total_s": ref.total_s, "switch": None, "computed_fraction": 1.0, "tf_top1": 1.0, "tf_kl": 0.0,
+    record["rows"]["full"] = {"ttft_s": ref.ttft_s, "total_s": ref.total_s, "switch": None, "computed_fraction": 1.0,
+                              "tf_top1": 1.0, "tf_kl": 0.0,
                               "tf_top1_decisive": 1.0 if decisive.any() else None,
                               "tf_top1_tied": 1.0 if (~decisive).any() else None,
                               "first_token": 1.0, "rouge_l": 1.0, "exact": 1.0,

@@ -460,8 +460,7 @@ class EngineLoop:
         try:
             exact = guard.switch(run.tokens, between_layers=self._between_layers if chunked else None)
         except Exception as exc:
-            log.exception("the tie guard's exact prefill during decoding of request %d failed", run.request.id)
-            guard.failure = f"tie guard during decoding: exact prefill failed: {exc!r}"
+            guard.fail(exc)
             run.stats = {**run.stats, "notes": [*run.stats.get("notes", []), guard.failure]}
             self._running.append(run)
             self._advance(run, near_tie)
