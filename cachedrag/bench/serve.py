@@ -284,11 +284,28 @@ class ServerProcess:
         if self.proc.poll() is None and not self.frozen:
             self.proc.send_signal(signal.SIGSTOP)
             self.frozen = True
+            self._await_state(stopped=True)
 
     def thaw(self) -> None:
         if self.frozen:
             self.proc.send_signal(signal.SIGCONT)
             self.frozen = False
+            self._await_state(stopped=False)
+
+    def _await_state(self, stopped: bool, timeout: float = 10.0) -> None:
+        """Return once the kernel has delivered SIGSTOP / SIGCONT (signals are asynchronous: right after
+        ``send_signal`` the process may still be running, and its turn would overlap another server's).
+        Reads ``/proc/PID/stat``; where there is no ``/proc`` it returns at once."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with open(f"/proc/{self.proc.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return
+            if (state == "T") == stopped:
+                return
+            time.sleep(0.005)
 
     def stop(self) -> int:
         self.thaw()  # a stopped process would hold SIGTERM until continued
