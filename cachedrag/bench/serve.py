@@ -26,6 +26,10 @@ Configurations (the issue's a..e):
   c  ``--mode cachedrag``, batched, FIFO, explicit ``cachedrag.chunks``
   d  ``--mode cachedrag``, batched, cache-aware order, explicit chunks
   e  as (d), but the client sends no extension field (automatic passage detection)
+  f  as (d), at a fidelity level (``--fidelity``, default ``faithful``: the tie guards on the first and
+     every later token); not in the default set. Its answers are compared with (b)'s like every
+     configuration's, so a run of b,d,f shows what the level buys under load and what it costs
+     (``f_vs_d_*`` ratios; per level the share of requests the guards prefilled again or switched)
 
 Every configuration runs the same numerics (``--dtype`` / ``--weights`` / ``--threads``, passed
 to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not number formats;
@@ -71,6 +75,7 @@ from cachedrag.bench import write_json
 from cachedrag.bench.metrics import percentile, rouge_l
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
+from cachedrag.server.config import FIDELITY_LEVELS
 
 CONFIGS = {
     "a": ("full, no batching", ["--mode", "full", "--max-batch", "1", "--order", "fifo"], True),
@@ -78,6 +83,8 @@ CONFIGS = {
     "c": ("cachedrag, batched, FIFO", ["--mode", "cachedrag", "--order", "fifo"], True),
     "d": ("cachedrag, batched, cache-aware", ["--mode", "cachedrag", "--order", "cache_aware"], True),
     "e": ("cachedrag, cache-aware, automatic chunks", ["--mode", "cachedrag", "--order", "cache_aware"], False),
+    # not in the default set: (d) at a fidelity level (--fidelity, default faithful), its answers and speed beside d's
+    "f": ("cachedrag, cache-aware, a fidelity level", ["--order", "cache_aware"], True),
 }
 WARM_C1_CONFIGS = ("d", "e")  # the pair whose concurrency-1 comparison depends on what the server has seen
 QUEUE_CONFIGS = ("c", "d")  # FIFO vs cache-aware order, side by side on a level where requests queue for slots
@@ -112,6 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "figures pooled over them (with --interleave the configuration order reverses from "
                              "round to round: ABBA)")
     parser.add_argument("--max-batch", type=int, default=8, help="batch size of the batched configurations")
+    parser.add_argument("--fidelity", default="faithful", choices=FIDELITY_LEVELS,
+                        help="`cachedrag serve --fidelity` of config f (default faithful)")
     parser.add_argument("--queue-level", type=int, default=16,
                         help="the ordering comparison: configs c (FIFO) and d (cache-aware) also replay this "
                              "concurrency, above --max-batch, so requests queue for slots and the admission order "
@@ -202,6 +211,14 @@ def scheduler_args(args: argparse.Namespace) -> list[str]:
     out += [] if args.tokenization is None else ["--tokenization", args.tokenization]
     out += [] if args.preempt_ratio is None else ["--preempt-ratio", str(args.preempt_ratio)]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
+
+
+def config_args(name: str, args: argparse.Namespace) -> list[str]:
+    """The ``cachedrag serve`` flags that make configuration ``name``: its mode and order, the batch size
+    (``--max-batch`` unless the configuration fixes its own) and, for (f), ``--fidelity``."""
+    flags = CONFIGS[name][1]
+    batch = [] if "--max-batch" in flags else ["--max-batch", str(args.max_batch)]
+    return flags + batch + (["--fidelity", args.fidelity] if name == "f" else [])
 
 
 def cache_args(args: argparse.Namespace) -> list[str]:
@@ -470,6 +487,7 @@ def _level_stats(replays: list[Replay], level: int = 1) -> dict:
     prefill_s, prefill_rows = grew("cachedrag_prefill_seconds_sum"), grew("cachedrag_prefill_rows_total")
     ok = [r for r in results if r["status"] == 200 and r["usage"]]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    latency = [r["total_s"] for r in ok]  # whole answers: what a guard that prefills again mid-answer costs
     tpot = [(r["total_s"] - r["ttft_s"]) / (r["usage"]["completion_tokens"] - 1) for r in ok
             if r["ttft_s"] is not None and r["usage"]["completion_tokens"] > 1]
     out_tokens = sum(r["usage"]["completion_tokens"] for r in ok)
@@ -481,6 +499,8 @@ def _level_stats(replays: list[Replay], level: int = 1) -> dict:
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
         "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
         "tpot_p50_s": percentile(tpot, 50) if tpot else None,
+        "latency_p50_s": percentile(latency, 50) if latency else None,
+        "latency_mean_s": sum(latency) / len(latency) if latency else None,
         "chunk_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         # the server's own view: time of the decode forward each output token came from, batch size of a step
         "decode_step_s_mean": (grew("cachedrag_time_per_output_token_seconds_sum")
@@ -502,6 +522,10 @@ def _level_stats(replays: list[Replay], level: int = 1) -> dict:
         "exact_hit_share": grew("cachedrag_exact_hit_requests_total") / len(ok) if ok else 0.0,
         "promotions": grew("cachedrag_exact_promotions_total"),
         "promotions_yielded": grew("cachedrag_exact_promotions_yielded_total"),
+        # the tie guards (a fidelity level's): requests prefilled again exactly for a near-tied first token, and
+        # answers moved onto an exact prefill at a later near-tied token
+        "tie_guarded_share": grew("cachedrag_tie_guarded_requests_total") / len(ok) if ok else 0.0,
+        "tie_switched_share": grew("cachedrag_tie_guard_switches_total") / len(ok) if ok else 0.0,
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
         # every request's TTFT in the order the level sent them (the shape behind p50 / p95)
         "ttft_s_by_request": [None if r["ttft_s"] is None else round(r["ttft_s"], 3) for r in results],
@@ -579,18 +603,18 @@ def run(args: argparse.Namespace) -> int:
         "queue_requests": args.queue_requests, "interleave": args.interleave, "rounds": n_rounds,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},
+        "fidelity_f": args.fidelity if "f" in configs else None,
     }, "configs": {}, "answers": {}}
     texts: dict[str, dict[str, list[str]]] = {}
     disks: dict[str, str | None] = {}
 
     def start(name: str) -> ServerProcess:
         """``name``'s server, started and warmed with the warm-up requests."""
-        label, flags, explicit = CONFIGS[name]
-        batch = [] if "--max-batch" in flags else ["--max-batch", str(args.max_batch)]
+        label, _, explicit = CONFIGS[name]
         print(f"[{name}] {label}: starting server", file=sys.stderr)
         disk = disks[name] = _server_disk_dir(args, name)
         try:
-            server = ServerProcess(model_args + flags + batch + disk_args(args, disk))
+            server = ServerProcess(model_args + config_args(name, args) + disk_args(args, disk))
         except BaseException:
             if disk is not None:
                 shutil.rmtree(disk, ignore_errors=True)
@@ -790,6 +814,13 @@ def _ratios(results: dict) -> None:
                 out[f"d_p95_le_c_p95_c{lv}"] = c["d"][lv]["ttft_p95_s"] <= c["c"][lv]["ttft_p95_s"]
                 out.update({f"d_minus_c_{k}_c{lv}": v for k, v in _paired_ttft(
                     c["c"][lv]["ttft_s_by_request"], c["d"][lv]["ttft_s_by_request"]).items()})
+    if "d" in c and "f" in c:  # a fidelity level's price under load, request for request the same stream
+        for lv in c["f"]:
+            if lv in c["d"]:
+                for key in ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_mean_s", "latency_p50_s",
+                            "latency_mean_s"):
+                    if c["d"][lv].get(key) and c["f"][lv].get(key) is not None:
+                        out[f"f_vs_d_{key}_c{lv}"] = c["f"][lv][key] / c["d"][lv][key]
     if all(k in c for k in "ade"):
         for lv in c["e"]:
             base = c["a"].get("1" if lv == "1w" else lv)  # full mode has no warm state: c1 is its c1w
@@ -820,11 +851,12 @@ def _paired_ttft(base: list, other: list) -> dict:
 
 def _print(results: dict) -> None:
     cols = [("requests_per_s", "req/s"), ("output_tokens_per_s", "tok/s"), ("ttft_p50_s", "ttft50"),
-            ("ttft_p95_s", "ttft95"), ("ttft_mean_s", "ttftavg"), ("tpot_p50_s", "tpot50"), ("chunk_hit_rate", "hit"),
+            ("ttft_p95_s", "ttft95"), ("ttft_mean_s", "ttftavg"), ("tpot_p50_s", "tpot50"), ("latency_p50_s", "lat50"),
+            ("chunk_hit_rate", "hit"),
             ("cached_tokens_share", "cached"), ("completion_tokens_mean", "tok/req"), ("decode_batch_mean", "batch"),
             ("decode_step_s_mean", "step"), ("prefill_share", "prefill"), ("prefill_rows_mean", "rows/req"),
             ("contested_share", "contest"), ("reordered_share", "reorder"), ("preempted_share", "preempt"),
-            ("busy_output_tokens_per_s", "busy t/s")]
+            ("busy_output_tokens_per_s", "busy t/s"), ("tie_switched_share", "switch")]
     cfg = results["config"]
     numerics = cfg["dtype"] + ("" if cfg["weights"] == "dense" else f"+{cfg['weights']}")
     rounds = cfg.get("rounds", 1)

@@ -53,6 +53,7 @@ def cluster_config(args: argparse.Namespace, redis_url: str | None):
     try:
         replica = ReplicaSettings(
             model=args.model, tiny=args.tiny, served_model_name=args.served_model_name, mode=args.mode,
+            fidelity=args.fidelity,
             cache_gb=args.cache_gb, redis_url=redis_url, redis_gb=args.redis_gb, threads=args.threads,
             scheduler=scheduler_config(args), passages=passage_config(args), exact_repeats=args.exact_repeats,
             exact_repeats_when=args.exact_repeats_when or SERVER_EXACT_REPEATS_WHEN, tie_guard=args.tie_guard,

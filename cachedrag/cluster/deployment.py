@@ -163,7 +163,7 @@ class EngineReplica:
         self.settings = settings
         self.engine = build_replica_engine(settings)
         self.sync = SharedCacheSync(self.engine.manager, settings.refresh_s)
-        config = ServerConfig(model_name=settings.model_name, mode=settings.mode,
+        config = ServerConfig(model_name=settings.model_name, mode=settings.reuse_mode,
                               scheduler=settings.scheduler,
                               passages=settings.passages,
                               default_max_tokens=settings.max_tokens, api_key=settings.api_key)

@@ -23,11 +23,17 @@ import threading
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
-from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN, PassageConfig, SchedulerConfig
+from cachedrag.server.config import (
+    FIDELITY_LEVELS,
+    SERVER_EXACT_REPEATS_WHEN,
+    PassageConfig,
+    SchedulerConfig,
+    server_mode,
+)
 
 log = logging.getLogger("cachedrag.cluster")
 
@@ -42,7 +48,11 @@ class ReplicaSettings(BaseModel):
     model: str | None = Field(None, description="HF model id or path; None = the embedded SmolLM2-135M-Instruct")
     tiny: bool = Field(False, description="a tiny random-weight model (tests, smoke checks)")
     served_model_name: str | None = Field(None, description="the id clients send as `model`")
-    mode: Literal["cachedrag", "prefix", "full"] = Field("cachedrag", description="chunk reuse mode")
+    mode: Literal["cachedrag", "prefix", "full"] | None = Field(
+        None, description="chunk reuse mode (None: cachedrag, or the fidelity level's)")
+    fidelity: Literal[FIDELITY_LEVELS] | None = Field(  # type: ignore[valid-type]
+        None, description="a fidelity level (cachedrag.config.FIDELITY_PRESETS) of each replica's engine: its mode "
+                          "and recompute policy; the tie_guard* fields given beside it win over its values")
     cache_gb: float = Field(2.0, gt=0, description="this replica's in-memory chunk-cache budget (GB)")
     redis_url: str | None = Field(None, description="shared Redis tier (redis://host:port/db); None = no sharing")
     redis_gb: float = Field(4.0, gt=0, description="the Redis tier's budget (GB), shared by all replicas")
@@ -78,6 +88,19 @@ class ReplicaSettings(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads per replica (None = torch's default)")
     engine_overrides: dict = Field(default_factory=dict, description="extra EngineConfig fields (advanced)")
 
+    @model_validator(mode="after")
+    def _mode_fits_fidelity(self):
+        try:
+            server_mode(self.fidelity, self.mode)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def reuse_mode(self) -> str:
+        """The chunk reuse mode every replica runs (``mode``, or the fidelity level's)."""
+        return server_mode(self.fidelity, self.mode)
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or ("tiny-random" if self.tiny else (self.model or "SmolLM2-135M-Instruct"))
@@ -88,11 +111,10 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
     reuse a loaded model (benchmarks running several engines in one process)."""
     import torch
 
-    from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
     from cachedrag.model.runner import ModelRunner
-    from cachedrag.server.config import server_cache_config
+    from cachedrag.server.config import server_cache_config, server_engine_config
     from cachedrag.store.config import StoreConfig
     from cachedrag.store.tiered import TieredStore
 
@@ -108,13 +130,13 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
         from cachedrag.model.loader import load_model
 
         runner = ModelRunner(*load_model(settings.model))
-    try:
-        cache = server_cache_config(settings.exact_repeats, settings.exact_repeats_when, settings.tie_guard,
-                                    settings.tie_guard_trend, settings.tie_guard_floor, settings.tie_guard_decode)
-        overrides = {"cache": cache, **settings.engine_overrides}
-        config = EngineConfig(mode=settings.mode, cache_bytes=int(settings.cache_gb * GB), **overrides)
-    except ValueError as exc:
-        raise ConfigError(f"bad engine setting: {exc}") from None
+    guards = {"tie_guard": settings.tie_guard, "tie_guard_trend": settings.tie_guard_trend,
+              "tie_guard_floor": settings.tie_guard_floor, "tie_guard_decode": settings.tie_guard_decode}
+    overrides = dict(settings.engine_overrides)
+    cache = overrides.pop("cache", None) or server_cache_config(settings.exact_repeats, settings.exact_repeats_when,
+                                                                **guards)
+    config = server_engine_config(settings.fidelity, settings.mode, int(settings.cache_gb * GB), cache,
+                                  explicit=guards, **overrides)
     if settings.redis_url is None:
         return CachedEngine(runner, config=config)
     ns = namespace_for(runner.model, runner.tokenizer).digest

@@ -20,7 +20,7 @@ import sys
 
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
-from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN
+from cachedrag.server.config import FIDELITY_LEVELS, SERVER_EXACT_REPEATS_WHEN
 from cachedrag.server.policy import MAX_DELAY_S, PREEMPT_RATIO
 
 log = logging.getLogger("cachedrag.server")
@@ -32,7 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: the model's name)")
     parser.add_argument("--tiny", action="store_true", help="serve a tiny random-weight model (tests, smoke checks)")
-    parser.add_argument("--mode", default="cachedrag", choices=("cachedrag", "prefix", "full"), help="chunk reuse mode")
+    parser.add_argument("--mode", default=None, choices=("cachedrag", "prefix", "full"),
+                        help="chunk reuse mode (default cachedrag, or the --fidelity level's)")
+    parser.add_argument("--fidelity", default=None, choices=FIDELITY_LEVELS,
+                        help="a fidelity level (docs/fidelity.md): exact (prefix reuse only), faithful (every "
+                             "answer full prefill's, TTFT of guarded; answers take longer), guarded, balanced (the "
+                             "engine's defaults), fast; sets the mode and recompute policy; --tie-guard* flags given "
+                             "beside it win over its values")
     parser.add_argument("--device", default="auto",
                         help="auto (default: CUDA where present), cpu, cuda or cuda:N; --tiny runs on the CPU")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
@@ -177,14 +183,15 @@ def run(args: argparse.Namespace) -> int:
             self._captured_signals.clear()
 
     from cachedrag.server.app import create_app
-    from cachedrag.server.config import ServerConfig
+    from cachedrag.server.config import ServerConfig, server_mode
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
         scheduler, passages = scheduler_config(args), passage_config(args)
         name = args.served_model_name or ("tiny-random" if args.tiny else (args.model or "SmolLM2-135M-Instruct"))
-        config = ServerConfig(host=args.host, port=args.port, model_name=name, mode=args.mode, scheduler=scheduler,
+        mode = server_mode(args.fidelity, args.mode)
+        config = ServerConfig(host=args.host, port=args.port, model_name=name, mode=mode, scheduler=scheduler,
                               passages=passages, default_max_tokens=args.max_tokens, api_key=args.api_key)
     except ValueError as exc:  # before the model loads
         raise ConfigError(f"bad server setting: {_first_error(exc)}") from None
@@ -202,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                                            access_log=args.log_level == "debug"))
     freeze_startup_objects()
     # printed whatever the log level: scripts (bench serve, tests) read the address from this line
-    print(f"cachedrag serve: listening on http://{host}:{port} (model {name}, mode {args.mode}, "
+    print(f"cachedrag serve: listening on http://{host}:{port} (model {name}, mode {mode}"
+          f"{f', fidelity {args.fidelity}' if args.fidelity else ''}, "
           f"max batch {args.max_batch}, order {args.order}{', API key required' if args.api_key else ''})",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
@@ -222,13 +230,18 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
+def tie_guard_flags(args: argparse.Namespace) -> dict:
+    """The tie-guard settings given by flag (None: not given), which win over a fidelity level's."""
+    return {"tie_guard": args.tie_guard, "tie_guard_trend": args.tie_guard_trend,
+            "tie_guard_floor": args.tie_guard_floor, "tie_guard_decode": args.tie_guard_decode}
+
+
 def build_engine(args: argparse.Namespace):
     """The ``CachedEngine`` the server runs: model, then its chunk-cache store."""
-    from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
     from cachedrag.model.runner import ModelRunner, resolve_device
-    from cachedrag.server.config import server_cache_config
+    from cachedrag.server.config import server_cache_config, server_engine_config
 
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"bad server setting: --threads must be >= 1, got {args.threads}")
@@ -241,10 +254,10 @@ def build_engine(args: argparse.Namespace):
     else:
         runner = ModelRunner.from_pretrained(args.model, device=args.device, **numerics)  # warmed up here
     gb = 1 << 30
-    config = EngineConfig(mode=args.mode, cache_bytes=int(args.cache_gb * gb),
-                          cache=server_cache_config(args.exact_repeats, args.exact_repeats_when, args.tie_guard,
-                                                    args.tie_guard_trend, args.tie_guard_floor,
-                                                    args.tie_guard_decode))
+    flags = tie_guard_flags(args)
+    config = server_engine_config(args.fidelity, args.mode, int(args.cache_gb * gb),
+                                  server_cache_config(args.exact_repeats, args.exact_repeats_when, **flags),
+                                  explicit=flags)
     store = None
     if args.disk_dir or args.redis_url:
         from cachedrag.store.config import StoreConfig

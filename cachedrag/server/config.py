@@ -1,8 +1,10 @@
 """Settings of ``cachedrag serve``, validated once.
 
 Owns: ``SchedulerConfig`` (batching and admission order), ``PassageConfig`` (automatic chunk
-detection) and ``ServerConfig`` (address, model name, mode, both of the above). Does not own
-engine settings (``cachedrag.config.EngineConfig``) or policy thresholds of the chunk cache.
+detection) and ``ServerConfig`` (address, model name, mode, both of the above), and how a server's
+flags become its engine's settings (``server_mode``, ``server_cache_config``, ``server_engine_config``: a
+fidelity level's preset, then the flags given beside it). Does not own the engine settings themselves
+(``cachedrag.config.EngineConfig``, ``FIDELITY_PRESETS``) or policy thresholds of the chunk cache.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from cachedrag.errors import ConfigError
 from cachedrag.server.policy import MAX_DELAY_S, PREEMPT_RATIO
 
 
@@ -100,6 +103,46 @@ def server_cache_config(exact_repeats: int | None = None, exact_repeats_when: st
              "tie_guard_floor": tie_guard_floor, "tie_guard_decode": tie_guard_decode}
     return CacheConfig(exact_repeats_when=exact_repeats_when or SERVER_EXACT_REPEATS_WHEN,
                        **{k: v for k, v in given.items() if v is not None})
+
+
+#: ``cachedrag.config.FIDELITY_PRESETS``' levels, named here because importing that module loads torch
+#: (argument parsing stays light; tests/server/test_cli.py keeps the two equal)
+FIDELITY_LEVELS = ("exact", "faithful", "guarded", "balanced", "fast")
+
+
+def server_mode(fidelity: str | None, mode: str | None) -> str:
+    """The reuse mode a server (or each replica) runs: the fidelity level's (``FIDELITY_PRESETS``) when one
+    is given, else ``mode`` (default ``"cachedrag"``). A ``mode`` that contradicts the level is refused."""
+    if fidelity is None:
+        return mode or "cachedrag"
+    from cachedrag.config import FIDELITY_PRESETS
+
+    if fidelity not in FIDELITY_PRESETS:
+        raise ConfigError(f"bad fidelity {fidelity!r}: choose from {', '.join(FIDELITY_PRESETS)}")
+    preset = FIDELITY_PRESETS[fidelity]["mode"]
+    if mode is not None and mode != preset:
+        raise ConfigError(f"--fidelity {fidelity} runs mode {preset}; drop --mode {mode} or the fidelity level")
+    return preset
+
+
+def server_engine_config(fidelity: str | None, mode: str | None, cache_bytes: int, cache,
+                         explicit: dict | None = None, **overrides):
+    """The ``EngineConfig`` of a server's engine (one process or each replica): ``cache`` (from
+    ``server_cache_config``) under the fidelity level's preset, then ``explicit`` (CacheConfig fields the user
+    set by flag, e.g. ``--tie-guard-decode``), which win over the preset's. ``ConfigError`` if bad."""
+    import dataclasses
+
+    from cachedrag.config import EngineConfig
+
+    try:
+        config = EngineConfig(fidelity=fidelity, mode=server_mode(fidelity, mode), cache_bytes=cache_bytes,
+                              cache=cache, **overrides)
+        given = {k: v for k, v in (explicit or {}).items() if v is not None}
+        if given and fidelity is not None:
+            config = config.model_copy(update={"cache": dataclasses.replace(config.cache, **given)})
+    except ValueError as exc:
+        raise ConfigError(f"bad engine setting: {exc}") from None
+    return config
 
 
 class ServerConfig(BaseModel):

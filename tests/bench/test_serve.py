@@ -42,6 +42,28 @@ def test_every_server_gets_the_requested_admission_bounds(argv, flags):
     assert serve.scheduler_args(_args(*argv)) == flags
 
 
+@pytest.mark.parametrize("name, argv, flags", [
+    ("a", (), ["--mode", "full", "--max-batch", "1", "--order", "fifo"]),
+    ("d", ("--max-batch", "4"), ["--mode", "cachedrag", "--order", "cache_aware", "--max-batch", "4"]),
+    ("f", (), ["--order", "cache_aware", "--max-batch", "8", "--fidelity", "faithful"]),  # the level sets the mode
+    ("f", ("--fidelity", "guarded"), ["--order", "cache_aware", "--max-batch", "8", "--fidelity", "guarded"]),
+])
+def test_each_configuration_is_its_flags(name, argv, flags):
+    assert serve.config_args(name, _args(*argv)) == flags
+
+
+def test_a_fidelity_level_is_compared_with_d_request_for_request():
+    """Config f (d at a fidelity level) gets f_vs_d ratios per level it shares with d: throughput, TTFT and
+    whole-answer latency."""
+    row = {"requests_per_s": 2.0, "output_tokens_per_s": 100.0, "ttft_p50_s": 0.5, "ttft_mean_s": 0.6,
+           "latency_p50_s": 2.0, "latency_mean_s": 2.5}
+    results = {"configs": {"d": {"4": row}, "f": {"4": {**row, "requests_per_s": 1.5, "latency_p50_s": 3.0}}}}
+    serve._ratios(results)
+    r = results["ratios"]
+    assert r["f_vs_d_requests_per_s_c4"] == pytest.approx(0.75) and r["f_vs_d_latency_p50_s_c4"] == pytest.approx(1.5)
+    assert r["f_vs_d_ttft_p50_s_c4"] == pytest.approx(1.0) and "f_vs_d_output_tokens_per_s_c4" in r
+
+
 @pytest.mark.parametrize("argv, flags", [((), []), (("--cache-gb", "0.25"), ["--cache-gb", "0.25"])])
 def test_every_server_gets_the_requested_cache_budget(argv, flags):
     assert serve.cache_args(_args(*argv)) == flags
@@ -104,6 +126,21 @@ def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
         assert 0 < row["prefill_s_sum"] <= row["wall_s"] and 0 < row["prefill_share"] <= 1.0
         assert row["prefill_rows_mean"] >= 1 and row["prefill_rows_per_s"] > 0
     assert "c_vs_d_ttft_mean_c3q" in data["ratios"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_runs_a_fidelity_level_beside_full_prefill(tmp_path):
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--tiny", "--configs", "b,f", "--fidelity", "guarded", "--levels", "2",
+               "--requests", "3", "--warmup", "1", "--max-tokens", "4", "--no-soak", "--no-warm-c1", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["fidelity_f"] == "guarded" and set(data["answers"]) == {"f"}
+    row = data["configs"]["f"]["2"]
+    # guarded checks the first token only: no answer moves onto exact KV mid-way
+    assert row["completed"] == 3 and row["tie_switched_share"] == 0.0 and 0.0 <= row["tie_guarded_share"] <= 1.0
+    assert row["latency_p50_s"] >= row["ttft_p50_s"] > 0
+    assert 0.0 <= data["answers"]["f"]["exact_match_vs_b"] <= 1.0
 
 
 @pytest.mark.timeout(300)

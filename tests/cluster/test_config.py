@@ -57,6 +57,20 @@ def test_cli_arguments():
     assert keyed.replica.api_key.get_secret_value() == "zq-7" and "zq-7" not in repr(keyed)  # never printed
     with pytest.raises(ConfigError, match="cache_gb"):
         cluster_config(_args("--replicas", "2", "--backend", "ray", "--cache-gb", "-1"), None)
+    exact = cluster_config(_args("--replicas", "2", "--backend", "ray", "--fidelity", "exact"), None).replica
+    assert exact.fidelity == "exact" and exact.reuse_mode == "prefix"
+    assert cluster_config(_args("--replicas", "2", "--backend", "ray"), None).replica.reuse_mode == "cachedrag"
+    with pytest.raises(ConfigError, match="runs mode prefix"):
+        cluster_config(_args("--replicas", "2", "--backend", "ray", "--fidelity", "exact", "--mode", "full"), None)
+
+
+def test_a_replicas_engine_runs_its_fidelity_level_and_the_flags_beside_it():
+    from cachedrag.cluster.replica import ReplicaSettings, build_replica_engine
+
+    config = build_replica_engine(ReplicaSettings(tiny=True, fidelity="faithful", tie_guard_decode=0.5)).config
+    assert config.fidelity == "faithful" and config.mode == "cachedrag" and config.cache.tie_guard == 0.25
+    assert config.cache.tie_guard_decode == 0.5  # the field given beside the level wins
+    assert build_replica_engine(ReplicaSettings(tiny=True, fidelity="exact")).config.mode == "prefix"
 
 
 def test_router_settings_reach_the_affinity_policy():

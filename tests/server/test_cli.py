@@ -127,6 +127,36 @@ def test_build_engine_uses_the_requested_numerics():
     assert decoding.tie_guard_decode == 0.25 and decoding.tie_guard == 0.0
 
 
+def test_a_fidelity_level_sets_the_servers_mode_and_policy(capsys):
+    """``--fidelity`` gives the server a level of FIDELITY_PRESETS (its mode and recompute policy); tie-guard
+    flags given beside it win over its values; a --mode that contradicts it is one line, exit 2."""
+    import math
+
+    from cachedrag.cli import build_parser, main
+    from cachedrag.config import FIDELITY_PRESETS
+    from cachedrag.server.cli import build_engine
+    from cachedrag.server.config import FIDELITY_LEVELS
+
+    assert set(FIDELITY_LEVELS) == set(FIDELITY_PRESETS)
+    faithful = build_engine(build_parser().parse_args(["serve", "--tiny", "--fidelity", "faithful"])).config
+    assert faithful.fidelity == "faithful" and faithful.mode == "cachedrag"
+    assert faithful.cache.tie_guard == 0.25 and math.isinf(faithful.cache.tie_guard_decode)
+    assert faithful.cache.recompute_ratio == FIDELITY_PRESETS["faithful"]["cache"]["recompute_ratio"]
+    assert faithful.cache.exact_repeats_when == "after_response_else_inline"  # the server's own setting stays
+    softer = build_engine(build_parser().parse_args(["serve", "--tiny", "--fidelity", "faithful",
+                                                     "--tie-guard-decode", "0.25"])).config.cache
+    assert softer.tie_guard_decode == 0.25 and softer.tie_guard == 0.25
+    exact = build_engine(build_parser().parse_args(["serve", "--tiny", "--fidelity", "exact"])).config
+    assert exact.mode == "prefix" and exact.order_aware is False
+    fast = build_engine(build_parser().parse_args(["serve", "--tiny", "--fidelity", "fast"])).config
+    assert fast.order_aware is True and fast.cache.recompute_ratio == 0.1
+    plain = build_engine(build_parser().parse_args(["serve", "--tiny"])).config
+    assert plain.fidelity is None and plain.mode == "cachedrag" and plain.cache.tie_guard_decode == 0
+    assert main(["serve", "--tiny", "--fidelity", "exact", "--mode", "cachedrag"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--fidelity exact runs mode prefix" in err and len(err.splitlines()) == 1
+
+
 def test_startup_objects_leave_the_collectors_scans():
     """``cachedrag serve`` freezes what startup built: a later full collection no longer walks it."""
     import gc
