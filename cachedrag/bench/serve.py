@@ -386,6 +386,8 @@ async def _one(client, url: str, body: dict, disconnect_after: int | None = None
                 break
             if event.get("usage"):
                 out["usage"] = event["usage"]
+            if event.get("cachedrag"):  # how the server served the prompt (approximations, tie guards)
+                out["served"] = event["cachedrag"]
             for choice in event.get("choices", ()):
                 piece = choice.get("delta", {}).get("content")
                 if piece:
@@ -642,7 +644,7 @@ def run(args: argparse.Namespace) -> int:
     def record(name: str, level: str, conc: int, replays: list[Replay]) -> None:
         row = _level_stats(replays, conc)
         results["configs"][name][level] = row
-        texts[name][level] = [r["text"] for rep in replays for r in rep.results]
+        texts[name][level] = [(r["text"], r.get("served")) for rep in replays for r in rep.results]
         print(f"[{name}] concurrency {level}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
               f"{row['ttft_p50_s']:.2f} s, {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
 
@@ -709,14 +711,38 @@ def run(args: argparse.Namespace) -> int:
         for name in texts:
             if name == "b":
                 continue
-            pairs = [(x, y) for lv in map(str, levels) for x, y in zip(texts[name][lv], texts["b"][lv])]  # same requests
-            results["answers"][name] = {"rouge_l_vs_b": sum(rouge_l(x, y) for x, y in pairs) / len(pairs),
-                                        "exact_match_vs_b": sum(x == y for x, y in pairs) / len(pairs)}
+            results["answers"][name] = _answers_vs_b(texts[name], texts["b"], levels)
     _ratios(results)
     _print(results)
     if args.json_out:
         write_json(results, args.json_out)
     return 0
+
+
+def _answers_vs_b(answers: dict[str, list], full: dict[str, list], levels: list[int]) -> dict:
+    """One configuration's answers against (b)'s (full prefill) on the same requests: ROUGE-L and exact
+    match over all, exact match by how each prompt was served (``exact``: no approximation; ``approximate``;
+    ``switched``: the tie guard during decoding moved the answer onto exact KV), and every answer that
+    differs with how it was served, so a mismatch can be told apart: an approximation that changed the
+    answer, or numerics (an exact prefix, a chunked prefill or another batch rounding apart in bfloat16)."""
+    rows = [(lv, i, x, served or {}, y) for lv in map(str, levels)
+            for i, ((x, served), (y, _)) in enumerate(zip(answers[lv], full[lv]))]  # same requests, same order
+    out = {"rouge_l_vs_b": sum(rouge_l(x, y) for _, _, x, _, y in rows) / len(rows),
+           "exact_match_vs_b": sum(x == y for _, _, x, _, y in rows) / len(rows)}
+    kinds: dict[str, list[bool]] = {}
+    differs = []
+    for lv, i, x, served, y in rows:
+        kind = ("switched" if served.get("tie_guard_switch") is not None
+                else "approximate" if served.get("approximations") else "exact")
+        kinds.setdefault(kind, []).append(x == y)
+        if x != y:
+            differs.append({"level": lv, "request": i, "served": kind, "rouge_l": round(rouge_l(x, y), 3),
+                            "approximations": served.get("approximations"), "tie_guard": served.get("tie_guard"),
+                            "tie_guard_switch": served.get("tie_guard_switch"),
+                            "tie_guard_agreed": served.get("tie_guard_agreed")})
+    out["served"] = {k: {"requests": len(v), "exact_match_vs_b": sum(v) / len(v)} for k, v in sorted(kinds.items())}
+    out["differs"] = differs
+    return out
 
 
 def _at_rest(server: ServerProcess, args, timeout_s: float = 120.0) -> None:
@@ -874,7 +900,8 @@ def _print(results: dict) -> None:
                 print(f"{name} {lv} cache reads by tier: " + ", ".join(
                     f"{t} {n:.0f} ({row['tier_load_s'].get(t, 0.0):.2f} s)" for t, n in row["tier_hits"].items()))
     for name, a in results.get("answers", {}).items():
-        print(f"answers {name} vs b: ROUGE-L {a['rouge_l_vs_b']:.3f}, exact {a['exact_match_vs_b']:.2f}")
+        print(f"answers {name} vs b: ROUGE-L {a['rouge_l_vs_b']:.3f}, exact {a['exact_match_vs_b']:.2f}"
+              + "".join(f"; {k} {v['exact_match_vs_b']:.2f} of {v['requests']}" for k, v in a.get("served", {}).items()))
     for k, v in results.get("ratios", {}).items():
         print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
     for k, s in enumerate(results["soak"].get("rounds", [results["soak"]]) if "soak" in results else []):

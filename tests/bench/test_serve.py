@@ -64,6 +64,23 @@ def test_a_fidelity_level_is_compared_with_d_request_for_request():
     assert r["f_vs_d_ttft_p50_s_c4"] == pytest.approx(1.0) and "f_vs_d_output_tokens_per_s_c4" in r
 
 
+def test_answers_against_full_prefill_say_how_each_differing_one_was_served():
+    """Exact match by how the prompt was served (exact / approximate / switched mid-answer) and each differing
+    answer with its serving, request for request against b's."""
+    full = {"2": [("a b c", None), ("d e f", None), ("g h", None), ("x y", None)]}
+    ours = {"2": [("a b c", {"approximations": []}),
+                  ("d e z", {"approximations": ["deviation_recompute"], "tie_guard_switch": 3, "tie_guard_agreed": 3}),
+                  ("g h", {"approximations": ["deviation_recompute"]}),
+                  ("x q", {"approximations": []})]}
+    a = serve._answers_vs_b(ours, full, [2])
+    assert a["exact_match_vs_b"] == 0.5
+    assert a["served"] == {"approximate": {"requests": 1, "exact_match_vs_b": 1.0},
+                           "exact": {"requests": 2, "exact_match_vs_b": 0.5},
+                           "switched": {"requests": 1, "exact_match_vs_b": 0.0}}
+    assert [(d["request"], d["served"], d["tie_guard_switch"]) for d in a["differs"]] == [(1, "switched", 3),
+                                                                                         (3, "exact", None)]
+
+
 @pytest.mark.parametrize("argv, flags", [((), []), (("--cache-gb", "0.25"), ["--cache-gb", "0.25"])])
 def test_every_server_gets_the_requested_cache_budget(argv, flags):
     assert serve.cache_args(_args(*argv)) == flags
