@@ -488,7 +488,7 @@ class CachedEngine:
         answer = list(answer)
         if not 0 < len(answer) < max_new_tokens:
             raise ConfigError("an exact continuation needs 1..max_new_tokens-1 answer tokens")
-        pre = self._exact_continuation(list(segments), answer, max_new_tokens, between_layers)
+        pre = self._exact_continuation(list(segments), answer, max_new_tokens, between_layers, answer_rows="decode")
         rows = pre.logits  # [len(answer) + 1, V]: row j predicts answer token j
         chosen = rows[:-1].argmax(-1).tolist()
         pre.info["answer_agreed"] = next((j for j, (c, a) in enumerate(zip(chosen, answer)) if c != a), len(answer))
@@ -496,15 +496,32 @@ class CachedEngine:
                          segments=pre.segments)
 
     def _exact_continuation(self, segments: list[Segment], answer: list[int], max_new_tokens: int,
-                            between_layers=None) -> _Prefill:
-        """Exact prefill of ``segments`` with ``answer`` appended to the question; ``pre.logits`` holds
-        the rows ``[len(answer) + 1, V]`` predicting each answer token and the next one; the store
-        hand-off is left in ``pre.hand_off``."""
-        question = segments[-1]
-        extended = dataclasses.replace(question, ids=tuple(question.ids) + tuple(answer))
-        return self._prefill(segments[:-1] + [extended], Mode.PREFIX, max_new_tokens - len(answer),
-                             between_layers=between_layers, defer_store=True, exact_plan=True,
-                             tail_logits=len(answer) + 1)
+                            between_layers=None, answer_rows: str = "prefill") -> _Prefill:
+        """Exact prefill of ``segments`` followed by the ``answer`` tokens; ``pre.logits`` holds the rows
+        ``[len(answer) + 1, V]`` predicting each answer token and the next one; the store hand-off is left
+        in ``pre.hand_off``.
+
+        ``answer_rows``: how the answer tokens' rows are computed. ``"decode"`` (a switch, which goes on
+        decoding): one ``decode_step`` each after the prompt's prefill, as a full prefill's answer wrote
+        them, so the continuation has that answer's KV bit for bit where the prompt's is (in bfloat16 a
+        prefill's rows round apart from decode steps' and near ties flip: ``bench serve`` found 6 of 9
+        switched answers parting from full prefill's that way, none in float32). ``"prefill"`` (teacher-
+        forced scoring): appended to the question in the one prefill, as ``_teacher_forced`` scores full
+        prefill's answer."""
+        if answer_rows == "prefill":
+            question = segments[-1]
+            extended = dataclasses.replace(question, ids=tuple(question.ids) + tuple(answer))
+            return self._prefill(segments[:-1] + [extended], Mode.PREFIX, max_new_tokens - len(answer),
+                                 between_layers=between_layers, defer_store=True, exact_plan=True,
+                                 tail_logits=len(answer) + 1)
+        pre = self._prefill(segments, Mode.PREFIX, max_new_tokens, between_layers=between_layers,
+                            defer_store=True, exact_plan=True)
+        start = pre.kv.length
+        rows = [pre.logits.reshape(1, -1).float()]  # [1, V]
+        for j, token in enumerate(answer):
+            rows.append(self.runner.decode_step(token, start + j, pre.kv)[None].float())  # [1, V]
+        pre.logits = torch.cat(rows)  # [len(answer) + 1, V]
+        return pre
 
     def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
         """Prefill only; returns the last-position logits ``[V]`` (for equivalence tests and FLARE)."""

@@ -123,6 +123,30 @@ def test_the_exact_continuation_equals_full_prefill_and_counts_agreed_tokens(run
         engine.prefill_exact_continuation(segs, [], TOKENS)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_switch_writes_the_answer_rows_as_decoding_full_prefills_answer_did(plant, dtype):
+    """After a switch the answer goes on from the KV a full prefill's answer would have: the prompt
+    prefilled, then each answer token by a decode step (what the server's batch and generate write),
+    bit for bit. Appending the answer to the prefill instead rounds apart in bfloat16, and bench serve
+    saw switched answers part from full prefill's there."""
+    approximate, _, diverges, _ = plant
+    tok = byte_tokenizer()
+    model = tiny_model("qwen2", seed=1, vocab_size=len(tok), num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    low = ModelRunner(model, tok, dtype=dtype)
+    engine = _engine(low)
+    segs = engine.prompts.chat(SEQ, QUESTION, SYSTEM)
+    answer = approximate[:diverges + 2]
+    exact = engine.prefill_exact_continuation(segs, answer, TOKENS)
+    full = _engine(low).prefill(segs, TOKENS, mode="full")
+    start = full.kv.length
+    rows = [low.decode_step(t, start + j, full.kv) for j, t in enumerate(answer)]  # [V] each
+    assert torch.equal(exact.logits, rows[-1].float())
+    assert exact.kv.length == full.kv.length == start + len(answer)
+    for layer in range(low.n_layers):
+        assert torch.equal(exact.kv.k[layer][:, :full.kv.length], full.kv.k[layer][:, :full.kv.length])
+        assert torch.equal(exact.kv.v[layer][:, :full.kv.length], full.kv.v[layer][:, :full.kv.length])
+
+
 def test_teacher_forced_rows_follow_the_switch(runner, plant):
     approximate, full, _, gaps = plant
     segs = _engine(runner).prompts.chat(SEQ, QUESTION, SYSTEM)
