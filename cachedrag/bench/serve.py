@@ -30,6 +30,8 @@ Configurations (the issue's a..e):
      every later token); not in the default set. Its answers are compared with (b)'s like every
      configuration's, so a run of b,d,f shows what the level buys under load and what it costs
      (``f_vs_d_*`` ratios; per level the share of requests the guards prefilled again or switched)
+  g  ``--mode prefix``, batched, cache-aware order: prefix caching, the reuse vLLM and SGLang do,
+     under the same scheduler (not in the default set; ``d_vs_g_*`` / ``f_vs_g_*`` ratios)
 
 Every configuration runs the same numerics (``--dtype`` / ``--weights`` / ``--threads``, passed
 to each ``cachedrag serve``), so the ratios compare scheduling and reuse, not number formats;
@@ -85,6 +87,8 @@ CONFIGS = {
     "e": ("cachedrag, cache-aware, automatic chunks", ["--mode", "cachedrag", "--order", "cache_aware"], False),
     # not in the default set: (d) at a fidelity level (--fidelity, default faithful), its answers and speed beside d's
     "f": ("cachedrag, cache-aware, a fidelity level", ["--order", "cache_aware"], True),
+    # not in the default set: prefix caching (vLLM's / SGLang's reuse) under the same scheduler, the peer of d and f
+    "g": ("prefix caching, batched, cache-aware", ["--mode", "prefix", "--order", "cache_aware"], True),
 }
 WARM_C1_CONFIGS = ("d", "e")  # the pair whose concurrency-1 comparison depends on what the server has seen
 QUEUE_CONFIGS = ("c", "d")  # FIFO vs cache-aware order, side by side on a level where requests queue for slots
@@ -840,13 +844,16 @@ def _ratios(results: dict) -> None:
                 out[f"d_p95_le_c_p95_c{lv}"] = c["d"][lv]["ttft_p95_s"] <= c["c"][lv]["ttft_p95_s"]
                 out.update({f"d_minus_c_{k}_c{lv}": v for k, v in _paired_ttft(
                     c["c"][lv]["ttft_s_by_request"], c["d"][lv]["ttft_s_by_request"]).items()})
-    if "d" in c and "f" in c:  # a fidelity level's price under load, request for request the same stream
-        for lv in c["f"]:
-            if lv in c["d"]:
+    # a fidelity level's price under load (f vs d), and both against prefix caching (g): the same requests
+    for num, den in (("f", "d"), ("d", "g"), ("f", "g")):
+        if num not in c or den not in c:
+            continue
+        for lv in c[num]:
+            if lv in c[den]:
                 for key in ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_mean_s", "latency_p50_s",
                             "latency_mean_s"):
-                    if c["d"][lv].get(key) and c["f"][lv].get(key) is not None:
-                        out[f"f_vs_d_{key}_c{lv}"] = c["f"][lv][key] / c["d"][lv][key]
+                    if c[den][lv].get(key) and c[num][lv].get(key) is not None:
+                        out[f"{num}_vs_{den}_{key}_c{lv}"] = c[num][lv][key] / c[den][lv][key]
     if all(k in c for k in "ade"):
         for lv in c["e"]:
             base = c["a"].get("1" if lv == "1w" else lv)  # full mode has no warm state: c1 is its c1w

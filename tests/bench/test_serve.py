@@ -47,21 +47,26 @@ def test_every_server_gets_the_requested_admission_bounds(argv, flags):
     ("d", ("--max-batch", "4"), ["--mode", "cachedrag", "--order", "cache_aware", "--max-batch", "4"]),
     ("f", (), ["--order", "cache_aware", "--max-batch", "8", "--fidelity", "faithful"]),  # the level sets the mode
     ("f", ("--fidelity", "guarded"), ["--order", "cache_aware", "--max-batch", "8", "--fidelity", "guarded"]),
+    ("g", (), ["--mode", "prefix", "--order", "cache_aware", "--max-batch", "8"]),
 ])
 def test_each_configuration_is_its_flags(name, argv, flags):
     assert serve.config_args(name, _args(*argv)) == flags
 
 
-def test_a_fidelity_level_is_compared_with_d_request_for_request():
-    """Config f (d at a fidelity level) gets f_vs_d ratios per level it shares with d: throughput, TTFT and
-    whole-answer latency."""
+def test_a_fidelity_level_is_compared_with_d_and_prefix_caching_request_for_request():
+    """Config f (d at a fidelity level) gets f_vs_d ratios per level it shares with d, and d and f get them
+    against prefix caching (g): throughput, TTFT and whole-answer latency."""
     row = {"requests_per_s": 2.0, "output_tokens_per_s": 100.0, "ttft_p50_s": 0.5, "ttft_mean_s": 0.6,
            "latency_p50_s": 2.0, "latency_mean_s": 2.5}
-    results = {"configs": {"d": {"4": row}, "f": {"4": {**row, "requests_per_s": 1.5, "latency_p50_s": 3.0}}}}
+    results = {"configs": {"d": {"4": row}, "f": {"4": {**row, "requests_per_s": 1.5, "latency_p50_s": 3.0}},
+                           "g": {"4": {**row, "ttft_p50_s": 1.0}, "8": row}}}
     serve._ratios(results)
     r = results["ratios"]
     assert r["f_vs_d_requests_per_s_c4"] == pytest.approx(0.75) and r["f_vs_d_latency_p50_s_c4"] == pytest.approx(1.5)
     assert r["f_vs_d_ttft_p50_s_c4"] == pytest.approx(1.0) and "f_vs_d_output_tokens_per_s_c4" in r
+    # both against prefix caching (g), on the levels they share
+    assert r["d_vs_g_ttft_p50_s_c4"] == pytest.approx(0.5) and r["f_vs_g_requests_per_s_c4"] == pytest.approx(0.75)
+    assert not any(k.endswith("_c8") for k in r)
 
 
 def test_answers_against_full_prefill_say_how_each_differing_one_was_served():
