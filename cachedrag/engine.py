@@ -47,7 +47,7 @@ from cachedrag.kvcache.planner import (MODES, Action, Mode, PlanRequest, allocat
 from cachedrag.kvcache.planner import Segment as PlanSegment
 from cachedrag.kvcache.tie import predicted_margin
 from cachedrag.kvcache.variants import AttentionMetadata
-from cachedrag.model.generation import SamplingParams, eos_token_ids
+from cachedrag.model.generation import Rewind, SamplingParams, eos_token_ids, rewind_allowed
 from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
 from cachedrag.model.scoring import RowSplit, RowSplitLayer, scoring_layers
@@ -120,6 +120,8 @@ class EngineResult:
     tie_guard_switch_s: float | None = None  # seconds the answer paused for that exact prefill (in total_s)
     tie_guard_agreed: int | None = None  # how many leading tokens before the switch are the exact prefill's greedy
     #                                      choices too (== tie_guard_switch: the whole greedy answer is full prefill's)
+    tie_guard_rewound: int | None = None  # a whole answer (not streamed) went back this many tokens, to where the
+    #                                       exact prefill agreed, and on from there (None: no rewind)
     teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
@@ -233,11 +235,19 @@ class DecodeTieGuard:
     once per answer, and decoding goes on from its KV. ``generate`` hands the guard to the decode
     loop as its ``switch`` hook (``__call__``); the server's engine loop calls ``due`` after a
     batched step and ``switch`` in its next scheduling step. ``stats`` are the
-    ``EngineResult.tie_guard_switch*`` / ``tie_guard_agreed`` fields.
+    ``EngineResult.tie_guard_switch*`` / ``tie_guard_agreed`` / ``tie_guard_rewound`` fields.
+
+    ``rewind`` (a whole greedy answer nobody has seen yet: ``generate`` without ``stream``, a server's
+    non-streaming request): when the exact prefill would not have chosen every token so far, the answer
+    goes back to the ones it agrees with and continues from there (``Rewind``), so it is full
+    prefill's answer even where the approximate first token was not (one the first-token guard missed).
     """
 
-    def __init__(self, engine: "CachedEngine", segments: list[Segment], threshold: float, max_new_tokens: int):
+    def __init__(self, engine: "CachedEngine", segments: list[Segment], threshold: float, max_new_tokens: int,
+                 rewind: bool = False):
         self.engine, self.segments, self.threshold, self.max_new_tokens = engine, segments, threshold, max_new_tokens
+        self.rewind = rewind
+        self.rewound: int | None = None  # answer tokens dropped by a rewind (None: none)
         self.token: int | None = None  # the answer token chosen from the exact prefill's logits
         self.gap: float | None = None
         self.seconds: float | None = None
@@ -247,14 +257,16 @@ class DecodeTieGuard:
 
     @classmethod
     def for_request(cls, engine: "CachedEngine", segments: list[Segment] | None, info: dict, mode: str,
-                    max_new_tokens: int) -> "DecodeTieGuard | None":
+                    max_new_tokens: int, rewind: bool = False) -> "DecodeTieGuard | None":
         """The guard for an answer after a prefill with stats ``info``, or None: the setting is off,
-        the mode is not ``cachedrag``, or the prefill was exact (a reordered exact prefix is exact KV)."""
+        the mode is not ``cachedrag``, or the prefill was exact (a reordered exact prefix is exact KV).
+        ``rewind``: the caller shows no token before the answer is whole and decodes greedily with no
+        history (``generation.rewind_allowed``)."""
         threshold = engine.config.cache.tie_guard_decode
         approximate = [a for a in info.get("approximations", ()) if a != "reordered"]
         if threshold <= 0 or mode != Mode.CACHEDRAG.value or not approximate or segments is None or max_new_tokens < 2:
             return None
-        return cls(engine, list(segments), threshold, max_new_tokens)
+        return cls(engine, list(segments), threshold, max_new_tokens, rewind)
 
     def due(self, logits: torch.Tensor, n_tokens: int) -> bool:
         """Whether the answer, ``n_tokens`` (>= 1) tokens long, should move onto exact KV before its
@@ -271,8 +283,11 @@ class DecodeTieGuard:
         """The exact prefill of the prompt and ``answer``; the caller decodes on from its KV and runs
         its ``hand_off`` once the next token is out."""
         t0 = time.perf_counter()
-        exact = self.engine.prefill_exact_continuation(self.segments, answer, self.max_new_tokens, between_layers)
+        exact = self.engine.prefill_exact_continuation(self.segments, answer, self.max_new_tokens, between_layers,
+                                                       stop_at_disagreement=self.rewind)
         self.token, self.agreed = len(answer), exact.info["answer_agreed"]
+        if exact.info["answer_kept"] < len(answer):
+            self.rewound = len(answer) - exact.info["answer_kept"]
         self.seconds = time.perf_counter() - t0
         return exact
 
@@ -288,6 +303,8 @@ class DecodeTieGuard:
             self.fail(exc)
             return None
         self._pending = exact.hand_off
+        if self.rewound is not None:
+            raise Rewind(exact.kv, exact.logits, exact.info["answer_kept"])
         return exact.kv, exact.logits
 
     def fail(self, exc: BaseException) -> None:
@@ -307,7 +324,7 @@ class DecodeTieGuard:
 
     def stats(self) -> dict:
         return {"tie_guard_switch": self.token, "tie_guard_switch_gap": self.gap,
-                "tie_guard_switch_s": self.seconds, "tie_guard_agreed": self.agreed}
+                "tie_guard_switch_s": self.seconds, "tie_guard_agreed": self.agreed, "tie_guard_rewound": self.rewound}
 
 
 def entry_payload(namespace: str, path: Sequence[str], role: str, exact: bool, k: torch.Tensor, v: torch.Tensor,
@@ -433,7 +450,7 @@ class CachedEngine:
         if teacher is not None and (stream or not 0 < len(teacher) <= params.max_new_tokens):
             raise ConfigError("teacher needs stream=False and 1..max_new_tokens token ids")
         holder = _Holder()
-        deltas = self._run(list(segments), params, mode, start, holder, teacher)
+        deltas = self._run(list(segments), params, mode, start, holder, teacher, rewind=not stream)
         if stream:
             return GenerationStream(deltas, holder)
         for _ in deltas:
@@ -474,7 +491,8 @@ class CachedEngine:
                          segments=pre.segments)
 
     def prefill_exact_continuation(self, segments: Sequence[Segment], answer: Sequence[int], max_new_tokens: int,
-                                   between_layers: Callable[[int, int], None] | None = None) -> "Prefilled":
+                                   between_layers: Callable[[int, int], None] | None = None,
+                                   stop_at_disagreement: bool = False) -> "Prefilled":
         """The tie guard during decoding (``CacheConfig.tie_guard_decode``): prefill exactly, as prefix
         caching would (tree prefix, the rest fresh), ``segments`` as served (``Prefilled.segments``)
         followed by the ``answer`` token ids chosen so far (>= 1).
@@ -484,19 +502,27 @@ class CachedEngine:
         ``info`` is the exact prefill's stats plus ``answer_agreed``: how many leading ``answer``
         tokens are its greedy choices too. ``hand_off`` stores its exact path (run it once the next
         token is out). ``between_layers`` as in ``prefill``.
+
+        ``stop_at_disagreement`` (a rewind: the answer is not shown yet): the buffer stops after the agreed
+        tokens, and ``logits`` predict the token after them (the exact prefill's choice there replaces
+        the answer's); ``info["answer_kept"]`` says how many answer tokens the buffer holds.
         """
         answer = list(answer)
         if not 0 < len(answer) < max_new_tokens:
             raise ConfigError("an exact continuation needs 1..max_new_tokens-1 answer tokens")
-        pre = self._exact_continuation(list(segments), answer, max_new_tokens, between_layers, answer_rows="decode")
-        rows = pre.logits  # [len(answer) + 1, V]: row j predicts answer token j
+        pre = self._exact_continuation(list(segments), answer, max_new_tokens, between_layers, answer_rows="decode",
+                                       stop_at_disagreement=stop_at_disagreement)
+        rows = pre.logits  # [kept + 1, V]: row j predicts answer token j
         chosen = rows[:-1].argmax(-1).tolist()
-        pre.info["answer_agreed"] = next((j for j, (c, a) in enumerate(zip(chosen, answer)) if c != a), len(answer))
+        kept = rows.shape[0] - 1
+        pre.info["answer_agreed"] = next((j for j, (c, a) in enumerate(zip(chosen, answer)) if c != a), kept)
+        pre.info["answer_kept"] = kept
         return Prefilled(kv=pre.kv, logits=rows[-1].float(), info=pre.info, hand_off=pre.hand_off,
                          segments=pre.segments)
 
     def _exact_continuation(self, segments: list[Segment], answer: list[int], max_new_tokens: int,
-                            between_layers=None, answer_rows: str = "prefill") -> _Prefill:
+                            between_layers=None, answer_rows: str = "prefill",
+                            stop_at_disagreement: bool = False) -> _Prefill:
         """Exact prefill of ``segments`` followed by the ``answer`` tokens; ``pre.logits`` holds the rows
         ``[len(answer) + 1, V]`` predicting each answer token and the next one; the store hand-off is left
         in ``pre.hand_off``.
@@ -507,7 +533,8 @@ class CachedEngine:
         prefill's rows round apart from decode steps' and near ties flip: ``bench serve`` found 6 of 9
         switched answers parting from full prefill's that way, none in float32). ``"prefill"`` (teacher-
         forced scoring): appended to the question in the one prefill, as ``_teacher_forced`` scores full
-        prefill's answer."""
+        prefill's answer. ``stop_at_disagreement`` (with ``"decode"``): no rows past the first answer token
+        the exact rows would not have chosen (greedy)."""
         if answer_rows == "prefill":
             question = segments[-1]
             extended = dataclasses.replace(question, ids=tuple(question.ids) + tuple(answer))
@@ -519,6 +546,8 @@ class CachedEngine:
         start = pre.kv.length
         rows = [pre.logits.reshape(1, -1).float()]  # [1, V]
         for j, token in enumerate(answer):
+            if stop_at_disagreement and int(rows[-1].argmax()) != token:
+                break
             rows.append(self.runner.decode_step(token, start + j, pre.kv)[None].float())  # [1, V]
         pre.logits = torch.cat(rows)  # [len(answer) + 1, V]
         return pre
@@ -557,11 +586,14 @@ class CachedEngine:
         return Mode(name)
 
     def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder,
-             teacher: Sequence[int] | None = None):
+             teacher: Sequence[int] | None = None, rewind: bool = False):
+        """The request path of ``generate_segments``: prefill, decode (yielding text deltas), result.
+        ``rewind``: nobody sees the deltas (not streamed), so the tie guard during decoding may rewind."""
         pre = self._prefill(segments, mode, params.max_new_tokens, defer_store=True)
         prompt_tokens = pre.info["prompt_tokens"]
         lookup = prompt_lookup(self.config.lookup, [t for s in segments for t in s.ids], params.temperature == 0.0)
-        guard = DecodeTieGuard.for_request(self, pre.segments, pre.info, mode.value, params.max_new_tokens)
+        guard = DecodeTieGuard.for_request(self, pre.segments, pre.info, mode.value, params.max_new_tokens,
+                                           rewind=rewind and rewind_allowed(params))
         try:
             yield from stream_tokens(self.runner, pre.kv, pre.logits, prompt_tokens, params, self.eos_ids, start,
                                      holder, lookup, after_first=pre.hand_off,  # the hand-off waits for the 1st token

@@ -30,8 +30,9 @@ from cachedrag.corpus import stdlib_corpus
 from cachedrag.integrations.chunks import register_chunks
 
 
-def start_server(tiny: bool) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0", "--log-level", "warning"]
+def start_server(tiny: bool, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`cachedrag serve` (with ``flags``) on a free port; returns the process and its URL."""
+    cmd = [sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0", "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd + (["--tiny", "--passage-chars", "100"] if tiny else []), stderr=subprocess.PIPE,
                             text=True)
     for line in proc.stderr:

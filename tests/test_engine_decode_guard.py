@@ -11,12 +11,13 @@ the approximate decode's own top-2 gaps (read teacher-forced on the same approxi
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 from cachedrag.config import EngineConfig
-from cachedrag.engine import CachedEngine, top2_gap
+from cachedrag.engine import CachedEngine, DecodeTieGuard, top2_gap
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import CacheConfig
 from cachedrag.model.generation import SamplingParams
@@ -107,6 +108,74 @@ def test_a_switch_after_the_first_token_continues_full_prefill_of_that_prefix(ru
     assert r.token_ids == [approximate[0], *_full(runner, ids + approximate[:1], TOKENS - 1)] == full
 
 
+@pytest.fixture
+def late_switch(plant, monkeypatch):
+    """The guard switches only after the parting token (past it every token decoded on approximate KV
+    is no longer full prefill's): what a first-token flip the first-token guard missed looks like."""
+    _, _, diverges, _ = plant
+    late = diverges + 2
+    original = DecodeTieGuard.due
+
+    def due(self, logits, n_tokens):
+        return original(self, logits, n_tokens) if n_tokens == late else False
+
+    monkeypatch.setattr(DecodeTieGuard, "due", due)
+    return late
+
+
+@pytest.mark.parametrize("draft", [0, 4], ids=["plain", "prompt-lookup"])
+def test_a_whole_answer_rewinds_to_the_tokens_the_exact_prefill_agrees_with(runner, plant, late_switch, draft):
+    """Not streamed, the answer goes back to the tokens the exact prefill agrees with and on from there:
+    full prefill's answer although its own tokens had parted before the switch. Streamed, the tokens
+    shown stand (``tie_guard_agreed`` says how many were full prefill's)."""
+    approximate, full, diverges, _ = plant
+    engine = _engine(runner, math.inf, draft)
+    r = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=TOKENS)
+    assert r.tie_guard_switch == late_switch and r.tie_guard_agreed == diverges
+    assert r.tie_guard_rewound == late_switch - diverges
+    assert r.token_ids == full != approximate and r.text == runner.tokenizer.decode(full)
+    assert r.finish_reason == "length" and len(r.token_logprobs) == len(full)
+    streamed = _engine(runner, math.inf, draft).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=TOKENS, stream=True)
+    text = "".join(streamed)
+    s = streamed.result
+    assert s.tie_guard_switch == late_switch and s.tie_guard_agreed == diverges and s.tie_guard_rewound is None
+    assert s.token_ids[:late_switch] == approximate[:late_switch] != full[:late_switch] and text == s.text
+
+
+def test_a_rewind_back_to_no_token_replaces_the_first(runner, plant):
+    """``stream_tokens`` under a hook that rewinds to no token (a first token the exact prefill would not
+    have chosen): the answer is the one decoded from the hook's KV, and TTFT is when its first token was
+    chosen."""
+    from cachedrag.model.generation import Rewind
+    from cachedrag.model.textgen import stream_tokens
+
+    approximate, full, _, _ = plant
+    engine = _engine(runner)
+    segs = engine.prompts.chat(SEQ, QUESTION, SYSTEM)
+    pre = engine.prefill(segs, TOKENS)  # approximate: its answer is ``approximate``
+    exact = _engine(runner).prefill(segs, TOKENS, mode="full")
+    calls, rewound_at = [], []
+
+    def hook(logits, answer):
+        calls.append(list(answer))
+        if len(calls) == 1:
+            rewound_at.append(time.perf_counter())
+            raise Rewind(exact.kv, exact.logits, 0)
+
+    class Owner:
+        last_result = None
+
+    t0 = time.perf_counter()
+    for _ in stream_tokens(runner, pre.kv, pre.logits, pre.info["prompt_tokens"], SamplingParams(max_new_tokens=TOKENS),
+                           engine.eos_ids, t0, Owner, switch=hook):
+        pass
+    result = Owner.last_result
+    assert calls[0] == approximate[:1]  # the hook saw the approximate first token
+    assert result.token_ids == full and result.text == runner.tokenizer.decode(full)
+    assert len(result.token_logprobs) == TOKENS
+    assert rewound_at[0] - t0 <= result.ttft_s <= result.total_s  # the kept answer's first token came after
+
+
 def test_the_exact_continuation_equals_full_prefill_and_counts_agreed_tokens(runner, plant):
     approximate, full, diverges, _ = plant
     engine = _engine(runner)
@@ -183,7 +252,8 @@ def test_a_failed_exact_prefill_keeps_the_approximate_answer(runner, plant, monk
     assert "exact prefill during decoding failed" in caplog.text
 
 
-def _serve(engine, prompts: list[tuple[list[str], str]], **config) -> list[Finished]:
+def _serve(engine, prompts: list[tuple[list[str], str]], whole_answer: bool = False, deltas: dict | None = None,
+           **config) -> list[Finished]:
     loop = EngineLoop(engine, SchedulerConfig(order="fifo", **config))
     done: dict[int, object] = {}
     for i, (chunks, question) in enumerate(prompts):
@@ -192,8 +262,11 @@ def _serve(engine, prompts: list[tuple[list[str], str]], **config) -> list[Finis
         def emit(event, i=i):
             if isinstance(event, (Finished, Failed)):
                 done[i] = event
+            elif deltas is not None:
+                deltas.setdefault(i, []).append(event.text)
 
-        loop.submit(ServeRequest(segments=segs, params=SamplingParams(max_new_tokens=TOKENS), emit=emit))
+        loop.submit(ServeRequest(segments=segs, params=SamplingParams(max_new_tokens=TOKENS), emit=emit,
+                                 whole_answer=whole_answer))
     while len(done) < len(prompts):
         loop.step()
     events = [done[i] for i in range(len(prompts))]
@@ -217,3 +290,23 @@ def test_the_server_loop_switches_as_generate_does(runner, plant, chunk):
     assert beside.stats.get("tie_guard_switch") is None
     assert beside.token_ids == _engine(runner).generate(*other, SYSTEM, max_new_tokens=TOKENS).token_ids
     assert engine.manager.check() == []
+
+
+@pytest.mark.parametrize("chunk", [0, 64], ids=["whole-prefill", "chunked-prefill"])
+def test_the_server_loop_rewinds_a_whole_answer_and_sends_it_once(runner, plant, late_switch, chunk):
+    """A non-streaming request (``whole_answer``) is rewound as ``generate`` rewinds it: full prefill's
+    answer, sent as one text when it finishes; a streamed one keeps the tokens it has sent."""
+    approximate, full, diverges, _ = plant
+    other = (["A cold passage nobody cached before.", "And another one."], "what is cold?")
+    deltas: dict = {}
+    whole, beside = _serve(_engine(runner, math.inf), [(SEQ, QUESTION), other], whole_answer=True, deltas=deltas,
+                           max_batch=2, prefill_chunk_tokens=chunk)
+    assert whole.token_ids == full and whole.text == runner.tokenizer.decode(full)
+    assert whole.stats["tie_guard_switch"] == late_switch and whole.stats["tie_guard_agreed"] == diverges
+    assert whole.stats["tie_guard_rewound"] == late_switch - diverges
+    assert deltas[0] == [whole.text]  # held until whole: nothing of the parted tokens went out
+    assert beside.token_ids == _engine(runner).generate(*other, SYSTEM, max_new_tokens=TOKENS).token_ids
+    streamed, _ = _serve(_engine(runner, math.inf), [(SEQ, QUESTION), other], max_batch=2,
+                         prefill_chunk_tokens=chunk)
+    assert streamed.token_ids[:late_switch] == approximate[:late_switch] and streamed.token_ids != full
+    assert streamed.stats["tie_guard_rewound"] is None

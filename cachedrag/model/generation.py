@@ -198,6 +198,25 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generated: Sequen
 Switch = Callable[[torch.Tensor, list[int]], "tuple[object, torch.Tensor] | None"]
 
 
+class Rewind(Exception):
+    """Raised by a ``switch`` hook (out of the decode loop) when the answer must go back to its first
+    ``keep`` tokens and continue from ``kv`` (rows: the prompt and those tokens) and ``logits`` ``[V]``
+    (predicting the token after them): the engine's tie guard during decoding, for a whole (not
+    streamed) greedy answer whose earlier tokens the exact prefill would not have chosen.
+    ``textgen.stream_tokens`` catches it; only a caller that has not shown the tokens may ask for it
+    (``rewind_allowed``)."""
+
+    def __init__(self, kv, logits: torch.Tensor, keep: int):
+        super().__init__(f"rewind to {keep} tokens")
+        self.kv, self.logits, self.keep = kv, logits, keep
+
+
+def rewind_allowed(params: SamplingParams) -> bool:
+    """Whether an answer decoded with ``params`` may be rewound (``Rewind``): greedy, and choosing a token
+    depends on the logits alone (no penalty or grammar state to take back)."""
+    return params.temperature == 0.0 and not uses_history(params)
+
+
 def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
                 eos_ids: set[int], stream: TextStream | None = None,
                 logprobs: list[float] | None = None, lookup=None, switch: Switch | None = None) -> Iterator[int]:

@@ -54,6 +54,12 @@ class PromptLookup:
     def extend(self, tokens) -> None:
         self.tokens.extend(int(t) for t in tokens)
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` context tokens (an answer rewound); the index is built again at the
+        next draft. The counters stay."""
+        del self.tokens[length:]
+        self._after, self._pending, self._indexed = {}, {}, 0
+
     def _catch_up(self) -> None:
         """Index the tokens added since the last draft."""
         toks = self.tokens

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cachedrag.errors import ContextWindowError, EmptyInputError
-from cachedrag.model.generation import SamplingParams, Switch, TextStream, decode_loop, eos_token_ids
+from cachedrag.model.generation import Rewind, SamplingParams, Switch, TextStream, decode_loop, eos_token_ids
 from cachedrag.model.lookup import LookupConfig, PromptLookup, prompt_lookup
 from cachedrag.model.runner import ModelRunner
 
@@ -101,25 +101,44 @@ def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams
     (over the prompt ids) turns on speculative greedy decoding. ``after_first`` runs once, after
     the first token's text went out and before the first decode step (or when the stream ends
     or is closed first): work the first token need not wait for (the engine's store hand-off).
-    ``switch``: ``decode_loop``'s hook (the engine's tie guard during decoding).
+    ``switch``: ``decode_loop``'s hook (the engine's tie guard during decoding). When it raises ``Rewind``
+    (a caller that shows no text before the end asked for it), the answer goes back to its first ``keep``
+    tokens and decoding continues from the hook's KV; deltas yielded before are void (the result's text
+    is the answer's), and TTFT is when the answer's first token was chosen, after the rewind if it was
+    dropped. At most one rewind per answer (the hook switches once).
     """
     text_stream = TextStream(runner.tokenizer, params.stop)
     ttft = None
     tokens: list[int] = []
     logprobs: list[float] = []
     pending = [after_first] if after_first is not None else []
+    base, position, loop_params = 0, prompt_tokens, params
     try:
         with torch.inference_mode():
-            for token in decode_loop(runner, kv, logits, prompt_tokens, params, eos_ids, text_stream, logprobs,
-                                     lookup, switch):
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                tokens.append(token)
-                delta = text_stream.push(token)
-                if delta:
-                    yield delta
-                while pending:
-                    pending.pop()()
+            while True:
+                try:
+                    for token in decode_loop(runner, kv, logits, position, loop_params, eos_ids, text_stream,
+                                             logprobs, lookup, switch):
+                        if ttft is None:
+                            ttft = time.perf_counter() - start
+                        tokens.append(token)
+                        delta = text_stream.push(token)
+                        if delta:
+                            yield delta
+                        while pending:
+                            pending.pop()()
+                    break
+                except Rewind as back:  # tokens[base:] came from this decode loop; keep the first back.keep overall
+                    del tokens[back.keep:], logprobs[back.keep:]
+                    text_stream = TextStream(runner.tokenizer, params.stop)
+                    for token in tokens:
+                        text_stream.push(token)
+                    ttft = ttft if tokens else None
+                    kv, logits, base = back.kv, back.logits, back.keep
+                    position = prompt_tokens + base
+                    loop_params = params.model_copy(update={"max_new_tokens": params.max_new_tokens - base})
+                    if lookup is not None:  # its context: the prompt and the tokens kept
+                        lookup.truncate(prompt_tokens + base)
     finally:
         while pending:  # no token (EOS first), or the consumer closed the stream early
             with torch.inference_mode():

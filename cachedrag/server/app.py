@@ -134,7 +134,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 aio.call_soon_threadsafe(queue.put_nowait, event)
 
         serve = ServeRequest(segments=planned.segments, params=params, emit=emit, mode=config.mode,
-                             logprobs=body.logprob_alternatives)
+                             logprobs=body.logprob_alternatives, whole_answer=not body.stream)
         try:
             rid = loop.submit(serve)
         except QueueFullError as exc:

@@ -60,7 +60,7 @@ from cachedrag.engine import DecodeTieGuard
 from cachedrag.executor import release_openmp_threads
 from cachedrag.heap import trim_heap
 from cachedrag.kvcache.planner import Mode
-from cachedrag.model.generation import SamplingParams, TextStream, choose_token, make_generator
+from cachedrag.model.generation import SamplingParams, TextStream, choose_token, make_generator, rewind_allowed
 from cachedrag.prompt import Segment
 from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
@@ -114,6 +114,8 @@ class ServeRequest:
     emit: Callable[[object], None]  # called on the loop thread with Delta / Finished / Failed; must not block
     mode: str | None = None
     logprobs: int | None = None  # report each token's log p and this many alternatives (None: off)
+    whole_answer: bool = False  # the client reads the answer only once it is whole (not streamed): the tie guard
+    #                             during decoding may rewind it (``DecodeTieGuard.rewind``)
     arrival: float = field(default_factory=time.perf_counter)
     id: int = 0  # set by submit
     cancelled: bool = False
@@ -141,6 +143,7 @@ class _Running:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # chosen, not yet sent with a text delta
     guard: DecodeTieGuard | None = None  # CacheConfig.tie_guard_decode (None: off, or the prefill was exact)
     near_tie: torch.Tensor | None = None  # [V] the near-tied logits while the request waits for its exact prefill
+    held: bool = False  # its text is sent whole when it finishes (the guard may rewind it; nobody sees a delta)
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         if self.request.logprobs is None:
@@ -426,11 +429,12 @@ class EngineLoop:
         finally:
             self._prefill_work = outer_work  # a preempting prefill leaves the preempted one's count as it was
         info = pre.info
+        rewind = request.whole_answer and request.logprobs is None and rewind_allowed(request.params)
+        guard = DecodeTieGuard.for_request(engine, pre.segments, info, request.mode or engine.config.mode,
+                                           request.params.max_new_tokens, rewind=rewind)
         run = _Running(request=request, kv=pre.kv, stream=TextStream(engine.runner.tokenizer, request.params.stop),
                        generator=make_generator(request.params, engine.runner.device), stats=info,
-                       position=info["prompt_tokens"],
-                       guard=DecodeTieGuard.for_request(engine, pre.segments, info, request.mode or engine.config.mode,
-                                                        request.params.max_new_tokens))
+                       position=info["prompt_tokens"], guard=guard, held=guard is not None and guard.rewind)
         self._running.append(run)
         self._advance(run, pre.logits, first=True)
         if pre.hand_off is not None:  # the store hand-off waits for the first token, as in generate()
@@ -470,6 +474,13 @@ class EngineLoop:
         self._drop([run])  # the approximate KV's pool slot
         run.kv = exact.kv
         run.stats = {**run.stats, **guard.stats()}
+        keep = exact.info["answer_kept"]
+        if keep < len(run.tokens):  # a rewind (``run.held``: nothing was sent): back to the agreed tokens
+            del run.tokens[keep:]
+            run.stream = TextStream(self.engine.runner.tokenizer, run.request.params.stop)
+            for token in run.tokens:
+                run.stream.push(token)
+            run.position = run.stats["prompt_tokens"] + keep
         self._running.append(run)
         self._advance(run, exact.logits)
         if exact.hand_off is not None:  # the exact path is stored once the token is out
@@ -547,7 +558,7 @@ class EngineLoop:
         if run.request.logprobs is not None:
             run.logprobs.append(_token_logprob(logits, token, run.request.logprobs))
         delta = run.stream.push(token)
-        if delta:
+        if delta and not run.held:
             run.request.emit(Delta(delta, run.take_logprobs()))
         grammar_done = constraint is not None and constraint.done  # a complete document: nothing may follow
         if run.stream.stopped or len(run.tokens) >= params.max_new_tokens or grammar_done:
@@ -557,6 +568,8 @@ class EngineLoop:
     def _finish(self, run: _Running) -> None:
         run.last = None
         tail = run.stream.flush()
+        if run.held:  # nothing was sent: the whole text now
+            tail = run.stream.text
         pending = run.take_logprobs()
         if tail or pending:
             run.request.emit(Delta(tail, pending))
