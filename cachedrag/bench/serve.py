@@ -123,6 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "figures pooled over them (with --interleave the configuration order reverses from "
                              "round to round: ABBA)")
     parser.add_argument("--max-batch", type=int, default=8, help="batch size of the batched configurations")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                        help="stream every answer (SSE; default) or, with --no-stream, ask for it whole: no TTFT "
+                             "then (ttft = the whole answer's latency) but the tie guard during decoding may rewind "
+                             "a whole answer (--fidelity faithful's answers are then full prefill's even where a "
+                             "first token flipped)")
     parser.add_argument("--fidelity", default="faithful", choices=FIDELITY_LEVELS,
                         help="`cachedrag serve --fidelity` of config f (default faithful)")
     parser.add_argument("--queue-level", type=int, default=16,
@@ -359,22 +364,35 @@ def _by_label(before: str, after: str, name: str, label: str) -> dict[str, float
 
 
 # ---------------------------------------------------------------------- clients
-def _body(model: str, chunks: list[str], question: str, explicit: bool, max_tokens: int) -> dict:
+def _body(model: str, chunks: list[str], question: str, explicit: bool, max_tokens: int, stream: bool = True) -> dict:
     context = "\n\n".join(chunks)
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+    body = {"model": model, "stream": stream, "max_tokens": max_tokens,
             "temperature": 0.0,
             "messages": [{"role": "system", "content": SYSTEM_PROMPT},
                          {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}]}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if explicit:
         body["cachedrag"] = {"chunks": chunks}
     return body
 
 
 async def _one(client, url: str, body: dict, disconnect_after: int | None = None) -> dict:
-    """Stream one request; returns timings, text, usage (or what happened)."""
+    """Stream one request; returns timings, text, usage (or what happened). A request with ``"stream": false``
+    gets its answer whole: its first text arrives with the last (``ttft_s`` = ``total_s``, no TPOT)."""
     t0 = time.perf_counter()
     out = {"ttft_s": None, "text": "", "usage": None, "status": None, "disconnected": False, "t_start": t0,
-           "delta_times": []}
+           "delta_times": [], "streamed": body.get("stream", False)}
+    if not out["streamed"]:
+        r = await client.post(url + "/v1/chat/completions", json=body)
+        out["status"], now = r.status_code, time.perf_counter()
+        if r.status_code != 200:
+            out["error"] = r.text[:200]
+            return out
+        data = r.json()
+        out.update(text=data["choices"][0]["message"]["content"] or "", usage=data["usage"],
+                   served=data.get("cachedrag"), ttft_s=now - t0, total_s=now - t0, delta_times=[now])
+        return out
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
@@ -495,7 +513,7 @@ def _level_stats(replays: list[Replay], level: int = 1) -> dict:
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     latency = [r["total_s"] for r in ok]  # whole answers: what a guard that prefills again mid-answer costs
     tpot = [(r["total_s"] - r["ttft_s"]) / (r["usage"]["completion_tokens"] - 1) for r in ok
-            if r["ttft_s"] is not None and r["usage"]["completion_tokens"] > 1]
+            if r["ttft_s"] is not None and r["usage"]["completion_tokens"] > 1 and r.get("streamed", True)]
     out_tokens = sum(r["usage"]["completion_tokens"] for r in ok)
     prompt = sum(r["usage"]["prompt_tokens"] for r in ok)
     cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok)
@@ -592,7 +610,8 @@ def run(args: argparse.Namespace) -> int:
     release_openmp_threads()  # the embedder ran torch ops here; this process only waits on sockets from now on
 
     def bodies(explicit: bool, lo: int, hi: int, max_tokens: int) -> list[dict]:
-        return [_body(model_name, work.retrieved[i], work.questions[i], explicit, max_tokens) for i in range(lo, hi)]
+        return [_body(model_name, work.retrieved[i], work.questions[i], explicit, max_tokens, args.stream)
+                for i in range(lo, hi)]
 
     results: dict = {"config": {
         "model": model_name, "levels": levels, "requests_per_level": args.requests, "warmup": args.warmup,
@@ -606,7 +625,7 @@ def run(args: argparse.Namespace) -> int:
         "hold_waiting": args.hold_waiting, "kv_pool_tokens": args.kv_pool_tokens,
         "trim_heap_idle_s": args.trim_heap_idle_s,
         "passage_chars": args.passage_chars, "tokenization": args.tokenization,
-        "queue_requests": args.queue_requests, "interleave": args.interleave, "rounds": n_rounds,
+        "queue_requests": args.queue_requests, "interleave": args.interleave, "rounds": n_rounds, "stream": args.stream,
         "chunk_tokens": args.chunk_tokens, "corpus": work.corpus_name, "questions": work.question_source,
         "configs": {c: CONFIGS[c][0] for c in configs},
         "fidelity_f": args.fidelity if "f" in configs else None,
@@ -743,9 +762,11 @@ def _answers_vs_b(answers: dict[str, list], full: dict[str, list], levels: list[
             differs.append({"level": lv, "request": i, "served": kind, "rouge_l": round(rouge_l(x, y), 3),
                             "approximations": served.get("approximations"), "tie_guard": served.get("tie_guard"),
                             "tie_guard_switch": served.get("tie_guard_switch"),
-                            "tie_guard_agreed": served.get("tie_guard_agreed")})
+                            "tie_guard_agreed": served.get("tie_guard_agreed"),
+                            "tie_guard_rewound": served.get("tie_guard_rewound")})
     out["served"] = {k: {"requests": len(v), "exact_match_vs_b": sum(v) / len(v)} for k, v in sorted(kinds.items())}
     out["differs"] = differs
+    out["rewound"] = sum(1 for *_, served, _ in rows if served.get("tie_guard_rewound"))  # whole answers taken back
     return out
 
 

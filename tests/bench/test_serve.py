@@ -84,6 +84,7 @@ def test_answers_against_full_prefill_say_how_each_differing_one_was_served():
                            "switched": {"requests": 1, "exact_match_vs_b": 0.0}}
     assert [(d["request"], d["served"], d["tie_guard_switch"]) for d in a["differs"]] == [(1, "switched", 3),
                                                                                          (3, "exact", None)]
+    assert a["rewound"] == 0
 
 
 @pytest.mark.parametrize("argv, flags", [((), []), (("--cache-gb", "0.25"), ["--cache-gb", "0.25"])])
@@ -163,6 +164,22 @@ def test_bench_serve_runs_a_fidelity_level_beside_full_prefill(tmp_path):
     assert row["completed"] == 3 and row["tie_switched_share"] == 0.0 and 0.0 <= row["tie_guarded_share"] <= 1.0
     assert row["latency_p50_s"] >= row["ttft_p50_s"] > 0
     assert 0.0 <= data["answers"]["f"]["exact_match_vs_b"] <= 1.0
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_can_ask_for_whole_answers(tmp_path):
+    """--no-stream: every answer comes whole (its latency is its TTFT, no TPOT), and still compares with b's."""
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--tiny", "--configs", "b,f", "--no-stream", "--levels", "2", "--requests", "3",
+               "--warmup", "1", "--max-tokens", "4", "--no-soak", "--no-warm-c1", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["stream"] is False
+    for name in ("b", "f"):
+        row = data["configs"][name]["2"]
+        assert row["completed"] == 3 and row["tpot_p50_s"] is None
+        assert row["ttft_p50_s"] == pytest.approx(row["latency_p50_s"])
+    assert data["answers"]["f"]["exact_match_vs_b"] == 1.0  # faithful, whole answers: full prefill's
 
 
 @pytest.mark.timeout(300)
