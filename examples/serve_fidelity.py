@@ -8,7 +8,10 @@ same questions over retrieved documentation excerpts whose order changes from re
 (so the faithful server serves most of them from non-prefix reuse) and prints, per request, how
 the faithful server served it (the response's `cachedrag` object: `approximations`, `tie_guard`:
 prefilled again for a near-tied first token, `tie_guard_switch`: the answer token before which
-decoding moved onto exact KV) and whether its answer equals full prefill's.
+decoding moved onto exact KV; `tie_guard_rewound`: tokens a whole answer took back because the exact
+prefill would not have chosen them) and whether its answer equals full prefill's. These requests are
+not streamed, so an answer whose approximate first token was not full prefill's is rewound and
+decoded again from the exact KV: every answer is full prefill's.
 
     python examples/serve_fidelity.py          # the default model (SmolLM2-135M)
     python examples/serve_fidelity.py --tiny   # a tiny random model: seconds, gibberish answers
@@ -36,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     model = "tiny-random" if args.tiny else "SmolLM2-135M-Instruct"
     docs = [d.text for d in stdlib_corpus()[:4]]
-    chunks = [d[:150 if args.tiny else 900].strip() for d in docs]  # the tiny model has a 512-token window
+    chunks = [d[:80 if args.tiny else 900].strip() for d in docs]  # the tiny model has a 512-token window (bytes)
     servers = {name: start_server(args.tiny, *flags) for name, flags in
                (("full", ["--mode", "full"]), ("faithful", ["--fidelity", "faithful"]))}
     try:
@@ -48,7 +51,7 @@ def main() -> None:
             answers = {}
             for name, client in clients.items():
                 r = client.chat.completions.create(
-                    model=model, max_tokens=32, temperature=0,
+                    model=model, max_tokens=16 if args.tiny else 32, temperature=0,
                     messages=[{"role": "system", "content": SYSTEM},
                               {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}],
                     extra_body={"cachedrag": {"chunks": order}})
@@ -59,6 +62,8 @@ def main() -> None:
             guard = ("first token prefilled again" if served["tie_guard"] is not None
                      else f"moved onto exact KV before token {served['tie_guard_switch'] + 1}"
                      if served["tie_guard_switch"] is not None else "no guard needed")
+            if served["tie_guard_rewound"]:  # a whole answer taken back to the tokens the exact prefill agrees with
+                guard += f", {served['tie_guard_rewound']} token(s) taken back"
             print(f"{question}\n  served: {how}; {guard}; answer equal to full prefill's: {ours == full}\n"
                   f"  {ours.strip()[:100]!r}")
         print(f"{equal} of {len(QUESTIONS)} answers equal to full prefill's")
