@@ -549,7 +549,7 @@ class CachedEngine:
             if stop_at_disagreement and int(rows[-1].argmax()) != token:
                 break
             rows.append(self.runner.decode_step(token, start + j, pre.kv)[None].float())  # [1, V]
-        pre.logits = torch.cat(rows)  # [len(answer) + 1, V]
+        pre.logits = torch.cat(rows)  # [kept + 1, V]: kept = len(answer) unless it stopped at a disagreement
         return pre
 
     def prefill_logits(self, segments: Sequence[Segment], mode: str | None = None, all_logits: bool = False):
