@@ -299,14 +299,31 @@ def test_the_server_loop_rewinds_a_whole_answer_and_sends_it_once(runner, plant,
     approximate, full, diverges, _ = plant
     other = (["A cold passage nobody cached before.", "And another one."], "what is cold?")
     deltas: dict = {}
+    # exact_when_waiting=0: the other request waits at the first one's admission, which would otherwise be exact
     whole, beside = _serve(_engine(runner, math.inf), [(SEQ, QUESTION), other], whole_answer=True, deltas=deltas,
-                           max_batch=2, prefill_chunk_tokens=chunk)
+                           max_batch=2, prefill_chunk_tokens=chunk, exact_when_waiting=0)
     assert whole.token_ids == full and whole.text == runner.tokenizer.decode(full)
     assert whole.stats["tie_guard_switch"] == late_switch and whole.stats["tie_guard_agreed"] == diverges
     assert whole.stats["tie_guard_rewound"] == late_switch - diverges
     assert deltas[0] == [whole.text]  # held until whole: nothing of the parted tokens went out
     assert beside.token_ids == _engine(runner).generate(*other, SYSTEM, max_new_tokens=TOKENS).token_ids
     streamed, _ = _serve(_engine(runner, math.inf), [(SEQ, QUESTION), other], max_batch=2,
-                         prefill_chunk_tokens=chunk)
+                         prefill_chunk_tokens=chunk, exact_when_waiting=0)
     assert streamed.token_ids[:late_switch] == approximate[:late_switch] and streamed.token_ids != full
     assert streamed.stats["tie_guard_rewound"] is None
+
+
+@pytest.mark.parametrize("waiting", [1, 0], ids=["exact-when-waiting", "never"])
+def test_under_a_queue_a_faithful_server_admits_requests_exactly(runner, plant, waiting):
+    """With the guard at every token (``faithful``), a request admitted while another waits is prefilled
+    exactly (prefix caching's plan): it would move onto exact KV before its second token anyway.
+    ``exact_when_waiting=0`` keeps the approximate prefill and the switch."""
+    _, full, _, _ = plant
+    engine = _engine(runner, math.inf)
+    other = (["A cold passage nobody cached before.", "And another one."], "what is cold?")
+    first, _ = _serve(engine, [(SEQ, QUESTION), other], max_batch=1, exact_when_waiting=waiting)
+    assert first.token_ids == full  # either way full prefill's answer
+    if waiting:
+        assert first.stats["approximations"] == [] and first.stats.get("tie_guard_switch") is None
+    else:
+        assert "chunk_reuse" in first.stats["approximations"] and first.stats["tie_guard_switch"] == 1

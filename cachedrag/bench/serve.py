@@ -128,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "then (ttft = the whole answer's latency) but the tie guard during decoding may rewind "
                              "a whole answer (--fidelity faithful's answers are then full prefill's even where a "
                              "first token flipped)")
+    parser.add_argument("--exact-when-waiting", type=int, default=None,
+                        help="`cachedrag serve --exact-when-waiting` of every server (default: the server's, 1; it "
+                             "acts only at --fidelity faithful, so config f)")
     parser.add_argument("--fidelity", default="faithful", choices=FIDELITY_LEVELS,
                         help="`cachedrag serve --fidelity` of config f (default faithful)")
     parser.add_argument("--queue-level", type=int, default=16,
@@ -219,6 +222,7 @@ def scheduler_args(args: argparse.Namespace) -> list[str]:
     out += [] if args.passage_chars is None else ["--passage-chars", str(args.passage_chars)]
     out += [] if args.tokenization is None else ["--tokenization", args.tokenization]
     out += [] if args.preempt_ratio is None else ["--preempt-ratio", str(args.preempt_ratio)]
+    out += [] if args.exact_when_waiting is None else ["--exact-when-waiting", str(args.exact_when_waiting)]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -618,7 +622,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_per_s": args.rate, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "top_k": args.top_k,
         "dtype": args.dtype, "weights": args.weights, "threads": args.threads,
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
-        "preempt_ratio": args.preempt_ratio,
+        "preempt_ratio": args.preempt_ratio, "exact_when_waiting": args.exact_when_waiting,
         "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
         "cache_gb": args.cache_gb, "disk_tier": args.disk_dir is not None, "disk_gb": args.disk_gb,

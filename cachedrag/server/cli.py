@@ -114,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="while an answer decodes on approximate KV, a token whose top-2 logits are closer than "
                              "this many nats moves it onto an exact prefill of the prompt and the answer so far "
                              "(CacheConfig.tie_guard_decode; default 0 = off; docs/fidelity.md)")
+    parser.add_argument("--exact-when-waiting", type=int, default=1,
+                        help="with --tie-guard-decode inf (--fidelity faithful): admit a request with an exact "
+                             "(prefix caching) prefill while at least this many requests wait behind it, since its "
+                             "answer moves onto exact KV before its second token anyway (0 = never; default 1)")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
     parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
     parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")
@@ -149,7 +153,7 @@ def scheduler_config(args: argparse.Namespace):
                            hold_waiting=args.hold_waiting,
                            prefills_per_step=args.prefills_per_step,
                            prefill_chunk_tokens=args.prefill_chunk_tokens, kv_pool_tokens=args.kv_pool_tokens,
-                           trim_heap_idle_s=_bound(args.trim_heap_idle_s))
+                           exact_when_waiting=args.exact_when_waiting, trim_heap_idle_s=_bound(args.trim_heap_idle_s))
 
 
 def passage_config(args: argparse.Namespace):

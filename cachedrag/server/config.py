@@ -59,6 +59,13 @@ class SchedulerConfig(BaseModel):
                              "their own buffer); a request's answer does not depend on its batch-mates, but the "
                              "block-aligned call rounds apart from the runner's own step (CachedEngine.generate), "
                              "and it is no faster at batch 1-4; 0 = off, the default (docs/serving.md)")
+    exact_when_waiting: int = Field(
+        1, ge=0, description="with the tie guard during decoding at every token (tie_guard_decode=inf, fidelity "
+                             "'faithful'), admit a request with prefix caching's exact prefill instead of an "
+                             "approximate one while at least this many requests wait behind it: its answer would "
+                             "be prefilled exactly before its second token anyway, and under a queue the second "
+                             "prefill delays everyone waiting more than the earlier first token gains (0 = never; "
+                             "docs/fidelity.md, round 23)")
     trim_heap_idle_s: float | None = Field(
         1.0, ge=0.0, description="after this many seconds with nothing waiting, running or to promote, the loop "
                                  "returns the C heap's freed memory (finished requests' KV buffers) to the OS "

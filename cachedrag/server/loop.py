@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -195,6 +196,7 @@ class EngineLoop:
         self.promotions = 0  # exact paths computed in idle time
         self.promotions_yielded = 0  # promotions abandoned mid-prefill for an arriving request
         self.heap_trims = 0  # idle-time returns of freed heap memory to the OS (``trim_heap_idle_s``)
+        self.exact_admissions = 0  # requests prefilled exactly because others waited (``exact_when_waiting``)
         self.heap_released_bytes = 0  # resident bytes they released
 
     # ------------------------------------------------------------------ public API
@@ -420,7 +422,7 @@ class EngineLoop:
         preemptible = self._current is not None and self._current.payload is request and self.policy.preempt_ratio > 0
         outer_work, self._prefill_work = self._prefill_work, 0.0
         try:
-            pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=request.mode,
+            pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=self._admission_mode(request),
                                  between_layers=self._between_layers if chunked or preemptible else None,
                                  defer_store=True)
         except Exception as exc:  # bad request content the HTTP side could not see (handed back, not raised)
@@ -451,6 +453,20 @@ class EngineLoop:
             self._promotions.append(pre.promote)
             while len(self._promotions) > engine.config.cache.repeat_memory:
                 self._promotions.popleft()
+
+    def _admission_mode(self, request: ServeRequest) -> str | None:
+        """The reuse mode ``request`` is prefilled in: its own, except that with the tie guard during decoding
+        at every token (``tie_guard_decode=inf``) and at least ``exact_when_waiting`` requests waiting, a
+        ``cachedrag`` request gets prefix caching's exact prefill. Its answer would move onto an exact
+        prefill before its second token anyway; under a queue, computing the approximate one first delays
+        every waiting request by a second prefill for one earlier token. Counted in ``exact_admissions``."""
+        mode = request.mode or self.engine.config.mode
+        n = self.config.exact_when_waiting
+        if (n > 0 and mode == Mode.CACHEDRAG.value and math.isinf(self.engine.config.cache.tie_guard_decode)
+                and len(self.policy) >= n):
+            self.exact_admissions += 1
+            return Mode.PREFIX.value
+        return request.mode
 
     def _switch(self, run: _Running) -> None:
         """The tie guard during decoding: prefill ``run``'s prompt and answer so far exactly and go on

@@ -83,6 +83,8 @@ class _LoopCollector:
              "exact tree paths of recurring chunk sequences computed and stored (CacheConfig.exact_repeats)"),
             ("cachedrag_exact_promotions_yielded", loop.promotions_yielded,
              "exact-path computations abandoned for an arriving request (started over later)"),
+            ("cachedrag_exact_admissions", loop.exact_admissions,
+             "requests prefilled exactly because others waited (SchedulerConfig.exact_when_waiting, fidelity faithful)"),
             ("cachedrag_heap_trims", loop.heap_trims,
              "idle-time returns of freed heap memory to the OS (SchedulerConfig.trim_heap_idle_s)"),
             ("cachedrag_heap_released_bytes", loop.heap_released_bytes, "resident bytes those returns released"),
