@@ -554,6 +554,8 @@ def _level_stats(replays: list[Replay], level: int = 1) -> dict:
         # answers moved onto an exact prefill at a later near-tied token
         "tie_guarded_share": grew("cachedrag_tie_guarded_requests_total") / len(ok) if ok else 0.0,
         "tie_switched_share": grew("cachedrag_tie_guard_switches_total") / len(ok) if ok else 0.0,
+        # faithful under a queue: requests prefilled exactly because others waited (SchedulerConfig.exact_when_waiting)
+        "exact_admission_share": grew("cachedrag_exact_admissions_total") / len(ok) if ok else 0.0,
         "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
         # every request's TTFT in the order the level sent them (the shape behind p50 / p95)
         "ttft_s_by_request": [None if r["ttft_s"] is None else round(r["ttft_s"], 3) for r in results],

@@ -161,8 +161,9 @@ def test_bench_serve_runs_a_fidelity_level_beside_full_prefill(tmp_path):
     data = json.loads(out.read_text())
     assert data["config"]["fidelity_f"] == "guarded" and set(data["answers"]) == {"f"}
     row = data["configs"]["f"]["2"]
-    # guarded checks the first token only: no answer moves onto exact KV mid-way
+    # guarded checks the first token only: no answer moves onto exact KV mid-way, none is admitted exactly for a queue
     assert row["completed"] == 3 and row["tie_switched_share"] == 0.0 and 0.0 <= row["tie_guarded_share"] <= 1.0
+    assert row["exact_admission_share"] == 0.0
     assert row["latency_p50_s"] >= row["ttft_p50_s"] > 0
     assert 0.0 <= data["answers"]["f"]["exact_match_vs_b"] <= 1.0
 
