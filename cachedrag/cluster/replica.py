@@ -114,7 +114,7 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
     from cachedrag.model.runner import ModelRunner
-    from cachedrag.server.config import server_cache_config, server_engine_config
+    from cachedrag.server.config import server_engine_config, tie_guard_settings
     from cachedrag.store.config import StoreConfig
     from cachedrag.store.tiered import TieredStore
 
@@ -130,13 +130,9 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
         from cachedrag.model.loader import load_model
 
         runner = ModelRunner(*load_model(settings.model))
-    guards = {"tie_guard": settings.tie_guard, "tie_guard_trend": settings.tie_guard_trend,
-              "tie_guard_floor": settings.tie_guard_floor, "tie_guard_decode": settings.tie_guard_decode}
-    overrides = dict(settings.engine_overrides)
-    cache = overrides.pop("cache", None) or server_cache_config(settings.exact_repeats, settings.exact_repeats_when,
-                                                                **guards)
-    config = server_engine_config(settings.fidelity, settings.mode, int(settings.cache_gb * GB), cache,
-                                  explicit=guards, **overrides)
+    config = server_engine_config(settings.fidelity, settings.mode, int(settings.cache_gb * GB),
+                                  settings.exact_repeats, settings.exact_repeats_when, tie_guard_settings(settings),
+                                  **settings.engine_overrides)
     if settings.redis_url is None:
         return CachedEngine(runner, config=config)
     ns = namespace_for(runner.model, runner.tokenizer).digest

@@ -112,7 +112,7 @@ def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams
     tokens: list[int] = []
     logprobs: list[float] = []
     pending = [after_first] if after_first is not None else []
-    base, position, loop_params = 0, prompt_tokens, params
+    position, loop_params = prompt_tokens, params
     try:
         with torch.inference_mode():
             while True:
@@ -128,17 +128,16 @@ def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams
                         while pending:
                             pending.pop()()
                     break
-                except Rewind as back:  # tokens[base:] came from this decode loop; keep the first back.keep overall
+                except Rewind as back:  # keep the answer's first back.keep tokens and decode on from the hook's KV
                     del tokens[back.keep:], logprobs[back.keep:]
                     text_stream = TextStream(runner.tokenizer, params.stop)
                     for token in tokens:
                         text_stream.push(token)
                     ttft = ttft if tokens else None
-                    kv, logits, base = back.kv, back.logits, back.keep
-                    position = prompt_tokens + base
-                    loop_params = params.model_copy(update={"max_new_tokens": params.max_new_tokens - base})
+                    kv, logits, position = back.kv, back.logits, prompt_tokens + back.keep
+                    loop_params = params.model_copy(update={"max_new_tokens": params.max_new_tokens - back.keep})
                     if lookup is not None:  # its context: the prompt and the tokens kept
-                        lookup.truncate(prompt_tokens + base)
+                        lookup.truncate(position)
     finally:
         while pending:  # no token (EOS first), or the consumer closed the stream early
             with torch.inference_mode():

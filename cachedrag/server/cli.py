@@ -234,18 +234,12 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-def tie_guard_flags(args: argparse.Namespace) -> dict:
-    """The tie-guard settings given by flag (None: not given), which win over a fidelity level's."""
-    return {"tie_guard": args.tie_guard, "tie_guard_trend": args.tie_guard_trend,
-            "tie_guard_floor": args.tie_guard_floor, "tie_guard_decode": args.tie_guard_decode}
-
-
 def build_engine(args: argparse.Namespace):
     """The ``CachedEngine`` the server runs: model, then its chunk-cache store."""
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
     from cachedrag.model.runner import ModelRunner, resolve_device
-    from cachedrag.server.config import server_cache_config, server_engine_config
+    from cachedrag.server.config import server_engine_config, tie_guard_settings
 
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"bad server setting: --threads must be >= 1, got {args.threads}")
@@ -258,10 +252,8 @@ def build_engine(args: argparse.Namespace):
     else:
         runner = ModelRunner.from_pretrained(args.model, device=args.device, **numerics)  # warmed up here
     gb = 1 << 30
-    flags = tie_guard_flags(args)
-    config = server_engine_config(args.fidelity, args.mode, int(args.cache_gb * gb),
-                                  server_cache_config(args.exact_repeats, args.exact_repeats_when, **flags),
-                                  explicit=flags)
+    config = server_engine_config(args.fidelity, args.mode, int(args.cache_gb * gb), args.exact_repeats,
+                                  args.exact_repeats_when, tie_guard_settings(args))
     store = None
     if args.disk_dir or args.redis_url:
         from cachedrag.store.config import StoreConfig

@@ -132,19 +132,33 @@ def server_mode(fidelity: str | None, mode: str | None) -> str:
     return preset
 
 
-def server_engine_config(fidelity: str | None, mode: str | None, cache_bytes: int, cache,
-                         explicit: dict | None = None, **overrides):
-    """The ``EngineConfig`` of a server's engine (one process or each replica): ``cache`` (from
-    ``server_cache_config``) under the fidelity level's preset, then ``explicit`` (CacheConfig fields the user
-    set by flag, e.g. ``--tie-guard-decode``), which win over the preset's. ``ConfigError`` if bad."""
+#: the tie-guard settings a server's flags and ``ReplicaSettings`` share (``CacheConfig`` fields, same names)
+TIE_GUARD_FIELDS = ("tie_guard", "tie_guard_trend", "tie_guard_floor", "tie_guard_decode")
+
+
+def tie_guard_settings(source) -> dict:
+    """The tie-guard settings of ``source`` (``cachedrag serve``'s arguments or ``ReplicaSettings``; None:
+    not given)."""
+    return {name: getattr(source, name) for name in TIE_GUARD_FIELDS}
+
+
+def server_engine_config(fidelity: str | None, mode: str | None, cache_bytes: int,
+                         exact_repeats: int | None = None, exact_repeats_when: str | None = None,
+                         guards: dict | None = None, cache=None, **overrides):
+    """The ``EngineConfig`` of a server's engine (one process or each replica): ``cache`` (default
+    ``server_cache_config`` of the exact-repeat settings and ``guards``, the tie-guard settings given) under
+    the fidelity level's preset, then ``guards`` again, which win over the preset's. ``ConfigError`` if bad."""
     import dataclasses
 
     from cachedrag.config import EngineConfig
 
+    guards = guards or {}
+    if cache is None:
+        cache = server_cache_config(exact_repeats, exact_repeats_when, **guards)
     try:
         config = EngineConfig(fidelity=fidelity, mode=server_mode(fidelity, mode), cache_bytes=cache_bytes,
                               cache=cache, **overrides)
-        given = {k: v for k, v in (explicit or {}).items() if v is not None}
+        given = {k: v for k, v in guards.items() if v is not None}
         if given and fidelity is not None:
             config = config.model_copy(update={"cache": dataclasses.replace(config.cache, **given)})
     except ValueError as exc:
