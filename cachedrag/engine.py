@@ -467,7 +467,8 @@ class CachedEngine:
         return self._teacher_forced(pre, pre.info["prompt_tokens"], list(answer))
 
     def prefill(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None,
-                between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False) -> "Prefilled":
+                between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False,
+                exact: bool = False) -> "Prefilled":
         """Plan, load and prefill only, without decoding (the serving scheduler's seam).
 
         Returns the working KV buffer (capacity = prompt + ``max_new_tokens``, rows of the
@@ -484,9 +485,12 @@ class CachedEngine:
         ``.promote`` (``CacheConfig.exact_repeats``, timing "after_response"): when this request's
         chunk sequence recurred often enough, a callable that computes and stores its exact tree
         path; the caller runs it whenever it likes (after the response, in idle time) or drops it.
+        ``exact``: plan as prefix caching (tree prefix, the rest fresh: the prefill equals full
+        prefill's) but store as ``mode`` does, so the chunks it computes stay reusable elsewhere as
+        variants (a faithful server's exact admissions).
         """
         pre = self._prefill(list(segments), self._mode(mode), max_new_tokens, between_layers=between_layers,
-                            defer_store=defer_store)
+                            defer_store=defer_store, exact_plan=exact)
         return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info, hand_off=pre.hand_off, promote=pre.promote,
                          segments=pre.segments)
 
@@ -534,14 +538,18 @@ class CachedEngine:
         switched answers parting from full prefill's that way, none in float32). ``"prefill"`` (teacher-
         forced scoring): appended to the question in the one prefill, as ``_teacher_forced`` scores full
         prefill's answer. ``stop_at_disagreement`` (with ``"decode"``): no rows past the first answer token
-        the exact rows would not have chosen (greedy)."""
+        the exact rows would not have chosen (greedy).
+
+        Planned as prefix caching (``exact_plan``) but run as ``cachedrag``, so what it computes fresh
+        is stored with its attention metadata: an exact entry that replaces the approximate prefill's
+        variant of a chunk (same path) stays that chunk's variant, reusable elsewhere."""
         if answer_rows == "prefill":
             question = segments[-1]
             extended = dataclasses.replace(question, ids=tuple(question.ids) + tuple(answer))
-            return self._prefill(segments[:-1] + [extended], Mode.PREFIX, max_new_tokens - len(answer),
+            return self._prefill(segments[:-1] + [extended], Mode.CACHEDRAG, max_new_tokens - len(answer),
                                  between_layers=between_layers, defer_store=True, exact_plan=True,
                                  tail_logits=len(answer) + 1)
-        pre = self._prefill(segments, Mode.PREFIX, max_new_tokens, between_layers=between_layers,
+        pre = self._prefill(segments, Mode.CACHEDRAG, max_new_tokens, between_layers=between_layers,
                             defer_store=True, exact_plan=True)
         start = pre.kv.length
         rows = [pre.logits.reshape(1, -1).float()]  # [1, V]

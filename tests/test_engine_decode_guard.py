@@ -320,10 +320,30 @@ def test_under_a_queue_a_faithful_server_admits_requests_exactly(runner, plant, 
     ``exact_when_waiting=0`` keeps the approximate prefill and the switch."""
     _, full, _, _ = plant
     engine = _engine(runner, math.inf)
+    keys = [s.key for s in engine.prompts.chat(SEQ, QUESTION, SYSTEM) if s.kind == "chunk"]
+    assert [len(engine.manager.index.variants(k)) for k in keys] == [1, 1, 1]  # behind the other system prompt
     other = (["A cold passage nobody cached before.", "And another one."], "what is cold?")
     first, _ = _serve(engine, [(SEQ, QUESTION), other], max_batch=1, exact_when_waiting=waiting)
     assert first.token_ids == full  # either way full prefill's answer
+    # either way the exact prefill's chunks are stored as variants too (reusable at other positions)
+    assert [len(engine.manager.index.variants(k)) for k in keys] == [2, 2, 2]
     if waiting:
         assert first.stats["approximations"] == [] and first.stats.get("tie_guard_switch") is None
     else:
         assert "chunk_reuse" in first.stats["approximations"] and first.stats["tie_guard_switch"] == 1
+
+
+def test_a_switch_keeps_the_chunks_it_computed_reusable(runner):
+    """A chunk the approximate prefill computed fresh behind a reused one is stored as a variant;
+    the switch's exact prefill computes the same path exactly and replaces that entry. The exact
+    entry takes the variant's place (with its attention metadata), so a later request reusing the
+    chunk elsewhere still finds it instead of computing it again."""
+    engine = _engine(runner, math.inf)  # every chunk but CHUNKS[3] cached as a variant
+    r = engine.generate([CHUNKS[1], CHUNKS[3]], QUESTION, SYSTEM, max_new_tokens=4)
+    assert r.segment_actions[1:] == ["reuse", "fresh"] and r.tie_guard_switch == 1
+    key = engine.prompts.chat([CHUNKS[3]], QUESTION, SYSTEM)[1].key
+    (variant,) = engine.manager.index.variants(key)
+    assert variant.meta is not None and variant.handle in engine.manager._exact  # the exact entry, reusable
+    later = engine.generate([CHUNKS[3], CHUNKS[0]], QUESTION, SYSTEM, max_new_tokens=1)
+    assert later.segment_actions[1:] == ["reuse", "reuse"]
+    assert engine.manager.check() == []

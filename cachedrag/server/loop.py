@@ -422,9 +422,9 @@ class EngineLoop:
         preemptible = self._current is not None and self._current.payload is request and self.policy.preempt_ratio > 0
         outer_work, self._prefill_work = self._prefill_work, 0.0
         try:
-            pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=self._admission_mode(request),
+            pre = engine.prefill(request.segments, request.params.max_new_tokens, mode=request.mode,
                                  between_layers=self._between_layers if chunked or preemptible else None,
-                                 defer_store=True)
+                                 defer_store=True, exact=self._admits_exactly(request))
         except Exception as exc:  # bad request content the HTTP side could not see (handed back, not raised)
             request.emit(Failed(exc))
             return
@@ -454,19 +454,20 @@ class EngineLoop:
             while len(self._promotions) > engine.config.cache.repeat_memory:
                 self._promotions.popleft()
 
-    def _admission_mode(self, request: ServeRequest) -> str | None:
-        """The reuse mode ``request`` is prefilled in: its own, except that with the tie guard during decoding
-        at every token (``tie_guard_decode=inf``) and at least ``exact_when_waiting`` requests waiting, a
-        ``cachedrag`` request gets prefix caching's exact prefill. Its answer would move onto an exact
-        prefill before its second token anyway; under a queue, computing the approximate one first delays
-        every waiting request by a second prefill for one earlier token. Counted in ``exact_admissions``."""
+    def _admits_exactly(self, request: ServeRequest) -> bool:
+        """Whether ``request`` gets an exact prefill (prefix caching's plan; what it computes is still stored
+        as its ``cachedrag`` mode stores it, reusable elsewhere): with the tie guard during decoding at
+        every token (``tie_guard_decode=inf``) and at least ``exact_when_waiting`` requests waiting. Its
+        answer would move onto an exact prefill before its second token anyway; under a queue, computing
+        the approximate one first delays every waiting request by a second prefill for one earlier token.
+        Counted in ``exact_admissions``."""
         mode = request.mode or self.engine.config.mode
         n = self.config.exact_when_waiting
         if (n > 0 and mode == Mode.CACHEDRAG.value and math.isinf(self.engine.config.cache.tie_guard_decode)
                 and len(self.policy) >= n):
             self.exact_admissions += 1
-            return Mode.PREFIX.value
-        return request.mode
+            return True
+        return False
 
     def _switch(self, run: _Running) -> None:
         """The tie guard during decoding: prefill ``run``'s prompt and answer so far exactly and go on
