@@ -102,6 +102,8 @@ class EngineResult:
     #                                  exactly), "promoted" (served from reuse, then its exact tree path computed),
     #                                  "promote" (that computation handed to the caller: ``Prefilled.promote``)
     promotion_s: float = 0.0  # seconds spent computing the exact path after the response (not in ttft/total)
+    first_token_gap: float | None = None  # an approximate prefill's first-token top-2 logit gap (nats): how near its
+    #                                      first token was to a rival (None: the prefill was exact)
     tie_guard: float | None = None  # CacheConfig.tie_guard: the approximate prefill's first-token top-2 logit gap
     #                                 when it was near-tied and the request was prefilled again exactly (else None)
     tie_guard_margin: float | None = None  # CacheConfig.tie_guard_trend: the trend check's predicted margin of the
@@ -734,10 +736,11 @@ class CachedEngine:
         t_first = time.perf_counter()
         pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers,
                                             tail_logits)
-        gap = margin = first_actions = None
-        if cache.tie_guard and mode is Mode.CACHEDRAG and not exact_plan and pre.info["approximations"]:
+        gap = margin = first_actions = first = None
+        if mode is not Mode.FULL and not exact_plan and pre.info["approximations"]:
             logits = pre.logits[-1] if pre.logits.dim() == 2 else pre.logits  # [V]
-            first = top2_gap(logits)
+            first = top2_gap(logits)  # how close the approximate first token was to a rival (reported)
+        if cache.tie_guard and mode is Mode.CACHEDRAG and first is not None:
             if first < cache.tie_guard and cache.tie_guard_trend > 0 and pre.cached_rows is not None:
                 margin = self._trend_margin(pre, [t for s in question for t in s.ids], logits)
             if first < cache.tie_guard and (margin is None or margin < cache.tie_guard_floor):
@@ -769,6 +772,7 @@ class CachedEngine:
         pre.info["chunk_order"] = chunk_order
         pre.info["exact_repeat"] = repeat
         pre.info["tie_guard"] = gap
+        pre.info["first_token_gap"] = first
         pre.info["tie_guard_margin"] = margin
         pre.info["tie_guard_actions"] = first_actions
         pre.cached_rows = None

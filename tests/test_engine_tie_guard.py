@@ -35,6 +35,7 @@ def _approximate_gap(runner) -> tuple[float, list[int]]:
     logits = engine.prefill_logits(segs)  # [V]
     again = _engine(runner, 0.0).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
     assert "chunk_reuse" in again.approximations and again.tie_guard is None
+    assert again.first_token_gap == pytest.approx(top2_gap(logits), abs=1e-5)  # reported with the guard off too
     return top2_gap(logits), again.token_ids
 
 
@@ -47,13 +48,13 @@ def test_a_near_tie_above_the_gap_is_prefilled_exactly(runner):
     gap, _ = _approximate_gap(runner)
     engine = _engine(runner, gap * 1.01 + 1e-6)
     r = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
-    assert r.tie_guard == pytest.approx(gap, abs=1e-5)
+    assert r.tie_guard == pytest.approx(gap, abs=1e-5) and r.first_token_gap == r.tie_guard
     assert r.approximations == [] and r.exact_repeat is None
     full = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="full")
     assert r.token_ids == full.token_ids
     # the exact prefill stored its tree path: the next sighting is an exact prefix hit, no guard needed
     again = engine.generate(SEQ, "what wraps text?", SYSTEM, max_new_tokens=4)
-    assert again.approximations == [] and again.tie_guard is None
+    assert again.approximations == [] and again.tie_guard is None and again.first_token_gap is None
     assert again.prefix_hit_tokens == again.prompt_tokens - again.question_tokens
     assert engine.manager.check() == []
 
@@ -84,7 +85,8 @@ def test_exact_requests_and_ablation_modes_are_not_guarded(runner):
     naive = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2, mode="naive")
     assert naive.tie_guard is None and "chunk_reuse" in naive.approximations
     fresh = engine.generate(["a passage nobody cached before."], QUESTION, SYSTEM, max_new_tokens=2)
-    assert fresh.tie_guard is None and fresh.approximations == []
+    assert fresh.tie_guard is None and fresh.approximations == [] and fresh.first_token_gap is None
+    assert naive.first_token_gap is not None  # the ablation's approximate first token is reported, not guarded
 
 
 MISSED = "zipfile reads ZIP files."  # no request has cached it

@@ -766,7 +766,8 @@ def _answers_vs_b(answers: dict[str, list], full: dict[str, list], levels: list[
         kinds.setdefault(kind, []).append(x == y)
         if x != y:
             differs.append({"level": lv, "request": i, "served": kind, "rouge_l": round(rouge_l(x, y), 3),
-                            "approximations": served.get("approximations"), "tie_guard": served.get("tie_guard"),
+                            "approximations": served.get("approximations"),
+                            "first_token_gap": served.get("first_token_gap"), "tie_guard": served.get("tie_guard"),
                             "tie_guard_switch": served.get("tie_guard_switch"),
                             "tie_guard_agreed": served.get("tie_guard_agreed"),
                             "tie_guard_rewound": served.get("tie_guard_rewound")})

@@ -438,10 +438,12 @@ def plan_letters(actions: list[str] | None) -> str | None:
 def request_record(index: int, r, f) -> dict:
     """One counted request of a row in the JSON: its TTFT and answer time, the plan that made the
     answer and, when the tie guard prefilled it again, the approximate plan before (``plan_letters``),
-    the answer token where the tie guard during decoding moved it onto exact KV (``switch``), and
-    whether its first token and whole answer are full prefill's."""
+    the answer token where the tie guard during decoding moved it onto exact KV (``switch``), the
+    approximate prefill's first-token top-2 gap (``first_token_gap``), and whether its first token
+    and whole answer are full prefill's."""
     return {"request": index, "ttft_s": r.ttft_s, "total_s": r.total_s, "plan": plan_letters(r.segment_actions),
-            "guarded_plan": plan_letters(r.tie_guard_actions), "tie_guard": r.tie_guard,
+            "guarded_plan": plan_letters(r.tie_guard_actions), "first_token_gap": r.first_token_gap,
+            "tie_guard": r.tie_guard,
             "switch": r.tie_guard_switch, "switch_s": r.tie_guard_switch_s, "agreed": r.tie_guard_agreed,
             "exact_repeat": r.exact_repeat, "first_token_match": r.token_ids[:1] == f.token_ids[:1],
             "answer_match": r.token_ids == f.token_ids}

@@ -84,7 +84,7 @@ def test_chat_non_stream_and_stream_agree_and_count_cached_tokens(live_server):
     assert first.usage.completion_tokens == 6 and first.choices[0].finish_reason == "length"
     served = first.model_extra["cachedrag"]  # how the prompt was served: cold, so exact and all fresh
     assert served["approximations"] == [] and served["chunks_hit"] == 0 and served["chunks_missed"] >= 2
-    assert served["exact_repeat"] is None and served["tie_guard"] is None
+    assert served["exact_repeat"] is None and served["tie_guard"] is None and served["first_token_gap"] is None
     assert served["segment_actions"][0] in ("tree", "fresh") and "reuse" not in served["segment_actions"]
     assert served["segment_actions"].count("fresh") >= 2 and served["tie_guard_actions"] is None
     assert served["tie_guard_switch"] is None and served["tie_guard_agreed"] is None
@@ -95,7 +95,7 @@ def test_chat_non_stream_and_stream_agree_and_count_cached_tokens(live_server):
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     served = again.model_extra["cachedrag"]
     assert served["chunks_hit"] >= 2 and "chunk_reuse" in served["approximations"]
-    assert "reuse" in served["segment_actions"]
+    assert "reuse" in served["segment_actions"] and served["first_token_gap"] >= 0
     stream = client.chat.completions.create(model="tiny", messages=_messages(CHUNKS), max_tokens=6, temperature=0,
                                             extra_body=extra, stream=True, stream_options={"include_usage": True})
     pieces, usage, reasons, extra = [], None, [], []
