@@ -45,7 +45,7 @@ from cachedrag.kvcache.manager import ChunkCacheManager, NewEntry
 from cachedrag.kvcache.planner import (MODES, Action, Mode, PlanRequest, allocate_by_need, allocate_full_chunks,
                                        taper_counts)
 from cachedrag.kvcache.planner import Segment as PlanSegment
-from cachedrag.kvcache.tie import predicted_margin
+from cachedrag.kvcache.tie import near_tie, predicted_margin
 from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import Rewind, SamplingParams, eos_token_ids, rewind_allowed
 from cachedrag.model.lookup import prompt_lookup
@@ -275,8 +275,8 @@ class DecodeTieGuard:
         next token (chosen from ``logits`` ``[V]``); records the gap when it should."""
         if self.token is not None or self.failure is not None or not 0 < n_tokens < self.max_new_tokens:
             return False
-        gap = top2_gap(logits)
-        if gap >= self.threshold:
+        tied, gap = self.engine.near_tie(logits, self.threshold)
+        if not tied:
             return False
         self.gap = gap
         return True
@@ -656,7 +656,7 @@ class CachedEngine:
         the first position >= 1 whose approximate logits are a near tie on, the exact prefill's rows
         (the prompt and ``teacher[:-1]`` prefilled exactly; nothing stored: a measurement must not
         change the cache)."""
-        at = next((j for j in range(1, len(teacher)) if top2_gap(rows[j]) < guard.threshold), None)
+        at = next((j for j in range(1, len(teacher)) if self.near_tie(rows[j], guard.threshold)[0]), None)
         if at is None:
             return
         exact = self._exact_continuation(segments, teacher[:-1], guard.max_new_tokens)  # [A, V]
@@ -739,11 +739,12 @@ class CachedEngine:
         gap = margin = first_actions = first = None
         if mode is not Mode.FULL and not exact_plan and pre.info["approximations"]:
             logits = pre.logits[-1] if pre.logits.dim() == 2 else pre.logits  # [V]
-            first = top2_gap(logits)  # how close the approximate first token was to a rival (reported)
+            # how close the approximate first token was to a rival (reported; the tie guard's reading)
+            tied, first = self.near_tie(logits, cache.tie_guard)
         if cache.tie_guard and mode is Mode.CACHEDRAG and first is not None:
-            if first < cache.tie_guard and cache.tie_guard_trend > 0 and pre.cached_rows is not None:
+            if tied and cache.tie_guard_trend > 0 and pre.cached_rows is not None:
                 margin = self._trend_margin(pre, [t for s in question for t in s.ids], logits)
-            if first < cache.tie_guard and (margin is None or margin < cache.tie_guard_floor):
+            if tied and (margin is None or margin < cache.tie_guard_floor):
                 # the approximation would pick a near-tied first token (and, checked, is closing in on a
                 # rival, or stays within the floor's noise of one): prefill exactly
                 if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:plan.exact_prefix_segments]):
@@ -782,6 +783,14 @@ class CachedEngine:
         if chunk_order is not None:
             pre.info["approximations"].insert(0, "reordered")
         return pre
+
+    def near_tie(self, logits: torch.Tensor, threshold: float) -> tuple[bool, float]:
+        """Whether the top-2 logits of ``logits`` ``[V]`` are a near tie at ``threshold`` nats, allowing
+        for one rounding unit of the runner's dtype at the top logit (``kvcache.tie.near_tie``: in
+        bfloat16 a gap read as 0.25 nats may be two 1/8-nat steps), and the gap as read."""
+        top, gap = top2(logits)
+        bits = round(-math.log2(torch.finfo(self.runner.dtype).eps))  # explicit mantissa bits
+        return near_tie(gap, top, threshold, bits), gap
 
     def _trend_margin(self, pre: _Prefill, question_ids: list[int], logits: torch.Tensor) -> float:
         """The tie guard's trend check (``kvcache/tie.py``): the first token's logits read again on
@@ -1613,10 +1622,15 @@ def _rank01(x: torch.Tensor) -> torch.Tensor:
     return r / max(1, x.shape[0] - 1)
 
 
+def top2(logits: torch.Tensor) -> tuple[float, float]:
+    """The top logit of ``logits`` ``[V]`` and how far it leads the second (nats of log-probability)."""
+    first, second = logits.float().topk(2).values.tolist()  # one read of the device
+    return first, first - second
+
+
 def top2_gap(logits: torch.Tensor) -> float:
     """How far the top logit of ``logits`` ``[V]`` leads the second (nats of log-probability)."""
-    top = logits.float().topk(2).values  # [2]
-    return float(top[0] - top[1])
+    return top2(logits)[1]
 
 
 def _call_each(calls: list[Callable[[], None]]) -> None:

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from cachedrag.config import EngineConfig
-from cachedrag.engine import TREND_RIVALS, CachedEngine, top2_gap
+from cachedrag.engine import TREND_RIVALS, CachedEngine, top2, top2_gap
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.tie import rounding_unit
+from cachedrag.model.runner import ModelRunner
 from tests.test_engine import SYSTEM
 from tests.test_engine_repeats import SEQ, _warm, runner  # noqa: F401 (the four-layer tiny model fixture)
 
@@ -245,3 +247,28 @@ def test_tie_guard_trend_is_validated():
     for bad in (-0.5, float("inf"), "x"):
         with pytest.raises(ConfigError, match="tie_guard_trend"):
             CacheConfig(tie_guard=0.3, tie_guard_trend=bad)
+
+
+def test_a_near_tie_allows_for_the_rounding_of_bfloat16_logits(runner):
+    """bfloat16 logits near 20 come in steps of 1/8 nat: a gap read as 0.25 may be two steps of a
+    smaller one, so at a 0.2 threshold it is a near tie there, and not in float32."""
+    logits = torch.full((8,), -5.0)
+    logits[3], logits[6] = 20.0, 19.75  # [V]: a gap of 0.25 at a top logit of 20
+    low = ModelRunner(runner.model, runner.tokenizer, dtype="bfloat16")
+    assert CachedEngine(low).near_tie(logits, 0.2) == (True, 0.25)
+    assert CachedEngine(runner).near_tie(logits, 0.2) == (False, 0.25)
+    assert CachedEngine(low).near_tie(logits, 0.1) == (False, 0.25)  # one unit of slack, not more
+
+
+def test_the_guard_reads_bfloat16_gaps_with_their_rounding(runner):
+    """End to end in bfloat16: a threshold half a rounding unit below the approximate first token's
+    gap guards it (the gap may be a unit smaller than read); the answer is full prefill's."""
+    low = ModelRunner(runner.model, runner.tokenizer, dtype="bfloat16")
+    engine = _engine(low, 0.0)
+    segs = engine.prompts.chat(SEQ, QUESTION, SYSTEM)
+    top, gap = top2(engine.prefill_logits(segs))  # the approximate prefill's first token (guard off)
+    threshold = gap - rounding_unit(top, 7) / 2
+    assert threshold > 0
+    r = _engine(low, threshold).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
+    assert r.tie_guard == pytest.approx(gap) and r.approximations == []
+    assert r.token_ids == _engine(low, 0.0).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="full").token_ids
