@@ -301,7 +301,7 @@ def test_the_server_loop_rewinds_a_whole_answer_and_sends_it_once(runner, plant,
     deltas: dict = {}
     # exact_when_waiting=0: the other request waits at the first one's admission, which would otherwise be exact
     whole, beside = _serve(_engine(runner, math.inf), [(SEQ, QUESTION), other], whole_answer=True, deltas=deltas,
-                           max_batch=2, prefill_chunk_tokens=chunk, exact_when_waiting=0)
+                           max_batch=2, prefill_chunk_tokens=chunk, exact_when_waiting=0, exact_whole_answers=False)
     assert whole.token_ids == full and whole.text == runner.tokenizer.decode(full)
     assert whole.stats["tie_guard_switch"] == late_switch and whole.stats["tie_guard_agreed"] == diverges
     assert whole.stats["tie_guard_rewound"] == late_switch - diverges
@@ -347,3 +347,22 @@ def test_a_switch_keeps_the_chunks_it_computed_reusable(runner):
     later = engine.generate([CHUNKS[3], CHUNKS[0]], QUESTION, SYSTEM, max_new_tokens=1)
     assert later.segment_actions[1:] == ["reuse", "reuse"]
     assert engine.manager.check() == []
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "streamed"])
+def test_a_faithful_server_admits_whole_answers_exactly(runner, plant, whole):
+    """With the guard at every token, a non-streaming request (``whole_answer``) is prefilled exactly: nobody
+    sees its first token early and it would move onto exact KV before its second token anyway. A streamed
+    one gets the approximate prefill (its first token sooner) and switches."""
+    _, full, _, _ = plant
+    engine = _engine(runner, math.inf)
+    loop_config = dict(max_batch=1, exact_when_waiting=0)
+    (r,) = _serve(engine, [(SEQ, QUESTION)], whole_answer=whole, **loop_config)
+    assert r.token_ids == full
+    if whole:
+        assert r.stats["approximations"] == [] and r.stats.get("tie_guard_switch") is None
+    else:
+        assert "chunk_reuse" in r.stats["approximations"] and r.stats["tie_guard_switch"] == 1
+    (kept,) = _serve(_engine(runner, math.inf), [(SEQ, QUESTION)], whole_answer=whole, exact_whole_answers=False,
+                     **loop_config)
+    assert "chunk_reuse" in kept.stats["approximations"] and kept.token_ids == full  # the setting off: rewinds

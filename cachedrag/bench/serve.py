@@ -168,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "directory under this one (removed when the server stops)")
     parser.add_argument("--disk-gb", type=float, default=None,
                         help="`cachedrag serve --disk-gb` with --disk-dir (default: the server's, 10 GB)")
+    parser.add_argument("--exact-whole-answers", action=argparse.BooleanOptionalAction, default=None,
+                        help="`cachedrag serve --[no-]exact-whole-answers` of every server (default: the server's, "
+                             "on; acts with --fidelity faithful and --no-stream)")
     parser.add_argument("--hold-waiting", action=argparse.BooleanOptionalAction, default=None,
                         help="`cachedrag serve --[no-]hold-waiting` of every server (default: the server's, on)")
     parser.add_argument("--kv-pool-tokens", type=int, default=None,
@@ -223,6 +226,8 @@ def scheduler_args(args: argparse.Namespace) -> list[str]:
     out += [] if args.tokenization is None else ["--tokenization", args.tokenization]
     out += [] if args.preempt_ratio is None else ["--preempt-ratio", str(args.preempt_ratio)]
     out += [] if args.exact_when_waiting is None else ["--exact-when-waiting", str(args.exact_when_waiting)]
+    out += [] if args.exact_whole_answers is None else [
+        "--exact-whole-answers" if args.exact_whole_answers else "--no-exact-whole-answers"]
     return out + ([] if args.max_delay_s is None else ["--max-delay-s", str(args.max_delay_s)])
 
 
@@ -625,6 +630,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype, "weights": args.weights, "threads": args.threads,
         "starvation_s": args.starvation_s, "max_overtakes": args.max_overtakes, "max_delay_s": args.max_delay_s,
         "preempt_ratio": args.preempt_ratio, "exact_when_waiting": args.exact_when_waiting,
+        "exact_whole_answers": args.exact_whole_answers,
         "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
         "cache_gb": args.cache_gb, "disk_tier": args.disk_dir is not None, "disk_gb": args.disk_gb,

@@ -118,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --tie-guard-decode inf (--fidelity faithful): admit a request with an exact "
                              "(prefix caching) prefill while at least this many requests wait behind it, since its "
                              "answer moves onto exact KV before its second token anyway (0 = never; default 1)")
+    parser.add_argument("--exact-whole-answers", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --tie-guard-decode inf (--fidelity faithful): admit a non-streaming request with "
+                             "an exact (prefix caching) prefill, since nobody sees its first token early and its "
+                             "answer moves onto exact KV before its second token anyway (default on)")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
     parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
     parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")
@@ -153,7 +157,8 @@ def scheduler_config(args: argparse.Namespace):
                            hold_waiting=args.hold_waiting,
                            prefills_per_step=args.prefills_per_step,
                            prefill_chunk_tokens=args.prefill_chunk_tokens, kv_pool_tokens=args.kv_pool_tokens,
-                           exact_when_waiting=args.exact_when_waiting, trim_heap_idle_s=_bound(args.trim_heap_idle_s))
+                           exact_when_waiting=args.exact_when_waiting, exact_whole_answers=args.exact_whole_answers,
+                           trim_heap_idle_s=_bound(args.trim_heap_idle_s))
 
 
 def passage_config(args: argparse.Namespace):

@@ -196,7 +196,7 @@ class EngineLoop:
         self.promotions = 0  # exact paths computed in idle time
         self.promotions_yielded = 0  # promotions abandoned mid-prefill for an arriving request
         self.heap_trims = 0  # idle-time returns of freed heap memory to the OS (``trim_heap_idle_s``)
-        self.exact_admissions = 0  # requests prefilled exactly because others waited (``exact_when_waiting``)
+        self.exact_admissions = 0  # faithful requests prefilled exactly (``exact_when_waiting``, ``exact_whole_answers``)
         self.heap_released_bytes = 0  # resident bytes they released
 
     # ------------------------------------------------------------------ public API
@@ -457,14 +457,16 @@ class EngineLoop:
     def _admits_exactly(self, request: ServeRequest) -> bool:
         """Whether ``request`` gets an exact prefill (prefix caching's plan; what it computes is still stored
         as its ``cachedrag`` mode stores it, reusable elsewhere): with the tie guard during decoding at
-        every token (``tie_guard_decode=inf``) and at least ``exact_when_waiting`` requests waiting. Its
-        answer would move onto an exact prefill before its second token anyway; under a queue, computing
-        the approximate one first delays every waiting request by a second prefill for one earlier token.
-        Counted in ``exact_admissions``."""
+        every token (``tie_guard_decode=inf``), its answer would move onto an exact prefill before its
+        second token anyway, so the approximate prefill buys only an earlier first token. That is not worth
+        it when at least ``exact_when_waiting`` requests wait (computing the approximate one first delays
+        every one of them by a second prefill) or when the answer is sent whole (``exact_whole_answers``:
+        nobody sees the first token early). Counted in ``exact_admissions``."""
         mode = request.mode or self.engine.config.mode
+        if mode != Mode.CACHEDRAG.value or not math.isinf(self.engine.config.cache.tie_guard_decode):
+            return False
         n = self.config.exact_when_waiting
-        if (n > 0 and mode == Mode.CACHEDRAG.value and math.isinf(self.engine.config.cache.tie_guard_decode)
-                and len(self.policy) >= n):
+        if (n > 0 and len(self.policy) >= n) or (self.config.exact_whole_answers and request.whole_answer):
             self.exact_admissions += 1
             return True
         return False

@@ -84,7 +84,8 @@ class _LoopCollector:
             ("cachedrag_exact_promotions_yielded", loop.promotions_yielded,
              "exact-path computations abandoned for an arriving request (started over later)"),
             ("cachedrag_exact_admissions", loop.exact_admissions,
-             "requests prefilled exactly because others waited (SchedulerConfig.exact_when_waiting, fidelity faithful)"),
+             "faithful requests prefilled exactly: others waited or the answer is sent whole "
+             "(SchedulerConfig.exact_when_waiting, exact_whole_answers)"),
             ("cachedrag_heap_trims", loop.heap_trims,
              "idle-time returns of freed heap memory to the OS (SchedulerConfig.trim_heap_idle_s)"),
             ("cachedrag_heap_released_bytes", loop.heap_released_bytes, "resident bytes those returns released"),

@@ -38,6 +38,7 @@ def test_every_server_gets_the_requested_numerics(argv, flags):
     (("--trim-heap-idle-s", "inf"), ["--trim-heap-idle-s", "inf"]),
     (("--passage-chars", "60", "--tokenization", "parts"), ["--passage-chars", "60", "--tokenization", "parts"]),
     (("--exact-when-waiting", "0"), ["--exact-when-waiting", "0"]),
+    (("--no-exact-whole-answers",), ["--no-exact-whole-answers"]),
 ])
 def test_every_server_gets_the_requested_admission_bounds(argv, flags):
     assert serve.scheduler_args(_args(*argv)) == flags

@@ -103,6 +103,16 @@ def test_tokenization_flag_defaults_to_whole_and_refuses_others(capsys):
     assert exc.value.code == 2 and "--tokenization" in capsys.readouterr().err
 
 
+def test_faithful_admission_flags_reach_the_scheduler():
+    from cachedrag.cli import build_parser
+    from cachedrag.server.cli import scheduler_config
+
+    default = scheduler_config(build_parser().parse_args(["serve"]))
+    assert default.exact_whole_answers is True and default.exact_when_waiting == 1
+    off = scheduler_config(build_parser().parse_args(["serve", "--no-exact-whole-answers", "--exact-when-waiting", "0"]))
+    assert off.exact_whole_answers is False and off.exact_when_waiting == 0
+
+
 def test_build_engine_uses_the_requested_numerics():
     from cachedrag.cli import build_parser
     from cachedrag.server.cli import build_engine
