@@ -737,6 +737,7 @@ class CachedEngine:
         pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers,
                                             tail_logits)
         gap = margin = first_actions = first = None
+        tied = False
         if mode is not Mode.FULL and not exact_plan and pre.info["approximations"]:
             logits = pre.logits[-1] if pre.logits.dim() == 2 else pre.logits  # [V]
             # how close the approximate first token was to a rival (reported; the tie guard's reading)

@@ -2,10 +2,10 @@
 
 Owns the near-tie rule (``near_tie``: a top-2 gap below the threshold, allowing for the rounding
 of the logits' dtype) and the trend check's decision (torch-free policy; the engine measures the
-logits it reads). The tie guard (``CacheConfig.tie_guard``) re-prefills exactly a request whose approximate first token is a
-near tie. A gap threshold alone cannot tell a near tie that the approximation is about to flip
-from one it leaves alone (docs/fidelity.md, lever 4: on ``bench ttft``'s two streams the flips'
-gaps and the non-flips' overlap). The trend check adds a second reading of the same request: the
+logits it reads). The tie guard (``CacheConfig.tie_guard``) re-prefills exactly a request whose
+approximate first token is a near tie. A gap threshold alone cannot tell a near tie that the
+approximation is about to flip from one it leaves alone (docs/fidelity.md, lever 4: on ``bench
+ttft``'s two streams the flips' gaps and the non-flips' overlap). The trend check adds a second reading of the same request: the
 first-token logits with the recomputed rows of the reused chunks put back to their cached values
 (what reuse gives with no recompute). Going from that reading to the approximate one, the
 recompute moved each rival's margin by some amount; the rows still not recomputed are assumed

@@ -196,7 +196,7 @@ class EngineLoop:
         self.promotions = 0  # exact paths computed in idle time
         self.promotions_yielded = 0  # promotions abandoned mid-prefill for an arriving request
         self.heap_trims = 0  # idle-time returns of freed heap memory to the OS (``trim_heap_idle_s``)
-        self.exact_admissions = 0  # faithful requests prefilled exactly (``exact_when_waiting``, ``exact_whole_answers``)
+        self.exact_admissions = 0  # faithful requests prefilled exactly (exact_when_waiting, exact_whole_answers)
         self.heap_released_bytes = 0  # resident bytes they released
 
     # ------------------------------------------------------------------ public API

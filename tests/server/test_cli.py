@@ -109,7 +109,8 @@ def test_faithful_admission_flags_reach_the_scheduler():
 
     default = scheduler_config(build_parser().parse_args(["serve"]))
     assert default.exact_whole_answers is True and default.exact_when_waiting == 1
-    off = scheduler_config(build_parser().parse_args(["serve", "--no-exact-whole-answers", "--exact-when-waiting", "0"]))
+    argv = ["serve", "--no-exact-whole-answers", "--exact-when-waiting", "0"]
+    off = scheduler_config(build_parser().parse_args(argv))
     assert off.exact_whole_answers is False and off.exact_when_waiting == 0
 
 
