@@ -6,12 +6,12 @@ tie guards on the first and every later token: an approximate prefill's answer m
 exact prefill of the prompt and its first token before its second token). Then it sends both the
 same questions over retrieved documentation excerpts whose order changes from request to request
 (so the faithful server serves most of them from non-prefix reuse) and prints, per request, how
-the faithful server served it (the response's `cachedrag` object: `approximations`, `tie_guard`:
-prefilled again for a near-tied first token, `tie_guard_switch`: the answer token before which
-decoding moved onto exact KV; `tie_guard_rewound`: tokens a whole answer took back because the exact
-prefill would not have chosen them) and whether its answer equals full prefill's. These requests are
-not streamed, so an answer whose approximate first token was not full prefill's is rewound and
-decoded again from the exact KV: every answer is full prefill's.
+the faithful server served it (the `cachedrag` object of the stream's last chunk: `approximations`,
+`first_token_gap`: how near the approximate first token was to a rival, `tie_guard`: prefilled again
+for a near-tied first token, `tie_guard_switch`: the answer token before which decoding moved onto
+exact KV) and whether its answer equals full prefill's. The faithful server's answers are streamed,
+where reuse shows its first token early; a last question is asked whole (`stream: false`), which a
+faithful server prefills exactly from the start (nobody sees its first token early).
 
     python examples/serve_fidelity.py          # the default model (SmolLM2-135M)
     python examples/serve_fidelity.py --tiny   # a tiny random model: seconds, gibberish answers
@@ -45,28 +45,42 @@ def main() -> None:
     try:
         clients = {name: OpenAI(base_url=url + "/v1", api_key="none") for name, (_, url) in servers.items()}
         rng, equal = random.Random(0), 0
+
+        def ask(name: str, question: str, order: list[str], stream: bool) -> tuple[str, dict]:
+            """The answer's text and the response's `cachedrag` object (a stream's is on its last chunk)."""
+            context = "\n\n".join(order)
+            r = clients[name].chat.completions.create(
+                model=model, max_tokens=16 if args.tiny else 32, temperature=0, stream=stream,
+                messages=[{"role": "system", "content": SYSTEM},
+                          {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}],
+                extra_body={"cachedrag": {"chunks": order}})
+            if not stream:
+                return r.choices[0].message.content, r.model_extra["cachedrag"]
+            text, served = [], {}
+            for chunk in r:
+                for choice in chunk.choices:
+                    text.append(choice.delta.content or "")
+                served = (chunk.model_extra or {}).get("cachedrag") or served
+            return "".join(text), served
+
         for question in QUESTIONS:
             order = rng.sample(chunks, 3)  # three of the four excerpts, in a new order each time
-            context = "\n\n".join(order)
-            answers = {}
-            for name, client in clients.items():
-                r = client.chat.completions.create(
-                    model=model, max_tokens=16 if args.tiny else 32, temperature=0,
-                    messages=[{"role": "system", "content": SYSTEM},
-                              {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}],
-                    extra_body={"cachedrag": {"chunks": order}})
-                answers[name] = (r.choices[0].message.content, r.model_extra["cachedrag"])
-            (full, _), (ours, served) = answers["full"], answers["faithful"]
+            full, _ = ask("full", question, order, stream=False)
+            ours, served = ask("faithful", question, order, stream=True)
             equal += ours == full
             how = ", ".join(served["approximations"]) or "exact"
+            gap = "" if served["first_token_gap"] is None else f" (first-token gap {served['first_token_gap']:.2f})"
             guard = ("first token prefilled again" if served["tie_guard"] is not None
                      else f"moved onto exact KV before token {served['tie_guard_switch'] + 1}"
                      if served["tie_guard_switch"] is not None else "no guard needed")
-            if served["tie_guard_rewound"]:  # a whole answer taken back to the tokens the exact prefill agrees with
-                guard += f", {served['tie_guard_rewound']} token(s) taken back"
-            print(f"{question}\n  served: {how}; {guard}; answer equal to full prefill's: {ours == full}\n"
+            print(f"{question}\n  served: {how}{gap}; {guard}; answer equal to full prefill's: {ours == full}\n"
                   f"  {ours.strip()[:100]!r}")
-        print(f"{equal} of {len(QUESTIONS)} answers equal to full prefill's")
+        print(f"{equal} of {len(QUESTIONS)} streamed answers equal to full prefill's")
+        order = rng.sample(chunks, 3)
+        full, _ = ask("full", QUESTIONS[0], order, stream=False)
+        whole, served = ask("faithful", QUESTIONS[0], order, stream=False)
+        print(f"asked whole: served {', '.join(served['approximations']) or 'exact'} "
+              f"(prefilled exactly from the start); equal to full prefill's: {whole == full}")
     finally:
         for proc, _ in servers.values():
             proc.terminate()
