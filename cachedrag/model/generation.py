@@ -134,6 +134,14 @@ class TextStream:
             self.emitted = text[:safe]
         return delta
 
+    def rewound(self, keep: int) -> "TextStream":
+        """A new stream over this one's first ``keep`` tokens (an answer taken back by a ``Rewind``),
+        with the text they make as pushed one by one."""
+        stream = TextStream(self.tokenizer, self.stop)
+        for token in self.ids[:keep]:
+            stream.push(token)
+        return stream
+
     def flush(self) -> str:
         """Text held back at the end of generation (a partial stop string that never completed)."""
         if self.stopped:

@@ -130,9 +130,7 @@ def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams
                     break
                 except Rewind as back:  # keep the answer's first back.keep tokens and decode on from the hook's KV
                     del tokens[back.keep:], logprobs[back.keep:]
-                    text_stream = TextStream(runner.tokenizer, params.stop)
-                    for token in tokens:
-                        text_stream.push(token)
+                    text_stream = text_stream.rewound(back.keep)
                     ttft = ttft if tokens else None
                     kv, logits, position = back.kv, back.logits, prompt_tokens + back.keep
                     loop_params = params.model_copy(update={"max_new_tokens": params.max_new_tokens - back.keep})

@@ -496,9 +496,7 @@ class EngineLoop:
         keep = exact.info["answer_kept"]
         if keep < len(run.tokens):  # a rewind (``run.held``: nothing was sent): back to the agreed tokens
             del run.tokens[keep:]
-            run.stream = TextStream(self.engine.runner.tokenizer, run.request.params.stop)
-            for token in run.tokens:
-                run.stream.push(token)
+            run.stream = run.stream.rewound(keep)
             run.position = run.stats["prompt_tokens"] + keep
         self._running.append(run)
         self._advance(run, exact.logits)
