@@ -124,6 +124,9 @@ class EngineResult:
     #                                      choices too (== tie_guard_switch: the whole greedy answer is full prefill's)
     tie_guard_rewound: int | None = None  # a whole answer (not streamed) went back this many tokens, to where the
     #                                       exact prefill agreed, and on from there (None: no rewind)
+    decoded_first_token: int | None = None  # the first token as first decoded: what a stream of this answer would
+    #                                         have shown first. Differs from token_ids[0] only where a rewind took
+    #                                         the answer back past it (a first-token flip the first-token guard missed)
     teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
 
     def stats(self) -> dict:
@@ -250,6 +253,7 @@ class DecodeTieGuard:
         self.engine, self.segments, self.threshold, self.max_new_tokens = engine, segments, threshold, max_new_tokens
         self.rewind = rewind
         self.rewound: int | None = None  # answer tokens dropped by a rewind (None: none)
+        self.replaced_first: int | None = None  # the first answer token, when a rewind went back past it
         self.token: int | None = None  # the answer token chosen from the exact prefill's logits
         self.gap: float | None = None
         self.seconds: float | None = None
@@ -290,6 +294,8 @@ class DecodeTieGuard:
         self.token, self.agreed = len(answer), exact.info["answer_agreed"]
         if exact.info["answer_kept"] < len(answer):
             self.rewound = len(answer) - exact.info["answer_kept"]
+            if exact.info["answer_kept"] == 0:
+                self.replaced_first = answer[0]
         self.seconds = time.perf_counter() - t0
         return exact
 
@@ -612,9 +618,11 @@ class CachedEngine:
             if guard is not None:
                 guard.close()
         g = holder.last_result
-        info = pre.info
+        info = dict(pre.info, decoded_first_token=g.token_ids[0] if g.token_ids else None)
         if guard is not None:
-            info = dict(info, **guard.stats())
+            info.update(guard.stats())
+            if guard.replaced_first is not None:
+                info["decoded_first_token"] = guard.replaced_first
             if guard.failure is not None:
                 info["notes"] = [*info["notes"], guard.failure]
         holder.result = EngineResult(

@@ -176,6 +176,47 @@ def test_a_rewind_back_to_no_token_replaces_the_first(runner, plant):
     assert rewound_at[0] - t0 <= result.ttft_s <= result.total_s  # the kept answer's first token came after
 
 
+@pytest.fixture
+def flipped_first(runner, plant, monkeypatch):
+    """The approximate prefill's first-token logits with their top two swapped: a planted first-token
+    flip (the first-token guard is off in ``_engine``). Returns the flipped token."""
+    original = CachedEngine._prefill
+
+    def _prefill(self, segments, mode, max_new_tokens, *args, **kwargs):
+        pre = original(self, segments, mode, max_new_tokens, *args, **kwargs)
+        if not kwargs.get("exact_plan") and pre.info["approximations"]:
+            logits = pre.logits.clone()  # [V] or [N, V]
+            row = logits.view(-1, logits.shape[-1])[-1]  # [V]
+            top = row.topk(2).indices  # [2]
+            row[top] = row[top.flip(0)]
+            pre.logits = logits
+        return pre
+
+    monkeypatch.setattr(CachedEngine, "_prefill", _prefill)
+    engine = _engine(runner)
+    r = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=1)
+    assert r.token_ids[0] != plant[1][0]  # the plant: the approximate first token is not full prefill's
+    return r.token_ids[0]
+
+
+def test_a_rewind_past_a_flipped_first_token_reports_the_token_decoded(runner, plant, flipped_first):
+    """A first token the first-token guard missed: asked whole, the answer is rewound to full prefill's,
+    and ``decoded_first_token`` keeps the token decoded first (what a stream would have shown), which the
+    benchmarks' first-token figures read; streamed, that token stands."""
+    full = plant[1]
+    r = _engine(runner, math.inf).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=TOKENS)
+    assert r.tie_guard_switch == 1 and r.tie_guard_agreed == 0 and r.tie_guard_rewound == 1
+    assert r.token_ids == full and r.decoded_first_token == flipped_first != full[0]
+    streamed = _engine(runner, math.inf).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=TOKENS, stream=True)
+    "".join(streamed)
+    s = streamed.result
+    assert s.tie_guard_rewound is None and s.token_ids[0] == s.decoded_first_token == flipped_first
+    assert s.token_ids[1:] == _full(runner, [t for seg in _engine(runner).prompts.chat(SEQ, QUESTION, SYSTEM)
+                                             for t in seg.ids] + [flipped_first], TOKENS - 1)
+    unguarded = _engine(runner).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=TOKENS)
+    assert unguarded.decoded_first_token == unguarded.token_ids[0] == flipped_first
+
+
 def test_the_exact_continuation_equals_full_prefill_and_counts_agreed_tokens(runner, plant):
     approximate, full, diverges, _ = plant
     engine = _engine(runner)

@@ -51,7 +51,7 @@ import sys
 import time
 
 from cachedrag.bench import write_json
-from cachedrag.bench.metrics import rouge_l
+from cachedrag.bench.metrics import first_token_matches, rouge_l
 from cachedrag.bench.workload import EMBEDDED_CORPORA
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import QUESTION_CHOICES
@@ -467,7 +467,7 @@ def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng:
                 "tf_top1": float(agree.float().mean()), "tf_kl": float(kl.mean()),
                 "tf_top1_decisive": float(agree[decisive].float().mean()) if decisive.any() else None,
                 "tf_top1_tied": float(agree[~decisive].float().mean()) if (~decisive).any() else None,
-                "first_token": float(r.token_ids[:1] == answer[:1]), "rouge_l": rouge_l(r.text, ref.text),
+                "first_token": float(first_token_matches(r, answer)), "rouge_l": rouge_l(r.text, ref.text),
                 "exact": float(r.token_ids == answer), "gold": None if gold is None else float(gold_match(r.text, gold)),
                 "approximations": r.approximations, "chunks_hit": r.chunks_hit}
 

@@ -1,8 +1,9 @@
 """Answer-fidelity and latency metrics shared by the benchmark suites.
 
 Owns: ROUGE-L F1 (LCS over lower-cased word tokens, the standard definition), order
-statistics (median, mean, p95) and speedup ratios, and where a teacher-forced answer first
-leaves the reference (``divergence``, ``divergence_summary``). Pure Python.
+statistics (median, mean, p95) and speedup ratios, where a teacher-forced answer first
+leaves the reference (``divergence``, ``divergence_summary``), and whether an answer's first
+token as decoded is the reference's (``first_token_matches``). Pure Python.
 """
 
 from __future__ import annotations
@@ -29,6 +30,24 @@ def _lcs(a: Sequence[str], b: Sequence[str]) -> int:
             cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
         prev = cur
     return prev[-1]
+
+
+def first_token_matches(result, reference_ids: Sequence[int]) -> bool:
+    """Whether ``result``'s (an ``EngineResult``) first token as first decoded, what a stream of it
+    would have shown, is ``reference_ids[0]``: a whole answer's rewind (``tie_guard_rewound``) may
+    replace that token afterwards, and its final ``token_ids`` would hide the flip.
+
+    >>> from types import SimpleNamespace as R
+    >>> first_token_matches(R(token_ids=[5, 6], decoded_first_token=5), [5, 7])
+    True
+    >>> first_token_matches(R(token_ids=[5, 6], decoded_first_token=9), [5, 6])  # rewound past a flip
+    False
+    >>> first_token_matches(R(token_ids=[], decoded_first_token=None), [])
+    True
+    """
+    decoded = result.decoded_first_token
+    first = result.token_ids[:1] if decoded is None else [decoded]
+    return first == list(reference_ids[:1])
 
 
 def rouge_l(candidate: str, reference: str) -> float:

@@ -28,7 +28,7 @@ import sys
 import time
 
 from cachedrag.bench import write_json
-from cachedrag.bench.metrics import divergence, divergence_summary, rouge_l, summary
+from cachedrag.bench.metrics import divergence, divergence_summary, first_token_matches, rouge_l, summary
 from cachedrag.bench.workload import EMBEDDED_CORPORA, embedded_corpus_of
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import TOKEN_CHOICES
@@ -336,8 +336,9 @@ def run(args: argparse.Namespace) -> int:
             "computed_token_fraction": statistics.fmean(r.computed_fraction for r in rs),
             "chunk_hit_rate": (sum(r.chunks_hit for r in rs) / chunks_total) if chunks_total else 0.0,
             "rouge_l_vs_full": statistics.fmean(rouge_l(r.text, f.text) for r, f in zip(rs, full)),
+            # the first token as decoded (a stream's first): a whole answer's rewind may replace it afterwards
             "first_token_match_vs_full": statistics.fmean(
-                float(r.token_ids[:1] == f.token_ids[:1]) for r, f in zip(rs, full)),
+                float(first_token_matches(r, f.token_ids)) for r, f in zip(rs, full)),
             "answer_match_vs_full": statistics.fmean(float(r.token_ids == f.token_ids) for r, f in zip(rs, full)),
             # the whole answer's time (prefill + decode, and any exact prefill during decoding)
             "total_median_s": answer_time["median"], "total_mean_s": answer_time["mean"],
@@ -439,13 +440,15 @@ def request_record(index: int, r, f) -> dict:
     """One counted request of a row in the JSON: its TTFT and answer time, the plan that made the
     answer and, when the tie guard prefilled it again, the approximate plan before (``plan_letters``),
     the answer token where the tie guard during decoding moved it onto exact KV (``switch``), the
-    approximate prefill's first-token top-2 gap (``first_token_gap``), and whether its first token
+    approximate prefill's first-token top-2 gap (``first_token_gap``), how many tokens a whole answer's
+    rewind took back (``rewound``), and whether its first token as decoded (``first_token_matches``)
     and whole answer are full prefill's."""
     return {"request": index, "ttft_s": r.ttft_s, "total_s": r.total_s, "plan": plan_letters(r.segment_actions),
             "guarded_plan": plan_letters(r.tie_guard_actions), "first_token_gap": r.first_token_gap,
             "tie_guard": r.tie_guard,
             "switch": r.tie_guard_switch, "switch_s": r.tie_guard_switch_s, "agreed": r.tie_guard_agreed,
-            "exact_repeat": r.exact_repeat, "first_token_match": r.token_ids[:1] == f.token_ids[:1],
+            "rewound": r.tie_guard_rewound,
+            "exact_repeat": r.exact_repeat, "first_token_match": first_token_matches(r, f.token_ids),
             "answer_match": r.token_ids == f.token_ids}
 
 

@@ -56,3 +56,16 @@ def test_the_printed_line_says_each_figure():
     assert line == ("answers parting from full, cachedrag: 1 of 2 (first token 1), median position 0, full's own "
                     "top-2 gap there 0.030 nats (under 0.25: 1); a gap guard at 0.25 on every step would prefill 1 "
                     "of 2 approximate answers again, preventing 1")
+
+
+def test_bench_metric_and_spec_examples_run():
+    """The docstring examples of the benchmarks' metrics (``first_token_matches``: the first token as
+    decoded, not as a rewind left it) and of ``bench ttft``'s row specs."""
+    import doctest
+
+    import cachedrag.bench.metrics
+    import cachedrag.bench.ttft
+
+    for mod in (cachedrag.bench.metrics, cachedrag.bench.ttft):
+        result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, f"{mod.__name__}: {result}"
