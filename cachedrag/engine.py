@@ -150,6 +150,8 @@ class _Prefill:
     # as loaded, ``(layer, rows [R], k [H_kv, R, D], v [H_kv, R, D])``, for the trend check's second reading
     cached_rows: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
+    exact_segments: int | None = None  # leading segments whose KV equals full prefill (None: the plan's
+    #                                    ``exact_prefix_segments``; fewer with ``leading_fresh_dtype="bfloat16"``)
 
 
 @dataclass
@@ -169,6 +171,7 @@ class _HandOff:
     n_system: int
     chunk_seg: list[int]
     capture: bool
+    exact: int  # leading segments whose KV equals full prefill: stored as a tree path (``_Prefill.exact_segments``)
 
 
 @dataclass
@@ -182,6 +185,8 @@ class _Lead:
     q_layers: frozenset[int]  # layers whose queries the hand-off needs (metadata layers)
     leading: int = 0  # fresh rows before every reused chunk, shared or not: the pre-pass then keeps the
     #                   runner's precision (``CacheConfig.question_dtype``), so both paths choose alike
+    low: bool = False  # CacheConfig.leading_fresh_dtype="bfloat16" applies: those rows, in both passes (and the
+    #                    pre-pass's question rows), run on the bfloat16 copies instead
     k: list = field(default_factory=list)  # per layer < ``layer``: raw K ``[H_kv, rows, D]``
     q: dict = field(default_factory=dict)  # metadata layer < ``layer`` -> rotated q ``[H_q, rows, D]``
     hidden: torch.Tensor | None = None  # [rows, Dm] the input of layer ``layer``
@@ -410,14 +415,15 @@ class CachedEngine:
 
     def _prepare_question_pass(self) -> None:
         """Build the question pre-pass's bfloat16 weight copies now (``model/scoring.py``: ~130 ms
-        and 120 MB for the default model; every layer's with ``recompute_dtype`` or ``fresh_dtype``
-        "bfloat16", which its recomputed rows and the fresh rows behind a reused chunk run on), so
+        and 120 MB for the default model; every layer's with ``recompute_dtype``, ``fresh_dtype`` or
+        ``leading_fresh_dtype`` "bfloat16", which its recomputed rows and fresh rows run on), so
         the first reuse-served request does not pay them.
         Only where this engine's default can use them: mode ``cachedrag`` with a question token
         choice and ``question_dtype="bfloat16"`` (a per-call ``mode="cachedrag"`` on an engine
         with another default builds them on its first reuse instead)."""
         cache = self.config.cache
-        if self.config.mode == "cachedrag" and "bfloat16" in (cache.recompute_dtype, cache.fresh_dtype):
+        if self.config.mode == "cachedrag" and "bfloat16" in (cache.recompute_dtype, cache.fresh_dtype,
+                                                              cache.leading_fresh_dtype):
             scoring_layers(self.runner, self.runner.n_layers)
         elif (self.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
                 and cache.question_dtype == "bfloat16"):
@@ -756,7 +762,8 @@ class CachedEngine:
             if tied and (margin is None or margin < cache.tie_guard_floor):
                 # the approximation would pick a near-tied first token (and, checked, is closing in on a
                 # rival, or stays within the floor's noise of one): prefill exactly
-                if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:plan.exact_prefix_segments]):
+                exact = plan.exact_prefix_segments if pre.exact_segments is None else pre.exact_segments
+                if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:exact]):
                     # the first prefill computed fresh chunks before its first reused one, exactly: stored
                     # now, they are tree prefix hits for the exact prefill below instead of computed again
                     try:
@@ -950,8 +957,16 @@ class CachedEngine:
         # pre-pass as in the prefill proper: the prefill takes their pre-pass layers over (``_Lead``)
         first_reuse = min((sp.start for sp, a in zip(plan.segments, actions) if a is Action.REUSE), default=total)
         leading = sum(p < first_reuse for p in fresh_pos)
+        # leading_fresh_dtype="bfloat16": the fresh chunks before the first reused one on the bfloat16 copies too
+        # (approximate then: the tree path ends before them), where no other fresh segment leads
+        lead_segments = [i for i, (sp, a) in enumerate(zip(plan.segments, actions))
+                         if a is Action.FRESH and sp.start < first_reuse]
+        lead_low = (mode is Mode.CACHEDRAG and cfg.leading_fresh_dtype == "bfloat16" and first_reuse < total
+                    and bool(lead_segments) and all(plan.segments[i].role == "chunk" for i in lead_segments)
+                    and scoring_layers(runner, runner.n_layers) is not None)
+        exact_segments = min(lead_segments[0], plan.exact_prefix_segments) if lead_low else plan.exact_prefix_segments
         lead = _Lead(rows=leading if self.share_lead_rows else 0, q_layers=frozenset(self.metadata_layers),
-                     leading=leading)
+                     leading=leading, low=lead_low)
         if deferred and choice in QUESTION_CHOICES:
             # fresh rows after a reused chunk: left out of the pre-pass (computed once, by the prefill)
             # unless question_pass_fresh="all" or the runner's attention cannot hide them
@@ -1048,13 +1063,16 @@ class CachedEngine:
         # The reused rows of the compute set, read by two settings: recompute_dtype="bfloat16" (their matmuls
         # on bfloat16 copies) and tie_guard_trend (the cached K/V of the reused rows each layer is about to
         # overwrite, kept for the trend check's second reading, ``_trend_margin``); with fresh_dtype="bfloat16"
-        # the fresh rows after the first reused chunk run on those copies too (``low_t``: every such row)
+        # the fresh rows after the first reused chunk run on those copies too (``low_t``: every such row), and with
+        # leading_fresh_dtype="bfloat16" those before it (``lead.low``)
         low_bf16 = cfg.recompute_dtype == "bfloat16"
         fresh_bf16 = cfg.fresh_dtype == "bfloat16"
         trend = cfg.tie_guard > 0 and cfg.tie_guard_trend > 0
         reuse_t = low_t = None
         fresh_after = [p for p in fresh_pos if p > first_reuse] if fresh_bf16 else []  # never exact rows
-        if mode is Mode.CACHEDRAG and (low_bf16 or fresh_bf16 or trend) and Action.REUSE in actions:
+        if lead.low:
+            fresh_after = [p for p in fresh_pos if p < first_reuse] + fresh_after
+        if mode is Mode.CACHEDRAG and (low_bf16 or fresh_after or trend) and Action.REUSE in actions:
             reused = _reused_positions(plan, actions)
             if trend:
                 reuse_t = device_tensor(reused, device)  # [Tr]
@@ -1169,7 +1187,7 @@ class CachedEngine:
         hand_off = None
         if raw_k is not None:
             hand_off = _HandOff(actions, fresh_t, raw_k, kv, total, meta_q, bounds, n_system, chunk_seg,
-                                capture)
+                                capture, exact_segments)
         # truthful reuse: only tokens that reached the last layer were computed; the rest of the
         # prompt was served from cache (some of it probed at the lower layers: "checked")
         full_depth = set(positions.tolist())
@@ -1213,7 +1231,7 @@ class CachedEngine:
             "token_choice": used_choice,
             "approximations": approximations,
         }
-        return _Prefill(kv, logits, info, cached_rows=cached_rows), hand_off
+        return _Prefill(kv, logits, info, cached_rows=cached_rows, exact_segments=exact_segments), hand_off
 
     def _choose_deviating(self, layer: int, hidden, positions, rope, kv: KVBuffer, plan, deferred: dict[int, int],
                           probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int],
@@ -1307,7 +1325,9 @@ class CachedEngine:
         layer go into ``lead`` for the prefill to take over.
         Its projections run on bfloat16 copies of the weights (``CacheConfig.question_dtype``,
         ``model/scoring.py``) unless fresh rows lead every reused chunk (``lead.leading``): those
-        are the prefill's own rows and stay in the runner's precision.
+        are the prefill's own rows and stay in the runner's precision, or go on the copies with
+        every other row of the pass where the prefill computes them there (``lead.low``:
+        ``CacheConfig.leading_fresh_dtype="bfloat16"``).
         ``hidden``: positions of fresh rows left out of the pass (``CacheConfig.question_pass_fresh``
         "leading": fresh chunks after a reused one): zeroed in the buffer's pass layers and masked
         from every query's attention, as if those rows were absent (attention is position-free
@@ -1317,7 +1337,8 @@ class CachedEngine:
         device = runner.device
         layers = self._question_layers()
         weights = None  # None: the runner's own projections
-        if self.config.cache.question_dtype == "bfloat16" and not (lead is not None and lead.leading):
+        leading = lead is not None and lead.leading
+        if (self.config.cache.question_dtype == "bfloat16" and not leading) or (leading and lead.low):
             weights = scoring_layers(runner, max(layers) + 1)
         rows = sorted(set(fresh_pos) | set(question_pos))
         last = max(layers)
@@ -1497,12 +1518,12 @@ class CachedEngine:
             m = self.runner.segment_attention_mass(layer, q, h.fresh_t, h.kv, h.total, h.bounds)  # [Tf, S]
             fresh_mass = m if fresh_mass is None else fresh_mass + m
         new_entries = self._new_entries(plan, h.actions, keys, h.raw_k, h.kv, fresh_mass, h.n_system, h.chunk_seg,
-                                        h.capture)
+                                        h.capture, h.exact)
         if new_entries:
-            self.manager.admit(plan, keys, new_entries)
+            self.manager.admit(plan, keys, new_entries, exact=h.exact)
 
     def _new_entries(self, plan, actions, keys, raw_k, kv, fresh_mass, n_system, chunk_seg,
-                     capture) -> list[NewEntry]:
+                     capture, exact: int) -> list[NewEntry]:
         from cachedrag.store.entry import KVEntry
 
         offset = 0
@@ -1513,7 +1534,6 @@ class CachedEngine:
                 continue
             row_of[i] = offset
             offset += sp.n_tokens
-        exact = plan.exact_prefix_segments
         for i, r0 in row_of.items():
             sp = plan.segments[i]
             k = raw_k[:, :, r0:r0 + sp.n_tokens].contiguous()  # [L, H_kv, T, D]

@@ -260,3 +260,84 @@ def test_bf16_fresh_rows_leave_leading_fresh_chunks_and_cold_requests_exact(runn
 def test_fresh_dtype_is_validated():
     with pytest.raises(ConfigError, match="fresh_dtype"):
         CacheConfig(fresh_dtype="float16")
+
+
+# --- the fresh chunks before the first reused one on the bfloat16 copies (CacheConfig.leading_fresh_dtype) ---
+
+
+def _tree_keys(engine, segs) -> int:
+    """How many leading segments of ``segs`` (the question left out) are a tree path."""
+    return len(engine.manager.tree.match_prefix([s.key for s in segs[:-1]]))
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_bf16_leading_fresh_rows_run_on_the_copies_and_stay_out_of_the_tree(runner, share):
+    """``leading_fresh_dtype="bfloat16"``: order [3, 0, 1] has chunk 3 fresh before reused chunks 0 and 1.
+    Its rows go to the copies in both passes (the pre-pass's every layer, the prefill's rows split: exactly
+    the fresh rows), shared with the prefill or not; the logits move but stay close; the response names
+    ``fresh_bfloat16``; and chunk 3 is stored as a variant, not as a tree node (its KV is approximate now),
+    where the float32 setting makes it the tree path's next node."""
+    from cachedrag.model.scoring import RowSplitLayer, ScoringLayer
+
+    order = [3, 0, 1]
+    engines = {dt: _engine(runner, "bfloat16", leading_fresh_dtype=dt) for dt in ("bfloat16", "float32")}
+    for engine in engines.values():
+        engine.share_lead_rows = share
+    (got, _, got_weights), (want, _, want_weights) = (_prefill(engines[dt], order) for dt in ("bfloat16", "float32"))
+    assert got.info["segment_actions"] == want.info["segment_actions"] == ["tree", "fresh", "reuse", "reuse"]
+    pre_pass = [w for w in got_weights if isinstance(w, ScoringLayer)]
+    assert len(pre_pass) == max(engines["bfloat16"]._question_layers()) > 0  # the pass's layers before its last
+    assert not any(isinstance(w, ScoringLayer) for w in want_weights)  # float32: the pass keeps the runner's
+    prefill_layers = [w for w in got_weights if isinstance(w, RowSplitLayer)]
+    assert prefill_layers and not any(isinstance(w, RowSplitLayer) for w in want_weights)
+    for w in prefill_layers:
+        assert int(w._low.sum()) == got.info["fresh_tokens"] > 0  # the leading chunk's rows that this layer runs
+        assert not bool(w._low[-1])  # the logits' row stays float32
+    assert "fresh_bfloat16" in got.info["approximations"]
+    assert "fresh_bfloat16" not in want.info["approximations"]
+    g, r = got.logits, want.logits
+    assert not torch.equal(g, r)
+    assert (g - r).abs().max() < 0.05 * float(r.max() - r.min())
+    segs = engines["float32"].prompts.chat([CHUNKS[i] for i in order], "which chunk?", SYSTEM)
+    assert _tree_keys(engines["float32"], segs) == 2  # system, chunk 3: exact, a tree path
+    assert _tree_keys(engines["bfloat16"], segs) == 1  # the system prompt only
+    handle = engines["bfloat16"].manager.index.variants(segs[1].key)
+    assert handle and all(v.handle not in engines["bfloat16"].manager._exact for v in handle)
+
+
+def test_bf16_leading_fresh_rows_leave_cold_requests_and_fresh_system_prompts_exact(runner):
+    """No reused chunk (order [4, 3]: the warm-up caches chunks 0-2 only): nothing is approximate, so the
+    setting changes nothing, bit for bit; nor where the system prompt is fresh too (a non-chunk segment
+    leads: the leading rows keep the runner's precision)."""
+    _setting_changes_nothing(runner, "leading_fresh_dtype", "fresh_bfloat16",
+                             lambda engine: _prefill(engine, [4, 3])[0])
+
+    def fresh_system(engine):
+        engine.generate([CHUNKS[i] for i in (2, 1, 0)], "warm up", SYSTEM, max_new_tokens=1)
+        pre = engine.prefill(engine.prompts.chat([CHUNKS[i] for i in (3, 0, 1)], "which chunk?", "another system"), 2)
+        assert pre.info["segment_actions"][:3] == ["fresh", "fresh", "reuse"]
+        return pre
+    _setting_changes_nothing(runner, "leading_fresh_dtype", "fresh_bfloat16", fresh_system)
+
+
+def test_tie_guard_exact_prefill_recomputes_bf16_leading_rows(runner):
+    """The tie guard's exact prefill takes float32 leading chunks from the tree (stored just before it, round
+    21); bfloat16 ones are not exact, so it computes them again: its logits equal an exact prefill's to float32
+    rounding, and the tree path it stores holds chunk 3 as an exact node."""
+    order = [3, 0, 1]
+    engine = _engine(runner, "bfloat16", leading_fresh_dtype="bfloat16", tie_guard=1e6)  # every first token guarded
+    pre, _, _ = _prefill(engine, order)
+    assert pre.info["tie_guard"] is not None and pre.info["approximations"] == []
+    assert pre.info["tie_guard_actions"] == ["tree", "fresh", "reuse", "reuse"]
+    reference = _engine(runner, "bfloat16")
+    segs = reference.prompts.chat([CHUNKS[i] for i in order], "which chunk?", SYSTEM)
+    exact = reference.prefill(segs, 2, mode="full")
+    torch.testing.assert_close(pre.logits, exact.logits, atol=1e-4, rtol=0)
+    assert _tree_keys(engine, segs) == len(segs) - 1  # the exact prefill stored the whole path
+    handle = engine.manager.tree.match_prefix([s.key for s in segs[:2]])[-1].handle
+    assert handle in engine.manager._exact
+
+
+def test_leading_fresh_dtype_is_validated():
+    with pytest.raises(ConfigError, match="leading_fresh_dtype"):
+        CacheConfig(leading_fresh_dtype="float16")

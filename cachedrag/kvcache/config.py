@@ -138,6 +138,19 @@ class CacheConfig:
         streams (stdlib and info, seeds 0-2): the same fidelity figures (first token equal, KL
         within 2%, top-1 within 0.001), x prefix 2.73 -> 2.89, 1.98 -> 2.40 (stdlib seeds 0-1),
         1.62 -> 2.00, 1.52 -> 1.87 (info seeds 0-1) (docs/fidelity.md, round 20).
+      leading_fresh_dtype: precision of the projections of the fresh chunk rows a reuse prefill
+        computes before its first reused chunk (missed chunks behind the tree prefix), in the
+        question pre-pass and the prefill: "float32" (default: the runner's own weights; those rows
+        are then exact, stored as a tree path and taken over by the tie guard's exact prefill) or
+        "bfloat16" (``fresh_dtype``'s bfloat16 copies; a float32 runner with fused fast layers
+        only, else its own precision). In bfloat16 they are approximate like the rows behind a
+        reused chunk: stored as chunk variants, not tree nodes, and an exact prefill computes them
+        again. Applies only where every fresh segment before the first reused one is a chunk (a
+        fresh system prompt keeps the runner's precision, and so do the chunks after it). Made for
+        ``fidelity="faithful"``, whose answers move onto an exact prefill after their (guarded)
+        first token anyway, so only that token reads these rows: on ``bench ttft``'s four streams
+        the same first tokens and answers, x prefix 1.61 -> 2.09 on info seed 1 (docs/fidelity.md,
+        round 26). Reported as ``fresh_bfloat16``.
       question_pass_fresh: which fresh (missed) rows the question pre-pass computes besides the
         question: "leading" (default) only those before every reused chunk (the prefill takes them
         over, ``engine._Lead``: computed once); fresh chunks after a reused one are left out of
@@ -291,6 +304,7 @@ class CacheConfig:
     question_pass_fresh: str = "leading"
     recompute_dtype: str = "bfloat16"
     fresh_dtype: str = "bfloat16"
+    leading_fresh_dtype: str = "float32"
     question_weight: float = 0.5
     need_weight: float = 0.0
     sink_tokens: int = 0
@@ -348,6 +362,9 @@ class CacheConfig:
         if self.fresh_dtype not in RECOMPUTE_DTYPES:
             raise ConfigError(f"CacheConfig.fresh_dtype must be one of {list(RECOMPUTE_DTYPES)}, "
                               f"got {self.fresh_dtype!r}")
+        if self.leading_fresh_dtype not in RECOMPUTE_DTYPES:
+            raise ConfigError(f"CacheConfig.leading_fresh_dtype must be one of {list(RECOMPUTE_DTYPES)}, "
+                              f"got {self.leading_fresh_dtype!r}")
         if self.question_pass_fresh not in QUESTION_PASS_FRESH:
             raise ConfigError(f"CacheConfig.question_pass_fresh must be one of {list(QUESTION_PASS_FRESH)}, "
                               f"got {self.question_pass_fresh!r}")

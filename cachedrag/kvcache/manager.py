@@ -235,16 +235,17 @@ class ChunkCacheManager:
 
     # ---------------------------------------------------------------- admission
     def admit(self, plan: Plan, keys: Sequence[str], new: Sequence[NewEntry],
-              priority: float | None = None) -> dict[str, int]:
+              priority: float | None = None, exact: int | None = None) -> dict[str, int]:
         """Store what ``plan``'s request computed and reference it from the tree and the index.
 
         ``keys`` are the plan's segment keys in order. Exact leading segments
-        (``plan.exact_prefix_segments``) become a tree path (stored with their tree parent);
-        fresh chunks with metadata become variants. ``priority`` overrides the policy's initial
-        store priority. Returns counts for stats.
+        (``plan.exact_prefix_segments``, or the first ``exact`` of them where the request computed
+        fewer exactly, e.g. fresh chunks on bfloat16 copies) become a tree path (stored with their
+        tree parent); fresh chunks with metadata become variants. ``priority`` overrides the
+        policy's initial store priority. Returns counts for stats.
         """
         by_segment = {n.segment: n for n in new}
-        exact = plan.exact_prefix_segments
+        exact = plan.exact_prefix_segments if exact is None else min(exact, plan.exact_prefix_segments)
         with self._lock:
             self._sync_drops()
             # room is made by the policy before each put (``_make_room``); the tree nodes this
