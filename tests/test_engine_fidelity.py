@@ -300,10 +300,12 @@ def test_guarded_is_balanced_with_the_gap_tie_guard(runner):
 
 
 def test_faithful_is_guarded_with_the_guard_during_decoding():
-    """'faithful': the guarded level, plus the tie guard during decoding at every token (round 22)."""
+    """'faithful': the guarded level, plus the tie guard during decoding at every token (round 22) and the
+    missed chunks before the first reused one on the bfloat16 copies (round 26: only the first token reads them)."""
     faithful, guarded = EngineConfig(fidelity="faithful"), EngineConfig(fidelity="guarded")
     assert faithful.cache.tie_guard_decode == math.inf and guarded.cache.tie_guard_decode == 0.0
-    assert dataclasses.replace(faithful.cache, tie_guard_decode=0.0) == guarded.cache
+    assert faithful.cache.leading_fresh_dtype == "bfloat16" and guarded.cache.leading_fresh_dtype == "float32"
+    assert dataclasses.replace(faithful.cache, tie_guard_decode=0.0, leading_fresh_dtype="float32") == guarded.cache
     assert faithful.mode == guarded.mode and faithful.order_aware == guarded.order_aware
 
 
