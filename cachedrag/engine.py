@@ -150,8 +150,8 @@ class _Prefill:
     # as loaded, ``(layer, rows [R], k [H_kv, R, D], v [H_kv, R, D])``, for the trend check's second reading
     cached_rows: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
-    exact_segments: int | None = None  # leading segments whose KV equals full prefill (None: the plan's
-    #                                    ``exact_prefix_segments``; fewer with ``leading_fresh_dtype="bfloat16"``)
+    exact_segments: int = 0  # leading segments whose KV equals full prefill (``_prefill`` sets it: the plan's
+    #                          ``exact_prefix_segments``, fewer with ``leading_fresh_dtype="bfloat16"``)
 
 
 @dataclass
@@ -762,8 +762,7 @@ class CachedEngine:
             if tied and (margin is None or margin < cache.tie_guard_floor):
                 # the approximation would pick a near-tied first token (and, checked, is closing in on a
                 # rival, or stays within the floor's noise of one): prefill exactly
-                exact = plan.exact_prefix_segments if pre.exact_segments is None else pre.exact_segments
-                if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:exact]):
+                if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:pre.exact_segments]):
                     # the first prefill computed fresh chunks before its first reused one, exactly: stored
                     # now, they are tree prefix hits for the exact prefill below instead of computed again
                     try:
@@ -1069,15 +1068,13 @@ class CachedEngine:
         fresh_bf16 = cfg.fresh_dtype == "bfloat16"
         trend = cfg.tie_guard > 0 and cfg.tie_guard_trend > 0
         reuse_t = low_t = None
-        fresh_after = [p for p in fresh_pos if p > first_reuse] if fresh_bf16 else []  # never exact rows
-        if lead.low:
-            fresh_after = [p for p in fresh_pos if p < first_reuse] + fresh_after
-        if mode is Mode.CACHEDRAG and (low_bf16 or fresh_after or trend) and Action.REUSE in actions:
+        fresh_low = [p for p in fresh_pos if (p > first_reuse and fresh_bf16) or (p < first_reuse and lead.low)]
+        if mode is Mode.CACHEDRAG and (low_bf16 or fresh_low or trend) and Action.REUSE in actions:
             reused = _reused_positions(plan, actions)
             if trend:
                 reuse_t = device_tensor(reused, device)  # [Tr]
-            low_t = device_tensor(sorted((reused if low_bf16 else []) + fresh_after), device)  # [Tlow]
-        low_fresh = bool(fresh_after) and low_t is not None
+            low_t = device_tensor(sorted((reused if low_bf16 else []) + fresh_low), device)  # [Tlow]
+        low_fresh = bool(fresh_low) and low_t is not None
         reuse_rows = reuse_of = None  # for the compute set ``reuse_of`` (rebuilt when it changes)
         low_layers = scoring_layers(runner, runner.n_layers) if low_t is not None and low_t.numel() else None
         low_rows = False
@@ -1337,8 +1334,8 @@ class CachedEngine:
         device = runner.device
         layers = self._question_layers()
         weights = None  # None: the runner's own projections
-        leading = lead is not None and lead.leading
-        if (self.config.cache.question_dtype == "bfloat16" and not leading) or (leading and lead.low):
+        if (lead is not None and lead.low) or (self.config.cache.question_dtype == "bfloat16"
+                                               and not (lead is not None and lead.leading)):
             weights = scoring_layers(runner, max(layers) + 1)
         rows = sorted(set(fresh_pos) | set(question_pos))
         last = max(layers)
