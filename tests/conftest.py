@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from cachedrag.testing import TINY_ARCHITECTURES, tiny_runner
+
+# Every Python the tests start (the CLI, a server, Ray workers, child processes) runs as if with -P:
+# its working directory, often the checkout root, stays off sys.path, so it imports the installed
+# package as users get it (tests/test_layout.py).
+os.environ["PYTHONSAFEPATH"] = "1"
 
 
 @pytest.fixture(params=TINY_ARCHITECTURES)

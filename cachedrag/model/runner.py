@@ -653,8 +653,8 @@ class ModelRunner:
         """Fused row kernels on the Triton backend, when every norm is a plain RMSNorm (``row_norms``):
         the CUDA-graph step (``model/cuda_graph.py``) runs its layers as ``write_row`` / ``finish_row`` /
         ``logits_row``, and prefill layers take their norms (the post-attention one with its residual
-        add) and RoPE with the K/V row writes from the same kernels (``kernels/rmsnorm.py``,
-        ``kernels/rope_rows.py``): ~20 elementwise launches fewer per layer, ~10 ms of GPU time of an
+        add) and RoPE with the K/V row writes from the same kernels (``kernels/cachedrag/kernels/rmsnorm.py``,
+        ``kernels/cachedrag/kernels/rope_rows.py``): ~20 elementwise launches fewer per layer, ~10 ms of GPU time of an
         8B reuse request (docs/gpu.md)."""
         return self.kernel_backend == "triton" and self.row_norms() is not None
 

@@ -4,7 +4,7 @@ Redis, and a damaged disk entry is a miss, never a wrong answer.
 
 The tiny random model (``cachedrag.testing.tiny_runner``) is deterministic by seed, so every
 process computes the same namespace and the same keys. Run as
-``python -m tests.store.test_engine_persistence '<json spec>'`` this module is the child
+``python -P tests/store/test_engine_persistence.py '<json spec>'`` this module is the child
 process: it builds the same engine on the given store and prints its results as JSON.
 """
 
@@ -63,8 +63,8 @@ def summary(r) -> dict:
 
 def run_child(jobs: dict) -> dict:
     """Run this module as a separate process doing ``jobs`` (name -> spec); its JSON output."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.store.test_engine_persistence", json.dumps(jobs)],
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-P", __file__, json.dumps(jobs)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

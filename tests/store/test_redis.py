@@ -122,9 +122,9 @@ def test_layer_source_reads_ranges(redis_server, redis_prefix):
 _CHILD = textwrap.dedent(
     """
     import sys, hashlib
-    sys.path.insert(0, {root!r})
+    sys.path.insert(0, {helpers!r})
     from cachedrag.store.redis_tier import RedisTier
-    from tests.store.helpers import NS, key_of, make_entry
+    from helpers import NS, key_of, make_entry
     url, prefix, role = sys.argv[1:4]
     tier = RedisTier(url, 1 << 20, namespace=NS, prefix=prefix)
     keys = [key_of(f"proc{{i}}") for i in range(3)]
@@ -146,7 +146,7 @@ def test_two_processes_share_one_server(redis_server, redis_prefix):
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    code = _CHILD.format(root=root)
+    code = _CHILD.format(helpers=str(Path(__file__).resolve().parent))
     put = subprocess.run([sys.executable, "-c", code, redis_server.url, redis_prefix, "put"],
                          capture_output=True, text=True, timeout=60, cwd=root)
     assert put.returncode == 0, put.stderr
