@@ -76,3 +76,8 @@ def test_the_suite_imports_the_installed_package():
 
     # the editable install maps cachedrag.kernels to its folder one level down
     assert Path(cachedrag.kernels.__file__).parent == ROOT / "kernels" / "cachedrag" / "kernels"
+
+
+def test_no_test_folder_is_a_regular_package():
+    # pytest would import tests/kernels/ as a bare ``kernels`` (and so on) if it were a package
+    assert sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("__init__.py")) == []
