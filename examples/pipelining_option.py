@@ -17,7 +17,7 @@ from langchain_core.runnables import RunnablePassthrough
 from llama_index.core.query_engine import RetrieverQueryEngine
 
 from cachedrag.engine import CachedEngine
-from cachedrag.integrations.chunks import ChunkRegistry
+from cachedrag.integrations import ChunkRegistry
 from cachedrag.integrations.engines import shared_engine
 from cachedrag.integrations.langchain import CachedRAGRetriever as LCRetriever
 from cachedrag.integrations.langchain import ChatCachedRAG

@@ -27,7 +27,7 @@ import sys
 from openai import OpenAI
 
 from cachedrag.corpus import stdlib_corpus
-from cachedrag.integrations.chunks import register_chunks
+from cachedrag.integrations import register_chunks
 
 
 def start_server(tiny: bool, *flags: str) -> tuple[subprocess.Popen, str]:

@@ -3,8 +3,9 @@
 Owns: ``request_fingerprints(body)`` — what the chunk-affinity router hashes: the texts of the
 ``"cachedrag": {"chunks": [...]}`` extension field when the client sends it, else the long
 paragraphs of the messages (or of a completion ``prompt``), the same content-defined passages
-the server's automatic mode reuses. Each fingerprint is a short stable digest of the
-whitespace-stripped text; its weight is the text's length. Pure Python (no torch, no Ray):
+the server's automatic mode reuses (``cachedrag.prompt.passages.context_passages``). Each
+fingerprint is a short stable digest of the whitespace-stripped text; its weight is the text's
+length. Pure Python (no torch, no Ray):
 it runs in the ingress for every request, before any tokenizer is involved.
 
 Does not own: chunk cache keys (``cachedrag.kvcache.keys``: token ids + model namespace) —
@@ -18,8 +19,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from cachedrag.integrations.chunks import paragraphs
-
+from cachedrag.prompt.passages import context_passages
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,6 @@ class Fingerprints:
 
 def digest(text: str) -> str:
     return hashlib.blake2b(text.strip().encode(), digest_size=12).hexdigest()
-
-
 
 
 def _content_text(content) -> str:
@@ -86,11 +84,4 @@ def request_fingerprints(body: dict, *, min_chars: int = 200) -> Fingerprints:
         chunks = [c for c in ext["chunks"] if isinstance(c, str)]
         if chunks:
             return _collect(chunks, "explicit")
-    texts = _texts(body)
-    found: list[str] = []
-    for j, text in enumerate(texts):
-        paras = paragraphs(text, min_chars)
-        if j == len(texts) - 1 and paras and text.strip().endswith(paras[-1]):
-            paras = paras[:-1]
-        found.extend(paras)
-    return _collect(found, "auto")
+    return _collect(context_passages(_texts(body), min_chars), "auto")

@@ -2,7 +2,6 @@
 
     config     ServerConfig, SchedulerConfig, PassageConfig (validated settings)
     protocol   OpenAI request/response bodies and the error shape
-    prompts    messages -> engine segments; explicit (``cachedrag.chunks``) and automatic chunks
     policy     torch-free admission order: FIFO, or cache-aware within FIFO-forecast deadlines
     batch      one batched decode forward over several requests' KV buffers
     loop       the engine thread: prefill through the engine's seam, batched decode, events
@@ -10,7 +9,8 @@
     app        the FastAPI app (routes, SSE, disconnects)
     cli        ``cachedrag serve`` (uvicorn)
 
-Names import lazily: the policy and config need neither torch nor FastAPI.
+Names import lazily: the policy and config need neither torch nor FastAPI. Request text becomes
+engine segments in ``cachedrag.prompt.planning``.
 """
 
 from __future__ import annotations

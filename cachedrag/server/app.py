@@ -34,13 +34,13 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers
 
 from cachedrag.errors import CachedRAGError, ConfigError, ContextWindowError
-from cachedrag.integrations.template import Message
 from cachedrag.model.generation import SamplingParams
+from cachedrag.prompt.planning import PromptPlanner
+from cachedrag.prompt.template import Message
 from cachedrag.server import protocol as P
 from cachedrag.server.config import ServerConfig
 from cachedrag.server.loop import Delta, EngineLoop, Failed, Finished, QueueFullError, ServeRequest
 from cachedrag.server.metrics import ServerMetrics
-from cachedrag.server.prompts import PromptPlanner
 from cachedrag.server.structured import StructuredOutput, structured_output
 
 log = logging.getLogger("cachedrag.server")
@@ -338,7 +338,7 @@ def _check_model(model: str, aliases: set[str]) -> None:
 
 
 def _plan(build):
-    from cachedrag.server.prompts import ChunkNotFoundError
+    from cachedrag.prompt.planning import ChunkNotFoundError
 
     try:
         return build()

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from cachedrag.errors import ConfigError
+from cachedrag.prompt.planning import PassageConfig  # noqa: F401  (ServerConfig.passages; defined with the planner)
 from cachedrag.server.policy import MAX_DELAY_S, PREEMPT_RATIO
 
 
@@ -76,26 +77,6 @@ class SchedulerConfig(BaseModel):
         1.0, ge=0.0, description="after this many seconds with nothing waiting, running or to promote, the loop "
                                  "returns the C heap's freed memory (finished requests' KV buffers) to the OS "
                                  "(glibc malloc_trim, ~40 ms per 0.5 GB; cachedrag.heap); None = never")
-
-
-class PassageConfig(BaseModel):
-    """How request text becomes engine segments: automatic chunk detection for clients that send
-    no ``cachedrag.chunks`` field, separators, and tokenisation."""
-
-    model_config = ConfigDict(frozen=True)
-
-    enabled: bool = Field(True, description="split prompts into passages and find passages seen before")
-    min_chars: int = Field(200, ge=36, description="shortest paragraph treated as a cacheable passage")
-    capacity: int = Field(20_000, ge=1, description="distinct passages remembered (least recently seen leave first)")
-    attach_separators: bool = Field(
-        False, description="the whitespace after each chunk joins the chunk's segment instead of being a segment of "
-                           "its own between chunks (faster cold and repeated prefills; lower fidelity measured: "
-                           "docs/serving.md)")
-    tokenization: Literal["whole", "parts"] = Field(
-        "whole", description="'whole': the rendered prompt is tokenised as one text (the ids any server computes "
-                             "for these messages) and cut at chunk boundaries; 'parts': every chunk and text part "
-                             "on its own (ids differ from the whole text's at the boundaries, and between explicit "
-                             "and automatic chunks)")
 
 
 #: ``CacheConfig.exact_repeats_when`` of a server's engine: the loop computes exact-repeat promotions

@@ -41,7 +41,7 @@ thread's idle OpenMP team first (``release_openmp_threads``: model loading ran t
 it); an idle team on another live thread would halve decode speed (``cachedrag/executor.py``).
 The HTTP side must not run torch ops (tokenising is fine).
 
-Does not own: HTTP, prompt building (``cachedrag.server.prompts``), the order of admission.
+Does not own: HTTP, prompt building (``cachedrag.prompt.planning``), the order of admission.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachedrag.cluster.fingerprints import digest, paragraphs, request_fingerprints
+from cachedrag.cluster.fingerprints import digest, request_fingerprints
 
 LONG_A = "Alpha " * 50
 LONG_B = "Bravo " * 50
@@ -44,7 +44,3 @@ def test_malformed_bodies_give_no_fingerprints():
         fp = request_fingerprints(body)
         assert len(fp) == 0 and fp.source == "none"
 
-
-def test_paragraphs():
-    assert paragraphs("a\n\nbb\n***\nccc", 2) == ["bb", "ccc"]
-    assert paragraphs("", 1) == []

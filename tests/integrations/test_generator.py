@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cachedrag.integrations.chunks import ChunkRegistry
+from cachedrag.prompt.registry import ChunkRegistry
 from cachedrag.integrations.generator import ChunkAwareGenerator, sampling_params
-from cachedrag.integrations.template import Message
+from cachedrag.prompt.template import Message
 
 A = "The heapq module provides an implementation of the heap queue algorithm."
 B = "The json module encodes and decodes JSON documents; pass indent to pretty-print."
@@ -95,7 +95,7 @@ def test_a_framework_prompt_has_the_ids_a_plain_llm_computes_for_it():
     formatted prompt, and speculative pipelining's segments of the prompt up to its last chunk
     are the same segments (one key per chunk for both)."""
     from cachedrag.integrations.speculation import PromptShape
-    from cachedrag.integrations.splitter import TOKENIZATION, split_prompt
+    from cachedrag.prompt.splitter import TOKENIZATION, split_prompt
     from cachedrag.kvcache.keys import Namespace
     from cachedrag.model.loader import load_tokenizer
     from cachedrag.prompt import PromptBuilder

@@ -9,7 +9,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
-from cachedrag.integrations.chunks import ChunkRegistry
+from cachedrag.prompt.registry import ChunkRegistry
 from cachedrag.integrations.langchain import CachedRAGRetriever, ChatCachedRAG, _messages
 
 from .conftest import TINY, LoopTicker

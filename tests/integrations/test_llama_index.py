@@ -8,7 +8,7 @@ from llama_index.core.base.llms.types import ChatMessage, ImageBlock, TextBlock
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
 
-from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
+from cachedrag.prompt.registry import ChunkRegistry, chunk_registry
 from cachedrag.integrations.llama_index import CachedRAGLLM, CachedRAGNodePostprocessor, CachedRAGRetriever
 
 from .conftest import TINY, LoopTicker

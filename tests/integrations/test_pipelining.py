@@ -11,9 +11,9 @@ from langchain_core.runnables import RunnablePassthrough
 from llama_index.core.query_engine import RetrieverQueryEngine
 
 from cachedrag.engine import CachedEngine
-from cachedrag.integrations.chunks import ChunkRegistry
+from cachedrag.prompt.registry import ChunkRegistry
 from cachedrag.integrations.speculation import PromptShape, pipelining_option
-from cachedrag.integrations.splitter import SplitPrompt
+from cachedrag.prompt.splitter import SplitPrompt
 from cachedrag.retrieval.config import PipeliningConfig
 
 from .conftest import tiny_long_runner

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachedrag.integrations.chunks import ChunkRegistry
+from cachedrag.prompt.registry import ChunkRegistry
 from cachedrag.integrations.search import IndexSearcher, shared_searcher
 
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from pydantic import BaseModel, Field
 
-from cachedrag.integrations.chunks import ChunkRegistry
+from cachedrag.prompt.registry import ChunkRegistry
 from cachedrag.integrations.openai_transport import attach_chunks
 from cachedrag.testing import TINY_DOCS
 

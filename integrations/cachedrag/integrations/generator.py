@@ -7,7 +7,7 @@ engine's per-request stats and token usage in the shape both frameworks report. 
 stats counts from the start of prompt preparation (template, split, tokenisation included).
 
 Does not own: framework types (``llama_index``/``langchain`` modules), template rendering
-(``template``), splitting (``splitter``), the engine.
+and splitting (``cachedrag.prompt``: ``template``, ``splitter``), the engine.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
-from cachedrag.integrations.splitter import TOKENIZATION, SplitPrompt, split_prompt
-from cachedrag.integrations.template import (
+from cachedrag.integrations.speculation import remember_shape
+from cachedrag.model.generation import SamplingParams
+from cachedrag.pipelining import engine_load
+from cachedrag.prompt.registry import ChunkRegistry, chunk_registry
+from cachedrag.prompt.splitter import TOKENIZATION, SplitPrompt, split_prompt
+from cachedrag.prompt.template import (
     Message,
     RenderedPrompt,
     has_chat_template,
     render_completion,
     render_messages,
 )
-from cachedrag.integrations.speculation import remember_shape
-from cachedrag.model.generation import SamplingParams
-from cachedrag.pipelining import engine_load
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """LangChain integration: a chat model and a retriever that share chunk caches.
 
-Owns the LangChain adapters (thin: the work is in ``generator``, ``search``, ``chunks``):
+Owns the LangChain adapters (thin: the work is in ``generator``, ``search``, ``cachedrag.prompt``):
 
 - ``ChatCachedRAG`` (``BaseChatModel``): ``_generate``/``_stream`` and real async
   ``_agenerate``/``_astream`` (work on a worker thread; streams through an
@@ -38,15 +38,15 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field, PrivateAttr, SecretStr
 
-from cachedrag.integrations.chunks import ChunkRegistry
-from cachedrag.integrations.chunks import chunk_registry as _default_registry
 from cachedrag.integrations.engines import engine_name, load_engine, shared_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
 from cachedrag.integrations.search import shared_searcher
 from cachedrag.integrations.speculation import pipelining_option
-from cachedrag.integrations.template import Message
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
 from cachedrag.model.loader import DEFAULT_MODEL
+from cachedrag.prompt.registry import ChunkRegistry
+from cachedrag.prompt.registry import chunk_registry as _default_registry
+from cachedrag.prompt.template import Message
 from cachedrag.retrieval.config import PipeliningConfig
 
 __all__ = ["ChatCachedRAG", "CachedRAGRetriever"]

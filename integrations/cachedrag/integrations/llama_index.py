@@ -1,6 +1,6 @@
 """LlamaIndex integration: an LLM, a retriever and a node postprocessor that share chunk caches.
 
-Owns the LlamaIndex adapters (thin: the work is in ``generator``, ``search``, ``chunks``):
+Owns the LlamaIndex adapters (thin: the work is in ``generator``, ``search``, ``cachedrag.prompt``):
 
 - ``CachedRAGLLM`` (``CustomLLM``): complete / chat, streaming and real async variants (work
   runs on a worker thread; streams come through an ``asyncio.Queue``); the tokenizer's chat
@@ -63,16 +63,16 @@ from llama_index.core.schema import (
 )
 from pydantic import Field, PrivateAttr
 
-from cachedrag.integrations.chunks import ChunkRegistry
-from cachedrag.integrations.chunks import chunk_registry as _default_registry
 from cachedrag.integrations.engines import engine_name, load_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
 from cachedrag.integrations.query_stats import QueryStats
 from cachedrag.integrations.search import SearchHit, shared_searcher
 from cachedrag.integrations.speculation import pipelining_option
-from cachedrag.integrations.template import Message, RenderedPrompt
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
 from cachedrag.model.loader import DEFAULT_MODEL
+from cachedrag.prompt.registry import ChunkRegistry
+from cachedrag.prompt.registry import chunk_registry as _default_registry
+from cachedrag.prompt.template import Message, RenderedPrompt
 from cachedrag.retrieval.config import PipeliningConfig
 
 __all__ = ["CachedRAGLLM", "CachedRAGRetriever", "CachedRAGNodePostprocessor"]

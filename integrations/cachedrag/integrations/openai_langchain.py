@@ -5,7 +5,7 @@ a local ``cachedrag serve`` and ``httpx`` clients (``openai_transport``) that at
 cachedrag's ``CachedRAGRetriever`` registered as the request's ``cachedrag.chunks`` field. Chains,
 streaming, async and callbacks are ``ChatOpenAI``'s own.
 
-Does not own: the server, chunk registration (``chunks``), in-process generation (``langchain``).
+Does not own: the server, chunk registration (``cachedrag.prompt.registry``), in-process generation (``langchain``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from langchain_openai import ChatOpenAI
 
-from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.openai_transport import chunk_async_http_client, chunk_http_client
+from cachedrag.prompt.registry import ChunkRegistry
 
 
 class ChatCachedRAGOpenAI(ChatOpenAI):

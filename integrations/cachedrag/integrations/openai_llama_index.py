@@ -8,7 +8,7 @@ server serves them from its chunk cache at any position; ``structured_predict`` 
 for JSON constrained to the output class (``response_format``). Everything else (completion, chat,
 streaming, async, query engines) is ``OpenAILike``'s own.
 
-Does not own: the server, chunk registration (``chunks``), in-process generation (``llama_index``).
+Does not own: the server, chunk registration (``cachedrag.prompt.registry``), in-process generation (``llama_index``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 from llama_index.core.types import PydanticProgramMode
 from llama_index.llms.openai_like import OpenAILike
 
-from cachedrag.integrations.chunks import ChunkRegistry
 from cachedrag.integrations.openai_transport import chunk_async_http_client, chunk_http_client
+from cachedrag.prompt.registry import ChunkRegistry
 
 
 class CachedRAGOpenAILike(OpenAILike):

@@ -24,7 +24,7 @@ import json
 
 import httpx
 
-from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
+from cachedrag.prompt.registry import ChunkRegistry, chunk_registry
 
 _PATHS = ("/chat/completions", "/completions")
 

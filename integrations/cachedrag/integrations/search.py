@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cachedrag.integrations.chunks import ChunkRegistry, chunk_registry
+from cachedrag.prompt.registry import ChunkRegistry, chunk_registry
 
 _RECENT_QUERIES = 64  # memoised query embeddings per searcher
 

@@ -20,7 +20,7 @@ answers never change (a tree hit is the KV a fresh prefill of the same prefix co
 the wasted work does; ``last_speculation`` reports it.
 
 Does not own: the driver (``cachedrag.pipelining``), search (``search``), prompt splitting
-(``splitter``).
+(``cachedrag.prompt.splitter``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from cachedrag.integrations.splitter import TOKENIZATION, SplitPrompt
 from cachedrag.pipelining import SpeculativePipeline, StageTopK
+from cachedrag.prompt.splitter import TOKENIZATION, SplitPrompt
 from cachedrag.retrieval.config import PipeliningConfig
 
 _TAIL = "\n"  # what each speculative step prefills after its last chunk (one token, thrown away)

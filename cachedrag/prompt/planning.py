@@ -1,51 +1,66 @@
-"""Request text -> engine segments, with chunk boundaries found two ways.
+"""The server's prompt planning: request text -> engine segments, with chunk boundaries found two ways.
 
-Owns: ``PromptPlanner``, which renders chat messages through the tokenizer's chat template
-(``integrations.template``), cuts the rendered prompt into text and chunk parts
-(``integrations.splitter``: a cacheable leading prefix, chunks reusable at any position, the
-question last) and tokenises them into the engine's segments (by default the rendered prompt as
-one text, cut at the parts: the ids any server computes for these messages, the same for both
-chunk modes; ``PassageConfig.tokenization``), and ``passages``, the content-defined paragraph
-split behind automatic detection.
+Owns: ``PassageConfig`` (automatic detection, separators, tokenisation), ``PromptPlanner``,
+which renders chat messages through the tokenizer's chat template (``template``), cuts the
+rendered prompt into text and chunk parts (``splitter``: a cacheable leading prefix, chunks
+reusable at any position, the question last) and tokenises them into the engine's segments
+(``segments``; by default the rendered prompt as one text, cut at the parts: the ids any server
+computes for these messages, the same for both chunk modes; ``PassageConfig.tokenization``),
+and the two part rewrites it applies (``question_apart``, ``attach_separators``).
 
 1. explicit: the request's ``"cachedrag": {"chunks": [...]}`` texts, each of which must occur
    verbatim in the prompt (else ``ChunkNotFoundError``, a 400).
-2. automatic (no field): every paragraph of the messages at least ``min_chars`` long is a
-   passage (paragraphs end at blank lines and at separator lines without letters or digits,
-   e.g. ``-----``; the last paragraph of the last message is the question and never one), and
-   every passage seen before (a bounded LRU ``ChunkRegistry`` of passage texts, found verbatim
-   anywhere in a prompt, at any offset) becomes a chunk. So an unmodified OpenAI client that
-   puts retrieved texts in its prompt gets them served from the chunk cache at whatever
-   position they come next. Explicit chunks are remembered as passages too.
+2. automatic (no field): every passage of the messages (``passages.context_passages``: each
+   paragraph at least ``min_chars`` long, the question excepted) is remembered in a bounded LRU
+   ``ChunkRegistry``, and every passage seen before, found verbatim anywhere in a prompt, becomes
+   a chunk. So an unmodified OpenAI client that puts retrieved texts in its prompt gets them
+   served from the chunk cache at whatever position they come next. Explicit chunks are
+   remembered as passages too.
 
-Separators (``PassageConfig.attach_separators``, off by default): the whitespace right after a
-chunk (``"\n\n"`` between retrieved texts) can join that chunk's segment (``attach_separators``),
-as the engine's own prompts end each chunk with its separator. Left as text segments of their
-own (the default), the 1-2-token separators between chunks are computed, never reused (the
-engine's ``CacheConfig.min_reuse_tokens``): an all-miss request is a plain prefill that stores its
-exact path, and the boundary tokens are exact. (Until then they were planned as tiny reusable
-chunks: no chunk sequence became an exact tree path past its first chunk, and a request whose
-separators were longer than their recompute count, even an all-miss one, ran the reuse path's
-question pre-pass over its fresh chunks.) Joined, they are cached and approximated with their chunk (ROUGE-L vs
-full 0.80 vs 0.89 separate, one run each; docs/serving.md), so joining stays an option.
+Separators (``PassageConfig.attach_separators``, off by default): left as text segments of their
+own, the 1-2-token separators between chunks are computed, never reused (the engine's
+``CacheConfig.min_reuse_tokens``), so an all-miss request is a plain prefill that stores its exact
+path. Joined to the chunk before them, they are cached and approximated with it (lower fidelity
+measured: docs/serving.md).
 
-Does not own: tokenisation details and keys (``cachedrag.prompt``), HTTP, or the engine.
+Does not own: HTTP and request bodies (``cachedrag.server``), tokenisation details and keys
+(``segments``, ``cachedrag.kvcache``), or the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from cachedrag.errors import CachedRAGError
-from cachedrag.integrations.chunks import ChunkRegistry, ChunkRegistryConfig, Match, normalize
-from cachedrag.integrations.chunks import last_paragraph
-from cachedrag.integrations.chunks import paragraphs as passages
-from cachedrag.integrations.splitter import split_prompt
-from cachedrag.integrations.template import Message, RenderedPrompt, render_messages
-from cachedrag.prompt import Segment
-from cachedrag.server.config import PassageConfig
+from cachedrag.prompt.passages import context_passages, last_paragraph
+from cachedrag.prompt.registry import ChunkRegistry, ChunkRegistryConfig, Match, leftmost_longest, normalize
+from cachedrag.prompt.segments import Segment
+from cachedrag.prompt.splitter import split_prompt
+from cachedrag.prompt.template import Message, RenderedPrompt, render_messages
 
+
+class PassageConfig(BaseModel):
+    """How request text becomes engine segments: automatic chunk detection for clients that send
+    no ``cachedrag.chunks`` field, separators, and tokenisation."""
+
+    model_config = ConfigDict(frozen=True)
+
+    enabled: bool = Field(True, description="split prompts into passages and find passages seen before")
+    min_chars: int = Field(200, ge=36, description="shortest paragraph treated as a cacheable passage")
+    capacity: int = Field(20_000, ge=1, description="distinct passages remembered (least recently seen leave first)")
+    attach_separators: bool = Field(
+        False, description="the whitespace after each chunk joins the chunk's segment instead of being a segment of "
+                           "its own between chunks (faster cold and repeated prefills; lower fidelity measured: "
+                           "docs/serving.md)")
+    tokenization: Literal["whole", "parts"] = Field(
+        "whole", description="'whole': the rendered prompt is tokenised as one text (the ids any server computes "
+                             "for these messages) and cut at chunk boundaries; 'parts': every chunk and text part "
+                             "on its own (ids differ from the whole text's at the boundaries, and between explicit "
+                             "and automatic chunks)")
 
 
 class ChunkNotFoundError(CachedRAGError):
@@ -63,8 +78,6 @@ class PlannedPrompt:
         return sum(len(s) for s in self.segments)
 
 
-
-
 class _ExplicitChunks:
     """The ``find`` of ``ChunkRegistry`` over one request's explicit chunk texts."""
 
@@ -80,12 +93,7 @@ class _ExplicitChunks:
             while start >= 0:
                 found.append((start, text))
                 start = prompt.find(text, start + len(text))
-        chosen, cursor = [], 0
-        for start, text in sorted(found, key=lambda st: (st[0], -len(st[1]))):  # leftmost, longest first
-            if start >= cursor:
-                chosen.append(Match(start, start + len(text), text))
-                cursor = start + len(text)
-        return chosen
+        return leftmost_longest(found)
 
 
 class PromptPlanner:
@@ -94,8 +102,7 @@ class PromptPlanner:
     def __init__(self, engine, config: PassageConfig | None = None):
         self.engine = engine
         self.config = config or PassageConfig()
-        anchor = 32
-        self.seen = ChunkRegistry(ChunkRegistryConfig(capacity=self.config.capacity, anchor_chars=anchor, stride=4))
+        self.seen = ChunkRegistry(ChunkRegistryConfig(capacity=self.config.capacity, anchor_chars=32, stride=4))
 
     @property
     def tokenizer(self):
@@ -117,13 +124,7 @@ class PromptPlanner:
             self.seen.register(t for t in finder.texts if len(t) >= self.config.min_chars)
             source = "explicit"
         elif self.config.enabled:
-            found: list[str] = []
-            for j, content in enumerate(contents):
-                paras = passages(content, self.config.min_chars)
-                if j == len(contents) - 1 and paras and normalize(content).endswith(paras[-1]):
-                    paras = paras[:-1]  # the last message's last paragraph is the question
-                found.extend(paras)
-            self.seen.register(found)
+            self.seen.register(context_passages(contents, self.config.min_chars))
             split = split_prompt(rendered, self.seen)
             source = "auto"
         else:

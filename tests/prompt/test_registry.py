@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cachedrag.integrations.chunks import ChunkRegistry, ChunkRegistryConfig, Match, chunk_registry, register_chunks
+from cachedrag.prompt.registry import ChunkRegistry, ChunkRegistryConfig, Match, chunk_registry, register_chunks
 
 A = "The heapq module provides an implementation of the heap queue algorithm."
 B = "The json module encodes and decodes JSON documents; pass indent to pretty-print."
@@ -127,3 +127,13 @@ def test_config_validation():
     with pytest.raises(ValueError):
         ChunkRegistryConfig(anchor_chars=8, stride=9)
     assert ChunkRegistryConfig(anchor_chars=32, stride=4).min_chars == 35
+
+
+def test_the_integrations_package_reexports_the_registry_and_the_splitter():
+    import cachedrag.integrations as integrations
+    from cachedrag.prompt import registry, splitter
+
+    for name in ("ChunkRegistry", "ChunkRegistryConfig", "chunk_registry", "register_chunks"):
+        assert getattr(integrations, name) is getattr(registry, name)
+    assert integrations.split_prompt is splitter.split_prompt
+    assert integrations.chunk_registry() is registry.chunk_registry()

@@ -8,16 +8,9 @@ import pytest
 
 from cachedrag.errors import EmptyInputError
 from cachedrag.kvcache.keys import Namespace
-from cachedrag.prompt import PromptBuilder
+from cachedrag.prompt.segments import PromptBuilder
 
 NS = Namespace("model@1", "float32", "tok@1")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from cachedrag.model.loader import load_tokenizer
-
-    return load_tokenizer(None)
 
 
 def _ids(segments):
@@ -74,35 +67,6 @@ def test_a_tokenizer_without_offsets_falls_back_to_parts(tokenizer):
         _ids(PromptBuilder(tokenizer, NS).text_segments(parts, "parts"))
 
 
-def test_server_prompts_are_the_ids_of_the_chat_template_in_every_chunk_mode(tokenizer):
-    """Explicit chunks, automatic detection and no chunks give one token sequence for the same
-    messages (so their answers compare with each other and with any other server's), the one
-    the chat template itself tokenises to."""
-    from cachedrag.integrations.template import Message
-    from cachedrag.server.config import PassageConfig
-    from cachedrag.server.prompts import PromptPlanner
-
-    engine = SimpleNamespace(prompts=PromptBuilder(tokenizer, NS), runner=SimpleNamespace(tokenizer=tokenizer))
-    chunks = [" member is the value of the enumeration, and start is where counting begins when no value is "
-              "given to the first member of the functional API call." * 2,
-              "Help on module json: the json module encodes and decodes JSON text, with dumps and loads as "
-              "the two functions most programs call; both take options for indentation and separators." * 2]
-    msgs = [Message("system", "Answer from the context."),
-            Message("user", "Context:\n\n" + "\n\n".join(chunks) + "\n\nQuestion: what does start do?")]
-    want = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs], tokenize=True,
-                                         add_generation_prompt=True)
-    want = list(want["input_ids"] if hasattr(want, "keys") else want)
-    planner = PromptPlanner(engine)
-    assert planner.config.tokenization == "whole"  # the default
-    explicit = planner.chat(msgs, chunks=chunks)
-    auto_first, auto_again = planner.chat(msgs), planner.chat(msgs)
-    assert (explicit.chunk_source, auto_again.chunk_source) == ("explicit", "auto")
-    for planned in (explicit, auto_first, auto_again):
-        assert _ids(planned.segments) == want
-    apart = PromptPlanner(engine, PassageConfig(tokenization="parts")).chat(msgs, chunks=chunks)
-    assert _ids(apart.segments) != want
-
-
 @pytest.mark.parametrize("system", [None, "Be brief."])
 def test_the_engines_chat_layout_has_the_chat_templates_ids(tokenizer, system):
     """Each chunk is tokenised alone (its key does not depend on its neighbours), yet the layout's
@@ -139,7 +103,7 @@ def test_the_pipelines_layout_has_the_whole_texts_ids(tokenizer):
     """The pipelines' layout (EngineGenerator's segments, TransformersGenerator's 'segments'
     baseline) tokenises to the ids of its whole text, the 'chat_template' baseline's."""
     from cachedrag.pipelines.generators import layout
-    from cachedrag.prompt import running_ids
+    from cachedrag.prompt.segments import running_ids
 
     prompts = PromptBuilder(tokenizer, NS)
     before, after = prompts.template_split("Answer briefly.")

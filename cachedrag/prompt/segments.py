@@ -1,17 +1,20 @@
 """Prompt layout: a request as ordered segments of token ids.
 
 Owns: ``Segment`` (a run of token ids that is either fixed text or a cacheable retrieved
-chunk, with its identity key), splitting a chat template around the user content, and the
-chat layout the engine uses: ``[system prefix text] [chunk 1] ... [chunk n] [question text]``.
-In the engine's own layout each segment is tokenised on its own, so a chunk has the same token
-ids (and the same key) wherever it appears; chunks are held stripped (``chunk_part``) and a
-segment's trailing whitespace is tokenised as before a word (``running_ids``), so the segments'
-ids are also the whole prompt's ids (what ``apply_chat_template`` gives). A prompt that arrives
-as text (a server request, a framework's formatted prompt) can instead be tokenised whole, as a
-server without cachedrag would tokenise it, and cut at its parts' boundaries
-(``text_segments(..., tokenization="whole")``): then full prefill of the segments is full
-prefill of the very token ids a plain server computes.
-Does not own: what to reuse (``cachedrag.kvcache``) or tensors.
+chunk, with its identity key), ``PromptBuilder`` (tokenises segments for one tokenizer and
+model namespace) and the chat layout the engine uses:
+``[system prefix text] [chunk 1] ... [chunk n] [question text]``, built around
+``template.template_split``. In the engine's own layout each segment is tokenised on its own, so
+a chunk has the same token ids (and the same key) wherever it appears; chunks are held stripped
+(``chunk_part``) and a segment's trailing whitespace is tokenised as before a word
+(``running_ids``), so the segments' ids are also the whole prompt's ids (what
+``apply_chat_template`` gives). A prompt that arrives as text (a server request, a framework's
+formatted prompt) can instead be tokenised whole, as a server without cachedrag would tokenise
+it, and cut at its parts' boundaries (``text_segments(..., tokenization="whole")``): then full
+prefill of the segments is full prefill of the very token ids a plain server computes.
+
+Does not own: rendering chat messages (``template``), finding chunks in a prompt string
+(``registry``, ``splitter``), what to reuse (``cachedrag.kvcache``) or tensors.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from typing import Literal
 
 from cachedrag.errors import EmptyInputError
 from cachedrag.kvcache.keys import Namespace, chunk_key
+from cachedrag.prompt.template import template_split
 
-_SENTINEL = "CACHEDRAGUSERCONTENTd41d8cd9"  # no whitespace: templates may strip()/trim content
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_PREFIX = "Question: "
 
@@ -51,21 +54,6 @@ class Segment:
 
     def __len__(self) -> int:
         return len(self.ids)
-
-
-def template_split(tokenizer, system_prompt: str | None) -> tuple[str, str]:
-    """The tokenizer's chat template rendered around an empty user message: the text before and
-    after it (generation prompt included). Without a chat template: ``system: ...`` /
-    ``user: ...`` / ``assistant:`` lines."""
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-    messages.append({"role": "user", "content": _SENTINEL})
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        sys_text = f"system: {system_prompt}\n" if system_prompt else ""
-        rendered = f"{sys_text}user: {_SENTINEL}\nassistant:"
-    before, _, after = rendered.partition(_SENTINEL)
-    return before, after
 
 
 def running_ids(tokenizer, text: str) -> tuple[int, ...]:

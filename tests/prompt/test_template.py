@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachedrag.integrations.template import Message, render_completion, render_messages, template_role
+from cachedrag.prompt.template import Message, render_completion, render_messages, template_role, template_split
 from cachedrag.testing import byte_tokenizer
 
 
@@ -67,3 +67,18 @@ def test_roles(role, expected):
 def test_empty_messages(tok):
     with pytest.raises(ValueError):
         render_messages(tok, [])
+
+
+@pytest.mark.parametrize("system", [None, "be brief"])
+def test_template_split_is_the_rendering_around_the_user_content(system):
+    """The engine's chat layout puts its chunks and question between the two halves: together with
+    the content they are the rendering of the same messages."""
+    chatml, plain = byte_tokenizer(), byte_tokenizer()
+    plain.chat_template = None
+    for tok in (chatml, plain):
+        before, after = template_split(tok, system)
+        messages = ([Message("system", system)] if system else []) + [Message("user", "Q?")]
+        assert before + "Q?" + after == render_messages(tok, messages).text
+    sys_line = "system: be brief\n" if system else ""
+    assert template_split(plain, system) == (sys_line + "user: ", "\nassistant:")
+    assert template_split(chatml, system)[1] == "<|im_end|>\n<|im_start|>assistant\n"

@@ -19,7 +19,8 @@ The parts are tokenised as one text cut at their boundaries (``TOKENIZATION``, p
 prompt has the ids a plain LLM class computes for the same string, and full prefill of it answers
 as that LLM does.
 
-Does not own: rendering messages (``template``), tokenisation (``cachedrag.prompt``).
+Does not own: rendering messages (``template``), finding the chunks (``registry``),
+tokenisation (``segments``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cachedrag.integrations.chunks import ChunkRegistry
-from cachedrag.integrations.template import RenderedPrompt
+from cachedrag.prompt.registry import ChunkRegistry
+from cachedrag.prompt.template import RenderedPrompt
 
 Kind = Literal["text", "chunk"]
 TOKENIZATION = "whole"  # PromptBuilder.text_segments(parts, tokenization=...) of every split prompt

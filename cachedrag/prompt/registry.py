@@ -1,12 +1,14 @@
-"""The process-wide chunk registry: which retrieved texts are cacheable chunks.
+"""The passage registry: which texts are cacheable chunks, and where they occur in a prompt.
 
 Owns: ``ChunkRegistry`` (a bounded LRU set of chunk texts with an anchor index that finds
-them verbatim inside any prompt string) and ``chunk_registry()``, the registry every
-cachedrag retriever, node postprocessor and LLM class shares by default. Pure Python; no
+them verbatim inside any prompt string), ``Match`` and ``leftmost_longest`` (the choice among
+overlapping occurrences, shared by every finder), ``normalize`` (the form a chunk is held in),
+and ``chunk_registry()``, the process-wide registry every cachedrag retriever, node
+postprocessor and LLM class shares by default (``register_chunks`` adds to it). Pure Python; no
 torch, no framework imports.
 
-Does not own: splitting a prompt into segments (``splitter``), tokenisation or cache keys
-(``cachedrag.prompt`` / ``cachedrag.kvcache``).
+Does not own: splitting a prompt into parts (``splitter``), content-defined passages
+(``passages``), tokenisation (``segments``) or cache keys (``cachedrag.kvcache``).
 
 How ``find`` works (winnowing-lite): a chunk text ``t`` (stripped of surrounding whitespace,
 since frameworks strip what they join) is indexed under its ``stride`` anchors, the
@@ -27,7 +29,6 @@ twice yields two matches (the engine serves both occurrences from the same chunk
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -118,7 +119,7 @@ class ChunkRegistry:
                     start = i - offset
                     if start >= 0 and prompt.startswith(text, start):
                         found.add((start, text))
-            matches = _leftmost_longest(found)
+            matches = leftmost_longest(found)
             for m in matches:
                 self._texts.move_to_end(m.text)
         return matches
@@ -158,41 +159,9 @@ def normalize(text: str) -> str:
     return text.strip()
 
 
-_BOUNDARY = re.compile(r"^[^\w]*$")  # a blank line or a separator line (no letters or digits)
-
-
-def paragraphs(text: str, min_chars: int) -> list[str]:
-    """Paragraphs of ``text`` (split at blank and separator lines), normalized, at least
-    ``min_chars`` long, in order: the content-defined passages the server detects and the
-    cluster router fingerprints."""
-    out: list[str] = []
-    block: list[str] = []
-    for line in text.split("\n") + [""]:
-        if _BOUNDARY.match(line):
-            para = normalize("\n".join(block))
-            if len(para) >= min_chars:
-                out.append(para)
-            block = []
-        else:
-            block.append(line)
-    return out
-
-
-def last_paragraph(text: str) -> str | None:
-    """The last paragraph of ``text`` (after its last blank or separator line), normalized, the
-    form ``paragraphs`` gives it; None if ``text`` has none. The server's automatic passage
-    detection takes it as the question."""
-    block: list[str] = []
-    last: list[str] = []
-    for line in text.split("\n") + [""]:
-        if _BOUNDARY.match(line):
-            last, block = (block or last), []
-        else:
-            block.append(line)
-    return normalize("\n".join(last)) or None
-
-
-def _leftmost_longest(found: set[tuple[int, str]]) -> list[Match]:
+def leftmost_longest(found: Iterable[tuple[int, str]]) -> list[Match]:
+    """Non-overlapping matches from ``(start, text)`` occurrences: leftmost first, the longest at
+    equal starts; an occurrence overlapping a chosen one is dropped."""
     chosen: list[Match] = []
     cursor = 0
     for start, text in sorted(found, key=lambda st: (st[0], -len(st[1]))):

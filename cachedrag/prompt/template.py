@@ -4,7 +4,10 @@ Owns: ``Message`` (role + text, framework-neutral), ``render_messages`` (the tok
 template with the generation prompt, or a plain ``role: text`` layout for tokenizers without
 one) and ``RenderedPrompt``, which also records where the last message's content starts: the
 text before it (system prompt, earlier turns, template markup) is a stable prefix the engine
-can cache exactly. Does not own: finding chunks in the string (``splitter``) or generation.
+can cache exactly; ``template_split``, the same rendering around an empty user message (the
+text before and after it), which the engine's own chat layout puts its chunks and question in.
+Does not own: finding chunks in the string (``splitter``), tokenisation (``segments``) or
+generation.
 """
 
 from __future__ import annotations
@@ -70,6 +73,16 @@ def render_completion(tokenizer, prompt: str, system_prompt: str | None = None) 
     messages = [Message("system", system_prompt)] if system_prompt else []
     messages.append(Message("user", prompt))
     return render_messages(tokenizer, messages)
+
+
+def template_split(tokenizer, system_prompt: str | None) -> tuple[str, str]:
+    """The prompt ``render_messages`` gives for ``[system_prompt?, user]`` cut where the user
+    message's content goes: the text before and after it (generation prompt included). Without a
+    chat template: ``system: ...`` / ``user: ...`` / ``assistant:`` lines."""
+    messages = [Message("system", system_prompt)] if system_prompt else []
+    messages.append(Message("user", _SENTINEL))
+    before, _, after = _apply(tokenizer, messages).partition(_SENTINEL)
+    return before, after
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cachedrag.integrations.chunks import ChunkRegistry
-from cachedrag.integrations.splitter import split_prompt
-from cachedrag.integrations.template import RenderedPrompt
+from cachedrag.prompt.registry import ChunkRegistry
+from cachedrag.prompt.splitter import split_prompt
+from cachedrag.prompt.template import RenderedPrompt
 
 A = "The heapq module provides an implementation of the heap queue algorithm."
 B = "The json module encodes and decodes JSON documents; pass indent to pretty-print."
