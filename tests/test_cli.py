@@ -57,6 +57,7 @@ def test_help_imports_no_subcommand():
     (["demo", "--max-questions", "0"], "--max-questions must be >= 1 (got 0)"),
     (["demo", "--top-k", "-1"], "--top-k must be >= 1"),
     (["demo", "--tiny", "--model", "x"], "drop --model"),
+    (["demo", "--warmup", "-1"], "--warmup must be >= 0"),
 ])
 def test_demo_bad_arguments_fail_before_loading(argv, needle, capsys):
     assert main(argv) == 2
