@@ -14,7 +14,7 @@ import hashlib
 import statistics
 import time
 
-from cachedrag.corpus import STDLIB_TOPICS, stdlib_corpus
+from cachedrag.corpus import STDLIB_TOPICS, stdlib_corpus, zipf_stream
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the Python documentation excerpts "
@@ -84,7 +84,6 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cachedrag.bench.workload import zipf_stream
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.model.runner import ModelRunner

@@ -1,4 +1,4 @@
-"""Every injector of the fault campaign (``cachedrag bench faults``), a few rounds each, on the
+"""Every injector of the fault campaign (``campaign.py`` beside this file), a few rounds each, on the
 tiny model: kill -9 of forked writers, engines and index builds at random moments; planted odd
 files; crafted valid-checksum entries; bit flips and truncations; a failed rename through the
 index swap's seam; a second owner of the directory; deletes on a read-only disk; a Redis that
@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import pytest
 
-from cachedrag.bench.faults import KINDS, MUST_BE_ZERO, REDIS_KINDS, run_campaign
+from tests.faults.campaign import KINDS, MUST_BE_ZERO, REDIS_KINDS, run_campaign
 
 ROUNDS = {"kill_engine": 4, "kill_writer": 4, "kill_index_build": 4, "odd_file": 6, "crafted_shape": 4}
 

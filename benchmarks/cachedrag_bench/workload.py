@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from cachedrag.corpus import (INFO_TOPICS, STDLIB_TOPICS, Document, info_corpus, load_corpus, load_questions,
-                              stdlib_corpus)
+                              stdlib_corpus, zipf_stream)
 from cachedrag.errors import ConfigError
 
 #: the ``format`` tag and ``version`` of a saved workload file
@@ -67,21 +66,6 @@ class Workload:
     #: how it was built: top_k, chunk_tokens, overlap, n_requests, zipf_s, seed, embedder (empty when
     #: made by hand)
     params: dict = field(default_factory=dict)
-
-
-def zipf_stream(pool, n: int, s: float = 1.1, seed: int = 0) -> list[str]:
-    """``n`` requests with Zipf(s) popularity over a shuffled rank order of ``pool``.
-
-    ``pool`` items are questions, or topics (tuples of phrasings of one question): a topic is
-    drawn by popularity, then one of its phrasings uniformly, as users word the same need
-    differently.
-    """
-    rng = random.Random(seed)
-    ranked = list(pool)
-    rng.shuffle(ranked)
-    weights = [1.0 / (r + 1) ** s for r in range(len(ranked))]
-    picks = rng.choices(ranked, weights=weights, k=n)
-    return [rng.choice(p) if isinstance(p, tuple) else p for p in picks]
 
 
 def build_workload(tokenizer, corpus: str | None = None, questions: str | None = None, *, top_k: int = 5,
