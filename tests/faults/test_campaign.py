@@ -11,7 +11,11 @@ touched, and the store's index consistent with its tiers."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +48,21 @@ def test_mixed_campaign(runner, tmp_path, redis_server):
     report = asdict(tally)
     assert tally.faults_injected == 60
     assert {k: report[k] for k in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, 0), tally.failures
+
+
+CAMPAIGN = Path(__file__).with_name("campaign.py")
+
+
+def test_the_campaign_runs_as_a_script(tmp_path):
+    out_json = tmp_path / "faults.json"
+    out = subprocess.run([sys.executable, str(CAMPAIGN), "--rounds", "2", "--kinds", "odd_file,bit_flip",
+                          "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out_json.read_text())
+    assert report["passed"] and report["faults_injected"] == 2 and report["kinds"] == ["odd_file", "bit_flip"]
+
+
+def test_the_campaign_script_refuses_an_unknown_kind():
+    out = subprocess.run([sys.executable, str(CAMPAIGN), "--kinds", "nope"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "unknown fault kinds ['nope']" in out.stderr
