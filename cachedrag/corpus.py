@@ -1,7 +1,8 @@
 """Document corpora: loading user corpora and building the embedded stdlib-docs corpus.
 
 Owns: the ``Document`` record, reading a corpus from a directory of UTF-8 ``.txt``/``.md``
-files or a JSONL file of ``{"id", "text"}``, reading a question stream, the demo corpus
+files or a JSONL file of ``{"id", "text"}``, reading a question stream, a deterministic Zipf-skewed
+question stream over topics (``zipf_stream``: the demo's and the benchmarks'), the demo corpus
 made of the Python standard library's own pydoc text, and a second real-manual corpus made of
 the GNU info manuals the system ships (``info_corpus``; offline, no data files to ship). Does not own: chunking (see
 ``cachedrag.retrieval.chunker``) or embedding.
@@ -99,6 +100,21 @@ def load_questions(path: str | Path) -> list[str]:
     if not questions:
         raise EmptyInputError(f"question file {path} contains no questions")
     return questions
+
+
+def zipf_stream(pool, n: int, s: float = 1.1, seed: int = 0) -> list[str]:
+    """``n`` requests with Zipf(s) popularity over a shuffled rank order of ``pool``.
+
+    ``pool`` items are questions, or topics (tuples of phrasings of one question): a topic is
+    drawn by popularity, then one of its phrasings uniformly, as users word the same need
+    differently.
+    """
+    rng = random.Random(seed)
+    ranked = list(pool)
+    rng.shuffle(ranked)
+    weights = [1.0 / (r + 1) ** s for r in range(len(ranked))]
+    picks = rng.choices(ranked, weights=weights, k=n)
+    return [rng.choice(p) if isinstance(p, tuple) else p for p in picks]
 
 
 def _pydoc_text(module_name: str) -> str:

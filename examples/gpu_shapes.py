@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from cachedrag.bench import shapes
+from cachedrag_bench import shapes
 
 
 def main() -> None:

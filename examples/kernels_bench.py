@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from cachedrag.bench import kernels as kernel_bench
+from cachedrag_bench import kernels as kernel_bench
 from cachedrag.kernels import rerotate, rerotate_reference, selective_attention, selective_attention_reference
 
 

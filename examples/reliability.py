@@ -8,7 +8,7 @@ Run:  python examples/reliability.py
 2. A FIFO and a dangling symlink named like entries are planted: the store starts without
    hanging and leaves them alone.
 3. A second store on the same directory is refused with ``DirectoryInUseError``.
-See docs/reliability.md for the guarantees; ``cachedrag bench faults`` runs a full campaign.
+See docs/reliability.md for the guarantees; ``python tests/faults/campaign.py`` runs a full campaign.
 """
 
 from __future__ import annotations

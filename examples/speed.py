@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from cachedrag.bench.speed import dtype_fidelity
+from cachedrag_bench.speed import dtype_fidelity
 from cachedrag.corpus import stdlib_corpus
 from cachedrag.engine import CachedEngine
 from cachedrag.model.runner import ModelRunner

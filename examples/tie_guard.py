@@ -24,7 +24,7 @@ setting that caught every flip measured (docs/fidelity.md, "Lever 4: the tie gua
 
 from __future__ import annotations
 
-from cachedrag.bench.ttft import plan_letters
+from cachedrag_bench.ttft import plan_letters
 from cachedrag.config import EngineConfig
 from cachedrag.corpus import stdlib_corpus
 from cachedrag.engine import CachedEngine, top2_gap

@@ -22,9 +22,9 @@ import random
 
 import torch
 
-from cachedrag.bench.metrics import rouge_l
-from cachedrag.bench.ttft import DEFAULT_SYSTEM_PROMPT
-from cachedrag.bench.workload import build_workload
+from cachedrag_bench.metrics import rouge_l
+from cachedrag_bench.ttft import DEFAULT_SYSTEM_PROMPT
+from cachedrag_bench.workload import build_workload
 from cachedrag.fingerprint import namespace_for
 from cachedrag.model.loader import load_model
 from cachedrag.model.runner import ModelRunner

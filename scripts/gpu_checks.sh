@@ -32,7 +32,7 @@ TREE=$(mktemp -d)/tree && mkdir -p "$TREE"
 tar --exclude=./.venv --exclude=./.git --exclude=./bench-out --exclude=./site --exclude=./build -cf - . | tar -xf - -C "$TREE"
 cd "$TREE"
 for d in kernels integrations pipelines; do ln -sfn ../$d cachedrag/$d; done  # setuptools' package-dir mapping
-export PYTHONPATH=/tmp/site:$TREE
+export PYTHONPATH=/tmp/site:$TREE:$TREE/benchmarks  # benchmarks/ holds cachedrag_bench (its own distribution)
 {
   el env
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1

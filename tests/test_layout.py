@@ -29,7 +29,7 @@ def _from_root(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_the_package_folders_are_top_level():
-    assert {"integrations", "pipelines", "kernels", "tests"} <= set(FOLDERS)
+    assert {"integrations", "pipelines", "kernels", "benchmarks", "tests"} <= set(FOLDERS)
 
 
 @pytest.mark.parametrize("name", FOLDERS)

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from cachedrag.bench import kernels as bench
+from cachedrag_bench import kernels as bench
 
 
 class FakeCuda:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachedrag.bench.metrics import divergence, divergence_summary
-from cachedrag.bench.ttft import parting_line
+from cachedrag_bench.metrics import divergence, divergence_summary
+from cachedrag_bench.ttft import parting_line
 
 
 def test_equal_answers_never_part_and_report_their_smallest_gap():
@@ -63,9 +63,9 @@ def test_bench_metric_and_spec_examples_run():
     decoded, not as a rewind left it) and of ``bench ttft``'s row specs."""
     import doctest
 
-    import cachedrag.bench.metrics
-    import cachedrag.bench.ttft
+    import cachedrag_bench.metrics
+    import cachedrag_bench.ttft
 
-    for mod in (cachedrag.bench.metrics, cachedrag.bench.ttft):
+    for mod in (cachedrag_bench.metrics, cachedrag_bench.ttft):
         result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, f"{mod.__name__}: {result}"

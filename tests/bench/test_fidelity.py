@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cachedrag.bench.gold import STDLIB_GOLD, gold_match
+from cachedrag_bench.gold import STDLIB_GOLD, gold_match
 from cachedrag.cli import main
 from cachedrag.corpus import stdlib_corpus
 
@@ -63,7 +63,7 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
 
 
 def test_seeds_ask_disjoint_questions_and_a_run_per_seed_asks_the_same():
-    from cachedrag.bench.fidelity import _picks
+    from cachedrag_bench.fidelity import _picks
 
     items = list(range(50))
     s0, s1 = _picks(items, "stdlib", 0, 25), _picks(items, "stdlib", 1, 25)
@@ -108,14 +108,14 @@ def test_gold_match_is_a_whole_word_match(answer, gold, expected):
     ("stdlib=21", {"stdlib": 21, "info": 0}),
 ])
 def test_requests_per_corpus(text, expected):
-    from cachedrag.bench.fidelity import _requests
+    from cachedrag_bench.fidelity import _requests
 
     assert _requests(text, ["stdlib", "info"]) == expected
 
 
 @pytest.mark.parametrize("text", ["x", "man=3", "stdlib=-1", "0", "stdlib=0,info=0"])
 def test_requests_per_corpus_refuses_bad_counts(text):
-    from cachedrag.bench.fidelity import _requests
+    from cachedrag_bench.fidelity import _requests
 
     from cachedrag.errors import ConfigError
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cachedrag.bench.lookahead import VARIANTS, LookaheadBenchConfig, auto_nlist, measure, perturb
+from cachedrag_bench.lookahead import VARIANTS, LookaheadBenchConfig, auto_nlist, measure, perturb
 from cachedrag.cli import main
 from cachedrag.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""The paired task-accuracy statistics of ``bench fidelity`` (``cachedrag.bench.paired``) on hand-computed
+"""The paired task-accuracy statistics of ``bench fidelity`` (``cachedrag_bench.paired``) on hand-computed
 and published cases, and their place in the fidelity summary (per row, merged over runs)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cachedrag.bench.paired import PairedAccuracy, newcombe_paired, sign_test, wilson
+from cachedrag_bench.paired import PairedAccuracy, newcombe_paired, sign_test, wilson
 from cachedrag.errors import ConfigError
 
 
@@ -103,7 +103,7 @@ def _record(seed: int, full: bool, row: bool, noise: bool) -> dict:
 
 
 def _run(seed: int, outcomes) -> dict:
-    from cachedrag.bench.fidelity import _summarise
+    from cachedrag_bench.fidelity import _summarise
 
     records = [_record(seed, *o) for o in outcomes]
     config = {"model": "m", "corpora": ["stdlib"], "seeds": [seed], "requests_per_corpus_seed": {"stdlib": len(records)},
@@ -112,7 +112,7 @@ def _run(seed: int, outcomes) -> dict:
 
 
 def test_fidelity_summary_pairs_each_row_with_full_and_merges_runs(tmp_path, capsys):
-    from cachedrag.bench.fidelity import merge_runs
+    from cachedrag_bench.fidelity import merge_runs
     from cachedrag.cli import main
 
     # (full right, row right, noise right) per question

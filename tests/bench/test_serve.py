@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cachedrag.bench import serve
+from cachedrag_bench import serve
 from cachedrag.cli import main
 
 

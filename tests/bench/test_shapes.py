@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cachedrag.bench import shapes
+from cachedrag_bench import shapes
 from cachedrag.prompt import CHUNK_SEPARATOR
 
 

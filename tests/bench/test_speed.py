@@ -1,11 +1,11 @@
-"""bench speed (cachedrag/bench/speed.py) and its llama.cpp anchor helpers (bench/anchor.py)."""
+"""bench speed (benchmarks/cachedrag_bench/speed.py) and its llama.cpp anchor helpers (cachedrag_bench.anchor)."""
 
 import gguf
 import numpy as np
 import pytest
 
-from cachedrag.bench import speed
-from cachedrag.bench.anchor import dequantize_gguf
+from cachedrag_bench import speed
+from cachedrag_bench.anchor import dequantize_gguf
 
 
 def test_dequantize_gguf_writes_f32_tensors_and_keeps_metadata(tmp_path):

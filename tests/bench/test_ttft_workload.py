@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachedrag.bench.workload import Workload, build_workload, load_workload, save_workload
+from cachedrag_bench.workload import Workload, build_workload, load_workload, save_workload
 from cachedrag.cli import main
 from cachedrag.errors import ConfigError
 from cachedrag.fingerprint import tokenizer_fingerprint
@@ -222,7 +222,7 @@ def test_bench_ttft_replays_a_hand_made_workload(tiny_model_dir, tiny_corpus, tm
 def test_the_system_prompt_follows_the_workloads_corpus(tiny_model_dir, tiny_corpus, tmp_path):
     """Without --system-prompt, a workload of the embedded info corpus is asked under the GNU manuals'
     prompt (any other corpus under the Python docs' one); a given --system-prompt wins."""
-    from cachedrag.bench.workload import EMBEDDED_CORPORA
+    from cachedrag_bench.workload import EMBEDDED_CORPORA
 
     prompts = {name: corpus.system_prompt for name, corpus in EMBEDDED_CORPORA.items()}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from llama_index.core.llms import ChatMessage
 
-from cachedrag.bench.integrations import TransformersLLM, compare
+from cachedrag_bench.integrations import TransformersLLM, compare
 from cachedrag.cli import build_parser
 from cachedrag.engine import CachedEngine
 from cachedrag.integrations.llama_index import CachedRAGLLM

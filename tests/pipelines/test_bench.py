@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cachedrag.bench import pipelines as bench
+from cachedrag_bench import pipelines as bench
 
 from .conftest import QUESTION
 

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachedrag.bench import write_json
+from cachedrag_bench import write_json
 from cachedrag.errors import ConfigError
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using the documents given by the user. Be brief."
@@ -428,7 +428,7 @@ def _loads(engines: dict, runner, chunk_text: str, device, root: Path) -> dict:
     """Per tier: one chunk's entry read and copied to the device, vs recomputing it."""
     import torch
 
-    from cachedrag.bench.tiers import _recompute_s
+    from cachedrag_bench.tiers import _recompute_s
 
     src = engines["cachedrag"]
     prompts = src.prompts

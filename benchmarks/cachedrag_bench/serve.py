@@ -73,8 +73,8 @@ import sys
 import tempfile
 import time
 
-from cachedrag.bench import write_json
-from cachedrag.bench.metrics import percentile, rouge_l
+from cachedrag_bench import write_json
+from cachedrag_bench.metrics import percentile, rouge_l
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
 from cachedrag.server.config import FIDELITY_LEVELS
@@ -580,7 +580,7 @@ def _level_stats(replays: list[Replay], level: int = 1) -> dict:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from cachedrag.bench.workload import Workload, build_workload
+    from cachedrag_bench.workload import Workload, build_workload
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]

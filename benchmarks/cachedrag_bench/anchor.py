@@ -7,7 +7,7 @@ timing llama.cpp through ``llama-cpp-python`` (the optional extra ``anchor``; it
 llama.cpp from source, ~10 min on 2 cores) on a token-id prompt: full-prefill time and decode
 ms per token at a given thread count.
 
-Does not own: our own runner's timing (``bench/speed.py``) or the model conversion used by
+Does not own: our own runner's timing (``cachedrag_bench.speed``) or the model conversion used by
 cachedrag itself (``model/loader.py``).
 """
 

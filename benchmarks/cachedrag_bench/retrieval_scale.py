@@ -35,6 +35,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from cachedrag_bench.rewrite import default_transformations
+
 DEFAULT_NPROBES = "16,32,64,128,256"
 DEFAULT_VECTORS = 1_000_000
 VARIANTS = ("a", "b", "c", "d", "c_always", "d_always")  # *_always: speculate whatever the policy says
@@ -67,7 +69,6 @@ def add_arguments(parser) -> None:
 def run_scale(args) -> dict:
     import torch
 
-    from cachedrag.bench.retrieval import default_transformations
     from cachedrag.corpus import STDLIB_QUESTIONS, load_questions
     from cachedrag.retrieval.config import DiskIndexConfig
     from cachedrag.retrieval.scale import DistractorConfig, build_scale_index, scale_index_dir, stdlib_base_index

@@ -27,7 +27,7 @@ Rows share one loaded model; within a request they run back to back, so TTFT rat
 ``x_prefix``) are measured side by side. ``oracle`` chooses the tokens whose true V (every layer)
 deviates most from full prefill's: a ceiling no real choice can see. Prints a table; ``--json OUT``
 writes ``{"config", "rows": {row: metrics}, "by_corpus", "by_seed", "noise", "requests"}``;
-``--plot PNG`` draws fidelity vs TTFT speedup per choice (matplotlib, the ``bench`` extra);
+``--plot PNG`` draws fidelity vs TTFT speedup per choice (matplotlib, cachedrag-bench's ``plot`` extra);
 ``--replot JSON`` prints and plots an earlier run's JSON without running anything;
 ``--replot A.json,B.json`` merges runs (e.g. one per seed, each under the time limit) by pooling
 their per-request records and summarising them as one run (``--json OUT`` writes the merge).
@@ -50,9 +50,9 @@ import statistics
 import sys
 import time
 
-from cachedrag.bench import write_json
-from cachedrag.bench.metrics import first_token_matches, rouge_l
-from cachedrag.bench.workload import EMBEDDED_CORPORA
+from cachedrag_bench import write_json
+from cachedrag_bench.metrics import first_token_matches, rouge_l
+from cachedrag_bench.workload import EMBEDDED_CORPORA
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import QUESTION_CHOICES
 
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ConfigError("--plot needs matplotlib: pip install 'cachedrag[bench]'") from None
+            raise ConfigError("--plot needs matplotlib: pip install -e './benchmarks[plot]'") from None
 
     import torch
 
@@ -345,7 +345,7 @@ def _variants(args) -> list[str]:
 
 def _corpus(runner, name: str, args):
     """(chunk texts, request items, system prompt); an item is (question, retrieved texts, gold or None)."""
-    from cachedrag.bench.gold import INFO_QUESTIONS, STDLIB_GOLD
+    from cachedrag_bench.gold import INFO_QUESTIONS, STDLIB_GOLD
 
     corpus = EMBEDDED_CORPORA[name]
     asked = ([(g.question, g.doc, g.answer) for g in STDLIB_GOLD] if name == "stdlib"
@@ -365,7 +365,7 @@ def _retrieve(runner, docs, questions, args):
     the answer) replaces the last retrieved chunk when retrieval missed it."""
     import numpy as np
 
-    from cachedrag.bench.gold import gold_match
+    from cachedrag_bench.gold import gold_match
     from cachedrag.retrieval.chunker import chunk_documents
     from cachedrag.retrieval.config import ChunkConfig
     from cachedrag.retrieval.embedder import Embedder
@@ -433,7 +433,7 @@ def _bind(engine, manager) -> None:
 def _request(runner, rows: dict, item, system: str, corpus: str, seed: int, rng: random.Random, args) -> dict:
     import torch
 
-    from cachedrag.bench.gold import gold_match
+    from cachedrag_bench.gold import gold_match
     from cachedrag.kvcache.manager import ChunkCacheManager
     from cachedrag.model.generation import SamplingParams
     from cachedrag.store.cpu import CPUTier
@@ -533,7 +533,7 @@ def _config(args, records: list[dict], ratios, choices, seconds: float) -> dict:
 def _gold_paired(records: list[dict], row: str) -> dict | None:
     """Task accuracy of ``row`` vs full prefill, question by question (``bench.paired``); None
     without gold questions."""
-    from cachedrag.bench.paired import PairedAccuracy
+    from cachedrag_bench.paired import PairedAccuracy
 
     pairs = [(r["rows"]["full"]["gold"], r["rows"][row]["gold"]) for r in records if r["rows"]["full"]["gold"] is not None]
     return PairedAccuracy.from_pairs(pairs).to_dict() if pairs else None

@@ -39,8 +39,8 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from cachedrag.bench import write_json
-from cachedrag.bench.metrics import percentile
+from cachedrag_bench import write_json
+from cachedrag_bench.metrics import percentile
 
 CONFIGS = {"a": ("round_robin", False), "b": ("round_robin", True), "c": ("affinity", True)}
 APP = "cachedrag-bench"
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cachedrag.bench.workload import build_workload
+    from cachedrag_bench.workload import build_workload
     from cachedrag.cluster.estimate import format_estimate, scale_estimate
     from cachedrag.errors import ConfigError
     from cachedrag.store.redis_server import start_redis_server

@@ -1,4 +1,4 @@
-"""``cachedrag bench faults``: a bounded, randomized fault-injection campaign.
+"""The fault campaign: a bounded, randomized fault-injection run over a real chunk-cache store.
 
 Owns: the campaign — a tiny random-weight engine over a disk (and, where a redis-server can
 run, a Redis) chunk-cache store, answering requests in ``prefix`` mode, whose answers must
@@ -9,8 +9,8 @@ shards), ``kill -9`` of forked writers, engines and index builds at random momen
 renames injected through the index swap's seams, a second owner of the directory, deletes
 on a read-only disk, a Redis that accepts and never answers, malformed Redis accounting and
 another process evicting Redis values mid-request. Does not own: the fixes (``store``,
-``retrieval.index``, the engine's load-path checks); ``tests/faults`` runs the same
-injectors a few times each.
+``retrieval.index``, the engine's load-path checks). ``test_campaign.py`` beside it runs every
+injector a few times, and a shorter mixed campaign (``slow``); a full campaign runs as a script.
 
 After every fault it checks: answers equal the full recompute (``wrong_answers``), the
 serving path raised nothing (``crashes``), every request finished within ``--timeout-s``
@@ -19,7 +19,7 @@ disk budget (``budget_overruns``), none of our temp files or build directories s
 next start (``leaked_files``), planted foreign things unchanged (``foreign_touched``), and
 the store's index agrees with its tiers (``invariant_violations``).
 
-    cachedrag bench faults --json faults.json            # default: 120 rounds, seed 0
+    python tests/faults/campaign.py --json faults.json   # default: 120 rounds, seed 0 (exit 1 on a failure)
 """
 
 from __future__ import annotations
@@ -845,3 +845,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     return 0 if results["passed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The campaign as a script: ``python tests/faults/campaign.py [--rounds N] [--json OUT]``; a bad
+    argument ends with one line on stderr and exit code 2."""
+    from cachedrag.errors import ConfigError
+
+    parser = argparse.ArgumentParser(prog="tests/faults/campaign.py", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except ConfigError as exc:
+        print(f"campaign: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

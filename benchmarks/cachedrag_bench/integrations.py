@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cachedrag.bench import write_json
-from cachedrag.bench.metrics import rouge_l, summary
+from cachedrag_bench import write_json
+from cachedrag_bench.metrics import rouge_l, summary
 
 DEFAULT_TOP_K = 5
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cachedrag.corpus import STDLIB_QUESTIONS, load_questions
-    from cachedrag.bench.workload import zipf_stream
+    from cachedrag_bench.workload import zipf_stream
     from cachedrag.engine import CachedEngine
     from cachedrag.model.loader import load_model
     from cachedrag.model.runner import ModelRunner

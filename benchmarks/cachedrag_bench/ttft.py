@@ -27,9 +27,9 @@ from collections import Counter
 import sys
 import time
 
-from cachedrag.bench import write_json
-from cachedrag.bench.metrics import divergence, divergence_summary, first_token_matches, rouge_l, summary
-from cachedrag.bench.workload import EMBEDDED_CORPORA, embedded_corpus_of
+from cachedrag_bench import write_json
+from cachedrag_bench.metrics import divergence, divergence_summary, first_token_matches, rouge_l, summary
+from cachedrag_bench.workload import EMBEDDED_CORPORA, embedded_corpus_of
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import TOKEN_CHOICES
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from cachedrag.bench.workload import build_workload, load_workload, save_workload
+    from cachedrag_bench.workload import build_workload, load_workload, save_workload
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import tokenizer_fingerprint

@@ -18,14 +18,16 @@ real rewrites can be passed as a file, one per line, aligned with the questions.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from cachedrag.bench import write_json
 from cachedrag.retrieval.config import IndexConfig, LookaheadConfig, SearchConfig
+from cachedrag_bench import write_json
+from cachedrag_bench.retrieval_scale import add_arguments as add_scale_arguments
+from cachedrag_bench.retrieval_scale import print_summary, run_scale
+from cachedrag_bench.rewrite import TRANSFORM_NOTE, default_transformations
 
 _INDEX = IndexConfig()
 _SEARCH = SearchConfig()
@@ -33,8 +35,6 @@ DEFAULT_NPROBE_LIST = "1,2,4,8,16,32"
 DEFAULT_WINDOW_MS = 20.0
 DEFAULT_REPEATS = 3
 DEFAULT_BUDGET_FRACTIONS = "0.125,0.25,0.5"
-TRANSFORM_NOTE = "question + first sentence of its top exact-search chunk (deterministic stand-in for HyDE)"
-_FIRST_SENTENCE_MAX_CHARS = 300
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,15 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="latency repetitions per query")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    from cachedrag.bench.retrieval_scale import add_arguments as add_scale_arguments
-
     add_scale_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.scale:
-        from cachedrag.bench.retrieval_scale import print_summary, run_scale
-
         results = run_scale(args)
         print_summary(results)
         if args.json_out:
@@ -181,21 +177,6 @@ def _measure(args, index, questions: list[str], build: dict) -> dict:
         },
         "config": {"repeats": args.repeats, "torch_threads": torch.get_num_threads()},
     }
-
-
-def default_transformations(index, questions: list[str]) -> list[str]:
-    """Question + first sentence of its top exact-search chunk, for each question."""
-    q = index.embed(questions)  # [Q, d]
-    _, top = index.ivf.exact_search(q, 1)  # [Q, 1]
-    return [f"{question} {_first_sentence(index.chunks[row].text)}" for question, row in zip(questions, top[:, 0].tolist())]
-
-
-def _first_sentence(text: str) -> str:
-    for piece in re.split(r"(?<=[.!?])\s+|\n\s*\n", text):
-        piece = " ".join(piece.split())
-        if len(piece) > 1:
-            return piece[:_FIRST_SENTENCE_MAX_CHARS]
-    return ""
 
 
 def _recall(found, exact) -> float:

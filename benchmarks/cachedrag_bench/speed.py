@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from cachedrag.bench import write_json
+from cachedrag_bench import write_json
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the Python documentation excerpts "
@@ -132,8 +132,8 @@ class _Transformers:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from cachedrag.bench.anchor import LlamaCppTimer, f32_gguf_path, llama_cpp_available
-    from cachedrag.bench.workload import build_workload
+    from cachedrag_bench.anchor import LlamaCppTimer, f32_gguf_path, llama_cpp_available
+    from cachedrag_bench.workload import build_workload
     from cachedrag.model.loader import default_gguf_path, load_model
     from cachedrag.model.runner import ModelRunner, default_threads, set_threads
     from cachedrag.model.weights import vnni_available
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         dropped = [s for s in systems if s.startswith("llamacpp")]
         systems = [s for s in systems if not s.startswith("llamacpp")]
         if dropped:
-            notes.append("llama_cpp not importable (pip install 'cachedrag[anchor]'): llama.cpp systems skipped")
+            notes.append("llama_cpp not importable (pip install -e './benchmarks[anchor]'): llama.cpp systems skipped")
     if "cachedrag-int8-dynamic" in systems and not vnni_available():
         systems.remove("cachedrag-int8-dynamic")
         notes.append("no VNNI on this CPU: cachedrag-int8-dynamic skipped")
@@ -342,7 +342,7 @@ def _end_to_end(runners, work, systems: dict, n: int) -> dict:
 _CHILD = """
 import json, statistics, sys, time
 t0 = time.perf_counter()
-from cachedrag.bench.workload import build_workload
+from cachedrag_bench.workload import build_workload
 from cachedrag.config import EngineConfig
 from cachedrag.engine import CachedEngine
 from cachedrag.model.runner import ModelRunner

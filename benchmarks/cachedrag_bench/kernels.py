@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from cachedrag.bench import write_json
+from cachedrag_bench import write_json
 from cachedrag.errors import ConfigError
 from cachedrag.model.runner import resolve_device
 

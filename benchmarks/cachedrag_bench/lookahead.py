@@ -58,8 +58,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cachedrag.bench import write_json
-from cachedrag.bench.metrics import percentile
+from cachedrag_bench import write_json
+from cachedrag_bench.metrics import percentile
 from cachedrag.errors import ConfigError, describe_validation_error
 from cachedrag.model.runner import resolve_device
 

@@ -38,9 +38,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachedrag.bench import write_json
-from cachedrag.bench.metrics import summary
-from cachedrag.bench.ttft import DEFAULT_SYSTEM_PROMPT
+from cachedrag_bench import write_json
+from cachedrag_bench.metrics import summary
+from cachedrag_bench.ttft import DEFAULT_SYSTEM_PROMPT
 from cachedrag.errors import ConfigError
 
 ALL_TIERS = ("gpu", "cpu", "disk", "redis")
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from cachedrag.bench.workload import build_workload
+    from cachedrag_bench.workload import build_workload
     from cachedrag.config import EngineConfig
     from cachedrag.kvcache.config import CacheConfig
     from cachedrag.model.loader import load_model

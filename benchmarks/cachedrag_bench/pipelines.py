@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from cachedrag.bench import write_json
-from cachedrag.bench.metrics import rouge_l, summary
+from cachedrag_bench import write_json
+from cachedrag_bench.metrics import rouge_l, summary
 
 CONFIGS: dict[str, str] = {
     "a": "plain transformers generate + plain Faiss over disk, sequential",
@@ -322,7 +322,7 @@ def _config(args, configs, warmup, n, index, setup: _Setup) -> dict:
 
 
 def _questions(args) -> tuple[list[str], str]:
-    from cachedrag.bench.workload import zipf_stream
+    from cachedrag_bench.workload import zipf_stream
     from cachedrag.corpus import STDLIB_QUESTIONS, load_questions
 
     if args.questions:
