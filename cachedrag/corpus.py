@@ -307,17 +307,3 @@ INFO_TOPICS: tuple[tuple[str, ...], ...] = (
      "What does patch's -p option do?"),
 )
 
-
-def zipf_stream(pool, n: int, s: float = 1.1, seed: int = 0) -> list[str]:
-    """``n`` requests with Zipf(s) popularity over a shuffled rank order of ``pool``.
-
-    ``pool`` items are questions, or topics (tuples of phrasings of one question): a topic is
-    drawn by popularity, then one of its phrasings uniformly, as users word the same need
-    differently.
-    """
-    rng = random.Random(seed)
-    ranked = list(pool)
-    rng.shuffle(ranked)
-    weights = [1.0 / (r + 1) ** s for r in range(len(ranked))]
-    picks = rng.choices(ranked, weights=weights, k=n)
-    return [rng.choice(p) if isinstance(p, tuple) else p for p in picks]
