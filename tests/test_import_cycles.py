@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import cachedrag
@@ -174,6 +176,16 @@ def test_the_walk_finds_every_part_of_the_package():
     for name in ("cachedrag.model.runner", "cachedrag.integrations", "cachedrag.pipelines", "cachedrag.kernels"):
         assert name in files, name
     assert any(n.startswith("cachedrag.kernels.") for n in files)
+
+
+def test_the_walk_imports_no_torch():
+    """Parsing, not importing: a fresh interpreter that walks the package has not loaded torch."""
+    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('walk', {str(Path(__file__))!r}); "
+            "walk = importlib.util.module_from_spec(spec); spec.loader.exec_module(walk); "
+            "walk.cycles(walk.graph(walk.modules())); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_tarjan_finds_each_cycle_once():
