@@ -1,10 +1,10 @@
-"""Native build artefacts cached on disk (AOTInductor packages, the decode attention kernel's
+"""Native build artefacts cached on disk (AOTInductor packages, the native CPU kernels'
 library): the digests that key and guard them.
 
 Owns: ``file_sha256`` (the digest stored beside an artefact: one whose bytes changed is rebuilt,
 never loaded), ``write_atomic`` (how such a digest is written: whole or not at all) and ``cpu_flags_digest`` (part of an artefact's key: its kernels are vectorised for
 this CPU's instruction sets). Does not own: building, loading or where artefacts live
-(``compiled.py``, ``attention.py``, ``cachedrag.paths``).
+(``compiled.py``, ``native.py``, ``cachedrag.paths``).
 """
 
 from __future__ import annotations

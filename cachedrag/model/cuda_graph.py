@@ -37,7 +37,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from cachedrag.model.runner import KVBuffer
+from cachedrag.model.kv_buffer import KVBuffer
 
 #: captured steps kept per runner (each holds its own memory pool: one step's activations)
 CACHE_SIZE = 4

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from cachedrag.model.cuda_graph import attend_row, buffer_key
-from cachedrag.model.runner import KVBuffer
+from cachedrag.model.kv_buffer import KVBuffer
 from cachedrag.model.transfer import device_tensor
 
 #: pass rows are padded to a multiple of this (one captured graph serves every row count in a bucket)

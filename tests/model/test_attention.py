@@ -1,5 +1,5 @@
-"""The split-K decode attention kernel (model/attention.py) against its torch reference, and the
-runner's choice between it and SDPA."""
+"""The split-K decode attention kernel (model/attention.py) against its torch reference, the native
+library's build and cache (model/native.py), and the runner's choice between the kernel and SDPA."""
 
 import shutil
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cachedrag.errors import ConfigError
-from cachedrag.model import attention
+from cachedrag.model import attention, native
 from cachedrag.model.runner import ModelRunner
 from cachedrag.model.weights import cpu_flags
 from cachedrag.testing import byte_tokenizer, prefilled, tiny_model, tiny_runner
@@ -152,8 +152,8 @@ def test_low_precision_step_with_kernel_is_close_to_sdpa(weights):
 
 
 def test_runner_falls_back_to_sdpa_without_the_kernel(monkeypatch):
-    monkeypatch.setattr(attention, "kernel", lambda: None)
-    monkeypatch.setattr(attention, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    monkeypatch.setattr(native, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
     runner = tiny_runner()
     assert runner.decode_attention == "sdpa" and "no C++ compiler" in runner.decode_attention_note
     assert runner.decode_step_kind == "torch" and "no C++ compiler" in runner.decode_step_note  # nor the fused step
@@ -175,7 +175,7 @@ def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, 
     byte makes it a miss that is rebuilt (the build here is stubbed to fail, so nothing is loaded)."""
     from torch.utils import cpp_extension
 
-    built = attention.library_dir()
+    built = native.library_dir()
     name = built.name
     intact, changed = tmp_path / "intact", tmp_path / "changed"
     for cache in (intact, changed):
@@ -187,7 +187,7 @@ def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, 
         raise RuntimeError("build stubbed out")
 
     monkeypatch.setattr(cpp_extension, "load_inline", no_build)
-    module = attention._load(intact)
+    module = native._load(intact)
     assert builds == [] and module.decode_attention(torch.ones(2, 16), torch.ones(1, 4, 16), torch.ones(1, 4, 16),
                                                    0, 4, 0.25, 0).shape == (2, 16)
     # the flipped byte goes into the other copy: a library this process has mapped is never written
@@ -197,44 +197,64 @@ def test_cached_library_loads_and_a_changed_one_is_rebuilt_not_loaded(tmp_path, 
     data[len(data) // 2] ^= 0x01
     so.write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match="build stubbed out"):
-        attention._load(changed)
+        native._load(changed)
     assert builds == [name] and not so.exists()
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_a_build_leaves_the_library_key_unchanged(tmp_path, monkeypatch):
     """torch's load_inline inserts an #include into the source list it is given; the build hands it a
-    copy, so the key (the library's name) stays the same for the rest of the process (it did not, and
-    a process that had built the library looked for it under another name after)."""
+    new list, so the key (the library's name) stays the same for the rest of the process (it did not,
+    and a process that had built the library looked for it under another name after). The sources
+    come from the package's csrc/ files, with that folder on the include path."""
     from torch.utils import cpp_extension
 
-    key = attention._key()
+    key = native._key()
+    calls = []
 
     def build_as_torch_does(name, cpp_sources, build_directory, **kwargs):
+        calls.append((list(cpp_sources), kwargs))
         cpp_sources.insert(0, "#include <torch/extension.h>")
         (tmp_path / name / f"{name}.so").write_bytes(b"a library")
         return "module"
 
     monkeypatch.setattr(cpp_extension, "load_inline", build_as_torch_does)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
-    monkeypatch.setattr(attention, "_state", {})
-    assert attention._load(tmp_path) == "module"
-    assert attention._key() == key
+    monkeypatch.setattr(native, "_state", {})
+    assert native._load(tmp_path) == "module"
+    assert native._key() == key
+    (sources, kwargs), = calls
+    assert sources == [(native.CSRC / name).read_text() for name in native.SOURCES]
+    assert kwargs["extra_include_paths"] == [str(native.CSRC)]
+
+
+def test_the_sources_are_package_files_and_every_one_includes_the_shared_header():
+    """The C++ lives in csrc/ beside the module (package data), not in Python strings: every source
+    includes native.h, which holds what two of them share (no helper is defined twice)."""
+    files = sorted(p.name for p in native.CSRC.iterdir())
+    assert files == sorted([*native.SOURCES, *native.HEADERS])
+    for name, text in zip(native.SOURCES, native.sources()):
+        assert '#include "native.h"' in text, name
+    header = (native.CSRC / "native.h").read_text()
+    for helper in ("inline float float_of(", "inline uint16_t bf16_of(", "inline float exp_neg(", "inline __m512 load16(",
+                   "inline __m512 exp16_neg(", "inline void check_kv("):
+        assert helper in header and not any(helper in text for text in native.sources()), helper
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 def test_native_source_compiles_for_cpus_without_avx512_or_its_bf16(tmp_path):
     """The library is built with -march=native, so CI compiles only this CPU's branches of the source;
     the branches for CPUs without AVX-512 (plain loops) or without AVX512-BF16 (bf16 widened to float32)
-    must compile too. Both checks run side by side (each parses torch's headers, ~25 s on one core)."""
+    must compile too. Both checks run side by side (each parses torch's headers, ~25 s on one core).
+    The checked file is the build's translation unit: the sources in order, csrc/ on the include path."""
     import subprocess
     import sysconfig
 
     from torch.utils import cpp_extension
 
     src = tmp_path / "native.cpp"
-    src.write_text("\n".join(attention._SOURCES))
-    includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    src.write_text("\n".join(native.sources()))
+    includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], native.CSRC]]
     targets = {"avx2": ["-march=x86-64-v3"], "avx512-without-bf16": ["-march=x86-64-v4", "-mno-avx512bf16"]}
     checks = {name: subprocess.Popen(["g++", "-std=c++17", "-fsyntax-only", "-fopenmp", *flags,
                                       "-DTORCH_EXTENSION_NAME=check", *includes, str(src)],
@@ -460,8 +480,8 @@ def test_runner_keeps_sdpa_for_the_prefill_where_the_kernel_does_not_apply(monke
         tiny_runner(prefill_attention="kernel")
     with pytest.raises(ConfigError, match="prefill_attention must be"):
         tiny_runner(prefill_attention="flash")
-    monkeypatch.setattr(attention, "kernel", lambda: None)
-    monkeypatch.setattr(attention, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    monkeypatch.setattr(native, "kernel_status", lambda: "unavailable: RuntimeError: no C++ compiler (c++) on PATH")
     tok = byte_tokenizer()
     model = tiny_model("llama", vocab_size=len(tok), hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
                        head_dim=64)

@@ -1,0 +1,10 @@
+// The Python module of the native library: its entry points and the fused step's class.
+#include "native.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "one query row per head over KV rows, split-K (cachedrag)");
+  m.def("decode_attention_batch", &decode_attention_batch, "decode_attention for B requests in one call (cachedrag)");
+  m.def("prefill_attention", &prefill_attention, "sorted query positions over KV rows, causal by position (cachedrag)");
+  m.def("prefill_attention_available", &prefill_attention_available, "whether prefill_attention was built (AVX-512)");
+  register_fused_decode(m);
+}
