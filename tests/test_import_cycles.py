@@ -29,8 +29,6 @@ ROOT = "cachedrag"
 
 # Each entry: the exact set of modules of one strongly connected component.
 KNOWN_CYCLES: list[frozenset[str]] = [
-    # being removed by the benchmarks move out of the package (issue 53)
-    frozenset({"cachedrag.bench.retrieval", "cachedrag.bench.retrieval_scale"}),
     # being removed by the server/cluster rework (issue 53)
     frozenset({"cachedrag.cluster.cli", "cachedrag.server.cli"}),
 ]
@@ -72,13 +70,23 @@ def _subpackage_names(files: dict[str, Path]) -> set[str]:
     return names
 
 
+def _listed_subpackages() -> set[str]:
+    """The ``cachedrag.<name>`` packages pyproject.toml lists (a mapped one that nothing imports
+    is still walked)."""
+    import tomllib
+
+    listed = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    return {p for p in listed["tool"]["setuptools"]["packages"] if p.count(".") == 1}
+
+
 def modules() -> dict[str, Path]:
     """Every module of the installed package: name -> source file."""
     files: dict[str, Path] = {}
     _walk(ROOT, _package_dir(ROOT), files)
     seen = set()
     while True:  # children mapped outside cachedrag's folder, found by name, and what they import
-        todo = {n for n in _subpackage_names(files) if n not in files and n not in seen}
+        wanted = _subpackage_names(files) | _listed_subpackages()
+        todo = {n for n in wanted if n not in files and n not in seen}
         if not todo:
             return files
         for name in sorted(todo):
