@@ -5,16 +5,13 @@ per-request stats) and the tensor side of a request: loading planned KV into the
 buffer (raw K re-rotated to its new positions), computing only fresh + recompute + question
 tokens layer by layer, choosing the recompute tokens when the plan defers that choice (by measured
 K/V deviation, CacheBlend; by the question's attention to the re-rotated cache, ProphetKV-like; or
-both fused), budget by need, order-aware exact reuse (serving a cached tree path's order), the
+both fused), order-aware exact reuse (serving a cached tree path's order), the
 tie guard (``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is
-prefilled again exactly; with ``tie_guard_trend`` only when a second reading with the
-recomputed rows put back to their cached values predicts a margin over some rival below
-``tie_guard_floor``, the decision in ``kvcache/tie.py``), the tie guard during decoding (``DecodeTieGuard``,
+prefilled again exactly; the near-tie rule in ``kvcache/tie.py``), the tie guard during decoding (``DecodeTieGuard``,
 ``CacheConfig.tie_guard_decode``: an answer decoding on approximate KV that meets a near tie goes on from an exact
 prefill of the prompt and the answer so far), teacher-forced scoring of a given answer, focused-chunk early
-termination, the layer-wise budget (``CacheConfig.layer_taper``: fewer recompute rows in later layers; the counts come from
-``planner.taper_counts``, the ranking from the token choice or the K/V deviation), measuring the inter/intra attention
-metadata of fresh chunks, and handing their raw K + V to the cache manager.
+termination, measuring the inter/intra attention metadata of fresh chunks, and handing their raw K + V to the
+cache manager.
 
 Does not own: decisions (``cachedrag.kvcache.planner`` via ``ChunkCacheManager``), storage
 tiers (``cachedrag.store``), prompt layout (``cachedrag.prompt``), or sampling
@@ -42,10 +39,9 @@ from cachedrag.kvcache.config import QUESTION_CHOICES
 from cachedrag.kvcache.focus import FocusTracker
 from cachedrag.kvcache.keys import path_key
 from cachedrag.kvcache.manager import ChunkCacheManager, NewEntry
-from cachedrag.kvcache.planner import (MODES, Action, Mode, PlanRequest, allocate_by_need, allocate_full_chunks,
-                                       taper_counts)
+from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest
 from cachedrag.kvcache.planner import Segment as PlanSegment
-from cachedrag.kvcache.tie import near_tie, predicted_margin
+from cachedrag.kvcache.tie import near_tie
 from cachedrag.kvcache.variants import AttentionMetadata
 from cachedrag.model.generation import Rewind, SamplingParams, eos_token_ids, rewind_allowed
 from cachedrag.model.lookup import prompt_lookup
@@ -56,10 +52,6 @@ from cachedrag.model.transfer import device_tensor
 from cachedrag.prompt import PromptBuilder, Segment
 
 log = logging.getLogger(__name__)
-
-#: the tie guard's trend check weighs the approximate top-1 against this many next-best tokens
-TREND_RIVALS = 8
-
 
 @dataclass
 class EngineResult:
@@ -92,9 +84,8 @@ class EngineResult:
     draft_tokens: int = 0  # draft tokens verified
     draft_accepted: int = 0  # draft tokens accepted (each saved one decode step)
     cached_tokens: int = 0  # prompt tokens served from cache = not recomputed at full depth (prompt - computed)
-    checked_tokens: int = 0  # cached tokens computed at the lower layers only (deviation check probes, recompute
-    #                          tokens of chunks dropped at the focus layer, and those ``layer_taper`` stopped);
-    #                          they stay counted as cached
+    checked_tokens: int = 0  # cached tokens computed at the lower layers only (deviation check probes and recompute
+    #                          tokens of chunks dropped at the focus layer); they stay counted as cached
     token_choice: str | None = None  # how recompute tokens were chosen (None: nothing reused)
     approximations: list[str] = field(default_factory=list)  # what made this answer differ from full prefill
     chunk_order: list[int] | None = None  # order-aware reuse: retrieved indices in the order served (None: as given)
@@ -106,9 +97,6 @@ class EngineResult:
     #                                      first token was to a rival (None: the prefill was exact)
     tie_guard: float | None = None  # CacheConfig.tie_guard: the approximate prefill's first-token top-2 logit gap
     #                                 when it was near-tied and the request was prefilled again exactly (else None)
-    tie_guard_margin: float | None = None  # CacheConfig.tie_guard_trend: the trend check's predicted margin of the
-    #                                        approximate first token (< tie_guard_floor: prefilled again) when it
-    #                                        ran (else None)
     segment_actions: list[str] = field(default_factory=list)  # per segment before the question (system, then the
     #                                                          chunks and any text between them), in the order served:
     #                                                          "tree" (exact prefix hit), "reuse" (a chunk variant),
@@ -146,9 +134,6 @@ class _Prefill:
     info: dict
     hand_off: Callable[[], None] | None = None  # deferred store hand-off (``_prefill(defer_store=True)``)
     promote: Callable[..., float] | None = None  # exact path of a recurring sequence, to compute after the response
-    # CacheConfig.tie_guard_trend: per layer, the reused rows the prefill overwrote and their cached K/V
-    # as loaded, ``(layer, rows [R], k [H_kv, R, D], v [H_kv, R, D])``, for the trend check's second reading
-    cached_rows: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
     exact_segments: int = 0  # leading segments whose KV equals full prefill (``_prefill`` sets it: the plan's
     #                          ``exact_prefix_segments``, fewer with ``leading_fresh_dtype="bfloat16"``)
@@ -750,18 +735,14 @@ class CachedEngine:
         t_first = time.perf_counter()
         pre, hand_offs = self._execute_plan(plan, segments, context, mode, max_new_tokens, all_logits, between_layers,
                                             tail_logits)
-        gap = margin = first_actions = first = None
+        gap = first_actions = first = None
         tied = False
         if mode is not Mode.FULL and not exact_plan and pre.info["approximations"]:
             logits = pre.logits[-1] if pre.logits.dim() == 2 else pre.logits  # [V]
             # how close the approximate first token was to a rival (reported; the tie guard's reading)
             tied, first = self.near_tie(logits, cache.tie_guard)
         if cache.tie_guard and mode is Mode.CACHEDRAG and first is not None:
-            if tied and cache.tie_guard_trend > 0 and pre.cached_rows is not None:
-                margin = self._trend_margin(pre, [t for s in question for t in s.ids], logits)
-            if tied and (margin is None or margin < cache.tie_guard_floor):
-                # the approximation would pick a near-tied first token (and, checked, is closing in on a
-                # rival, or stays within the floor's noise of one): prefill exactly
+            if tied:  # the approximation would pick a near-tied first token: prefill exactly
                 if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:pre.exact_segments]):
                     # the first prefill computed fresh chunks before its first reused one, exactly: stored
                     # now, they are tree prefix hits for the exact prefill below instead of computed again
@@ -789,9 +770,7 @@ class CachedEngine:
         pre.info["exact_repeat"] = repeat
         pre.info["tie_guard"] = gap
         pre.info["first_token_gap"] = first
-        pre.info["tie_guard_margin"] = margin
         pre.info["tie_guard_actions"] = first_actions
-        pre.cached_rows = None
         pre.segments = segments
         if repeat == "promote":
             pre.promote = functools.partial(self._promote, list(segments), mode)
@@ -806,40 +785,6 @@ class CachedEngine:
         top, gap = top2(logits)
         bits = round(-math.log2(torch.finfo(self.runner.dtype).eps))  # explicit mantissa bits
         return near_tie(gap, top, threshold, bits), gap
-
-    def _trend_margin(self, pre: _Prefill, question_ids: list[int], logits: torch.Tensor) -> float:
-        """The tie guard's trend check (``kvcache/tie.py``): the first token's logits read again on
-        ``pre``'s buffer with the recomputed rows of the reused chunks put back to their cached
-        values (the question's rows computed again through every layer, their projections in
-        ``CacheConfig.question_dtype`` as the question pre-pass's: so few rows are bound by reading
-        the weights, and bfloat16 copies halve that), then the predicted margin of the approximate
-        top-1 over its ``TREND_RIVALS`` nearest rivals. The buffer is left as it was, bit for bit:
-        the swapped rows and the question's rows are restored."""
-        runner, kv = self.runner, pre.kv
-        weights = None  # None: the runner's own projections
-        if self.config.cache.question_dtype == "bfloat16":
-            weights = scoring_layers(runner, runner.n_layers)
-        total = pre.info["prompt_tokens"]
-        start = total - len(question_ids)
-        swapped = []
-        question_k = kv.k[:, :, start:total].clone()  # [L, H_kv, Tq, D]
-        question_v = kv.v[:, :, start:total].clone()
-        try:
-            for layer, rows, k, v in pre.cached_rows:
-                swapped.append((layer, rows, kv.k[layer].index_select(1, rows), kv.v[layer].index_select(1, rows)))
-                kv.k[layer].index_copy_(1, rows, k)  # rows of [H_kv, C, D]
-                kv.v[layer].index_copy_(1, rows, v)
-            ids = torch.tensor(question_ids, device=runner.device)  # [Tq]
-            pos = torch.arange(start, total, device=runner.device)  # [Tq]
-            reverted = runner.prefill(ids, pos, kv=kv, kv_len=total, weights=weights).float()  # [V]
-        finally:
-            for layer, rows, k, v in swapped:
-                kv.k[layer].index_copy_(1, rows, k)
-                kv.v[layer].index_copy_(1, rows, v)
-            kv.k[:, :, start:total] = question_k
-            kv.v[:, :, start:total] = question_v
-        top = logits.float().topk(TREND_RIVALS + 1).indices  # [R+1], the approximate top-1 first
-        return predicted_margin(logits.float()[top].tolist(), reverted[top].tolist(), self.config.cache.tie_guard_trend)
 
     def _execute_plan(self, plan, segments, context, mode: Mode, max_new_tokens: int, all_logits: bool,
                       between_layers, tail_logits: int = 1) -> tuple[_Prefill, list[Callable[[], None]]]:
@@ -906,12 +851,11 @@ class CachedEngine:
         # 2. what to compute: fresh segments, recompute tokens of reused chunks, the question
         fresh_pos: list[int] = []
         recompute_pos: dict[int, list[int]] = {}  # segment index -> absolute positions
-        ranked: dict[int, list[int]] = {}  # segment index -> its recompute positions, best first (layer_taper)
         for i, (sp, action) in enumerate(zip(plan.segments, actions)):
             if action is Action.FRESH:
                 fresh_pos.extend(range(sp.start, sp.end))
             elif action is Action.REUSE and sp.recompute:
-                recompute_pos[i] = ranked[i] = sp.recompute_positions()
+                recompute_pos[i] = sp.recompute_positions()
         question_pos = list(range(plan.question_start, total))
         # token_choice "deviation" (and the question choices): the plan fixed how many tokens of
         # these segments to recompute; which ones is measured here. Deviation: at check_layer, so
@@ -927,7 +871,7 @@ class CachedEngine:
             if choice == "deviation":  # too shallow to probe: leading tokens
                 notes.append(f"check_layer {check_layer} >= {runner.n_layers} layers; recomputing leading tokens")
                 for i, n in deferred.items():
-                    recompute_pos[i] = ranked[i] = list(range(plan.segments[i].start, plan.segments[i].start + n))
+                    recompute_pos[i] = list(range(plan.segments[i].start, plan.segments[i].start + n))
                 deferred = {}
             else:
                 notes.append(f"check_layer {check_layer} >= {runner.n_layers} layers; ranking by the question only")
@@ -951,7 +895,6 @@ class CachedEngine:
             loaded_rows[0] = runner.write_rotated_segments(kv, layer, parts, loaded_rows[0])
 
         question_scores: dict[int, torch.Tensor] = {}  # segment -> [T_i] question attention to its tokens
-        refine: dict[int, int] = {}  # second stage: segment -> how many of its candidates to keep
         # fresh tokens before every reused chunk see only exact rows (system, tree, each other) in the
         # pre-pass as in the prefill proper: the prefill takes their pre-pass layers over (``_Lead``)
         first_reuse = min((sp.start for sp, a in zip(plan.segments, actions) if a is Action.REUSE), default=total)
@@ -985,55 +928,16 @@ class CachedEngine:
                     loader.close()
                 raise
             question_scores = {i: scores[plan.segments[i].start:plan.segments[i].end] for i in deferred}
-            need: dict[int, float] = {}  # segment -> the question's attention mass on it (read once)
-            if (cfg.need_weight > 0 or (cfg.full_chunks > 0 and cfg.full_chunk_pick == "need")) and len(deferred) > 1:
-                need = dict(zip(deferred, torch.stack([question_scores[i].sum() for i in deferred]).tolist()))
-            if cfg.need_weight > 0 and len(deferred) > 1:  # budget by need, within the request's total
-                seg = list(deferred)
-                counts = allocate_by_need([deferred[i] for i in seg], [need[i] for i in seg],
-                                          [plan.segments[i].n_tokens for i in seg], cfg.need_weight)
-                deferred = dict(zip(seg, counts))
-            if cfg.full_chunks > 0:  # chunk-level: some chunks recomputed whole, within the request's total
-                seg = list(deferred)
-                if cfg.full_chunk_pick == "need":  # most question attention first
-                    key = [-need.get(i, 0.0) for i in seg]
-                else:  # "last": nearest the question first
-                    key = [-plan.segments[i].start for i in seg]
-                priority = sorted(range(len(seg)), key=lambda k: (key[k], k))
-                counts = allocate_full_chunks([deferred[i] for i in seg], [plan.segments[i].n_tokens for i in seg],
-                                              priority, cfg.full_chunks)
-                deferred = dict(zip(seg, counts))
             if choice == "question+inter":  # fused with the variant's own inter-attention fractions (free)
                 _fuse_inter(question_scores, plan, cfg.question_weight, device)
             if not by_deviation:
-                two_stage = cfg.refine_layer is not None and cfg.refine_layer < runner.n_layers
-                keeps = {i: min(plan.segments[i].n_tokens, math.ceil(cfg.refine_factor * n)) if two_stage else n
-                         for i, n in deferred.items()}
-                tops = _pick_each([question_scores[i] for i in keeps], list(keeps.values()), cfg.sink_tokens)
-                for (i, n), top in zip(deferred.items(), tops):
-                    sp = plan.segments[i]
-                    ranked[i] = [sp.start + j for j in top]
-                    recompute_pos[i] = sorted(ranked[i])
-                    if two_stage and keeps[i] > n:
-                        refine[i] = n
+                tops = _pick_each([question_scores[i] for i in deferred], list(deferred.values()))
+                for i, top in zip(deferred, tops):
+                    recompute_pos[i] = sorted(plan.segments[i].start + j for j in top)
                 deferred = {}
         probe_pos = [p for i in deferred for p in range(plan.segments[i].start, plan.segments[i].end)]
-        # dense_layers: every reused token through the first layers, the chosen ones through all
-        dense_layers = min(cfg.dense_layers, runner.n_layers)
-        dense_pos: set[int] = set()
-        if mode is Mode.CACHEDRAG and dense_layers > 0 and not deferred:
-            chosen = {p for ps in recompute_pos.values() for p in ps}
-            dense_pos = set(_reused_positions(plan, actions)) - chosen
         compute = sorted(set(fresh_pos) | {p for ps in recompute_pos.values() for p in ps} | set(question_pos)
-                         | set(probe_pos) | dense_pos)
-        # layer_taper: from each step's layer on, each reused chunk computes only its best-ranked share
-        taper: list[tuple[int, dict[int, int]]] = []
-        if mode is Mode.CACHEDRAG and cfg.layer_taper:
-            counts = {i: len(ps) for i, ps in recompute_pos.items()} | dict(deferred)
-            taper = taper_counts(counts, cfg.layer_taper, runner.n_layers)
-            if deferred:  # the deviation probe chooses at check_layer: a step at or below it has nothing to rank yet
-                taper = [(layer, kept) for layer, kept in taper if layer > check_layer]
-        tapered = 0  # recompute tokens layer_taper stopped below the last layer
+                         | set(probe_pos))
         n_lead = lead.rows if lead.hidden is not None else 0  # leading fresh rows the pre-pass computed
         positions = device_tensor(compute[n_lead:], device)  # [Tc] (the lead rows join at lead.layer)
         fresh_t = device_tensor(fresh_pos, device)  # [Tf]
@@ -1059,28 +963,21 @@ class CachedEngine:
                 and len(chunk_seg) > 1):
             tracker = FocusTracker.from_config(len(chunk_seg), self.config.cache)
 
-        # The reused rows of the compute set, read by two settings: recompute_dtype="bfloat16" (their matmuls
-        # on bfloat16 copies) and tie_guard_trend (the cached K/V of the reused rows each layer is about to
-        # overwrite, kept for the trend check's second reading, ``_trend_margin``); with fresh_dtype="bfloat16"
-        # the fresh rows after the first reused chunk run on those copies too (``low_t``: every such row), and with
+        # The rows on bfloat16 copies: with recompute_dtype="bfloat16" the reused rows of the compute set; with
+        # fresh_dtype="bfloat16" the fresh rows after the first reused chunk (``low_t``: every such row), and with
         # leading_fresh_dtype="bfloat16" those before it (``lead.low``)
         low_bf16 = cfg.recompute_dtype == "bfloat16"
         fresh_bf16 = cfg.fresh_dtype == "bfloat16"
-        trend = cfg.tie_guard > 0 and cfg.tie_guard_trend > 0
-        reuse_t = low_t = None
+        low_t = None
         fresh_low = [p for p in fresh_pos if (p > first_reuse and fresh_bf16) or (p < first_reuse and lead.low)]
-        if mode is Mode.CACHEDRAG and (low_bf16 or fresh_low or trend) and Action.REUSE in actions:
+        if mode is Mode.CACHEDRAG and (low_bf16 or fresh_low) and Action.REUSE in actions:
             reused = _reused_positions(plan, actions)
-            if trend:
-                reuse_t = device_tensor(reused, device)  # [Tr]
             low_t = device_tensor(sorted((reused if low_bf16 else []) + fresh_low), device)  # [Tlow]
         low_fresh = bool(fresh_low) and low_t is not None
-        reuse_rows = reuse_of = None  # for the compute set ``reuse_of`` (rebuilt when it changes)
         low_layers = scoring_layers(runner, runner.n_layers) if low_t is not None and low_t.numel() else None
         low_rows = False
         low_of = None  # the compute set ``low`` was built for
         low = low_last = None  # RowSplit of the low-precision rows of ``low_of`` (all of them, and the last row's)
-        cached_rows = [] if trend and reuse_t is not None else None
 
         # 3. partial prefill, layer by layer
         t_prefill = time.perf_counter()
@@ -1110,34 +1007,19 @@ class CachedEngine:
                     unfocused = set() if tracker is None or tracker.decision is None else {
                         i for c, i in enumerate(chunk_seg) if not tracker.decision.is_focused(c)}
                     narrow(self._choose_deviating(layer, hidden, positions, rope, kv, plan, deferred, probe_pos,
-                                                  recompute_pos, unfocused, question_scores, ranked))
-                if taper and layer == taper[0][0]:  # gradual filtering: the lower-ranked recompute rows stop here
-                    keep = self._taper(layer, taper.pop(0)[1], hidden, positions, rope, kv, plan, recompute_pos, ranked)
-                    tapered += int((~keep).sum())
-                    narrow(keep)
+                                                  recompute_pos, unfocused, question_scores))
                 raw: dict = {}
-                last = (layer + 1 == runner.n_layers and not all_logits  # only the last row's output is read
-                        and not (refine and layer == cfg.refine_layer))
+                last = layer + 1 == runner.n_layers and not all_logits  # only the last row's output is read
                 lw = None
-                if cached_rows is not None and reuse_of is not positions:
-                    reuse_rows, reuse_of = positions[torch.isin(positions, reuse_t)], positions  # [R] reused chunks' rows
                 if low_layers is not None and low_of is not positions:
                     low_mask, low_of = torch.isin(positions, low_t), positions  # [Tc] rows on the bfloat16 copies
                     low, low_last = RowSplit(low_mask), RowSplit(low_mask[-tail_logits:])
-                if cached_rows is not None and reuse_rows.numel():  # what this layer is about to overwrite
-                    cached_rows.append((layer, reuse_rows, kv.k[layer].index_select(1, reuse_rows),
-                                        kv.v[layer].index_select(1, reuse_rows)))
                 if low_layers is not None and low.low is not None:
                     lw = RowSplitLayer(runner.fast_layers[layer], low_layers[layer], low, low_last if last else low)
                     low_rows = True
                 hidden = runner.forward_layer(layer, hidden, positions, kv, total, raw_out=raw, rope=rope, blocks=blocks,
                                               out_rows=slice(-tail_logits, None) if last else None, weights=lw)
                 token_layers += positions.shape[0]
-                if refine and layer == cfg.refine_layer:
-                    narrow(self._refine(layer, raw["q"], positions, kv, total, plan, refine, recompute_pos,
-                                        question_scores, len(question_pos)))
-                if dense_pos and layer == dense_layers - 1 and layer + 1 < runner.n_layers:  # the unchosen stop here
-                    narrow(torch.tensor([p not in dense_pos for p in positions.tolist()], device=device))  # [Tc]
                 if raw_k is not None and rows_of is not positions:  # fresh tokens are never dropped
                     fresh_rows, rows_of = _rows(positions, fresh_main), positions
                 early = n_lead and layer < lead.layer  # the lead rows' K and q of this layer are the pre-pass's
@@ -1200,8 +1082,6 @@ class CachedEngine:
                 approximations.append(f"partial_recompute:{used_choice}")
             if focus_layer is not None:
                 approximations.append("early_termination")
-            if tapered:
-                approximations.append("layer_taper")
             if low_rows and low_bf16 and len(compute) > len(fresh_pos) + len(question_pos):  # reused rows computed
                 approximations.append("recompute_bfloat16")
             if low_rows and low_fresh:
@@ -1228,12 +1108,11 @@ class CachedEngine:
             "token_choice": used_choice,
             "approximations": approximations,
         }
-        return _Prefill(kv, logits, info, cached_rows=cached_rows, exact_segments=exact_segments), hand_off
+        return _Prefill(kv, logits, info, exact_segments=exact_segments), hand_off
 
     def _choose_deviating(self, layer: int, hidden, positions, rope, kv: KVBuffer, plan, deferred: dict[int, int],
                           probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int],
-                          question_scores: dict[int, torch.Tensor] | None = None,
-                          ranked: dict[int, list[int]] | None = None):
+                          question_scores: dict[int, torch.Tensor] | None = None):
         """CacheBlend's token choice at ``layer`` (= check_layer): for each deferred segment, the
         ``deferred[i]`` tokens whose fresh K/V deviate most from the loaded cache go into
         ``recompute_pos``; the other probed tokens leave the compute set. Returns the keep
@@ -1257,48 +1136,11 @@ class CachedEngine:
             if question_scores:
                 w = self.config.cache.question_weight
                 seg_dev = w * _rank01(question_scores[i]) + (1.0 - w) * _rank01(seg_dev)  # [T_i]
-            top = _pick(seg_dev, count, self.config.cache.sink_tokens)
+            top = _pick(seg_dev, count)
             recompute_pos[i] = sorted(sp.start + j for j in top)
-            if ranked is not None:
-                ranked[i] = [sp.start + j for j in top]
             chosen.update(recompute_pos[i])
         drop = set(probe_pos) - chosen
         return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
-
-    def _taper(self, layer: int, kept: dict[int, int], hidden: torch.Tensor, positions: torch.Tensor, rope,
-               kv: KVBuffer, plan, recompute_pos: dict[int, list[int]], ranked: dict[int, list[int]]) -> torch.Tensor:
-        """One step of ``CacheConfig.layer_taper`` before ``layer``: each segment ``i`` of ``kept``
-        keeps its best ``kept[i]`` recompute rows still computed (``taper_rank``: the token choice's
-        order, or CacheBlend's deviation of the rows' fresh K/V at ``layer`` from the cached K/V in
-        the buffer); the others leave the compute set, so from ``layer`` on they read the cache
-        (their K/V below ``layer`` stay the recomputed ones). Returns the keep mask ``[Tc]``."""
-        cfg = self.config.cache
-        device = self.runner.device
-        live = positions.tolist()
-        alive = set(live)
-        cands = {i: [p for p in recompute_pos.get(i, ()) if p in alive] for i in kept}
-        score: dict[int, float] = {}
-        if cfg.taper_rank == "deviation":
-            probe = sorted(p for i, c in cands.items() if len(c) > kept[i] for p in c)
-            if probe:
-                probe_t = torch.tensor(probe, device=device)  # [Tp]
-                rows = torch.searchsorted(positions, probe_t)  # [Tp]
-                dev = self.runner.kv_deviation(layer, hidden[rows], probe_t, kv, (rope[0][rows], rope[1][rows]),
-                                               on=cfg.deviation_on)  # [Tp]
-                score = dict(zip(probe, dev.tolist()))
-        drop: set[int] = set()
-        for i, n in kept.items():
-            cand = cands[i]
-            if len(cand) <= n:
-                continue
-            if cfg.taper_rank == "deviation":  # sink tokens first, then the largest deviation
-                start = plan.segments[i].start
-                order = sorted(cand, key=lambda p: (p - start >= cfg.sink_tokens, -score[p], p))
-            else:
-                rank = {p: r for r, p in enumerate(ranked.get(i, recompute_pos[i]))}
-                order = sorted(cand, key=lambda p: rank[p])
-            drop.update(order[n:])
-        return torch.tensor([p not in drop for p in live], device=device)  # [Tc]
 
     def _can_hide_rows(self) -> bool:
         """Whether the question pre-pass can leave rows out (``hidden_keys`` of ``causal_blocks`` and
@@ -1403,35 +1245,6 @@ class CachedEngine:
 
             graphs = self.question_graphs = QuestionPassGraphs(self.runner, capture=capture)
         return graphs
-
-    def _refine(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, total: int, plan,
-                refine: dict[int, int], recompute_pos: dict[int, list[int]],
-                question_scores: dict[int, torch.Tensor], n_question: int) -> torch.Tensor:
-        """Second stage of the question choice, after ``layer`` (= refine_layer) was computed
-        with the candidates' fresh K: rank each refined segment's candidates by first-stage +
-        this layer's question attention (each normalised over the candidates) and keep
-        ``refine[i]``; the others leave the compute set. Returns the keep mask ``[Tc]``."""
-        device = self.runner.device
-        q_rows = torch.arange(positions.shape[0] - n_question, positions.shape[0], device=device)  # [Tq]
-        every = list(range(total + 1))
-        mass = self.runner.segment_attention_mass(layer, q[:, q_rows], positions[q_rows], kv, total, every)  # [Tq, T]
-        late = mass.sum(0).float()  # [T]
-        live = set(positions.tolist())
-        drop: set[int] = set()
-        for i, n in refine.items():
-            start = plan.segments[i].start
-            cand = [p for p in recompute_pos.get(i, ()) if p in live]
-            if len(cand) <= n:
-                continue
-            idx = torch.tensor(cand, device=device)  # [C]
-            first = question_scores[i][idx - start]  # [C]
-            second = late[idx]  # [C]
-            fused = first / first.sum().clamp_min(1e-12) + second / second.sum().clamp_min(1e-12)  # [C]
-            fused[idx - start < self.config.cache.sink_tokens] = math.inf  # sink tokens stay
-            kept = set(idx[torch.topk(fused, n).indices].tolist())
-            recompute_pos[i] = sorted(kept)
-            drop.update(p for p in cand if p not in kept)
-        return torch.tensor([p not in drop for p in positions.tolist()], device=device)  # [Tc]
 
     @property
     def _store_dtype(self) -> torch.dtype:
@@ -1577,25 +1390,19 @@ def _rows(positions: torch.Tensor, wanted: torch.Tensor) -> slice | torch.Tensor
     return idx
 
 
-def _pick(scores: torch.Tensor, count: int, sink: int) -> list[int]:
-    """Indices of the ``count`` tokens to recompute in one chunk: its first ``sink`` tokens
-    (``CacheConfig.sink_tokens``, as far as ``count`` allows), then the highest ``scores [T]``."""
-    return _pick_each([scores], [count], sink)[0]
+def _pick(scores: torch.Tensor, count: int) -> list[int]:
+    """Indices of the ``count`` tokens to recompute in one chunk: the highest ``scores [T]``."""
+    return _pick_each([scores], [count])[0]
 
 
-def _pick_each(scores: list[torch.Tensor], counts: list[int], sink: int) -> list[list[int]]:
+def _pick_each(scores: list[torch.Tensor], counts: list[int]) -> list[list[int]]:
     """``_pick`` of every chunk (``scores[c]`` ``[T_c]``, ``counts[c]`` tokens), read back to the host
     in one transfer: one wait for the GPU per request, not one per chunk."""
-    parts, leads = [], []
-    for x, count in zip(scores, counts):
-        count = min(count, x.shape[0])
-        lead = min(sink, count)
-        leads.append(lead)
-        parts.append(torch.topk(x[lead:], count - lead).indices + lead if lead else torch.topk(x, count).indices)
+    parts = [torch.topk(x, min(count, x.shape[0])).indices for x, count in zip(scores, counts)]
     flat = torch.cat(parts).tolist() if parts else []
     out, at = [], 0
-    for part, lead in zip(parts, leads):
-        out.append(list(range(lead)) + flat[at:at + part.shape[0]])
+    for part in parts:
+        out.append(flat[at:at + part.shape[0]])
         at += part.shape[0]
     return out
 

@@ -11,13 +11,8 @@ guarded line shows both plans, ``result.tie_guard_actions`` -> ``result.segment_
 chunk reused, then every chunk computed exactly; missed chunks ahead of the first reused one would
 come from the tree in the exact plan, since the guard stores them first). With
 G = 0 two answers differ from full prefill although their first tokens are decisive (gaps near
-2 nats): the guard does not look at those. The third setting adds the trend check
-(``tie_guard_trend=0.6``): each near tie below 1 nat is read again with the recomputed rows put
-back to their cached values, and prefilled again only when the recompute is closing in on a rival
-fast enough to pass it (``result.tie_guard_margin``, the predicted margin, < 0). The fourth adds
-a floor under that margin (``tie_guard_floor=0.1``: prefilled again below 0.1 nats, not 0). On a
-second corpus the trend's calibration did not carry over, and the plain gap guard at 0.25 was the
-setting that caught every flip measured (docs/fidelity.md, "Lever 4: the tie guard", round 18).
+2 nats): the guard does not look at those (``fidelity="faithful"`` guards every later token too:
+``CacheConfig.tie_guard_decode``).
 
     python examples/tie_guard.py            # embedded SmolLM2-135M-Instruct
 """
@@ -48,12 +43,12 @@ def main() -> None:
     runner = ModelRunner(*load_model(None))  # one loaded model shared by every engine
     chunks = excerpts()
     full = CachedEngine(runner, config=EngineConfig(mode="full"))
-    for guard, trend, floor in ((0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (1.0, 0.6, 0.0), (1.0, 0.6, 0.1)):
+    for guard in (0.0, 1.0):
         # exact_repeats off: every question is served from reuse, so each one meets the guard
-        cache = CacheConfig(tie_guard=guard, tie_guard_trend=trend, tie_guard_floor=floor, exact_repeats=0)
+        cache = CacheConfig(tie_guard=guard, exact_repeats=0)
         engine = CachedEngine(runner, config=EngineConfig(cache=cache))
         engine.generate(chunks[::-1], "What are these modules for?", SYSTEM, max_new_tokens=1)  # warm, other order
-        print(f"tie_guard={guard} tie_guard_trend={trend} tie_guard_floor={floor}")
+        print(f"tie_guard={guard}")
         for question in QUESTIONS:
             segs = engine.prompts.chat(chunks, question, SYSTEM)
             reference = full.generate(chunks, question, SYSTEM, max_new_tokens=12)
@@ -63,8 +58,6 @@ def main() -> None:
             if r.tie_guard is not None:  # plans: T tree, R reused, F fresh (system first), approximate -> exact
                 guarded = (f"guarded (gap {r.tie_guard:.2f}, plan {plan_letters(r.tie_guard_actions)} -> "
                            f"{plan_letters(r.segment_actions)})")
-            if r.tie_guard_margin is not None:
-                guarded += f" after the trend check (predicted margin {r.tie_guard_margin:.2f})"
             print(f"  full prefill's first-token gap {gap:.2f}; {guarded}, approximations "
                   f"{r.approximations or 'none'}, TTFT {r.ttft_s:.3f} s, answer "
                   f"{'= full prefill' if r.token_ids == reference.token_ids else 'differs'}: {r.text.strip()[:50]!r}")

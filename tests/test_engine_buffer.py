@@ -41,7 +41,6 @@ def _params(n: int):
     ("full", {}, False), ("prefix", {}, False), ("naive", {}, False),
     ("cachedrag", {"token_choice": "question+inter"}, False),
     ("cachedrag", {"token_choice": "deviation"}, True),
-    ("cachedrag", {"token_choice": "question", "refine_layer": 1, "question_layers": (0,)}, False),
 ])
 def test_uninitialised_buffer_equals_the_zero_filled_reference(mode, cache, et):
     got = _run(math.nan, mode, cache, et)

@@ -126,103 +126,8 @@ def test_weighted_rank_spans_question_and_deviation(runner):
     assert [len(c) for c in picks["half"]] == [len(c) for c in picks["deviation"]]
 
 
-def test_budget_by_need_moves_recompute_between_chunks_within_the_total(runner):
-    """A planted key makes the question attend to chunk slot 1 most: with need_weight 1 it gets
-    more of the (unchanged) request budget than its ratio share."""
-    counts = {}
-    for w in (0.0, 1.0):
-        engine = _engine(runner, cache={"recompute_ratio": 0.2, "token_choice": "question", "need_weight": w})
-        _warm(engine)
-        _plant_question_key(engine, runner, 30)
-        r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
-        counts[w] = [len(c) for c in r.chunk_recompute]
-    assert sum(counts[1.0]) == sum(counts[0.0])
-    assert counts[1.0][1] > counts[0.0][1]
-    assert counts[1.0][0] < counts[0.0][0] and counts[1.0][2] < counts[0.0][2]
-
-
-@pytest.mark.parametrize("choice", ["question", "question+inter"])
-def test_full_chunk_by_need_recomputes_the_chunk_the_question_attends_to_whole(runner, choice):
-    """A planted key makes the question attend to chunk slot 1 most: full_chunks=1 ('need')
-    recomputes it whole, the others share what is left of the unchanged request budget."""
-    counts = {}
-    for n_full in (0, 1):
-        engine = _engine(runner, cache={"recompute_ratio": 0.5, "token_choice": choice, "full_chunks": n_full})
-        _warm(engine)
-        _plant_question_key(engine, runner, 30)
-        r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
-        counts[n_full] = [len(c) for c in r.chunk_recompute]
-        if n_full:
-            assert "partial_recompute:" + choice in r.approximations
-    sizes = [len(s.ids) for s in _engine(runner).prompts.chat(ORDER, QUESTION, SYSTEM)[1:4]]
-    assert counts[0] == [math.ceil(0.5 * n) for n in sizes]
-    assert sum(counts[1]) == sum(counts[0]) and counts[1][1] == sizes[1]  # slot 1 whole, same total
-    assert counts[1][0] < counts[0][0] and counts[1][2] < counts[0][2]
-
-
-def test_full_chunk_last_recomputes_the_chunk_next_to_the_question(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 0.5, "full_chunks": 1, "full_chunk_pick": "last"})
-    _warm(engine)
-    _plant_question_key(engine, runner, 30)  # need says slot 1; 'last' ignores it
-    r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
-    sizes = [len(s.ids) for s in engine.prompts.chat(ORDER, QUESTION, SYSTEM)[1:4]]
-    assert r.chunk_recompute[2] == list(range(sizes[2]))  # the last reused chunk, every token
-    assert sum(len(c) for c in r.chunk_recompute) == sum(math.ceil(0.5 * n) for n in sizes)
-
-
-def test_full_chunks_of_every_chunk_equals_full_prefill(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 1.0, "full_chunks": 3, "recompute_dtype": "float32",
-                                    "fresh_dtype": "float32"})
-    _warm(engine)
-    segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
-    torch.testing.assert_close(engine.prefill_logits(segs), engine.prefill_logits(segs, mode="full"),
-                               atol=1e-4, rtol=0)
-
-
-def test_dense_layers_compute_every_reused_token_through_the_first_layers(runner):
-    """Layer 0's K/V depend on the token and its position only, so computing every reused token
-    through layer 0 (dense_layers=1) changes no logit; through every layer it is full prefill (the recomputed rows in the runner's
-    precision)."""
-    engines = {d: _engine(runner, cache={"recompute_ratio": 0.2, "dense_layers": d, "recompute_dtype": "float32",
-                                         "fresh_dtype": "float32"})
-               for d in (0, 1, 2)}
-    out = {}
-    for d, e in engines.items():
-        _warm(e)
-        segs = e.prompts.chat(ORDER, QUESTION, SYSTEM)
-        out[d] = (e.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1), e.prefill_logits(segs))
-    (r0, l0), (r1, l1), (r2, l2) = out[0], out[1], out[2]
-    assert r1.chunk_recompute == r0.chunk_recompute  # the choice is the same, the chosen ones reach the top
-    reused = sum(len(s.ids) for s in engines[1].prompts.chat(ORDER, QUESTION, SYSTEM)[1:4])
-    assert r0.checked_tokens == 0 and r1.checked_tokens == reused - r1.recomputed_tokens
-    assert r1.computed_tokens == r0.computed_tokens and r1.computed_fraction > r0.computed_fraction
-    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=0)
-    torch.testing.assert_close(l2, engines[2].prefill_logits(engines[2].prompts.chat(ORDER, QUESTION, SYSTEM),
-                                                             mode="full"), atol=1e-4, rtol=0)
-    assert r2.checked_tokens == 0 and r2.cached_tokens == r2.prefix_hit_tokens
-    assert r2.approximations == ["chunk_reuse"] and "partial_recompute:question+inter" in r1.approximations
-    assert not torch.allclose(l0, l2, atol=1e-4)  # partial recompute is an approximation here
-
-
-def test_dense_layers_refuse_the_deviation_choices():
-    with pytest.raises(ConfigError, match="dense_layers"):
-        CacheConfig(dense_layers=2, token_choice="deviation")
-
-
-def test_second_stage_keeps_the_budget_after_probing_candidates(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 0.1, "token_choice": "question", "question_layers": (0,),
-                                    "refine_layer": 1, "refine_factor": 3.0})
-    single = _engine(runner, cache={"recompute_ratio": 0.1, "token_choice": "question", "question_layers": (0,)})
-    for e in (engine, single):
-        _warm(e)
-    r, s = (e.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1) for e in (engine, single))
-    assert [len(c) for c in r.chunk_recompute] == [len(c) for c in s.chunk_recompute]
-    assert r.checked_tokens > 0 and s.checked_tokens == 0  # dropped candidates reached layer 1 only
-    assert r.computed_fraction > s.computed_fraction
-
-
 def test_question_choice_at_full_recompute_equals_full_prefill(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 1.0, "token_choice": "question", "need_weight": 1.0,
+    engine = _engine(runner, cache={"recompute_ratio": 1.0, "token_choice": "question",
                                     "recompute_dtype": "float32", "fresh_dtype": "float32"})
     _warm(engine)
     segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
@@ -277,13 +182,11 @@ def test_fidelity_levels_set_mode_policy_and_order(level):
 
 
 def test_guarded_is_balanced_with_the_gap_tie_guard(runner):
-    """'guarded': the balanced policy, plus the tie guard at 0.25 nats without the trend check (round 18)."""
+    """'guarded': the balanced policy, plus the tie guard at 0.25 nats."""
     guarded, balanced = EngineConfig(fidelity="guarded"), EngineConfig(fidelity="balanced")
-    assert (guarded.cache.tie_guard, guarded.cache.tie_guard_trend, guarded.cache.tie_guard_floor) == (0.25, 0.0, 0.0)
+    assert guarded.cache.tie_guard == 0.25
     assert dataclasses.replace(guarded.cache, tie_guard=0.0) == balanced.cache
     assert guarded.mode == balanced.mode and guarded.order_aware == balanced.order_aware
-    # a user's trend check is replaced by the level's plain gap guard
-    assert EngineConfig(fidelity="guarded", cache={"tie_guard": 1.0, "tie_guard_trend": 0.6}).cache.tie_guard_trend == 0
     engines = {}
     for level in ("balanced", "guarded"):
         engines[level] = CachedEngine(runner, config=EngineConfig(fidelity=level, cache={"exact_repeats": 0}))
@@ -315,7 +218,6 @@ def test_default_settings_are_the_balanced_level():
     assert default.fidelity is None and balanced.fidelity == "balanced"
     assert default.model_dump(exclude={"fidelity"}) == balanced.model_dump(exclude={"fidelity"})
     assert default.cache.token_choice == "question+inter" and default.cache.recompute_ratio == 0.27
-    assert default.cache.layer_taper == ()  # round 9: the layer-wise budget stays opt-in
     assert default.early_termination is False and default.mode == "cachedrag" and default.order_aware is False
 
 
@@ -374,38 +276,14 @@ def test_question_inter_fuses_the_question_ranking_with_token_inter(runner):
     assert r.token_choice == "question+inter" and r.checked_tokens == 0  # free: no probe of reused tokens
 
 
-@pytest.mark.parametrize("choice", ["question", "deviation", "question+deviation"])
-def test_sink_tokens_are_always_recomputed_within_the_count(runner, choice):
-    counts = {}
-    for sink in (0, 3):
-        engine = _engine(runner, cache={"recompute_ratio": 0.1, "token_choice": choice, "sink_tokens": sink})
-        _warm(engine)
-        r = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1)
-        assert r.chunks_hit == 3
-        counts[sink] = [len(c) for c in r.chunk_recompute]
-        if sink:
-            assert all(c[:3] == [0, 1, 2] for c in r.chunk_recompute)
-    assert counts[3] == counts[0]  # the sinks take part of the budget, never add to it
-
-
-def test_sink_tokens_leave_the_rest_to_the_question_ranking(runner):
-    engine = _engine(runner, cache={"recompute_ratio": 0.05, "token_choice": "question", "sink_tokens": 2})
-    _warm(engine)
-    _plant_question_key(engine, runner, 30)
-    picked = engine.generate(ORDER, QUESTION, SYSTEM, max_new_tokens=1).chunk_recompute[1]
-    assert picked[:2] == [0, 1] and 30 in picked
-
-
-@pytest.mark.parametrize("count, sink, expected", [
-    (2, 0, [3, 1]),  # top scores
-    (3, 2, [0, 1, 3]),  # sinks first, then the best of the rest
-    (2, 5, [0, 1]),  # sinks capped by the count
-    (9, 1, [0, 3, 1, 2]),  # count capped by the length
+@pytest.mark.parametrize("count, expected", [
+    (2, [3, 1]),  # top scores
+    (9, [3, 1, 2, 0]),  # count capped by the length
 ])
-def test_pick_sinks_then_top_scores(count, sink, expected):
+def test_pick_top_scores(count, expected):
     from cachedrag.engine import _pick
 
-    assert _pick(torch.tensor([0.0, 5.0, 1.0, 9.0]), count, sink) == expected
+    assert _pick(torch.tensor([0.0, 5.0, 1.0, 9.0]), count) == expected
 
 
 def test_pick_each_equals_pick_per_chunk():
@@ -414,9 +292,8 @@ def test_pick_each_equals_pick_per_chunk():
     gen = torch.Generator().manual_seed(0)
     scores = [torch.randint(0, 5, (n,), generator=gen).float() for n in (7, 1, 12, 30)]  # ties on purpose
     counts = [3, 1, 12, 0]
-    for sink in (0, 2):
-        assert _pick_each(scores, counts, sink) == [_pick(x, c, sink) for x, c in zip(scores, counts)]
-    assert _pick_each([], [], 0) == []
+    assert _pick_each(scores, counts) == [_pick(x, c) for x, c in zip(scores, counts)]
+    assert _pick_each([], []) == []
 
 
 def test_segment_ranks_equal_the_per_segment_ranks_ties_included():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cachedrag.config import EngineConfig
-from cachedrag.engine import TREND_RIVALS, CachedEngine, top2, top2_gap
+from cachedrag.engine import CachedEngine, top2, top2_gap
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import CacheConfig
 from cachedrag.kvcache.tie import rounding_unit
@@ -146,107 +146,6 @@ def test_a_failing_store_before_the_exact_prefill_costs_only_the_reuse(runner, m
 def test_tie_guard_is_validated(bad):
     with pytest.raises(ConfigError, match="tie_guard"):
         CacheConfig(tie_guard=bad)
-
-
-# ---- the trend check (CacheConfig.tie_guard_trend, kvcache/tie.py)
-
-def _readings(runner) -> tuple[torch.Tensor, torch.Tensor]:
-    """SEQ's first-token logits ``[V]`` under the approximate prefill (recompute 0.3) and with no
-    recompute at all: every chunk of SEQ is reused and only the question is fresh, so the latter is
-    exactly the trend check's second reading (the recomputed rows put back to their cached values)."""
-    segs = _engine(runner, 0.0).prompts.chat(SEQ, QUESTION, SYSTEM)
-    approx = _engine(runner, 0.0).prefill_logits(segs)  # [V]
-    cache = CacheConfig(recompute_ratio=0.0, exact_repeats=0)
-    engine = CachedEngine(runner, config=EngineConfig(cache=cache))
-    _warm(engine)
-    return approx, engine.prefill_logits(segs)  # [V], [V]
-
-
-def _trend_engine(runner, trend: float, question_dtype: str = "float32", floor: float = 0.0) -> CachedEngine:
-    """The trend check on every approximate request; its second reading in float32 (the reference
-    precision, so it compares exactly with ``_readings``) unless ``question_dtype`` says otherwise."""
-    cache = CacheConfig(recompute_ratio=0.3, exact_repeats=0, tie_guard=1e9, tie_guard_trend=trend,
-                        question_dtype=question_dtype, tie_guard_floor=floor)
-    engine = CachedEngine(runner, config=EngineConfig(cache=cache))
-    _warm(engine)
-    return engine
-
-
-def test_the_trend_check_reads_the_margin_the_two_readings_predict(runner):
-    approx, reverted = _readings(runner)
-    top = approx.topk(TREND_RIVALS + 1).indices
-    s = approx[top[0]] - approx[top[1:]]  # [R] the approximate top-1's margins over its rivals
-    s0 = reverted[top[0]] - reverted[top[1:]]  # [R] the same, with no recompute
-    assert not torch.allclose(s, s0, atol=1e-4)  # the recompute really moved them
-    r = _trend_engine(runner, 0.5).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
-    assert r.tie_guard_margin == pytest.approx(float((s + 0.5 * (s - s0)).min()), abs=1e-4)
-    # the default reads with bfloat16 projections (question_dtype): near the float32 reading, not equal
-    fast = _trend_engine(runner, 0.5, "bfloat16").generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
-    assert fast.tie_guard_margin == pytest.approx(r.tie_guard_margin, abs=0.02)
-    assert fast.tie_guard_margin != r.tie_guard_margin  # the bfloat16 copies were used
-    assert fast.token_ids == r.token_ids
-
-
-def test_the_trend_check_reprefills_only_past_the_crossing_trend(runner):
-    approx, reverted = _readings(runner)
-    top = approx.topk(TREND_RIVALS + 1).indices
-    s = (approx[top[0]] - approx[top[1:]]).tolist()
-    s0 = (reverted[top[0]] - reverted[top[1:]]).tolist()
-    closing = [a / (b - a) for a, b in zip(s, s0) if b > a]  # the trend at which each closing rival would pass
-    assert closing, "the planted case needs a rival the recompute closes in on"
-    crossing = min(closing)
-    guard_off = _engine(runner, 0.0).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
-
-    below = _trend_engine(runner, crossing * 0.9).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
-    assert below.tie_guard is None and below.tie_guard_margin > 0 and "chunk_reuse" in below.approximations
-    # the second reading left the buffer as it was: the answer is the guard-off one, logprob for logprob
-    assert below.token_ids == guard_off.token_ids and below.token_logprobs == guard_off.token_logprobs
-
-    engine = _trend_engine(runner, crossing * 1.1)
-    above = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
-    assert above.tie_guard is not None and above.tie_guard_margin < 0 and above.approximations == []
-    assert above.token_ids == engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="full").token_ids
-    assert engine.manager.check() == []
-
-
-def test_a_predicted_margin_below_the_floor_is_prefilled_again(runner):
-    """``tie_guard_floor``: the same reading as below the crossing trend (margin > 0, the answer
-    stood), but a floor just above that margin re-prefills it; just below, it still stands."""
-    probe = _trend_engine(runner, 0.05).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
-    margin = probe.tie_guard_margin
-    assert margin > 0 and probe.tie_guard is None
-    kept = _trend_engine(runner, 0.05, floor=margin * 0.9).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
-    assert kept.tie_guard is None and kept.tie_guard_margin == pytest.approx(margin, abs=1e-6)
-    assert "chunk_reuse" in kept.approximations
-    engine = _trend_engine(runner, 0.05, floor=margin * 1.1)
-    guarded = engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6)
-    assert guarded.tie_guard is not None and guarded.approximations == []
-    assert guarded.token_ids == engine.generate(SEQ, QUESTION, SYSTEM, max_new_tokens=6, mode="full").token_ids
-    assert engine.manager.check() == []
-
-
-def test_tie_guard_floor_is_validated():
-    with pytest.raises(ConfigError, match="tie_guard_floor needs tie_guard_trend"):
-        CacheConfig(tie_guard=1.0, tie_guard_floor=0.1)
-    with pytest.raises(ConfigError, match="must be below tie_guard"):
-        CacheConfig(tie_guard=0.1, tie_guard_trend=0.5, tie_guard_floor=0.1)
-    for bad in (-0.1, float("inf"), "x"):
-        with pytest.raises(ConfigError, match="tie_guard_floor"):
-            CacheConfig(tie_guard=1.0, tie_guard_trend=0.5, tie_guard_floor=bad)
-    assert CacheConfig(tie_guard=1.0, tie_guard_trend=0.6, tie_guard_floor=0.1).tie_guard_floor == 0.1
-
-
-def test_without_the_trend_setting_nothing_is_checked(runner):
-    r = _engine(runner, 1e9).generate(SEQ, QUESTION, SYSTEM, max_new_tokens=2)
-    assert r.tie_guard is not None and r.tie_guard_margin is None
-
-
-def test_tie_guard_trend_is_validated():
-    with pytest.raises(ConfigError, match="tie_guard_trend needs tie_guard"):
-        CacheConfig(tie_guard_trend=0.5)
-    for bad in (-0.5, float("inf"), "x"):
-        with pytest.raises(ConfigError, match="tie_guard_trend"):
-            CacheConfig(tie_guard=0.3, tie_guard_trend=bad)
 
 
 def test_a_near_tie_allows_for_the_rounding_of_bfloat16_logits(runner):

@@ -29,8 +29,6 @@ ROOT = "cachedrag"
 
 # Each entry: the exact set of modules of one strongly connected component.
 KNOWN_CYCLES: list[frozenset[str]] = [
-    # being removed by the server/cluster rework (issue 53)
-    frozenset({"cachedrag.cluster.cli", "cachedrag.server.cli"}),
 ]
 
 

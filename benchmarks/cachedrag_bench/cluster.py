@@ -124,15 +124,18 @@ def _run_config(name: str, args, stream, redis_url: str | None, port: int, model
     from cachedrag.cluster.deployment import ClusterConfig, build_app
     from cachedrag.cluster.replica import ReplicaSettings
     from cachedrag.cluster.timeline import RequestRecord, summarize
+    from cachedrag.server.config import EngineSettings, ServerConfig
 
     single = name == "one"
     router, shared = ("round_robin", True) if single else CONFIGS[name]
     n = 1 if single else args.replicas
     scale = args.replicas if single else 1  # the one replica gets every replica's budget, CPUs and threads
-    settings = ReplicaSettings(tiny=args.tiny, served_model_name=model_name, cache_gb=scale * args.cache_mb / 1024,
-                               redis_url=redis_url if shared else None, redis_gb=2.0,
-                               redis_prefix=f"bench{name}{uuid.uuid4().hex[:6]}", refresh_s=0.5,
-                               max_tokens=args.max_tokens, threads=scale)  # scheduler: one server's defaults
+    engine = EngineSettings(tiny=args.tiny, cache_gb=scale * args.cache_mb / 1024,
+                            redis_url=redis_url if shared else None, redis_gb=2.0, threads=scale)
+    settings = ReplicaSettings(engine=engine, server=ServerConfig(model_name=model_name,
+                                                                  default_max_tokens=args.max_tokens),
+                               redis_prefix=f"bench{name}{uuid.uuid4().hex[:6]}",
+                               refresh_s=0.5)  # scheduler: one server's defaults
     extra = {} if slack is None else {"slack": slack}
     t_deploy = time.perf_counter()
     serve.run(build_app(ClusterConfig(replicas=n, router=router, replica_cpus=float(scale), replica=settings,
@@ -177,9 +180,10 @@ def _run_config(name: str, args, stream, redis_url: str | None, port: int, model
 def _redis_reuse(args, runner, redis_url: str, stream) -> dict:
     """Engine A computes a request's chunks; engine B (cold CPU tier) serves them from Redis."""
     from cachedrag.cluster.replica import ReplicaSettings, SharedCacheSync, build_replica_engine
+    from cachedrag.server.config import EngineSettings
 
-    settings = ReplicaSettings(tiny=args.tiny, cache_gb=args.cache_mb / 1024, redis_url=redis_url, redis_gb=2.0,
-                               redis_prefix=f"benchreuse{uuid.uuid4().hex[:6]}")
+    engine = EngineSettings(tiny=args.tiny, cache_gb=args.cache_mb / 1024, redis_url=redis_url, redis_gb=2.0)
+    settings = ReplicaSettings(engine=engine, redis_prefix=f"benchreuse{uuid.uuid4().hex[:6]}")
     a = build_replica_engine(settings, runner=runner)
     b = build_replica_engine(settings, runner=runner)
     sync = SharedCacheSync(b.manager, 0)

@@ -61,22 +61,6 @@ FULL_RATIOS = "0,0.05,0.1,0.15,0.2,0.3,0.5"
 #: strategies beyond token selection, as ``--variants CHOICE/NAME`` rows ``CHOICE/NAME@RATIO``
 #: (same recompute budget as ``CHOICE@RATIO``): the CacheConfig fields each sets
 VARIANTS = {
-    "need1": {"full_chunks": 1, "full_chunk_pick": "need"},  # the chunk the question attends to most, whole
-    "last1": {"full_chunks": 1, "full_chunk_pick": "last"},  # the chunk next to the question, whole
-    "byneed": {"need_weight": 1.0},  # per-chunk counts by the question's attention mass
-    "refine": {"refine_layer": 20, "refine_factor": 2.0, "layer_taper": ()},  # second stage at layer 20 (2x candidates below it)
-    "dense2": {"dense_layers": 2, "layer_taper": ()},  # every reused token through layers 0-1, the chosen ones through all
-    "dense6": {"dense_layers": 6, "layer_taper": ()},
-    # layer-wise budget (CacheConfig.layer_taper, opt-in; docs/fidelity.md round 9): the chosen tokens'
-    # lower-ranked share stops at a layer; "plain": every chosen token through every layer (the default)
-    "plain": {"layer_taper": ()},
-    "taper15": {"layer_taper": ((15, 0.5),), "taper_rank": "choice"},  # half of each chunk's tokens from layer 15 on
-    "taper15dev": {"layer_taper": ((15, 0.5),), "taper_rank": "deviation"},  # ranked by K/V deviation there
-    "taper8": {"layer_taper": ((8, 0.6),), "taper_rank": "choice"},
-    "taper8dev": {"layer_taper": ((8, 0.6),), "taper_rank": "deviation"},
-    "taper10dev": {"layer_taper": ((10, 0.5),), "taper_rank": "deviation"},
-    "taper22": {"layer_taper": ((22, 0.25),), "taper_rank": "choice"},
-    "taper2step": {"layer_taper": ((10, 0.7), (20, 0.4)), "taper_rank": "choice"},
     # the recomputed rows' matmuls on bfloat16 copies (CacheConfig.recompute_dtype; docs/fidelity.md round 10)
     "bf16": {"recompute_dtype": "bfloat16"},
     "fp32": {"recompute_dtype": "float32"},  # the reference repairs (the default before round 10)
@@ -84,10 +68,6 @@ VARIANTS = {
     # stores its tree path in the cache the rows share, so give one guard row, one ratio, per run
     "guard15": {"tie_guard": 0.15},
     "guard3": {"tie_guard": 0.3},
-    # the trend check (CacheConfig.tie_guard_trend): near ties below 1 nat re-prefilled only when predicted to flip
-    "trend": {"tie_guard": 1.0, "tie_guard_trend": 0.6},
-    # with a floor under the predicted margin (CacheConfig.tie_guard_floor; docs/fidelity.md round 18)
-    "trendfloor": {"tie_guard": 1.0, "tie_guard_trend": 0.6, "tie_guard_floor": 0.1},
     # ``fidelity="guarded"``'s first-token guard plus the guard during decoding (CacheConfig.tie_guard_decode;
     # docs/fidelity.md round 22): a near tie while decoding moves the answer onto an exact prefill (stored
     # too: one such row per run)
@@ -108,17 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--choices", default="deviation,question,question+deviation,oracle",
                         help="token choices, subset of " + ",".join(ALL_CHOICES))
     parser.add_argument("--variants", default="",
-                        help="strategy rows CHOICE/NAME (e.g. question+inter/need1) at every ratio; CHOICE a question "
+                        help="strategy rows CHOICE/NAME (e.g. question+inter/guard3) at every ratio; CHOICE a question "
                              "choice, NAME one of " + ",".join(VARIANTS))
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--question-layers", default=None, help="CacheConfig.question_layers, e.g. 1 or 1,2")
-    parser.add_argument("--need-weight", type=float, default=None, help="CacheConfig.need_weight (budget by need)")
-    parser.add_argument("--sink-tokens", type=int, default=None,
-                        help="CacheConfig.sink_tokens (each reused chunk's first tokens always recomputed)")
-    parser.add_argument("--refine-layer", type=int, default=None, help="CacheConfig.refine_layer (second stage)")
     parser.add_argument("--early-termination", action="store_true",
                         help="focused-chunk early termination in every row (default: off; it trades fidelity for "
                              "compute, see --et-choices)")
@@ -297,12 +273,6 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
     base: dict = {"exact_repeats": 0}
     if args.question_layers:
         base["question_layers"] = tuple(int(x) for x in args.question_layers.split(","))
-    if args.need_weight is not None:
-        base["need_weight"] = args.need_weight
-    if args.refine_layer is not None:
-        base["refine_layer"] = args.refine_layer
-    if args.sink_tokens is not None:
-        base["sink_tokens"] = args.sink_tokens
     oracle = _oracle_class()
 
     def engine(cls=CachedEngine, order_aware=False, et=args.early_termination, **cache):
@@ -320,8 +290,7 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
         for ratio in (r for r in ratios if r > 0):
             name = f"{choice}{'/et' if et and not args.early_termination else ''}@{ratio:g}"
             if choice == "oracle":
-                rows[name] = (engine(oracle, et=et, token_choice="question", need_weight=0.0, sink_tokens=0,
-                                     recompute_ratio=ratio), "cachedrag")
+                rows[name] = (engine(oracle, et=et, token_choice="question", recompute_ratio=ratio), "cachedrag")
             elif choice == "random":
                 rows[name] = (engine(et=et, recompute_ratio=ratio), "random")
             else:
@@ -524,8 +493,7 @@ def _config(args, records: list[dict], ratios, choices, seconds: float) -> dict:
         "ratios": ratios, "choices": choices, "top_k": args.top_k, "chunk_tokens": args.chunk_tokens,
         "max_new_tokens": args.max_new_tokens, "early_termination": args.early_termination,
         "et_choices": [] if args.early_termination else _et_choices(args),
-        "question_layers": args.question_layers, "need_weight": args.need_weight, "refine_layer": args.refine_layer,
-        "sink_tokens": args.sink_tokens, "variants": {v: VARIANTS[v.partition("/")[2]] for v in _variants(args)},
+        "question_layers": args.question_layers, "variants": {v: VARIANTS[v.partition("/")[2]] for v in _variants(args)},
         "torch_threads": torch.get_num_threads(), "seconds": round(seconds, 1),
     }
 

@@ -173,8 +173,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on; acts with --fidelity faithful and --no-stream)")
     parser.add_argument("--hold-waiting", action=argparse.BooleanOptionalAction, default=None,
                         help="`cachedrag serve --[no-]hold-waiting` of every server (default: the server's, on)")
-    parser.add_argument("--kv-pool-tokens", type=int, default=None,
-                        help="`cachedrag serve --kv-pool-tokens` of every server (default: the server's, 0 = off)")
     parser.add_argument("--trim-heap-idle-s", type=float, default=None,
                         help="`cachedrag serve --trim-heap-idle-s` of every server (default: the server's; "
                              "inf = never)")
@@ -213,11 +211,10 @@ def numerics_args(args: argparse.Namespace) -> list[str]:
 
 def scheduler_args(args: argparse.Namespace) -> list[str]:
     """The admission-order bounds given to every server (they act only where the order is cache-aware),
-    the pooled-KV size, holding waiting requests' chunks, the exact-repeat timing, the idle heap trim,
+    holding waiting requests' chunks, the exact-repeat timing, the idle heap trim,
     the shortest passage and the tokenisation."""
     out = [] if args.starvation_s is None else ["--starvation-s", str(args.starvation_s)]
     out += [] if args.max_overtakes is None else ["--max-overtakes", str(args.max_overtakes)]
-    out += [] if args.kv_pool_tokens is None else ["--kv-pool-tokens", str(args.kv_pool_tokens)]
     out += [] if args.hold_waiting is None else ["--hold-waiting" if args.hold_waiting else "--no-hold-waiting"]
     out += [] if args.exact_repeats_when is None else ["--exact-repeats-when", args.exact_repeats_when]
     out += [] if args.exact_repeats is None else ["--exact-repeats", str(args.exact_repeats)]
@@ -634,7 +631,7 @@ def run(args: argparse.Namespace) -> int:
         "exact_repeats_when": args.exact_repeats_when, "exact_repeats": args.exact_repeats,
         "queue_level": args.queue_level,
         "cache_gb": args.cache_gb, "disk_tier": args.disk_dir is not None, "disk_gb": args.disk_gb,
-        "hold_waiting": args.hold_waiting, "kv_pool_tokens": args.kv_pool_tokens,
+        "hold_waiting": args.hold_waiting,
         "trim_heap_idle_s": args.trim_heap_idle_s,
         "passage_chars": args.passage_chars, "tokenization": args.tokenization,
         "queue_requests": args.queue_requests, "interleave": args.interleave, "rounds": n_rounds, "stream": args.stream,

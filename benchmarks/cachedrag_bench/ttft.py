@@ -36,7 +36,7 @@ from cachedrag.kvcache.config import TOKEN_CHOICES
 DEFAULT_SYSTEM_PROMPT = EMBEDDED_CORPORA["stdlib"].system_prompt
 ALL_MODES = ("full", "prefix", "naive", "random", "cachedrag")
 #: the engine default until the measured frontier chose one (docs/fidelity.md), for before/after rows
-PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None, "layer_taper": ()},
+PREVIOUS_DEFAULT = {"cache": {"token_choice": "deviation", "recompute_ratio": None},
                     "early_termination": True}
 #: the workload options' defaults (None in the parser, so that --workload can tell a given one)
 WORKLOAD_DEFAULTS = {"top_k": 5, "chunk_tokens": 256, "requests": 40, "zipf": 1.1}
@@ -97,14 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its exact path after the response) or N:inline (that sighting is prefilled exactly), e.g. "
                         "off,2:inline (rows 'cachedrag:repeats=SPEC')")
     parser.add_argument("--tie-guards", default="", help="also run cachedrag with these tie guards, "
-                        "comma-separated G, G/T or G/T/F (CacheConfig.tie_guard, nats, 0 = off; /T: tie_guard_trend, "
-                        "the trend check; /F: tie_guard_floor, the floor under its predicted margin), e.g. "
-                        "0,0.3,1/0.5,1/0.6/0.1 (rows 'cachedrag:tie_guard=SPEC')")
-    parser.add_argument("--tapers", default="", help="also run cachedrag with these layer-wise budgets "
-                        "(CacheConfig.layer_taper), comma-separated specs STEPS[/deviation][@RATIO] or off[@RATIO], STEPS = "
-                        "LAYER:KEEP joined by '+', e.g. off,10:0.7+20:0.4/deviation@0.3 (rows 'cachedrag:taper=SPEC'; "
-                        "/deviation: taper_rank 'deviation', else 'choice'; off: every chosen token through every layer; "
-                        "@RATIO: recompute_ratio, else the default's)")
+                        "comma-separated gaps (CacheConfig.tie_guard, nats, 0 = off), e.g. 0,0.3,1 "
+                        "(rows 'cachedrag:tie_guard=SPEC')")
     parser.add_argument("--recompute-dtypes", default="", help="also run cachedrag with the recomputed rows' "
                         "matmuls in these dtypes (CacheConfig.recompute_dtype), comma-separated DTYPE[@RATIO], e.g. "
                         "bfloat16,bfloat16@0.35 (rows 'cachedrag:recompute=SPEC'; @RATIO: recompute_ratio, else the default's)")
@@ -195,7 +189,6 @@ def run(args: argparse.Namespace) -> int:
         modes.insert(0, "full")  # the fidelity reference
     repeats = _settings(args.exact_repeats, _repeat_setting)
     tie_guards = _settings(args.tie_guards, tie_guard_setting)
-    tapers = _settings(args.tapers, taper_setting)
     recompute = _settings(args.recompute_dtypes, recompute_setting)
     cache_rows = _settings(args.cache_rows, cache_row_setting)
     runner = ModelRunner(*load_model(args.model, device=device), dtype=args.dtype)
@@ -264,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
-    for prefix, settings in (("taper=", tapers), ("recompute=", recompute), ("", cache_rows)):
+    for prefix, settings in (("recompute=", recompute), ("", cache_rows)):
         for spec, setting in settings.items():
             name = f"cachedrag:{prefix}{spec}"
             cache = CacheConfig(**{**cache_kwargs, **setting})
@@ -355,7 +348,6 @@ def run(args: argparse.Namespace) -> int:
             "exact_repeats": dict(sorted(Counter(r.exact_repeat for r in rs if r.exact_repeat).items())),
             "promotion_s": sum(r.promotion_s for r in rs),  # after the responses: in no TTFT, but compute spent
             "tie_guarded": sum(r.tie_guard is not None for r in rs),  # prefilled again exactly (CacheConfig.tie_guard)
-            "tie_guard_checked": sum(r.tie_guard_margin is not None for r in rs),  # trend checks run (tie_guard_trend)
             # answers moved onto exact KV while decoding (CacheConfig.tie_guard_decode), and the seconds they paused
             "tie_guard_switches": sum(r.tie_guard_switch is not None for r in rs),
             "tie_guard_switch_s": sum(r.tie_guard_switch_s or 0.0 for r in rs),
@@ -396,22 +388,12 @@ def _number(option: str, text: str) -> float:
 
 
 def tie_guard_setting(spec: str) -> dict:
-    """``--tie-guards`` spec -> CacheConfig fields: 'G', 'G/T' (the trend check, ``tie_guard_trend``)
-    or 'G/T/F' (with ``tie_guard_floor``).
+    """``--tie-guards`` spec -> CacheConfig fields: a gap 'G' (``tie_guard``, nats).
 
     >>> tie_guard_setting("0.3")
     {'tie_guard': 0.3}
-    >>> tie_guard_setting("1/0.5")
-    {'tie_guard': 1.0, 'tie_guard_trend': 0.5}
-    >>> tie_guard_setting("1/0.6/0.1")
-    {'tie_guard': 1.0, 'tie_guard_trend': 0.6, 'tie_guard_floor': 0.1}
     """
-    parts = spec.split("/")
-    if len(parts) > 3:
-        raise ConfigError(f"--tie-guards: {spec!r} must be G, G/T or G/T/F")
-    out = {"tie_guard": _number("--tie-guards", parts[0])}
-    for field, text in zip(("tie_guard_trend", "tie_guard_floor"), parts[1:]):
-        out[field] = _number("--tie-guards", text)
+    out = {"tie_guard": _number("--tie-guards", spec)}
     from cachedrag.kvcache.config import CacheConfig
 
     try:
@@ -458,8 +440,8 @@ def cache_row_setting(spec: str) -> dict:
 
     >>> cache_row_setting("fresh_dtype=bfloat16+tie_guard=0.25")
     {'fresh_dtype': 'bfloat16', 'tie_guard': 0.25}
-    >>> cache_row_setting("exact_repeats=0+refine_layer=none")
-    {'exact_repeats': 0, 'refine_layer': None}
+    >>> cache_row_setting("exact_repeats=0+recompute_ratio=none")
+    {'exact_repeats': 0, 'recompute_ratio': None}
     """
     import dataclasses
 
@@ -535,34 +517,6 @@ def _ratio(option: str, spec: str, ratio: str) -> float:
         return float(ratio)
     except ValueError:
         raise ConfigError(f"{option}: {spec!r}: {ratio!r} is not a ratio") from None
-
-
-def taper_setting(spec: str) -> dict:
-    """``--tapers`` spec -> CacheConfig fields: 'off' (every chosen token through every layer, the default)
-    or 'STEPS[/deviation|/choice][@RATIO]', STEPS = 'LAYER:KEEP' joined by '+'.
-
-    >>> taper_setting("10:0.7+20:0.4/deviation@0.3")
-    {'layer_taper': ((10, 0.7), (20, 0.4)), 'taper_rank': 'deviation', 'recompute_ratio': 0.3}
-    >>> taper_setting("15:0.5")
-    {'layer_taper': ((15, 0.5),), 'taper_rank': 'choice'}
-    >>> taper_setting("off@0.24")
-    {'layer_taper': (), 'recompute_ratio': 0.24}
-    """
-    body, _, ratio = spec.partition("@")
-    if body == "off":
-        return {"layer_taper": (), **({"recompute_ratio": _ratio("--tapers", spec, ratio)} if ratio else {})}
-    steps_text, _, rank = body.partition("/")
-    try:
-        steps = tuple((int(layer), float(keep)) for layer, keep in (s.split(":") for s in steps_text.split("+")))
-        out: dict = {"layer_taper": steps, "taper_rank": rank or "choice"}
-        if ratio:
-            out["recompute_ratio"] = float(ratio)
-    except ValueError:
-        raise ConfigError(f"--tapers: {spec!r} is not STEPS[/deviation][@RATIO] with STEPS = LAYER:KEEP joined by '+'") from None
-    from cachedrag.kvcache.config import CacheConfig
-
-    CacheConfig(**out)  # validated now: a bad spec fails before the model loads
-    return out
 
 
 def _simulate() -> dict:

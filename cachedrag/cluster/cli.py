@@ -7,7 +7,9 @@ when no ``--redis-url`` is given (``--no-shared-cache``: none), deploy
 ``cachedrag.cluster.deployment.build_app`` on ``--host``/``--port`` and wait for SIGTERM /
 SIGINT, then shut Serve, Ray (when we started it) and Redis down.
 
-Does not own: the deployment (``deployment``) or the single-process server (``cachedrag.server.cli``).
+Does not own: the deployment (``deployment``), the single-process server (``cachedrag.server.cli``, which
+adds these arguments to its parser and hands ``run`` the parsed ones) or the settings models and the
+mapping of arguments to them (``cachedrag.server.config``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ log = logging.getLogger("cachedrag.cluster")
 APP_NAME = "cachedrag"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, advanced=None) -> None:
+    """The cluster's options: ``--replicas`` and ``--backend`` in their own group, the rest in
+    ``advanced`` (a group of the caller's; default: the same group)."""
     group = parser.add_argument_group("scale-out (Ray Serve)")
     group.add_argument("--replicas", type=int, default=1, help="engine replicas (more than 1 needs --backend ray)")
     group.add_argument("--backend", default="local", choices=("local", "ray"),
                        help="local: one process; ray: replicas as a Ray Serve deployment")
+    group = advanced if advanced is not None else group
     group.add_argument("--router", default="affinity", choices=("affinity", "round_robin"),
                        help="ray backend: chunk-affinity request router, or round-robin")
     group.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. 'auto'); default: start one here")
@@ -42,29 +47,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cluster_config(args: argparse.Namespace, redis_url: str | None):
     """A validated ``ClusterConfig`` from ``cachedrag serve``'s arguments (``ConfigError`` if bad):
-    every replica gets one server's scheduler, passage and exact-repeat settings."""
+    every replica gets one server's engine settings (with ``redis_url``, the shared tier) and
+    server settings (scheduler, passages, default max_tokens, API key)."""
     from pydantic import ValidationError
 
     from cachedrag.cluster.deployment import ClusterConfig
     from cachedrag.cluster.replica import ReplicaSettings
-    from cachedrag.server.cli import passage_config, scheduler_config
-    from cachedrag.server.config import SERVER_EXACT_REPEATS_WHEN
+    from cachedrag.server.config import engine_settings, first_error, server_config
 
     try:
-        replica = ReplicaSettings(
-            model=args.model, tiny=args.tiny, served_model_name=args.served_model_name, mode=args.mode,
-            fidelity=args.fidelity,
-            cache_gb=args.cache_gb, redis_url=redis_url, redis_gb=args.redis_gb, threads=args.threads,
-            scheduler=scheduler_config(args), passages=passage_config(args), exact_repeats=args.exact_repeats,
-            exact_repeats_when=args.exact_repeats_when or SERVER_EXACT_REPEATS_WHEN, tie_guard=args.tie_guard,
-            tie_guard_trend=args.tie_guard_trend, tie_guard_floor=args.tie_guard_floor,
-            tie_guard_decode=args.tie_guard_decode,
-            max_tokens=args.max_tokens, api_key=args.api_key)
+        engine = engine_settings(args, redis_url=redis_url)
+        replica = ReplicaSettings(engine=engine, server=server_config(args, engine))
         return ClusterConfig(replicas=args.replicas, router=args.router, retries=args.retries,
                              replica_cpus=args.replica_cpus, graceful_s=args.graceful_s, replica=replica)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ConfigError(f"bad cluster setting: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        raise ConfigError(f"bad cluster setting: {first_error(exc)}") from None
 
 
 def check_arguments(args: argparse.Namespace) -> None:

@@ -158,16 +158,11 @@ class EngineReplica:
 
     async def __init__(self, settings: ReplicaSettings):
         from cachedrag.server.app import create_app
-        from cachedrag.server.config import ServerConfig
 
         self.settings = settings
         self.engine = build_replica_engine(settings)
         self.sync = SharedCacheSync(self.engine.manager, settings.refresh_s)
-        config = ServerConfig(model_name=settings.model_name, mode=settings.reuse_mode,
-                              scheduler=settings.scheduler,
-                              passages=settings.passages,
-                              default_max_tokens=settings.max_tokens, api_key=settings.api_key)
-        self.app = create_app(_TimedEngine(self.engine), config)
+        self.app = create_app(_TimedEngine(self.engine), settings.server_config)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the engine loop
         try:
@@ -318,7 +313,7 @@ def build_app(config: ClusterConfig):
         graceful_shutdown_timeout_s=config.graceful_s,
         ray_actor_options={"num_cpus": config.replica_cpus},
     ).bind(config.replica)
-    return Ingress.bind(engines, retries=config.retries, passage_chars=config.replica.passages.min_chars)
+    return Ingress.bind(engines, retries=config.retries, passage_chars=config.replica.server.passages.min_chars)
 
 
 def app_builder(args: dict):

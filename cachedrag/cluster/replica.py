@@ -1,7 +1,8 @@
 """One replica's engine: its own fast tiers plus the cluster's shared Redis tier.
 
-Owns: ``ReplicaSettings`` (validated settings of every replica of a deployment: model, reuse
-mode, per-replica budgets, the shared Redis tier), ``build_replica_engine`` (model -> runner ->
+Owns: ``ReplicaSettings`` (validated settings of every replica of a deployment, composed of one
+server's ``EngineSettings`` and ``ServerConfig``: model, reuse mode, per-replica budgets, the shared
+Redis tier, scheduler and passages), ``build_replica_engine`` (model -> runner ->
 ``TieredStore`` of a CPU tier within the replica's budget and, when a Redis URL is given, the
 shared Redis tier written through, so what one replica computes is readable by all) and
 ``SharedCacheSync``, which keeps a replica's chunk-cache manager aware of entries the *other*
@@ -21,19 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cachedrag.errors import ConfigError
-from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
-from cachedrag.server.config import (
-    FIDELITY_LEVELS,
-    SERVER_EXACT_REPEATS_WHEN,
-    PassageConfig,
-    SchedulerConfig,
-    server_mode,
-)
+from cachedrag.server.config import SINGLE_PROCESS_ONLY, EngineSettings, ServerConfig
 
 log = logging.getLogger("cachedrag.cluster")
 
@@ -41,69 +33,40 @@ GB = 1 << 30
 
 
 class ReplicaSettings(BaseModel):
-    """What every replica of a cluster deployment is built from (picklable, validated)."""
+    """What every replica of a cluster deployment is built from (picklable, validated): one server's
+    engine settings and server settings, plus the shared tier's key prefix and refresh rate."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str | None = Field(None, description="HF model id or path; None = the embedded SmolLM2-135M-Instruct")
-    tiny: bool = Field(False, description="a tiny random-weight model (tests, smoke checks)")
-    served_model_name: str | None = Field(None, description="the id clients send as `model`")
-    mode: Literal["cachedrag", "prefix", "full"] | None = Field(
-        None, description="chunk reuse mode (None: cachedrag, or the fidelity level's)")
-    fidelity: Literal[FIDELITY_LEVELS] | None = Field(  # type: ignore[valid-type]
-        None, description="a fidelity level (cachedrag.config.FIDELITY_PRESETS) of each replica's engine: its mode "
-                          "and recompute policy; the tie_guard* fields given beside it win over its values")
-    cache_gb: float = Field(2.0, gt=0, description="this replica's in-memory chunk-cache budget (GB)")
-    redis_url: str | None = Field(None, description="shared Redis tier (redis://host:port/db); None = no sharing")
-    redis_gb: float = Field(4.0, gt=0, description="the Redis tier's budget (GB), shared by all replicas")
+    engine: EngineSettings = Field(default_factory=EngineSettings,
+                                   description="each replica's engine, as one server's (its redis_url: the shared "
+                                               "tier, None = no sharing; redis_gb: that tier's budget for all "
+                                               "replicas); replicas run the model's float32 dense weights on the CPU")
+    server: ServerConfig = Field(default_factory=ServerConfig,
+                                 description="each replica's app, as one server's: scheduler, passages (their "
+                                             "min_chars also fingerprints requests for the affinity router), "
+                                             "default max_tokens, API key; host and port are the ingress's, the "
+                                             "mode the engine's, and model_name (unless given) the engine's model")
     redis_prefix: str = Field("cachedrag", min_length=1, description="Redis key prefix of the shared tier")
     refresh_s: float = Field(1.0, ge=0, description="adopt entries other replicas wrote at most this often (s)")
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
-                                       description="how each replica's engine loop batches and orders its requests, "
-                                                   "as in one server (max_batch, max_waiting, order and its bounds, "
-                                                   "chunked prefill, pooled KV, heap trimming)")
-    exact_repeats: int | None = Field(None, ge=0, description="CacheConfig.exact_repeats of each replica's engine "
-                                                              "(None = the engine's default)")
-    exact_repeats_when: Literal[EXACT_REPEAT_TIMINGS] = Field(  # type: ignore[valid-type]
-        SERVER_EXACT_REPEATS_WHEN, description="CacheConfig.exact_repeats_when (default: as one server)")
-    tie_guard: float | None = Field(None, ge=0, allow_inf_nan=False,
-                                    description="CacheConfig.tie_guard of each replica's engine (None = the "
-                                                "engine's default, off)")
-    tie_guard_trend: float | None = Field(None, ge=0, allow_inf_nan=False,
-                                          description="CacheConfig.tie_guard_trend of each replica's engine (None "
-                                                      "= the engine's default, off)")
-    tie_guard_floor: float | None = Field(None, ge=0, allow_inf_nan=False,
-                                          description="CacheConfig.tie_guard_floor of each replica's engine (None "
-                                                      "= the engine's default, 0)")
-    tie_guard_decode: float | None = Field(None, ge=0, allow_inf_nan=True,  # inf: switch before every 2nd token
-                                           description="CacheConfig.tie_guard_decode of each replica's engine (None "
-                                                       "= the engine's default, off)")
-    passages: PassageConfig = Field(default_factory=PassageConfig,
-                                    description="how request text becomes segments, as in one server: automatic "
-                                                "chunk detection (its min_chars also fingerprints requests for the "
-                                                "affinity router), separators, tokenisation")
-    max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
-    api_key: SecretStr | None = Field(None, description="every replica's app requires it on /v1 routes (the ingress "
-                                                        "forwards the client's Authorization header)")
-    threads: int | None = Field(None, ge=1, description="torch threads per replica (None = torch's default)")
     engine_overrides: dict = Field(default_factory=dict, description="extra EngineConfig fields (advanced)")
 
     @model_validator(mode="after")
-    def _mode_fits_fidelity(self):
-        try:
-            server_mode(self.fidelity, self.mode)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
+    def _one_process_settings_stay_default(self):
+        given = sorted(name for name, default in SINGLE_PROCESS_ONLY.items() if getattr(self.engine, name) != default)
+        if given:
+            raise ValueError(f"engine.{', engine.'.join(given)}: only one server process honours this; replicas run "
+                             "the model's float32 dense weights on the CPU and share the Redis tier")
         return self
 
     @property
-    def reuse_mode(self) -> str:
-        """The chunk reuse mode every replica runs (``mode``, or the fidelity level's)."""
-        return server_mode(self.fidelity, self.mode)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or ("tiny-random" if self.tiny else (self.model or "SmolLM2-135M-Instruct"))
+    def server_config(self) -> ServerConfig:
+        """The ``ServerConfig`` of each replica's app: ``server`` with the engine's reuse mode and, unless
+        given, its model name."""
+        update = {"mode": self.engine.reuse_mode}
+        if "model_name" not in self.server.model_fields_set:
+            update["model_name"] = self.engine.model_name
+        return self.server.model_copy(update=update)
 
 
 def build_replica_engine(settings: ReplicaSettings, runner=None):
@@ -114,31 +77,29 @@ def build_replica_engine(settings: ReplicaSettings, runner=None):
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
     from cachedrag.model.runner import ModelRunner
-    from cachedrag.server.config import server_engine_config, tie_guard_settings
     from cachedrag.store.config import StoreConfig
     from cachedrag.store.tiered import TieredStore
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    engine = settings.engine
+    if engine.threads:
+        torch.set_num_threads(engine.threads)
     if runner is not None:
         pass
-    elif settings.tiny:
+    elif engine.tiny:
         from cachedrag.testing import tiny_runner
 
         runner = tiny_runner()
     else:
         from cachedrag.model.loader import load_model
 
-        runner = ModelRunner(*load_model(settings.model))
-    config = server_engine_config(settings.fidelity, settings.mode, int(settings.cache_gb * GB),
-                                  settings.exact_repeats, settings.exact_repeats_when, tie_guard_settings(settings),
-                                  **settings.engine_overrides)
-    if settings.redis_url is None:
+        runner = ModelRunner(*load_model(engine.model))
+    config = engine.engine_config(**settings.engine_overrides)
+    if engine.redis_url is None:
         return CachedEngine(runner, config=config)
     ns = namespace_for(runner.model, runner.tokenizer).digest
     store = TieredStore.from_config(StoreConfig(
-        namespace=ns, cpu_bytes=int(settings.cache_gb * GB), redis_url=settings.redis_url,
-        redis_bytes=int(settings.redis_gb * GB), redis_prefix=settings.redis_prefix, write_through=True))
+        namespace=ns, cpu_bytes=int(engine.cache_gb * GB), redis_url=engine.redis_url,
+        redis_bytes=int(engine.redis_gb * GB), redis_prefix=settings.redis_prefix, write_through=True))
     return CachedEngine(runner, config=config, store=store)
 
 

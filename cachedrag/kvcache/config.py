@@ -22,8 +22,6 @@ from cachedrag.kvcache.policy import POLICY_NAMES, canonical_policy_name
 TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation", "question+inter")
 #: token choices that rank reused tokens by the question's attention (a pre-pass of the question)
 QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
-#: how ``full_chunks`` picks the chunks recomputed whole
-FULL_CHUNK_PICKS = ("need", "last")
 #: precision of the question pre-pass's projections (``CacheConfig.question_dtype``)
 QUESTION_DTYPES = ("bfloat16", "float32")
 #: precision of the projections of recomputed reused tokens and of fresh tokens after a reused chunk
@@ -31,8 +29,6 @@ QUESTION_DTYPES = ("bfloat16", "float32")
 RECOMPUTE_DTYPES = ("float32", "bfloat16")
 #: which fresh rows the question pre-pass computes (``CacheConfig.question_pass_fresh``)
 QUESTION_PASS_FRESH = ("leading", "all")
-#: how ``CacheConfig.layer_taper`` ranks the rows it stops computing
-TAPER_RANKS = ("choice", "deviation")
 #: when a recurring chunk sequence gets its exact tree path (``CacheConfig.exact_repeats_when``)
 EXACT_REPEAT_TIMINGS = ("after_response", "inline", "after_response_else_inline")
 
@@ -163,53 +159,6 @@ class CacheConfig:
         A Triton or sliding-window runner computes them ("all"; noted in the result).
       question_weight: weight of the question ranking in ``question+deviation`` and
         ``question+inter``. In [0, 1].
-      need_weight: budget by need (question choices): this share of the request's recompute
-        budget (the sum of the per-chunk counts) is redistributed over the reused chunks in
-        proportion to the question's attention mass on each (capped at the chunk's length);
-        the rest follows the per-chunk counts. 0 = counts as planned. In [0, 1].
-      sink_tokens: choices measured while running (deviation, question, question+deviation): the
-        first ``sink_tokens`` tokens of every reused chunk are always among its recomputed tokens
-        (within its count), the rest ranked as the choice says (EPIC / attention-sink idea: a
-        chunk's opening tokens are where a new left context changes the cache most). 0 = off
-        (on SmolLM2-135M 4 or 16 sink tokens did not help the question choice, docs/fidelity.md). >= 0.
-      full_chunks: chunk-level recompute (question choices): the ``full_chunks`` reused chunks first
-        in ``full_chunk_pick`` order are recomputed whole, within the request's budget (the sum
-        of the per-chunk counts); the rest of the budget goes to the other chunks in proportion
-        to their counts, ranked by the token choice (``planner.allocate_full_chunks``). 0 = off. >= 0.
-      full_chunk_pick: which chunks ``full_chunks`` recomputes whole: "need" (the most question
-        attention mass: the chunk the answer likely comes from) or "last" (nearest the question).
-      dense_layers: CacheBlend-style gradual filtering in its simplest form: every reused token is
-        computed through the first ``dense_layers`` layers (fresh K/V there for all of them), and
-        only the chosen ones beyond. Costs dense_layers / L of a full pass over the unchosen
-        tokens. Not with the deviation choices (their probe at ``check_layer`` is the filter).
-        0 = off. >= 0.
-      layer_taper: gradual filtering (CacheBlend's layer-wise budget): steps ``((layer, keep), ...)``,
-        layers increasing and >= 1, ``keep`` in [0, 1] non-increasing: from ``layer`` on, each reused
-        chunk computes only ``ceil(keep x count)`` of its ``count`` recompute tokens (ranked by
-        ``taper_rank``); a token dropped at ``layer`` keeps the fresh K/V of the layers below and its
-        cached K/V from ``layer`` on. Later layers then compute fewer rows: ``((15, 0.5),)`` costs
-        0.75 of the recompute rows' arithmetic. Fresh and question rows are never dropped, nor
-        ``dense_layers``' extra rows; with ``refine_layer`` the counts are those of the candidates.
-        () = off (default: every chosen token through every layer, the reference path). With a
-        taper, ``recompute_ratio=1.0`` is not a full recompute. Measured (docs/fidelity.md, round 9):
-        ``((15, 0.5),)`` ranked by deviation at 0.27 raises x_prefix on ``bench ttft``'s two streams
-        1.98 -> 2.41 and 1.73 -> 2.00 within its bars (teacher-forced top-1 0.980 / 0.985, ROUGE-L
-        0.917 / 0.946, first token unchanged), but teacher-forced KL rises 38-59% there, 47-50% on
-        all-reused requests (frontier, 42 gold questions: gold answers 1/42 vs 3/42, full 6/42),
-        and at equal compute it is no better than a lower plain ratio: off by default.
-      taper_rank: which recompute tokens ``layer_taper`` keeps: "choice" (the token choice's own
-        ranking: the question choices' and ``deviation``'s scores, best first; ``inter`` / ``leading``
-        the plan's order) or "deviation" (default, the better of the two in round 9; CacheBlend: at
-        the step's layer, the tokens whose fresh K/V, computed from their recomputed hidden state,
-        deviate most from the cached K/V, as ``deviation_on`` says; costs one extra K/V projection
-        of the candidates there).
-      refine_layer: second stage (question choice): None = off; else the first stage keeps
-        ``refine_factor`` x the budget as candidates, computes them through ``refine_layer``,
-        and keeps the budget's worth ranked by first-stage + ``refine_layer`` question attention
-        (on the candidates' fresh K). Must be > max(question_layers). refine_factor >= 1.
-      penalize_novel_prefix: beta as Cache-Craft defines it only looks at the chunks the variant
-        saw; True also scales beta by |common| / |new prefix| so that new, unseen prior chunks
-        lower the overlap. Off by default (paper-faithful).
 
     Exact repeats (``repeats.py``): a request served partly from reused chunk variants stores no
     exact knowledge-tree path (its KV is approximate), so a recurring chunk sequence would be
@@ -246,23 +195,6 @@ class CacheConfig:
         them again (on ``bench ttft``'s info seed-1 stream the exact prefills of 4 of its 6 guarded
         requests took 0.76-1.34 s instead of 1.66-2.25 s, docs/fidelity.md). Applies
         to the ``cachedrag`` mode (not the ``naive`` / ``random`` ablations).
-      tie_guard_trend: 0 = off (every near tie below ``tie_guard`` is prefilled again). > 0:
-        a near tie is first checked (``kvcache/tie.py``): the first token's logits are read
-        again with the recomputed rows of the reused chunks put back to their cached values
-        (the question's rows alone computed again, a few dozen tokens), and the request is
-        prefilled again only when the approximate top-1's margin over some rival, moved on by
-        ``tie_guard_trend`` times what the recompute already moved it, falls below 0: the
-        recompute is closing in on a rival. ``tie_guard`` then bounds which requests are
-        checked. The reading's projections run in ``question_dtype`` (a few rows are bound by
-        reading the weights: bfloat16 copies halve that). Needs ``tie_guard`` > 0.
-      tie_guard_floor: nats, >= 0 and below ``tie_guard``; with ``tie_guard_trend``: the
-        request is prefilled again when the predicted margin falls below this floor instead of
-        below 0. The trend sees only the direction the recompute moved the logits; what the rows
-        still not recomputed do beyond it (and the reading's own rounding) is noise of a few
-        hundredths of a nat, and a near tie within it flips either way (on the GNU info streams
-        9 of 20 flips came where the recompute had barely moved the margin, most of them with a
-        gap below 0.07; docs/fidelity.md, round 18). 0 = the trend alone. On those streams the
-        plain gap guard (``tie_guard=0.25``, no trend) was the setting that caught every flip.
       tie_guard_decode: 0 = off. > 0: the guard during decoding. While an answer decodes on the KV
         of an approximate prefill (one that reused chunk variants and was not prefilled again
         for its first token), each later answer token whose top-2 logits are closer than this
@@ -306,22 +238,10 @@ class CacheConfig:
     fresh_dtype: str = "bfloat16"
     leading_fresh_dtype: str = "float32"
     question_weight: float = 0.5
-    need_weight: float = 0.0
-    sink_tokens: int = 0
-    full_chunks: int = 0
-    dense_layers: int = 0
-    full_chunk_pick: str = "need"
-    refine_layer: int | None = None
-    refine_factor: float = 2.0
-    layer_taper: tuple[tuple[int, float], ...] = ()
-    taper_rank: str = "deviation"
-    penalize_novel_prefix: bool = False
     exact_repeats: int = 2
     exact_repeats_when: str = "after_response"
     repeat_memory: int = 10_000
     tie_guard: float = 0.0
-    tie_guard_trend: float = 0.0
-    tie_guard_floor: float = 0.0
     tie_guard_decode: float = 0.0
     max_chunks: int = 10_000
     max_variants_per_chunk: int = 4
@@ -369,41 +289,12 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.question_pass_fresh must be one of {list(QUESTION_PASS_FRESH)}, "
                               f"got {self.question_pass_fresh!r}")
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
-        _check_number("need_weight", self.need_weight, 0.0, 1.0)
-        _check_int("sink_tokens", self.sink_tokens, 0)
-        _check_int("full_chunks", self.full_chunks, 0)
-        _check_int("dense_layers", self.dense_layers, 0)
-        if self.dense_layers and self.token_choice in ("deviation", "question+deviation"):
-            raise ConfigError(f"CacheConfig.dense_layers does not combine with token_choice "
-                              f"{self.token_choice!r} (its check_layer probe already filters)")
-        if self.full_chunk_pick not in FULL_CHUNK_PICKS:
-            raise ConfigError(f"CacheConfig.full_chunk_pick must be one of {list(FULL_CHUNK_PICKS)}, "
-                              f"got {self.full_chunk_pick!r}")
-        if self.refine_layer is not None:
-            _check_int("refine_layer", self.refine_layer, 1)
-            if self.refine_layer <= max(self.question_layers):
-                raise ConfigError(f"CacheConfig.refine_layer must be > max(question_layers) = "
-                                  f"{max(self.question_layers)}, got {self.refine_layer}")
-        _check_number("refine_factor", self.refine_factor, 1.0, math.inf, hi_open=True)
-        self._check_taper()
-        if not isinstance(self.penalize_novel_prefix, bool):
-            raise ConfigError(f"CacheConfig.penalize_novel_prefix must be a bool, got {self.penalize_novel_prefix!r}")
         _check_int("exact_repeats", self.exact_repeats, 0)
         if self.exact_repeats_when not in EXACT_REPEAT_TIMINGS:
             raise ConfigError(f"CacheConfig.exact_repeats_when must be one of {list(EXACT_REPEAT_TIMINGS)}, "
                               f"got {self.exact_repeats_when!r}")
         _check_int("repeat_memory", self.repeat_memory, 1)
         _check_number("tie_guard", self.tie_guard, 0.0, math.inf, hi_open=True)
-        _check_number("tie_guard_trend", self.tie_guard_trend, 0.0, math.inf, hi_open=True)
-        if self.tie_guard_trend > 0 and not self.tie_guard > 0:
-            raise ConfigError("CacheConfig.tie_guard_trend needs tie_guard > 0 (the gap below which a near tie is checked)")
-        _check_number("tie_guard_floor", self.tie_guard_floor, 0.0, math.inf, hi_open=True)
-        if self.tie_guard_floor > 0 and not self.tie_guard_trend > 0:
-            raise ConfigError("CacheConfig.tie_guard_floor needs tie_guard_trend > 0 (it is a floor under the trend "
-                              "check's predicted margin)")
-        if self.tie_guard_floor > 0 and not self.tie_guard_floor < self.tie_guard:
-            raise ConfigError(f"CacheConfig.tie_guard_floor ({self.tie_guard_floor}) must be below tie_guard "
-                              f"({self.tie_guard}): only near ties below tie_guard are checked")
         if self.tie_guard_decode != math.inf:  # inf: every approximate answer switches before its second token
             _check_number("tie_guard_decode", self.tie_guard_decode, 0.0, math.inf, hi_open=True)
         _check_int("max_chunks", self.max_chunks, 1)
@@ -421,21 +312,6 @@ class CacheConfig:
                 f"CacheConfig.policy must be one of {sorted(POLICY_NAMES)}, got {self.policy!r}"
             ) from None
         _check_int("seed", self.seed, 0)
-
-    def _check_taper(self) -> None:
-        raw = self.layer_taper
-        if not isinstance(raw, (tuple, list)) or not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in raw):
-            raise ConfigError(f"CacheConfig.layer_taper must be a tuple of (layer, keep) pairs, got {raw!r}")
-        steps = tuple((s[0], s[1]) for s in raw)
-        for layer, keep in steps:
-            _check_int("layer_taper layer", layer, 1)
-            _check_number("layer_taper keep", keep, 0.0, 1.0)
-        if any(a[0] >= b[0] or a[1] < b[1] for a, b in zip(steps, steps[1:])):
-            raise ConfigError(f"CacheConfig.layer_taper needs increasing layers and non-increasing keep fractions, "
-                              f"got {self.layer_taper!r}")
-        object.__setattr__(self, "layer_taper", steps)
-        if self.taper_rank not in TAPER_RANKS:
-            raise ConfigError(f"CacheConfig.taper_rank must be one of {list(TAPER_RANKS)}, got {self.taper_rank!r}")
 
     @property
     def max_variants(self) -> int:

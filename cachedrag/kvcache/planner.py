@@ -27,9 +27,7 @@ Token choice: ``inter`` (top ``token_inter``) and ``leading`` (first tokens) are
 and listed in ``SegmentPlan.recompute``. ``deviation`` and the question choices need tensors
 (CacheBlend: the K/V deviation of every reused token at ``config.check_layer``; ProphetKV-like:
 the question's attention to each reused token), so the plan only fixes how many
-(``SegmentPlan.deferred``) and the engine picks which while it runs. ``allocate_by_need``
-(budget by need) moves those counts between chunks by the question's attention mass, within
-the request's total. ``cached_order`` finds a knowledge-tree path that holds the retrieved
+(``SegmentPlan.deferred``) and the engine picks which while it runs. ``cached_order`` finds a knowledge-tree path that holds the retrieved
 chunks as a set (order-aware exact reuse).
 
 The planner reads the tree and the index without changing their policy state; ``plan`` pins
@@ -43,7 +41,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -380,7 +378,6 @@ class Planner:
                 new_prefix,
                 alpha=cfg.alpha,
                 cold_cci=cfg.cold_cci,
-                penalize_novel_prefix=cfg.penalize_novel_prefix,
             )
             rank = (sc.cfo, -v.reuse_score, -v.last_used)
             if best is None or rank < best[0]:
@@ -419,146 +416,6 @@ class Planner:
             "chunk", idx, seg.key, seg.n_tokens, start, Action.REUSE, variant.handle,
             variant=variant, score=sc, recompute=tokens, deferred=deferred, reason=f"variant {variant.variant_id}",
         )
-
-
-def allocate_by_need(counts: Sequence[int], needs: Sequence[float], sizes: Sequence[int],
-                     weight: float) -> list[int]:
-    """Budget by need: per-chunk recompute counts that follow the question's attention.
-
-    ``counts``: the planned per-chunk counts (CFO or fixed ratio); their sum is the request's
-    budget and is kept (unless every chunk is full). ``needs``: the question's attention mass on
-    each chunk (>= 0). ``sizes``: chunk lengths (caps). ``weight`` in [0, 1]: the share of the
-    budget spread by need; the rest follows ``counts``. Largest-remainder rounding; what a capped
-    chunk cannot take goes to the others by need.
-
-    >>> allocate_by_need([10, 10, 10], [8.0, 1.0, 1.0], [100, 100, 100], 1.0)
-    [24, 3, 3]
-    >>> allocate_by_need([10, 10, 10], [8.0, 1.0, 1.0], [12, 100, 100], 1.0)
-    [12, 9, 9]
-    >>> allocate_by_need([10, 10, 10], [8.0, 1.0, 1.0], [100, 100, 100], 0.0)
-    [10, 10, 10]
-    """
-    n = len(counts)
-    if not (len(needs) == len(sizes) == n):
-        raise ValueError("allocate_by_need: counts, needs and sizes must have one entry per chunk")
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"allocate_by_need: weight must be in [0, 1], got {weight}")
-    budget = min(sum(counts), sum(sizes))
-    total_need = sum(max(0.0, x) for x in needs)
-    if n == 0 or weight == 0.0 or total_need <= 0.0:
-        return [min(c, s) for c, s in zip(counts, sizes)]
-    share = [max(0.0, x) / total_need for x in needs]
-    target = [(1.0 - weight) * c + weight * budget * p for c, p in zip(counts, share)]
-    out = [0] * n
-    open_ = set(range(n))
-    remaining = float(budget)
-    while open_ and remaining > 1e-9:
-        # chunks whose target exceeds their size are filled; their excess goes to the rest by need
-        over = [i for i in open_ if target[i] >= sizes[i]]
-        if not over:
-            break
-        for i in over:
-            out[i] = sizes[i]
-            remaining -= sizes[i]
-            open_.discard(i)
-        share_left = sum(share[i] for i in open_)
-        excess = remaining - sum(target[i] for i in open_)
-        for i in open_:  # by need; evenly among chunks the question ignores when only those are left
-            target[i] += excess * (share[i] / share_left if share_left > 0 else 1.0 / len(open_))
-    floors = {i: min(sizes[i], math.floor(target[i])) for i in open_}
-    for i, f in floors.items():
-        out[i] = f
-    left = budget - sum(out)
-    for i in sorted(open_, key=lambda j: (-(target[j] - floors[j]), j)):
-        if left <= 0:
-            break
-        if out[i] < sizes[i]:
-            out[i] += 1
-            left -= 1
-    return out
-
-
-def taper_counts(counts: Mapping[int, int], steps: Sequence[tuple[int, float]],
-                 n_layers: int) -> list[tuple[int, dict[int, int]]]:
-    """Gradual filtering (``CacheConfig.layer_taper``): how many of each reused segment's
-    ``counts`` recompute tokens stay computed from each step's layer on.
-
-    ``steps``: ``(layer, keep)`` pairs, layers increasing, keep fractions non-increasing; a segment
-    keeps ``ceil(keep x count)`` tokens from ``layer`` on. Returns ``(layer, {segment: kept})``
-    for the steps inside the model (``layer < n_layers``) that stop at least one token, in layer
-    order; an empty list when the schedule changes nothing (every token through every layer).
-
-    >>> taper_counts({2: 70, 3: 69}, [(15, 0.5)], 30)
-    [(15, {2: 35, 3: 35})]
-    >>> taper_counts({2: 70}, [(10, 1.0), (20, 0.25), (40, 0.0)], 30)
-    [(20, {2: 18})]
-    >>> taper_counts({2: 70}, [(10, 1.0)], 30)
-    []
-    """
-    out: list[tuple[int, dict[int, int]]] = []
-    current = dict(counts)
-    for layer, keep in steps:
-        if layer >= n_layers:
-            break
-        kept = {i: min(current[i], math.ceil(keep * n - 1e-9)) for i, n in counts.items()}
-        if kept != current:
-            out.append((layer, kept))
-            current = kept
-    return out
-
-
-def allocate_full_chunks(counts: Sequence[int], sizes: Sequence[int], priority: Sequence[int],
-                         n_full: int) -> list[int]:
-    """Chunk-level recompute: the first ``n_full`` chunks of ``priority`` recomputed whole, within the budget.
-
-    ``counts``: the planned per-chunk counts (their sum is the request's budget, kept);
-    ``sizes``: chunk lengths; ``priority``: chunk indices, the first to be recomputed whole
-    first (e.g. by the question's attention mass, or nearest the question first). Each of the
-    first ``n_full`` gets its whole length while the budget lasts (the last one what is left);
-    the rest of the budget goes to the other chunks in proportion to their planned counts
-    (largest remainder, capped at their length), for the token choice to spend.
-
-    >>> allocate_full_chunks([30, 30, 30], [100, 100, 100], [1, 0, 2], 1)
-    [0, 90, 0]
-    >>> allocate_full_chunks([30, 30, 30, 30], [100, 100, 100, 100], [3, 0, 1, 2], 1)
-    [7, 7, 6, 100]
-    >>> allocate_full_chunks([10, 10, 10], [100, 100, 100], [2, 1, 0], 1)
-    [0, 0, 30]
-    >>> allocate_full_chunks([10, 10, 10], [100, 100, 100], [2, 1, 0], 0)
-    [10, 10, 10]
-    """
-    n = len(counts)
-    if len(sizes) != n or sorted(priority) != list(range(n)):
-        raise ValueError("allocate_full_chunks: counts and sizes need one entry per chunk, priority a permutation")
-    if n_full < 0:
-        raise ValueError(f"allocate_full_chunks: n_full must be >= 0, got {n_full}")
-    out = [min(c, s) for c, s in zip(counts, sizes)]
-    if n_full == 0 or n == 0:
-        return out
-    budget = min(sum(counts), sum(sizes))
-    out = [0] * n
-    left = budget
-    full = list(priority[:n_full])
-    for i in full:
-        out[i] = min(sizes[i], left)
-        left -= out[i]
-    rest = [i for i in range(n) if i not in full]
-    while left > 0 and rest:
-        weight = sum(counts[i] for i in rest)
-        share = {i: (counts[i] / weight if weight > 0 else 1.0 / len(rest)) * left for i in rest}
-        floors = {i: min(sizes[i] - out[i], math.floor(share[i])) for i in rest}
-        for i, f in floors.items():
-            out[i] += f
-        spare = left - sum(floors.values())
-        for i in sorted(rest, key=lambda j: (-(share[j] - floors[j]), j)):
-            if spare <= 0:
-                break
-            if out[i] < sizes[i]:
-                out[i] += 1
-                spare -= 1
-        left = budget - sum(out)
-        rest = [i for i in rest if out[i] < sizes[i]]
-    return out
 
 
 def cached_order(tree: KnowledgeTree, system_keys: Sequence[str], chunk_keys: Sequence[str]) -> list[int] | None:

@@ -189,12 +189,10 @@ def score(
     *,
     alpha: float = 1.0,
     cold_cci: float = 0.15,
-    penalize_novel_prefix: bool = False,
 ) -> ReuseScore:
     """Evaluate reusing ``meta``'s variant behind the chunks ``new_prefix`` (system excluded).
 
-    See the module docstring for the formulas. ``penalize_novel_prefix`` additionally scales
-    beta by |common chunks| / |distinct chunks of new_prefix|.
+    See the module docstring for the formulas.
     """
     if meta.is_cold:
         if not new_prefix:
@@ -203,9 +201,6 @@ def score(
         return ReuseScore(cci=cold_cci, beta=0.0, order_penalty=0.0, beta_prime=0.0, cfo=cfo, cold=True)
     cci = context_impact(meta)
     beta = prefix_overlap(meta, new_prefix)
-    if penalize_novel_prefix and new_prefix:
-        distinct = set(new_prefix)
-        beta *= len(distinct.intersection(meta.prefix_keys)) / len(distinct)
     gamma = kendall_tau_distance(meta.prefix_keys, new_prefix)
     beta_prime = beta * (1.0 - gamma)
     cfo = min(1.0, max(0.0, alpha * cci * (1.0 - beta_prime)))

@@ -36,7 +36,7 @@ is computed in the same order whatever the batch (tests); so the server's batche
 ``CachedEngine.generate`` decode alike.
 
 Does not own: building and caching the library (``model/native.py``), which step the runner
-takes (``ModelRunner``), the batched server step's pooled-KV path (``server/batch.py``).
+takes (``ModelRunner``), the batched server step's op-by-op paths (``server/batch.py``).
 """
 
 from __future__ import annotations

@@ -4,13 +4,8 @@ Owns: ``batched_decode_step``: B running requests, each with its own ``KVBuffer`
 token and that token's absolute position, go through the model as ONE forward. The
 projections, norms, MLPs and the LM head (the weight-bound part of a decode step) run once
 over the B rows, so B requests cost little more than one on a CPU; attention reads each
-request's own keys, and each request's fresh K/V lands in its own buffer. Requests held in a
-``KVPool`` (``cachedrag.server.kvpool``: slots ``0..m-1`` of one tensor, listed first) get one
-indexed K/V write per layer and ONE attention call over whole 512-key blocks with a per-row
-mask (``block_span_of``, ``_Views.block_span``), which gives each pooled request the same bits
-alone and beside any batch-mates (a row over its exact ``p + 1`` keys would not: the kernel
-rounds a block's sums by its length); the others (and all of them with ``pooled=False``, the
-reference) over their exact keys with the runner's own arithmetic: with the split-K kernel
+request's own keys, and each request's fresh K/V lands in its own buffer. Attention reads each
+request's exact keys with the runner's own arithmetic: with the split-K kernel
 (``model/attention.py``) one ``decode_attention_batch`` call for all of them per layer (each row
 bit for bit the runner's own call), else the runner's ``_attend_row`` (SDPA) per request. Requests join and
 leave between calls: nothing here persists across steps but the packed weights below (built
@@ -18,7 +13,7 @@ once per runner).
 
 Three paths, chosen per runner:
 
-- fused (the default where the runner has one, ``ModelRunner.fused``, and no request is pooled):
+- fused (the default where the runner has one, ``ModelRunner.fused``):
   the runner's native step (``model/fused_decode.py``) over the B requests in ONE call, each
   weight row read from memory once for all of them; each row is bit for bit the runner's own
   ``decode_step`` on that request, so a batch of one decodes as ``CachedEngine.generate`` and
@@ -66,7 +61,6 @@ import torch.nn.functional as F
 from cachedrag.errors import ContextWindowError
 from cachedrag.model.rope import rotate_half
 from cachedrag.model.runner import KVBuffer, ModelRunner, _rms_norm_rows
-from cachedrag.server.kvpool import KV_BLOCK, pooled_prefix
 
 PACKED_ROWS = 4  # from this many rows, the packed oneDNN float32 matmul (table in the module docstring)
 
@@ -119,23 +113,10 @@ def batch_weights(runner: ModelRunner, build: bool = True) -> BatchWeights | Non
     return _PACKED[runner]
 
 
-def block_span_of(position: int, window: int | None) -> tuple[int, int]:
-    """The key span ``[lo, hi)`` a pooled row at ``position`` is attended over: its visible keys
-    (``position - window < j <= position``) widened to whole ``KV_BLOCK`` blocks. Why: torch's CPU
-    flash attention walks the keys in blocks of ``KV_BLOCK`` from the call's first key and rounds
-    a block's softmax sums in an order that depends on the block's length (a vector body plus a
-    scalar tail), so a row read over ``p + 1`` keys alone and over a batch-mate's longer span
-    round differently. Over whole blocks, a row's own blocks are the same in every call, and the
-    blocks wholly masked for it (a longer batch-mate's) add exact zeros: its output is bit for
-    bit the same alone and in any batch (tests/server/test_batch.py)."""
-    lo = 0 if window is None else max(0, position + 1 - window) // KV_BLOCK * KV_BLOCK
-    return lo, -(-(position + 1) // KV_BLOCK) * KV_BLOCK
-
-
 def prepare(runner: ModelRunner, max_batch: int) -> None:
     """Build the packed weights and run each batch size from ``PACKED_ROWS`` to ``max_batch``
     once, so oneDNN's per-shape kernel setup happens now, not inside a request. Not for a runner
-    with the fused step: its batches never read them (a pooled batch builds them at first use)."""
+    with the fused step: its batches never read them."""
     if runner.fused is not None:
         return
     bw = batch_weights(runner) if max_batch >= PACKED_ROWS else None
@@ -152,20 +133,17 @@ def prepare(runner: ModelRunner, max_batch: int) -> None:
 @torch.inference_mode()
 def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: Sequence[int],
                         kvs: Sequence[KVBuffer], fast: bool | None = None, packed: bool | None = None,
-                        pooled: bool | None = None, fused: bool | None = None) -> torch.Tensor:
+                        fused: bool | None = None) -> torch.Tensor:
     """Feed ``tokens[b]`` at ``positions[b]`` into ``kvs[b]`` for every b; returns logits ``[B, V]``.
 
     Each request's query attends to its buffer rows ``[0, positions[b]]`` (within the layer's
     sliding window), as ``runner.decode_step`` does for one request. ``fast``: force the path
     (None: the fast one where the runner supports it; False: the general one, for tests).
     ``packed``: force the packed float32 weights on or off (None: from ``PACKED_ROWS`` rows on,
-    where they apply; tests force them to compare the layouts). ``pooled``: the fast path's
-    attention over leading requests held in a ``KVPool`` (slots ``0..m-1`` in order) as one call
-    with one indexed K/V write per layer (None: where their real keys fill ``POOL_FILL`` of the
-    padded batch; False: per request, the reference; True: whenever the layout allows).
+    where they apply; tests force them to compare the layouts).
     ``fused``: the runner's fused native step (``model/fused_decode.py``: all B requests in one call,
-    each row bit for bit the runner's own ``decode_step``) where the runner has one and no request is
-    pooled (None: so, unless ``fast`` or ``packed`` forces the op-by-op path; False: op by op).
+    each row bit for bit the runner's own ``decode_step``) where the runner has one (None: so, unless
+    ``fast`` or ``packed`` forces the op-by-op path; False: op by op).
     """
     n = len(tokens)
     assert n == len(positions) == len(kvs) and n > 0, "one token, position and buffer per request"
@@ -175,7 +153,7 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
             raise ContextWindowError(f"position {p} exceeds the request buffer ({kv.capacity})")
     if fused is None:
         fused = fast is None and packed is None
-    if fused and runner.fused is not None and (pooled is False or not pooled_prefix(kvs)[1]):
+    if fused and runner.fused is not None:
         return runner.fused.step_batch(tokens, positions, kvs)  # [B, V]
     device = runner.device
     ids = torch.tensor(list(tokens), device=device)  # [B]
@@ -187,7 +165,7 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
     rope = runner.rotary.cos_sin(pos, hidden.dtype, device)  # [B, D] each, shared by all layers
     if use_fast:
         bw = batch_weights(runner) if (packed if packed is not None else n >= PACKED_ROWS) else None
-        views = _Views(runner, positions, kvs, pooled)
+        views = _Views(runner, positions, kvs)
         for i in range(runner.n_layers):
             hidden = _fast_layer(runner, i, hidden, views, rope, bw)  # [B, Dm]
     else:
@@ -206,57 +184,22 @@ def batched_decode_step(runner: ModelRunner, tokens: Sequence[int], positions: S
 class _Views:
     """Per step, per request: views of the buffer rows the step writes (``[L, H_kv, D]``) and
     reads (``[L, 1, H_kv, T, D]`` per sliding window), taken once for all layers instead of
-    indexing the buffers again in every layer (per-op overhead dominates a small model's step).
+    indexing the buffers again in every layer (per-op overhead dominates a small model's step)."""
 
-    Pooled: the first ``m`` requests sit in slots ``0..m-1`` of one ``KVPool``; for them the step
-    keeps the slot and position indices (one indexed write per layer) and, per sliding window,
-    the block-aligned key span ``[lo, hi)`` of the one attention call and its key mask
-    ``[m, 1, 1, hi - lo]`` (``block_span``); the per-request views cover only rows ``m..B-1``."""
-
-    def __init__(self, runner: ModelRunner, positions: list[int], kvs: Sequence[KVBuffer], pooled: bool | None = None):
+    def __init__(self, runner: ModelRunner, positions: list[int], kvs: Sequence[KVBuffer]):
         self.runner, self.positions, self.kvs = runner, positions, kvs
-        pool, m = pooled_prefix(kvs) if pooled is not False else (None, 0)
-        self.pool, self.m = (pool, m) if m else (None, 0)
-        if self.m:
-            device = runner.device
-            self.pos = torch.tensor(positions[:m], device=device)  # [m]
-            self._masks: dict[int | None, tuple[int, int, torch.Tensor]] = {}
-            # the step's K/V rows as rows of a layer's slots viewed [S*H_kv*C, D]: (slot s, head h, position p)
-            _, s_, h_kv, c, _ = pool.k.shape
-            heads = torch.arange(h_kv, device=device)  # [H_kv]
-            self.flat_rows = (torch.arange(m, device=device)[:, None] * (h_kv * c) + heads[None, :] * c
-                              + self.pos[:, None]).reshape(-1)  # [m*H_kv], in [m, H_kv] order
-        self.k_rows = [kv.k[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
-        self.v_rows = [kv.v[:, :, p] for p, kv in zip(positions[self.m:], kvs[self.m:])]  # (B-m) x [L, H_kv, D]
-        self.ks = [kv.k for kv in kvs[self.m:]]  # (B-m) x [L, H_kv, C, D]: the split-K kernel's batched call
-        self.vs = [kv.v for kv in kvs[self.m:]]
+        self.k_rows = [kv.k[:, :, p] for p, kv in zip(positions, kvs)]  # B x [L, H_kv, D]
+        self.v_rows = [kv.v[:, :, p] for p, kv in zip(positions, kvs)]  # B x [L, H_kv, D]
+        self.ks = [kv.k for kv in kvs]  # B x [L, H_kv, C, D]: the split-K kernel's batched call
+        self.vs = [kv.v for kv in kvs]
         self._ranges: dict[int | None, tuple[list[int], list[int]]] = {}
 
     def key_ranges(self, window: int | None) -> tuple[list[int], list[int]]:
-        """Per request past the pooled ones, its keys ``starts[r]..ends[r]-1``: ``p - window < j <= p``."""
+        """Per request, its keys ``starts[r]..ends[r]-1``: ``p - window < j <= p``."""
         if window not in self._ranges:
-            ps = self.positions[self.m:]
+            ps = self.positions
             self._ranges[window] = ([0 if window is None else max(0, p + 1 - window) for p in ps], [p + 1 for p in ps])
         return self._ranges[window]
-
-    def block_span(self, window: int | None) -> tuple[int, int, torch.Tensor]:
-        """Pooled rows: ``(lo, hi, mask)``: the one call reads keys ``[lo, hi)`` of the slots, both
-        multiples of ``KV_BLOCK`` (``block_span_of`` per row; the call covers every row's span;
-        slots hold whole blocks, ``kvpool.KV_BLOCK``),
-        and key ``j`` counts for row ``b`` iff ``pos[b] - window < j <= pos[b]``: ``mask`` is
-        ``[m, 1, 1, hi - lo]`` additive (0 / -inf in the KV dtype: SDPA converts a bool mask in
-        every call). Always a mask, also where every key is visible: one kernel path for all."""
-        if window not in self._masks:
-            spans = [block_span_of(p, window) for p in self.positions[:self.m]]
-            lo, hi = min(s[0] for s in spans), min(max(s[1] for s in spans), self.pool.capacity)
-            j = torch.arange(lo, hi, device=self.pos.device)  # [T]
-            vis = j[None, :] <= self.pos[:, None]  # [m, T]
-            if window is not None:
-                vis &= j[None, :] > self.pos[:, None] - window
-            add = torch.zeros(vis.shape, dtype=self.pool.k.dtype, device=vis.device)  # [m, T]
-            self._masks[window] = (lo, hi, add.masked_fill_(~vis, float("-inf"))[:, None, None, :])  # [m, 1, 1, T]
-        return self._masks[window]
-
 
 def _attend(runner: ModelRunner, i: int, q: torch.Tensor, positions: list[int], kvs: Sequence[KVBuffer]) -> torch.Tensor:
     """Query row b ``q[:, b]`` (``[H_q, B, D]``, rotated) attends to ``kvs[b]`` rows up to
@@ -288,33 +231,19 @@ def _fast_layer(runner: ModelRunner, i: int, hidden: torch.Tensor, views: _Views
     qk = qkv[:, : lw.q_out + lw.kv_out].view(b, h_q + h_kv, d).transpose(0, 1)  # [H_q + H_kv, B, D]
     qk = qk * rope[0] + rotate_half(qk) * rope[1]  # [H_q + H_kv, B, D] RoPE at each row's position
     v = qkv[:, lw.q_out + lw.kv_out:].view(b, h_kv, d)  # [B, H_kv, D]
-    m = views.m
-    gqa = h_q != h_kv
     window = runner.windows[i]
-    q = qk[None, :h_q].to(runner.dtype)  # [1, H_q, B, D] (a no-op unless the stream is float32)
-    outs = []
-    if m:  # pooled requests: one indexed write of K and of V, one attention call over their slots
-        pool = views.pool
-        rows = views.flat_rows  # [m*H_kv] rows of layer i's slots viewed [S*H_kv*C, D]
-        pool.k[i].view(-1, d).index_copy_(0, rows, qk[h_q:, :m].transpose(0, 1).reshape(-1, d).to(pool.k.dtype))
-        pool.v[i].view(-1, d).index_copy_(0, rows, v[:m].reshape(-1, d).to(pool.v.dtype))  # [m*H_kv, D] each
-        lo, hi, mask = views.block_span(window)
-        outs.append(F.scaled_dot_product_attention(
-            q[0, :, :m].transpose(0, 1)[:, :, None], pool.k[i, :m, :, lo:hi], pool.v[i, :m, :, lo:hi],
-            attn_mask=mask, scale=runner.scaling, enable_gqa=gqa,
-        ).reshape(m, -1))  # [m, H_q*D]; keys past each row's position (or before its window) masked
-    for r in range(b - m):
-        views.k_rows[r][i].copy_(qk[h_q:, m + r])  # [H_kv, D] into row p of request m + r
-        views.v_rows[r][i].copy_(v[m + r])  # [H_kv, D]
+    for r in range(b):
+        views.k_rows[r][i].copy_(qk[h_q:, r])  # [H_kv, D] into row p of request r
+        views.v_rows[r][i].copy_(v[r])  # [H_kv, D]
     kernel = runner._attn_kernel
-    if kernel is not None and b - m > 1:  # the split-K kernel, all requests in one call: each row
+    if kernel is not None and b > 1:  # the split-K kernel, all requests in one call: each row
         starts, ends = views.key_ranges(window)  # is bit for bit the runner's own call on that request
-        outs.append(kernel.decode_attention_batch(qk[:h_q, m:], views.ks, views.vs, i, starts, ends,
-                                                  runner.scaling))  # [B-m, H_q*D]
+        out = kernel.decode_attention_batch(qk[:h_q], views.ks, views.vs, i, starts, ends,
+                                            runner.scaling)  # [B, H_q*D]
     else:
-        outs += [runner._attend_row(i, qk[:h_q, m + r], p, kv)  # (B-m) x [1, H_q*D]: the runner's own attention
-                 for r, (p, kv) in enumerate(zip(views.positions[m:], views.kvs[m:]))]  # (its kernel or SDPA)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [B, H_q*D]
+        outs = [runner._attend_row(i, qk[:h_q, r], p, kv)  # B x [1, H_q*D]: the runner's own attention
+                for r, (p, kv) in enumerate(zip(views.positions, views.kvs))]  # (its kernel or SDPA)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [B, H_q*D]
     h = hidden + o_w(out.to(hidden.dtype))  # [B, Dm]
     y = _rms_norm_rows(h, w2, eps2)  # [B, Dm]
     gate, up = gate_up_w(y).split(lw.ff, dim=-1)  # [B, Dff] each

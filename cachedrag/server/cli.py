@@ -1,11 +1,15 @@
 """``cachedrag serve``: parse arguments, build the engine and store, run uvicorn.
 
-Owns: the command's arguments, ``build_engine`` (model -> runner -> chunk-cache store ->
-``CachedEngine``), binding the listening socket (so the logged address is the real one, also
-with ``--port 0``) and running uvicorn, which stops cleanly on SIGTERM / SIGINT (in-flight
-requests get ``--graceful-s`` seconds, then the engine loop stops and the process exits 0).
+Owns: the command's arguments (``add_arguments``: the user-facing options in ``--help``, the
+tuning ones in an advanced group that ``--help-all`` shows; ``--config FILE`` reads settings
+from a file, which flags given on the command line override), ``build_engine`` (model ->
+runner -> chunk-cache store -> ``CachedEngine``), binding the listening socket (so the logged
+address is the real one, also with ``--port 0``) and running uvicorn, which stops cleanly on
+SIGTERM / SIGINT (in-flight requests get ``--graceful-s`` seconds, then the engine loop stops and
+the process exits 0).
 
-Does not own: the app (``app``) or the loop.
+Does not own: the settings models and the mapping of arguments to them (``config``), the app
+(``app``) or the loop, the cluster's own arguments (``cachedrag.cluster.cli``).
 """
 
 from __future__ import annotations
@@ -18,27 +22,80 @@ import signal
 import socket
 import sys
 
+from cachedrag.cluster.cli import add_arguments as add_cluster_arguments
 from cachedrag.errors import ConfigError
 from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
-from cachedrag.server.config import FIDELITY_LEVELS, SERVER_EXACT_REPEATS_WHEN
+from cachedrag.server.config import (FIDELITY_LEVELS, SERVER_EXACT_REPEATS_WHEN, SINGLE_PROCESS_ONLY,
+                                     engine_settings, first_error, flag_values, load_serve_file, server_config)
 from cachedrag.server.policy import MAX_DELAY_S, PREEMPT_RATIO
 
 log = logging.getLogger("cachedrag.server")
 
 
+class _HelpAll(argparse.Action):
+    """``--help-all``: the help with the advanced options too, then exit."""
+
+    def __init__(self, option_strings, dest, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:
+            if hasattr(action, "full_help"):
+                action.help = action.full_help
+        parser.print_help()
+        parser.exit()
+
+
+class ServeParser(argparse.ArgumentParser):
+    """``cachedrag serve``'s parser: after parsing, a ``--config`` file's settings fill every option
+    not given on the command line (a bad file: one line on stderr, exit 2)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        path = getattr(namespace, "config", None)
+        if path:
+            try:
+                values = flag_values(load_serve_file(path))
+            except ConfigError as exc:
+                self.exit(2, f"cachedrag: error: {' '.join(str(exc).split())}\n")
+            given = self._given(sys.argv[1:] if args is None else list(args))
+            for dest, value in values.items():
+                if dest not in given:
+                    setattr(namespace, dest, value)
+        return namespace, extras
+
+    def _given(self, args: list[str]) -> set[str]:
+        """The destinations of the options ``args`` names (parsed again with every default suppressed)."""
+        defaults = [(action, action.default) for action in self._actions]
+        try:
+            for action, _ in defaults:
+                action.default = argparse.SUPPRESS
+            namespace, _ = super().parse_known_args(args, argparse.Namespace())
+        finally:
+            for action, default in defaults:
+                action.default = default
+        return set(vars(namespace))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``cachedrag serve``'s options: user-facing ones in ``--help``, the rest in ``--help-all``."""
+    parser.__class__ = ServeParser  # the --config file fills what the command line leaves out
+    parser.add_argument("--help-all", action=_HelpAll, dest="help_all", help="show every option, advanced ones too")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="read settings from a JSON or TOML file: {\"server\": {... \"scheduler\": {...}, "
+                             "\"passages\": {...}}, \"engine\": {...}} (cachedrag.server.config.ServeSettings); "
+                             "flags given here win over it")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; default 8000)")
     parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: the model's name)")
-    parser.add_argument("--tiny", action="store_true", help="serve a tiny random-weight model (tests, smoke checks)")
-    parser.add_argument("--mode", default=None, choices=("cachedrag", "prefix", "full"),
-                        help="chunk reuse mode (default cachedrag, or the --fidelity level's)")
     parser.add_argument("--fidelity", default=None, choices=FIDELITY_LEVELS,
                         help="a fidelity level (docs/fidelity.md): exact (prefix reuse only), faithful (every "
                              "answer full prefill's, TTFT of guarded; answers take longer), guarded, balanced (the "
                              "engine's defaults), fast; sets the mode and recompute policy; --tie-guard* flags given "
                              "beside it win over its values")
+    parser.add_argument("--mode", default=None, choices=("cachedrag", "prefix", "full"),
+                        help="chunk reuse mode (default cachedrag, or the --fidelity level's)")
     parser.add_argument("--device", default="auto",
                         help="auto (default: CUDA where present), cpu, cuda or cuda:N; --tiny runs on the CPU")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
@@ -49,124 +106,89 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(int8 weights and per-token int8 decode activations; needs VNNI) (default dense)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: the cores this process may use)")
-    parser.add_argument("--prefill-pairs", default="scores", choices=("scores", "scores+values", "none"),
-                        help="bf16 prefill attention on AVX512-BF16 CPUs: bf16 pairs for the scores (default; the "
-                             "float32 path's accuracy), for the value products too (probabilities rounded to bf16, "
-                             "~3%% faster prefills), or none (docs/speed.md, prefill attention round 13)")
     parser.add_argument("--max-batch", type=int, default=8, help="most requests decoding together (1 = no batching)")
     parser.add_argument("--max-waiting", type=int, default=256, help="waiting-queue limit; beyond it requests get 503")
-    parser.add_argument("--order", default="cache_aware", choices=("cache_aware", "fifo"), help="prefill admission order")
-    parser.add_argument("--starvation-s", type=float, default=10.0, help="cache-aware order: max wait before a request goes first")
-    parser.add_argument("--max-delay-s", type=float, default=MAX_DELAY_S,
-                        help="cache-aware order: a younger request goes ahead only while every waiting request is "
-                             "forecast to be admitted at most this much later than in arrival order "
-                             f"(default {MAX_DELAY_S:g}; inf = no bound)")
-    parser.add_argument("--preempt-ratio", type=float, default=PREEMPT_RATIO,
-                        help="cache-aware order: between the layers of a running prefill, the next waiting request "
-                             "(when no older one waits) is prefilled first if its whole prefill is forecast to take "
-                             "at most this fraction of what the running one has left; once per prefill "
-                             f"(default {PREEMPT_RATIO:g}; 0 = off)")
-    parser.add_argument("--max-overtakes", type=int, default=None,
-                        help="cache-aware order: a request passed by this many younger ones goes first "
-                             "(default: no cap; 0 = arrival order)")
-    parser.add_argument("--hold-waiting", action=argparse.BooleanOptionalAction, default=True,
-                        help="the chunk cache evicts the chunks of waiting requests last, so a request finds what was "
-                             "cached when it arrived (matters below the working set; default on)")
-    parser.add_argument("--prefills-per-step", type=int, default=1, help="prefills admitted between decode steps")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=256,
-                        help="chunked prefill: running requests decode after every this many prompt tokens of "
-                             "prefill compute (0 = off)")
-    parser.add_argument("--kv-pool-tokens", type=int, default=0,
-                        help="pooled KV for requests up to this many positions: one attention call per layer for the "
-                             "batch over whole 512-key blocks (batch-invariant; step time +8%%/-1%%/-5%% at batch "
-                             "1/4/8, bf16), rounding apart from the runner's own step (0 = off, default)")
-    parser.add_argument("--trim-heap-idle-s", type=float, default=1.0,
-                        help="after this many idle seconds, return freed heap memory (finished requests' KV "
-                             "buffers) to the OS, so RSS falls back after a burst (default 1; inf = never)")
-    parser.add_argument("--no-auto-chunks", action="store_true", help="no automatic passage detection (explicit chunks only)")
-    parser.add_argument("--passage-chars", type=int, default=200, help="shortest paragraph treated as a passage (auto mode)")
-    parser.add_argument("--attach-separators", action="store_true",
-                        help="the whitespace after each chunk joins the chunk's segment: cold prefills ~1.15x a full "
-                             "prefill instead of up to 1.9x and repeated chunk sequences exact tree hits, but lower "
-                             "answer fidelity in the one run measured (docs/serving.md)")
-    parser.add_argument("--tokenization", choices=("whole", "parts"), default="whole",
-                        help="whole (default): tokenise the rendered prompt as one text, the ids any server computes "
-                             "for these messages, cut at chunk boundaries; parts: each chunk and text part alone")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
-    parser.add_argument("--exact-repeats", type=int, default=None,
-                        help="reuse-served sightings of a chunk sequence before its exact tree path is computed "
-                             "(CacheConfig.exact_repeats; 0 = never; default the engine's)")
-    parser.add_argument("--exact-repeats-when", default=None, choices=EXACT_REPEAT_TIMINGS,
-                        help="when a recurring chunk sequence gets its exact tree path (CacheConfig.exact_repeats_when; "
-                             f"default {SERVER_EXACT_REPEATS_WHEN}: in idle time, else inline at its next sighting)")
-    parser.add_argument("--tie-guard", type=float, default=None,
-                        help="prefill a request again exactly when its approximate prefill's first token is a near "
-                             "tie: top-2 logits closer than this many nats (CacheConfig.tie_guard; default 0 = off; "
-                             "docs/fidelity.md, lever 4)")
-    parser.add_argument("--tie-guard-trend", type=float, default=None,
-                        help="with --tie-guard: prefill a near tie again only when the trend check predicts the "
-                             "approximation flips it (CacheConfig.tie_guard_trend; e.g. 0.5; default 0 = every near "
-                             "tie)")
-    parser.add_argument("--tie-guard-floor", type=float, default=None,
-                        help="with --tie-guard-trend: prefill a near tie again when its predicted margin falls below "
-                             "this many nats instead of 0 (CacheConfig.tie_guard_floor; e.g. 0.1; default 0)")
-    parser.add_argument("--tie-guard-decode", type=float, default=None,
-                        help="while an answer decodes on approximate KV, a token whose top-2 logits are closer than "
-                             "this many nats moves it onto an exact prefill of the prompt and the answer so far "
-                             "(CacheConfig.tie_guard_decode; default 0 = off; docs/fidelity.md)")
-    parser.add_argument("--exact-when-waiting", type=int, default=1,
-                        help="with --tie-guard-decode inf (--fidelity faithful): admit a request with an exact "
-                             "(prefix caching) prefill while at least this many requests wait behind it, since its "
-                             "answer moves onto exact KV before its second token anyway (0 = never; default 1)")
-    parser.add_argument("--exact-whole-answers", action=argparse.BooleanOptionalAction, default=True,
-                        help="with --tie-guard-decode inf (--fidelity faithful): admit a non-streaming request with "
-                             "an exact (prefix caching) prefill, since nobody sees its first token early and its "
-                             "answer moves onto exact KV before its second token anyway (default on)")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
     parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
     parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")
     parser.add_argument("--redis-url", default=None, help="add a shared Redis tier (redis://host:port/db)")
     parser.add_argument("--redis-gb", type=float, default=4.0, help="Redis tier budget (GB) with --redis-url")
-    parser.add_argument("--graceful-s", type=float, default=5.0, help="seconds in-flight requests get on shutdown")
     parser.add_argument("--api-key", default=os.environ.get("CACHEDRAG_API_KEY") or None,
                         help="require 'Authorization: Bearer <key>' on every /v1 route (default: $CACHEDRAG_API_KEY; "
                              "none: open); /health and /metrics stay open")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    from cachedrag.cluster.cli import add_arguments as add_cluster_arguments  # --replicas N --backend ray
-
-    add_cluster_arguments(parser)
-
-
-def _bound(seconds: float) -> float | None:
-    return None if seconds == float("inf") else seconds
+    advanced = parser.add_argument_group("advanced (tuning, tests)")
+    _add_advanced_arguments(advanced)
+    add_cluster_arguments(parser, advanced)
+    for action in advanced._group_actions:  # shown by --help-all only
+        action.full_help, action.help = action.help, argparse.SUPPRESS
 
 
-#: flags only one server process honours, with their defaults: replicas load the model's float32
-#: dense weights on the CPU and share the Redis tier, so these are refused with --replicas
-SINGLE_PROCESS_ONLY = {"device": "auto", "dtype": None, "weights": "dense", "prefill_pairs": "scores",
-                       "disk_dir": None}
-
-
-def scheduler_config(args: argparse.Namespace):
-    """The ``SchedulerConfig`` of ``cachedrag serve``'s arguments (one server or every replica)."""
-    from cachedrag.server.config import SchedulerConfig
-
-    return SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
-                           starvation_s=args.starvation_s, max_overtakes=args.max_overtakes,
-                           max_delay_s=_bound(args.max_delay_s), preempt_ratio=args.preempt_ratio,
-                           hold_waiting=args.hold_waiting,
-                           prefills_per_step=args.prefills_per_step,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens, kv_pool_tokens=args.kv_pool_tokens,
-                           exact_when_waiting=args.exact_when_waiting, exact_whole_answers=args.exact_whole_answers,
-                           trim_heap_idle_s=_bound(args.trim_heap_idle_s))
-
-
-def passage_config(args: argparse.Namespace):
-    """The ``PassageConfig`` of ``cachedrag serve``'s arguments (one server or every replica)."""
-    from cachedrag.server.config import PassageConfig
-
-    return PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars,
-                         attach_separators=args.attach_separators, tokenization=args.tokenization)
+def _add_advanced_arguments(group) -> None:
+    group.add_argument("--tiny", action="store_true", help="serve a tiny random-weight model (tests, smoke checks)")
+    group.add_argument("--prefill-pairs", default="scores", choices=("scores", "scores+values", "none"),
+                       help="bf16 prefill attention on AVX512-BF16 CPUs: bf16 pairs for the scores (default; the "
+                            "float32 path's accuracy), for the value products too (probabilities rounded to bf16, "
+                            "~3%% faster prefills), or none (docs/speed.md)")
+    group.add_argument("--order", default="cache_aware", choices=("cache_aware", "fifo"), help="prefill admission order")
+    group.add_argument("--starvation-s", type=float, default=10.0, help="cache-aware order: max wait before a request goes first")
+    group.add_argument("--max-delay-s", type=float, default=MAX_DELAY_S,
+                       help="cache-aware order: a younger request goes ahead only while every waiting request is "
+                            "forecast to be admitted at most this much later than in arrival order "
+                            f"(default {MAX_DELAY_S:g}; inf = no bound)")
+    group.add_argument("--preempt-ratio", type=float, default=PREEMPT_RATIO,
+                       help="cache-aware order: between the layers of a running prefill, the next waiting request "
+                            "(when no older one waits) is prefilled first if its whole prefill is forecast to take "
+                            "at most this fraction of what the running one has left; once per prefill "
+                            f"(default {PREEMPT_RATIO:g}; 0 = off)")
+    group.add_argument("--max-overtakes", type=int, default=None,
+                       help="cache-aware order: a request passed by this many younger ones goes first "
+                            "(default: no cap; 0 = arrival order)")
+    group.add_argument("--hold-waiting", action=argparse.BooleanOptionalAction, default=True,
+                       help="the chunk cache evicts the chunks of waiting requests last, so a request finds what was "
+                            "cached when it arrived (matters below the working set; default on)")
+    group.add_argument("--prefills-per-step", type=int, default=1, help="prefills admitted between decode steps")
+    group.add_argument("--prefill-chunk-tokens", type=int, default=256,
+                       help="chunked prefill: running requests decode after every this many prompt tokens of "
+                            "prefill compute (0 = off)")
+    group.add_argument("--trim-heap-idle-s", type=float, default=1.0,
+                       help="after this many idle seconds, return freed heap memory (finished requests' KV "
+                            "buffers) to the OS, so RSS falls back after a burst (default 1; inf = never)")
+    group.add_argument("--no-auto-chunks", action="store_true", help="no automatic passage detection (explicit chunks only)")
+    group.add_argument("--passage-chars", type=int, default=200, help="shortest paragraph treated as a passage (auto mode)")
+    group.add_argument("--passage-capacity", type=int, default=20_000,
+                       help="distinct passages remembered for automatic detection (least recently seen leave first)")
+    group.add_argument("--attach-separators", action="store_true",
+                       help="the whitespace after each chunk joins the chunk's segment: cold prefills ~1.15x a full "
+                            "prefill instead of up to 1.9x and repeated chunk sequences exact tree hits, but lower "
+                            "answer fidelity in the one run measured (docs/serving.md)")
+    group.add_argument("--tokenization", choices=("whole", "parts"), default="whole",
+                       help="whole (default): tokenise the rendered prompt as one text, the ids any server computes "
+                            "for these messages, cut at chunk boundaries; parts: each chunk and text part alone")
+    group.add_argument("--exact-repeats", type=int, default=None,
+                       help="reuse-served sightings of a chunk sequence before its exact tree path is computed "
+                            "(CacheConfig.exact_repeats; 0 = never; default the engine's)")
+    group.add_argument("--exact-repeats-when", default=None, choices=EXACT_REPEAT_TIMINGS,
+                       help="when a recurring chunk sequence gets its exact tree path (CacheConfig.exact_repeats_when; "
+                            f"default {SERVER_EXACT_REPEATS_WHEN}: in idle time, else inline at its next sighting)")
+    group.add_argument("--tie-guard", type=float, default=None,
+                       help="prefill a request again exactly when its approximate prefill's first token is a near "
+                            "tie: top-2 logits closer than this many nats (CacheConfig.tie_guard; default 0 = off; "
+                            "docs/fidelity.md, lever 4)")
+    group.add_argument("--tie-guard-decode", type=float, default=None,
+                       help="while an answer decodes on approximate KV, a token whose top-2 logits are closer than "
+                            "this many nats moves it onto an exact prefill of the prompt and the answer so far "
+                            "(CacheConfig.tie_guard_decode; default 0 = off; docs/fidelity.md)")
+    group.add_argument("--exact-when-waiting", type=int, default=1,
+                       help="with --tie-guard-decode inf (--fidelity faithful): admit a request with an exact "
+                            "(prefix caching) prefill while at least this many requests wait behind it, since its "
+                            "answer moves onto exact KV before its second token anyway (0 = never; default 1)")
+    group.add_argument("--exact-whole-answers", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --tie-guard-decode inf (--fidelity faithful): admit a non-streaming request with "
+                            "an exact (prefix caching) prefill, since nobody sees its first token early and its "
+                            "answer moves onto exact KV before its second token anyway (default on)")
+    group.add_argument("--graceful-s", type=float, default=5.0, help="seconds in-flight requests get on shutdown")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -192,18 +214,15 @@ def run(args: argparse.Namespace) -> int:
             self._captured_signals.clear()
 
     from cachedrag.server.app import create_app
-    from cachedrag.server.config import ServerConfig, server_mode
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    _check_threads(args)
     try:
-        scheduler, passages = scheduler_config(args), passage_config(args)
-        name = args.served_model_name or ("tiny-random" if args.tiny else (args.model or "SmolLM2-135M-Instruct"))
-        mode = server_mode(args.fidelity, args.mode)
-        config = ServerConfig(host=args.host, port=args.port, model_name=name, mode=mode, scheduler=scheduler,
-                              passages=passages, default_max_tokens=args.max_tokens, api_key=args.api_key)
+        config = server_config(args, engine_settings(args))
     except ValueError as exc:  # before the model loads
-        raise ConfigError(f"bad server setting: {_first_error(exc)}") from None
+        raise ConfigError(f"bad server setting: {first_error(exc)}") from None
+    name, mode = config.model_name, config.mode
     engine = build_engine(args)
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -239,45 +258,45 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
+def _check_threads(args: argparse.Namespace) -> None:
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"bad server setting: --threads must be >= 1, got {args.threads}")
+
+
 def build_engine(args: argparse.Namespace):
     """The ``CachedEngine`` the server runs: model, then its chunk-cache store."""
     from cachedrag.engine import CachedEngine
     from cachedrag.fingerprint import namespace_for
     from cachedrag.model.runner import ModelRunner, resolve_device
-    from cachedrag.server.config import server_engine_config, tie_guard_settings
 
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"bad server setting: --threads must be >= 1, got {args.threads}")
-    resolve_device(args.device)  # a bad or absent device is refused before any model loads (also with --tiny)
-    numerics = dict(dtype=args.dtype, weights=args.weights, threads=args.threads, prefill_pairs=args.prefill_pairs)
-    if args.tiny:
+    _check_threads(args)
+    try:
+        settings = engine_settings(args)
+    except ValueError as exc:
+        raise ConfigError(f"bad engine setting: {first_error(exc)}") from None
+    resolve_device(settings.device)  # a bad or absent device is refused before any model loads (also with --tiny)
+    numerics = dict(dtype=settings.dtype, weights=settings.weights, threads=settings.threads,
+                    prefill_pairs=settings.prefill_pairs)
+    if settings.tiny:
         from cachedrag.testing import tiny_runner
 
         runner = tiny_runner(**numerics)
     else:
-        runner = ModelRunner.from_pretrained(args.model, device=args.device, **numerics)  # warmed up here
+        runner = ModelRunner.from_pretrained(settings.model, device=settings.device, **numerics)  # warmed up here
     gb = 1 << 30
-    config = server_engine_config(args.fidelity, args.mode, int(args.cache_gb * gb), args.exact_repeats,
-                                  args.exact_repeats_when, tie_guard_settings(args))
+    config = settings.engine_config()
     store = None
-    if args.disk_dir or args.redis_url:
+    if settings.disk_dir or settings.redis_url:
         from cachedrag.store.config import StoreConfig
         from cachedrag.store.tiered import TieredStore
 
         try:
             store_config = StoreConfig(
-                namespace=namespace_for(runner.model, runner.tokenizer).digest, cpu_bytes=int(args.cache_gb * gb),
-                disk_dir=args.disk_dir, disk_bytes=int(args.disk_gb * gb) if args.disk_dir else 0,
-                redis_url=args.redis_url, redis_bytes=int(args.redis_gb * gb) if args.redis_url else 0)
+                namespace=namespace_for(runner.model, runner.tokenizer).digest,
+                cpu_bytes=int(settings.cache_gb * gb), disk_dir=settings.disk_dir,
+                disk_bytes=int(settings.disk_gb * gb) if settings.disk_dir else 0, redis_url=settings.redis_url,
+                redis_bytes=int(settings.redis_gb * gb) if settings.redis_url else 0)
         except ValueError as exc:
-            raise ConfigError(f"bad store setting: {_first_error(exc)}") from None
+            raise ConfigError(f"bad store setting: {first_error(exc)}") from None
         store = TieredStore.from_config(store_config)
     return CachedEngine(runner, config=config, store=store)
-
-
-def _first_error(exc: ValueError) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        return f"{'.'.join(str(x) for x in first.get('loc', ()))}: {first.get('msg')}"
-    return str(exc)

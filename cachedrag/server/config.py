@@ -1,19 +1,34 @@
 """Settings of ``cachedrag serve``, validated once.
 
 Owns: ``SchedulerConfig`` (batching and admission order), ``PassageConfig`` (automatic chunk
-detection) and ``ServerConfig`` (address, model name, mode, both of the above), and how a server's
-flags become its engine's settings (``server_mode``, ``server_cache_config``, ``server_engine_config``: a
-fidelity level's preset, then the flags given beside it). Does not own the engine settings themselves
-(``cachedrag.config.EngineConfig``, ``FIDELITY_PRESETS``) or policy thresholds of the chunk cache.
+detection), ``ServerConfig`` (address, model name, mode, both of the above), ``EngineSettings``
+(what a server's engine is built from: model, numerics, fidelity level and the fields beside it,
+chunk-cache tiers), ``ServeSettings`` (what ``cachedrag serve --config FILE`` holds: a
+``ServerConfig`` and an ``EngineSettings``), how a server's engine settings become its
+``EngineConfig`` (``server_mode``, ``server_cache_config``, ``server_engine_config``: a fidelity
+level's preset, then the fields given beside it), and the mapping between ``cachedrag serve``'s
+parsed arguments and these models (``scheduler_config``, ``passage_config``, ``engine_settings``,
+``server_config`` one way, ``flag_values`` of a config file the other). Replicas of a cluster are
+built from the same models (``cachedrag.cluster.replica.ReplicaSettings``).
+
+Does not own the engine settings themselves (``cachedrag.config.EngineConfig``,
+``FIDELITY_PRESETS``), policy thresholds of the chunk cache, or the argument parser
+(``cachedrag.server.cli``).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from cachedrag.errors import ConfigError
+from cachedrag.kvcache.config import EXACT_REPEAT_TIMINGS
 from cachedrag.prompt.planning import PassageConfig  # noqa: F401  (ServerConfig.passages; defined with the planner)
 from cachedrag.server.policy import MAX_DELAY_S, PREEMPT_RATIO
 
@@ -53,13 +68,6 @@ class SchedulerConfig(BaseModel):
         256, ge=0, description="chunked prefill: after this many prompt tokens' worth of prefill compute (counted "
                                "per layer), the running requests get a decode step before the prefill goes on; "
                                "0 = a prefill runs to its end first")
-    kv_pool_tokens: int = Field(
-        0, ge=0, description="pooled KV: a running request whose buffer (prompt + max_tokens) fits this many "
-                             "positions decodes from one shared slot tensor, so a batched step attends over "
-                             "all such requests in one call over whole 512-key blocks (larger ones decode from "
-                             "their own buffer); a request's answer does not depend on its batch-mates, but the "
-                             "block-aligned call rounds apart from the runner's own step (CachedEngine.generate), "
-                             "and it is no faster at batch 1-4; 0 = off, the default (docs/serving.md)")
     exact_when_waiting: int = Field(
         1, ge=0, description="with the tie guard during decoding at every token (tie_guard_decode=inf, fidelity "
                              "'faithful'), admit a request with prefix caching's exact prefill instead of an "
@@ -86,15 +94,13 @@ SERVER_EXACT_REPEATS_WHEN = "after_response_else_inline"
 
 
 def server_cache_config(exact_repeats: int | None = None, exact_repeats_when: str | None = None,
-                        tie_guard: float | None = None, tie_guard_trend: float | None = None,
-                        tie_guard_floor: float | None = None, tie_guard_decode: float | None = None):
+                        tie_guard: float | None = None, tie_guard_decode: float | None = None):
     """The ``CacheConfig`` of a server's engine (one process or each replica): ``exact_repeats``,
-    ``tie_guard``, ``tie_guard_trend``, ``tie_guard_floor`` and ``tie_guard_decode`` None = the engine's defaults,
-    ``exact_repeats_when`` None = ``SERVER_EXACT_REPEATS_WHEN``."""
+    ``tie_guard`` and ``tie_guard_decode`` None = the engine's defaults, ``exact_repeats_when`` None =
+    ``SERVER_EXACT_REPEATS_WHEN``."""
     from cachedrag.kvcache.config import CacheConfig
 
-    given = {"exact_repeats": exact_repeats, "tie_guard": tie_guard, "tie_guard_trend": tie_guard_trend,
-             "tie_guard_floor": tie_guard_floor, "tie_guard_decode": tie_guard_decode}
+    given = {"exact_repeats": exact_repeats, "tie_guard": tie_guard, "tie_guard_decode": tie_guard_decode}
     return CacheConfig(exact_repeats_when=exact_repeats_when or SERVER_EXACT_REPEATS_WHEN,
                        **{k: v for k, v in given.items() if v is not None})
 
@@ -119,14 +125,8 @@ def server_mode(fidelity: str | None, mode: str | None) -> str:
     return preset
 
 
-#: the tie-guard settings a server's flags and ``ReplicaSettings`` share (``CacheConfig`` fields, same names)
-TIE_GUARD_FIELDS = ("tie_guard", "tie_guard_trend", "tie_guard_floor", "tie_guard_decode")
-
-
-def tie_guard_settings(source) -> dict:
-    """The tie-guard settings of ``source`` (``cachedrag serve``'s arguments or ``ReplicaSettings``; None:
-    not given)."""
-    return {name: getattr(source, name) for name in TIE_GUARD_FIELDS}
+#: the tie-guard fields of ``EngineSettings`` (``CacheConfig`` fields, same names)
+TIE_GUARD_FIELDS = ("tie_guard", "tie_guard_decode")
 
 
 def server_engine_config(fidelity: str | None, mode: str | None, cache_bytes: int,
@@ -167,3 +167,192 @@ class ServerConfig(BaseModel):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     api_key: SecretStr | None = Field(None, description="when set, every /v1 route needs 'Authorization: Bearer "
                                                         "<key>' (401 otherwise); /health and /metrics stay open")
+
+
+#: ``EngineSettings`` fields only one server process honours, with their defaults: replicas load the
+#: model's float32 dense weights on the CPU and share the Redis tier
+SINGLE_PROCESS_ONLY = {"device": "auto", "dtype": None, "weights": "dense", "prefill_pairs": "scores",
+                       "disk_dir": None}
+
+
+class EngineSettings(BaseModel):
+    """What a server's engine is built from (one process, or each replica of a cluster): the model
+    and its numerics, the reuse policy (a fidelity level, then the fields given beside it, which win
+    over its values) and the chunk-cache tiers. ``engine_config`` turns it into an ``EngineConfig``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str | None = Field(None, description="HF model id or path; None = the embedded SmolLM2-135M-Instruct")
+    tiny: bool = Field(False, description="a tiny random-weight model (tests, smoke checks)")
+    mode: Literal["cachedrag", "prefix", "full"] | None = Field(
+        None, description="chunk reuse mode (None: cachedrag, or the fidelity level's)")
+    fidelity: Literal[FIDELITY_LEVELS] | None = Field(  # type: ignore[valid-type]
+        None, description="a fidelity level (cachedrag.config.FIDELITY_PRESETS): the mode and recompute policy; "
+                          "the tie_guard* fields given beside it win over its values")
+    device: str = Field("auto", description="auto (CUDA where present), cpu, cuda or cuda:N")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="activations, working KV and dense weights (None: float32; bfloat16 with int8/int4)")
+    weights: Literal["dense", "int8", "int8-dynamic", "int4"] = Field("dense", description="weight format")
+    threads: int | None = Field(None, description="torch intra-op threads (None: the cores this process may use)")
+    prefill_pairs: Literal["scores", "scores+values", "none"] = Field(
+        "scores", description="bf16 prefill attention on AVX512-BF16 CPUs (docs/speed.md)")
+    cache_gb: float = Field(2.0, ge=0, allow_inf_nan=False, description="in-memory chunk-cache budget (GB)")
+    disk_dir: str | None = Field(None, description="a disk tier in this directory (persists across restarts)")
+    disk_gb: float = Field(10.0, ge=0, allow_inf_nan=False, description="disk tier budget (GB) with disk_dir")
+    redis_url: str | None = Field(None, description="a shared Redis tier (redis://host:port/db)")
+    redis_gb: float = Field(4.0, gt=0, allow_inf_nan=False, description="Redis tier budget (GB), one for all "
+                                                                         "processes sharing it")
+    exact_repeats: int | None = Field(None, ge=0, description="CacheConfig.exact_repeats (None = the engine's "
+                                                              "default)")
+    exact_repeats_when: Literal[EXACT_REPEAT_TIMINGS] = Field(  # type: ignore[valid-type]
+        SERVER_EXACT_REPEATS_WHEN, description="CacheConfig.exact_repeats_when (a server's default: in idle time, "
+                                               "else inline at the next sighting)")
+    tie_guard: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                    description="CacheConfig.tie_guard (None = the engine's default, off)")
+    tie_guard_decode: float | None = Field(None, ge=0, allow_inf_nan=True,  # inf: switch before every 2nd token
+                                           description="CacheConfig.tie_guard_decode (None = the engine's default, "
+                                                       "off)")
+
+    @model_validator(mode="after")
+    def _mode_fits_fidelity(self):
+        try:
+            server_mode(self.fidelity, self.mode)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def reuse_mode(self) -> str:
+        """The chunk reuse mode the engine runs (``mode``, or the fidelity level's)."""
+        return server_mode(self.fidelity, self.mode)
+
+    @property
+    def model_name(self) -> str:
+        """The id a server lists for this model when no other is given."""
+        return "tiny-random" if self.tiny else (self.model or "SmolLM2-135M-Instruct")
+
+    def engine_config(self, **overrides):
+        """The ``EngineConfig`` (``server_engine_config``); ``overrides``: extra ``EngineConfig`` fields."""
+        guards = {name: getattr(self, name) for name in TIE_GUARD_FIELDS}
+        return server_engine_config(self.fidelity, self.mode, int(self.cache_gb * (1 << 30)), self.exact_repeats,
+                                    self.exact_repeats_when, guards, **overrides)
+
+
+class ServeSettings(BaseModel):
+    """What ``cachedrag serve --config FILE`` holds (JSON, or TOML on Python >= 3.11): a ``server``
+    table (``ServerConfig``: address, model name, default max_tokens, API key, and its ``scheduler``
+    and ``passages`` tables) and an ``engine`` table (``EngineSettings``). Flags given on the
+    command line win over the file. The server's ``mode`` is the engine's (``engine.mode`` or
+    ``engine.fidelity``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @model_validator(mode="after")
+    def _mode_is_the_engines(self):
+        if "mode" in self.server.model_fields_set:
+            raise ValueError("server.mode is the engine's: set engine.mode or engine.fidelity")
+        return self
+
+
+def _bound(seconds: float | None) -> float | None:
+    return None if seconds is None or seconds == math.inf else seconds
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The ``SchedulerConfig`` of ``cachedrag serve``'s arguments (one server or every replica)."""
+    return SchedulerConfig(max_batch=args.max_batch, max_waiting=args.max_waiting, order=args.order,
+                           starvation_s=args.starvation_s, max_overtakes=args.max_overtakes,
+                           max_delay_s=_bound(args.max_delay_s), preempt_ratio=args.preempt_ratio,
+                           hold_waiting=args.hold_waiting, prefills_per_step=args.prefills_per_step,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens, exact_when_waiting=args.exact_when_waiting,
+                           exact_whole_answers=args.exact_whole_answers,
+                           trim_heap_idle_s=_bound(args.trim_heap_idle_s))
+
+
+def passage_config(args: argparse.Namespace) -> PassageConfig:
+    """The ``PassageConfig`` of ``cachedrag serve``'s arguments (one server or every replica)."""
+    return PassageConfig(enabled=not args.no_auto_chunks, min_chars=args.passage_chars,
+                         capacity=args.passage_capacity, attach_separators=args.attach_separators,
+                         tokenization=args.tokenization)
+
+
+def engine_settings(args: argparse.Namespace, **update) -> EngineSettings:
+    """The ``EngineSettings`` of ``cachedrag serve``'s arguments; ``update``: fields set otherwise
+    (a cluster's Redis URL)."""
+    values = {name: getattr(args, name) for name in EngineSettings.model_fields}
+    if values["exact_repeats_when"] is None:
+        values["exact_repeats_when"] = SERVER_EXACT_REPEATS_WHEN
+    return EngineSettings(**{**values, **update})
+
+
+def server_config(args: argparse.Namespace, engine: EngineSettings) -> ServerConfig:
+    """The ``ServerConfig`` of ``cachedrag serve``'s arguments, for a server running ``engine``."""
+    return ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name or engine.model_name,
+                        mode=engine.reuse_mode, scheduler=scheduler_config(args), passages=passage_config(args),
+                        default_max_tokens=args.max_tokens, api_key=args.api_key)
+
+
+#: ``ServerConfig`` fields whose flag is named otherwise (the rest: the same name)
+_SERVER_FLAGS = {"model_name": "served_model_name", "default_max_tokens": "max_tokens"}
+#: ``PassageConfig`` fields -> (flag destination, value of the flag for the field's value)
+_PASSAGE_FLAGS = {"enabled": ("no_auto_chunks", lambda v: not v), "min_chars": ("passage_chars", None),
+                  "capacity": ("passage_capacity", None)}
+
+
+def flag_values(settings: ServeSettings) -> dict:
+    """The ``cachedrag serve`` argument values (destination -> value) of what ``settings`` set
+    explicitly (fields left out of a config file keep their flags' defaults)."""
+    data = settings.model_dump(exclude_unset=True)
+    server = data.get("server", {})
+    out = dict(data.get("engine", {}))
+    for name, value in server.get("scheduler", {}).items():
+        out[name] = math.inf if value is None and name in ("max_delay_s", "trim_heap_idle_s") else value
+    for name, value in server.get("passages", {}).items():
+        dest, convert = _PASSAGE_FLAGS.get(name, (name, None))
+        out[dest] = convert(value) if convert else value
+    for name, value in server.items():
+        if name not in ("scheduler", "passages"):
+            out[_SERVER_FLAGS.get(name, name)] = value.get_secret_value() if isinstance(value, SecretStr) else value
+    return out
+
+
+def first_error(exc: ValueError) -> str:
+    """One line for a settings error: a pydantic error's first problem as ``field.path: message``."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    first = errors()[0]
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    msg = str(first.get("msg")).removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
+def load_serve_file(path: str) -> ServeSettings:
+    """Read and validate a config file (``ServeSettings``); ``ConfigError`` with one line if it is
+    unreadable, not JSON/TOML, or holds a bad or unknown setting."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    toml = file.suffix.lower() == ".toml"  # anything else is read as JSON
+    if toml and sys.version_info < (3, 11):
+        raise ConfigError(f"config file {path}: TOML needs Python 3.11 or later; use JSON")
+    try:
+        if toml:
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except ValueError as exc:  # json.JSONDecodeError and tomllib.TOMLDecodeError
+        raise ConfigError(f"config file {path}: not valid {'TOML' if toml else 'JSON'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a table of settings, got {type(data).__name__}")
+    try:
+        return ServeSettings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"config file {path}: {first_error(exc)}") from None

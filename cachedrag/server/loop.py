@@ -65,7 +65,6 @@ from cachedrag.model.generation import SamplingParams, TextStream, choose_token,
 from cachedrag.prompt import Segment
 from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
-from cachedrag.server.kvpool import KVPool, PooledKV
 from cachedrag.server.policy import Forecast, PrefillModel, QueueFullError, SchedulerPolicy, Ticket
 
 log = logging.getLogger("cachedrag.server")
@@ -183,12 +182,6 @@ class EngineLoop:
         # prefills so far (left out of the preempted one's cost sample)
         self._current: Ticket | None = None
         self._preempt_s = 0.0
-        # pooled KV (``cachedrag.server.kvpool``): running requests decode from one slot tensor, so the
-        # batched step attends over them in one call; where the fast decode path applies, and also with
-        # --max-batch 1, so a request's arithmetic does not depend on the batch limit either
-        runner = getattr(engine, "runner", None)
-        pooled = runner is not None and self.config.kv_pool_tokens > 0 and runner._decode_fast
-        self.pool = KVPool(runner, self.config.max_batch, self.config.kv_pool_tokens) if pooled else None
         self.steps = 0  # batched decode steps run
         self.interleaved_steps = 0  # of which inside a prefill (chunked prefill)
         # exact repeats: promotions prefills handed over, run when idle (loop thread only; oldest dropped first)
@@ -269,12 +262,8 @@ class EngineLoop:
                     for r in self._running + self._switching:
                         r.request.emit(Failed(exc))
                     self._running, self._switching = [], []
-                    if self.pool is not None:
-                        self.pool.clear()
             if self.config.trim_heap_idle_s is not None:  # idle from now on: trim then
                 trim_at = time.monotonic() + self.config.trim_heap_idle_s
-        if self.pool is not None:
-            self.pool.clear()
         for r in self._running + self._switching:
             r.request.emit(Failed(RuntimeError("server shutting down")))
         self._running, self._switching = [], []
@@ -298,7 +287,6 @@ class EngineLoop:
             admitted = self.policy.admit(free, now, limit=self.config.prefills_per_step, estimate=self._estimate,
                                          forecast=self._forecast(staying))
         if cancel:
-            self._drop([r for r in self._running + self._switching if r.request.id in cancel])
             self._running = [r for r in self._running if r.request.id not in cancel]
             self._switching = [r for r in self._switching if r.request.id not in cancel]
         while self._switching:  # requests that met a near tie last step: onto exact KV first
@@ -317,8 +305,6 @@ class EngineLoop:
         live = [r for r in self._running if r.last is not None]
         if not live:
             return
-        if self.pool is not None:  # pooled requests first, in slot order (one attention call reads them)
-            live.sort(key=lambda r: r.kv.slot if isinstance(r.kv, PooledKV) and r.kv.pool is not None else 1 << 30)
         self.steps += 1
         if self.observer is not None:
             self.observer.on_step(len(live), len(self.policy))
@@ -401,7 +387,6 @@ class EngineLoop:
             gone = {r.request.id for r in self._running} & self._cancel
             self._cancel -= gone
         if gone:
-            self._drop([r for r in self._running if r.request.id in gone])
             self._running = [r for r in self._running if r.request.id not in gone]
         try:
             self._decode()
@@ -411,7 +396,6 @@ class EngineLoop:
                 if r.last is not None:
                     r.request.emit(Failed(exc))
                     r.last = None
-                    self._drop([r])
         self._running = [r for r in self._running if r.last is not None]
         self.interleaved_steps += 1
 
@@ -445,10 +429,6 @@ class EngineLoop:
                 pre.hand_off()
             except Exception:  # the answer stands; only its caching failed (the next request misses)
                 log.exception("store hand-off after the first token failed")
-        if self.pool is not None and run.last is not None:  # after the hand-off: it reads the prefill's buffer
-            pooled = self.pool.admit(run.kv, run.position)
-            if pooled is not None:
-                run.kv = pooled  # the prefill's own buffer is freed here
         if pre.promote is not None:  # computed when the loop is idle
             self._promotions.append(pre.promote)
             while len(self._promotions) > engine.config.cache.repeat_memory:
@@ -490,7 +470,6 @@ class EngineLoop:
             return
         finally:
             self._prefill_work = outer_work
-        self._drop([run])  # the approximate KV's pool slot
         run.kv = exact.kv
         run.stats = {**run.stats, **guard.stats()}
         keep = exact.info["answer_kept"]
@@ -506,10 +485,6 @@ class EngineLoop:
                 exact.hand_off()
             except Exception:
                 log.exception("store hand-off of the tie guard's exact prefill failed")
-        if self.pool is not None and run.last is not None:
-            pooled = self.pool.admit(run.kv, run.position)
-            if pooled is not None:
-                run.kv = pooled
 
     def _trim_heap(self) -> None:
         """Idle for ``trim_heap_idle_s``: give the finished requests' freed buffers back to the OS."""
@@ -562,7 +537,6 @@ class EngineLoop:
         except Exception as exc:
             log.exception("choosing the next token of request %d failed", run.request.id)
             run.last = None
-            self._drop([run])
             run.request.emit(Failed(exc))
             return
         if first:
@@ -600,17 +574,10 @@ class EngineLoop:
                         cached_tokens=int(cached), ttft_s=run.ttft_s,
                         total_s=time.perf_counter() - run.request.arrival, text=run.stream.text,
                         token_ids=list(run.tokens), stats=info)
-        self._drop([run])
         run.kv = None  # free the buffer now, not when the list is rebuilt
         if self.observer is not None:
             self.observer.on_finished(done)
         run.request.emit(done)
-
-    def _drop(self, runs: list[_Running]) -> None:
-        """Give the pool slots of ``runs`` back (the request in the last slot moves into a hole)."""
-        for r in runs:
-            if isinstance(r.kv, PooledKV) and r.kv.pool is not None:
-                r.kv.pool.release(r.kv)
 
     def _forecast(self, running: list[_Running]) -> Forecast:
         """The admission forecast's view of now: when each running request's slot frees (its

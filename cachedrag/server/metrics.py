@@ -126,9 +126,6 @@ class ServerMetrics:
         self.tie_guarded = Counter("cachedrag_tie_guarded_requests", "finished requests whose approximate prefill "
                                    "ended in a near-tied first token and were prefilled again exactly "
                                    "(CacheConfig.tie_guard)", registry=r)
-        self.tie_checked = Counter("cachedrag_tie_guard_checks", "finished requests whose near-tied first token "
-                                   "was checked by the tie guard's trend check (CacheConfig.tie_guard_trend), "
-                                   "prefilled again or not", registry=r)
         self.tie_switched = Counter("cachedrag_tie_guard_switches", "finished requests whose answer met a near tie "
                                     "while decoding on approximate KV and went on from an exact prefill of the prompt "
                                     "and the answer so far (CacheConfig.tie_guard_decode)", registry=r)
@@ -167,8 +164,6 @@ class ServerMetrics:
             self.exact_hits.inc()
         if done.stats.get("tie_guard") is not None:
             self.tie_guarded.inc()
-        if done.stats.get("tie_guard_margin") is not None:
-            self.tie_checked.inc()
         if done.stats.get("tie_guard_switch") is not None:
             self.tie_switched.inc()
 

@@ -223,14 +223,13 @@ def completion_logprobs(records, decode, offset: int = 0) -> dict:
 def served(stats: dict) -> dict:
     """The ``cachedrag`` extension object of a finished response: how its prompt was served
     (``approximations``: what made it differ from full prefill, empty = exact; chunk hits and
-    misses; ``exact_repeat``, ``first_token_gap``, ``tie_guard``, ``tie_guard_margin``, ``segment_actions``,
+    misses; ``exact_repeat``, ``first_token_gap``, ``tie_guard``, ``segment_actions``,
     ``tie_guard_actions``, ``tie_guard_switch``, ``tie_guard_agreed`` and ``tie_guard_rewound`` as
     ``EngineResult`` names them). OpenAI clients ignore it;
     ``response.model_extra["cachedrag"]`` reads it with the ``openai`` package."""
     return {"approximations": list(stats.get("approximations", [])), "chunks_hit": stats.get("chunks_hit", 0),
             "chunks_missed": stats.get("chunks_missed", 0), "exact_repeat": stats.get("exact_repeat"),
             "first_token_gap": stats.get("first_token_gap"), "tie_guard": stats.get("tie_guard"),
-            "tie_guard_margin": stats.get("tie_guard_margin"),
             "segment_actions": list(stats.get("segment_actions", [])),
             "tie_guard_actions": stats.get("tie_guard_actions"),
             "tie_guard_switch": stats.get("tie_guard_switch"), "tie_guard_agreed": stats.get("tie_guard_agreed"),

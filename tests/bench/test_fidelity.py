@@ -17,14 +17,14 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
     rc = main(["bench", "fidelity", "--corpora", "", "--corpus", corpus, "--questions", questions,
                "--model", tiny_model_dir, "--top-k", "3", "--chunk-tokens", "48", "--max-new-tokens", "3",
                "--seeds", "0,1", "--requests", "2", "--ratios", "0,0.2", "--choices", "question,deviation,oracle",
-               "--variants", "question/need1,question/decode25", "--json", str(out), "--plot", str(png)])
+               "--variants", "question/fp32,question/decode25", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["n_requests"] == 4 and set(data["by_seed"]) == {"0", "1"}
     rows = data["rows"]
     assert set(rows) == {"full", "prefix", "order_aware", "naive", "question@0.2", "deviation@0.2", "oracle@0.2",
-                         "question/et@0.2", "question/need1@0.2", "question/decode25@0.2"}
-    assert data["config"]["variants"] == {"question/need1": {"full_chunks": 1, "full_chunk_pick": "need"},
+                         "question/et@0.2", "question/fp32@0.2", "question/decode25@0.2"}
+    assert data["config"]["variants"] == {"question/fp32": {"recompute_dtype": "float32"},
                                           "question/decode25": {"tie_guard": 0.25, "tie_guard_decode": 0.25}}
     # the guard during decoding (last row: its exact prefills store paths): where an answer switched and
     # how long whole answers took
@@ -32,8 +32,8 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
     assert rows["question/decode25@0.2"]["switches"] == sum(s is not None for s in switched)
     assert all(s is None or 1 <= s < 3 for s in switched) and rows["question@0.2"]["switches"] == 0
     assert all(row["total_median_s"] >= row["ttft_median_s"] > 0 for row in rows.values())
-    # chunk-level recompute moves the budget between chunks, it does not add to it
-    assert rows["question/need1@0.2"]["computed_fraction"] == pytest.approx(rows["question@0.2"]["computed_fraction"])
+    # the repairs' precision changes how the rows are computed, not how many
+    assert rows["question/fp32@0.2"]["computed_fraction"] == pytest.approx(rows["question@0.2"]["computed_fraction"])
     assert data["config"]["early_termination"] is False and data["config"]["et_choices"] == ["question"]
     assert rows["full"]["tf_top1"] == 1.0 and rows["full"]["rouge_l"] == 1.0
     # exact prefix reuse changes nothing; order-aware reuse serves the shuffled order: = the noise floor
@@ -73,7 +73,7 @@ def test_seeds_ask_disjoint_questions_and_a_run_per_seed_asks_the_same():
 
 
 @pytest.mark.parametrize("args", [["--choices", "psychic"], ["--variants", "question/bogus"],
-                                  ["--variants", "deviation/need1"]])
+                                  ["--variants", "deviation/fp32"]])
 def test_bench_fidelity_refuses_bad_arguments(args, capsys):
     try:
         code = main(["bench", "fidelity", *args])

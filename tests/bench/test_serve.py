@@ -32,7 +32,6 @@ def test_every_server_gets_the_requested_numerics(argv, flags):
     ((), []),  # the server's defaults
     (("--max-overtakes", "8", "--starvation-s", "5"), ["--starvation-s", "5.0", "--max-overtakes", "8"]),
     (("--max-delay-s", "inf"), ["--max-delay-s", "inf"]),
-    (("--kv-pool-tokens", "2048"), ["--kv-pool-tokens", "2048"]),
     (("--no-hold-waiting",), ["--no-hold-waiting"]),
     (("--hold-waiting",), ["--hold-waiting"]),
     (("--trim-heap-idle-s", "inf"), ["--trim-heap-idle-s", "inf"]),

@@ -127,10 +127,9 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
     the repeats after it are exact prefix hits): no reuse approximation is left, and its answers
     equal full prefill's."""
     modes = _repeated_question_rows(tiny_model_dir, tiny_corpus, tmp_path, 3, "--max-new-tokens", "3",
-                                    "--modes", "full,cachedrag", "--tie-guards", "1e9,1e9/1e-9,1e9/1e-9/1e8")
+                                    "--modes", "full,cachedrag", "--tie-guards", "1e9")
     guarded, plain = modes["cachedrag:tie_guard=1e9"], modes["cachedrag"]
     assert plain["tie_guarded"] == 0 and plain["approximations"].get("chunk_reuse", 0) >= 1
-    assert plain["tie_guard_checked"] == 0 and guarded["tie_guard_checked"] == 0
     assert guarded["tie_guarded"] == 1
     assert "chunk_reuse" not in guarded["approximations"]
     assert guarded["rouge_l_vs_full"] == 1.0 and guarded["teacher_forced_top1"] == 1.0
@@ -141,18 +140,7 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
     assert all(q["guarded_plan"] is None and set(q["plan"]) == {"T"} for q in guarded["requests"][1:])
     assert all(q["first_token_match"] and q["ttft_s"] > 0 for q in guarded["requests"])
     assert "R" in plain["requests"][0]["plan"] and all(q["guarded_plan"] is None for q in plain["requests"])
-    # the trend check with a vanishing trend predicts each near tie's own gap (> 0): every approximate
-    # request is checked, none is prefilled again, and the answers are the plain row's
-    trend = modes["cachedrag:tie_guard=1e9/1e-9"]
-    assert trend["tie_guard_checked"] == plain["approximations"]["chunk_reuse"] and trend["tie_guarded"] == 0
-    assert trend["rouge_l_vs_full"] == plain["rouge_l_vs_full"]
-    assert trend["teacher_forced_kl"] == plain["teacher_forced_kl"]
-    # a floor above every predicted margin: the first checked request is prefilled again (storing the
-    # exact path the repeats then hit), as the gap-only guard does
-    floor = modes["cachedrag:tie_guard=1e9/1e-9/1e8"]
-    assert floor["tie_guarded"] == 1 and floor["tie_guard_checked"] == 1
-    assert "chunk_reuse" not in floor["approximations"] and floor["rouge_l_vs_full"] == 1.0
-    for bad in ("-1", "x", "inf", "0.3/-1", "0/0.5", "1/0/0.1", "1/0.5/2", "1/0.5/0.1/3"):
+    for bad in ("-1", "x", "inf", "0.3/0.5"):
         assert main(["bench", "ttft", "--tie-guards", bad]) == 2  # refused before any model loads
         assert "--tie-guards" in capsys.readouterr().err
 
@@ -190,21 +178,3 @@ def test_bench_ttft_cache_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
         assert main(["bench", "ttft", "--cache-rows", bad]) == 2  # refused before any model loads
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "--cache-rows" in err
-
-
-def test_bench_ttft_taper_rows(tiny_model_dir, tiny_corpus, tmp_path):
-    """``--tapers``: rows with a layer-wise budget (CacheConfig.layer_taper) beside the default, named
-    ``cachedrag:taper=SPEC``: the same tokens chosen, fewer of them through the later layers."""
-    corpus, questions = tiny_corpus
-    out = tmp_path / "ttft.json"
-    assert main(["bench", "ttft", "--corpus", corpus, "--questions", questions, "--model", tiny_model_dir,
-                 "--top-k", "4", "--chunk-tokens", "48", "--max-new-tokens", "2", "--warmup", "1",
-                 "--modes", "full,prefix,cachedrag", "--tapers", "1:0.5,1:0/deviation@0.5", "--planning-chunks", "50",
-                 "--skip-simulation", "--json", str(out)]) == 0
-    modes = json.loads(out.read_text())["modes"]
-    half, dev, default = modes["cachedrag:taper=1:0.5"], modes["cachedrag:taper=1:0/deviation@0.5"], modes["cachedrag"]
-    assert half["approximations"]["layer_taper"] == default["approximations"]["chunk_reuse"] > 0
-    assert "layer_taper" not in default["approximations"] and dev["approximations"]["layer_taper"] > 0
-    assert half["computed_token_fraction"] < default["computed_token_fraction"]
-    assert main(["bench", "ttft", "--tapers", "0:0.5"]) == 2  # refused before any model loads
-    assert main(["bench", "ttft", "--tapers", "15-0.5"]) == 2

@@ -22,7 +22,8 @@ def test_example_serve_yaml_builds_the_application():
     (app,) = doc["applications"]
     assert app["import_path"] == "cachedrag.cluster.deployment:app_builder"
     config = ClusterConfig.model_validate(app["args"])
-    assert config.replicas == 2 and config.router == "affinity" and config.replica.redis_url.startswith("redis://")
+    assert config.replicas == 2 and config.router == "affinity"
+    assert config.replica.engine.redis_url.startswith("redis://")
     assert type(app_builder(app["args"])).__name__ == "Application"
 
 
@@ -30,7 +31,9 @@ def test_unknown_or_bad_settings_are_refused():
     with pytest.raises(ValueError):
         ClusterConfig.model_validate({"replicas": 0})
     with pytest.raises(ValueError):
-        ClusterConfig.model_validate({"replica": {"cache_gb": 1, "typo": 3}})
+        ClusterConfig.model_validate({"replica": {"engine": {"cache_gb": 1, "typo": 3}}})
+    with pytest.raises(ValueError, match="engine.dtype"):  # one server's numerics: refused, not ignored
+        ClusterConfig.model_validate({"replica": {"engine": {"dtype": "bfloat16"}}})
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -51,26 +54,32 @@ def test_cli_arguments():
         check_arguments(_args("--replicas", "0", "--backend", "ray"))
     check_arguments(_args("--replicas", "3", "--backend", "ray"))
     config = cluster_config(_args("--replicas", "3", "--backend", "ray", "--router", "round_robin"), "redis://h:1/0")
-    assert config.replicas == 3 and config.router == "round_robin" and config.replica.redis_url == "redis://h:1/0"
-    assert config.replica.api_key is None
+    assert config.replicas == 3 and config.router == "round_robin" and config.replica.engine.redis_url == "redis://h:1/0"
+    assert config.replica.server.api_key is None
     keyed = cluster_config(_args("--replicas", "2", "--backend", "ray", "--api-key", "zq-7"), None)
-    assert keyed.replica.api_key.get_secret_value() == "zq-7" and "zq-7" not in repr(keyed)  # never printed
+    assert keyed.replica.server.api_key.get_secret_value() == "zq-7" and "zq-7" not in repr(keyed)  # never printed
     with pytest.raises(ConfigError, match="cache_gb"):
         cluster_config(_args("--replicas", "2", "--backend", "ray", "--cache-gb", "-1"), None)
     exact = cluster_config(_args("--replicas", "2", "--backend", "ray", "--fidelity", "exact"), None).replica
-    assert exact.fidelity == "exact" and exact.reuse_mode == "prefix"
-    assert cluster_config(_args("--replicas", "2", "--backend", "ray"), None).replica.reuse_mode == "cachedrag"
+    assert exact.engine.fidelity == "exact" and exact.engine.reuse_mode == "prefix"
+    assert exact.server.mode == exact.server_config.mode == "prefix"
+    default = cluster_config(_args("--replicas", "2", "--backend", "ray"), None).replica
+    assert default.engine.reuse_mode == "cachedrag" and default.server_config.model_name == "SmolLM2-135M-Instruct"
     with pytest.raises(ConfigError, match="runs mode prefix"):
         cluster_config(_args("--replicas", "2", "--backend", "ray", "--fidelity", "exact", "--mode", "full"), None)
 
 
 def test_a_replicas_engine_runs_its_fidelity_level_and_the_flags_beside_it():
     from cachedrag.cluster.replica import ReplicaSettings, build_replica_engine
+    from cachedrag.server.config import EngineSettings
 
-    config = build_replica_engine(ReplicaSettings(tiny=True, fidelity="faithful", tie_guard_decode=0.5)).config
+    engine = EngineSettings(tiny=True, fidelity="faithful", tie_guard_decode=0.5)
+    config = build_replica_engine(ReplicaSettings(engine=engine)).config
     assert config.fidelity == "faithful" and config.mode == "cachedrag" and config.cache.tie_guard == 0.25
     assert config.cache.tie_guard_decode == 0.5  # the field given beside the level wins
-    assert build_replica_engine(ReplicaSettings(tiny=True, fidelity="exact")).config.mode == "prefix"
+    exact = ReplicaSettings(engine=EngineSettings(tiny=True, fidelity="exact"))
+    assert build_replica_engine(exact).config.mode == "prefix" == exact.server_config.mode
+    assert exact.server_config.model_name == "tiny-random"
 
 
 def test_router_settings_reach_the_affinity_policy():
@@ -93,11 +102,11 @@ def test_passage_settings_reach_every_replica_and_the_router():
 
     argv = ["serve", "--replicas", "2", "--backend", "ray", "--passage-chars", "60", "--attach-separators",
             "--tokenization", "parts", "--no-auto-chunks"]
-    passages = cluster_config(build_parser(argv).parse_args(argv), None).replica.passages
+    passages = cluster_config(build_parser(argv).parse_args(argv), None).replica.server.passages
     assert (passages.min_chars, passages.attach_separators, passages.tokenization, passages.enabled) == \
         (60, True, "parts", False)
     default = cluster_config(build_parser(["serve"]).parse_args(["serve", "--replicas", "2", "--backend", "ray"]),
-                             None).replica.passages
+                             None).replica.server.passages
     assert (default.min_chars, default.tokenization, default.enabled) == (200, "whole", True)
     with pytest.raises(ValueError):  # the old flat field is gone, not silently ignored
         ClusterConfig.model_validate({"replica": {"auto_chunks": False}})
@@ -131,7 +140,7 @@ def _non_default(action: argparse.Action) -> list[str]:
 def test_every_serve_option_reaches_the_replicas_or_is_refused(monkeypatch):
     """With --replicas, each option of the single-process server either changes what every
     replica is built from or is refused with one line: none is silently ignored (before, the
-    scheduler's bounds, chunked prefill, pooled KV, exact repeats, --threads and --graceful-s were)."""
+    scheduler's bounds, chunked prefill, exact repeats, --threads and --graceful-s were)."""
     from cachedrag.server.cli import SINGLE_PROCESS_ONLY, run
 
     monkeypatch.delenv("CACHEDRAG_API_KEY", raising=False)
@@ -139,7 +148,7 @@ def test_every_serve_option_reaches_the_replicas_or_is_refused(monkeypatch):
     default = cluster_config(_args(*base), None)
     checked = []
     for action in _serve_parser()._actions:
-        if not action.option_strings or action.dest in {"help"} | _USED_BY_THE_COMMAND | _CLUSTER_OWN:
+        if not action.option_strings or action.dest in {"help", "help_all", "config"} | _USED_BY_THE_COMMAND | _CLUSTER_OWN:
             continue
         args = _args(*base, *_non_default(action))
         if action.dest in SINGLE_PROCESS_ONLY:
@@ -148,19 +157,20 @@ def test_every_serve_option_reaches_the_replicas_or_is_refused(monkeypatch):
         else:
             assert cluster_config(args, None) != default, f"{action.option_strings[0]} does not reach the replicas"
         checked.append(action.dest)
-    assert {"max_delay_s", "prefill_chunk_tokens", "kv_pool_tokens", "exact_repeats", "tie_guard", "tie_guard_trend",
-            "tie_guard_floor", "tie_guard_decode", "threads", "graceful_s", "dtype", "disk_dir", "hold_waiting", "preempt_ratio"} <= set(checked)
+    assert {"max_delay_s", "prefill_chunk_tokens", "exact_repeats", "tie_guard", "tie_guard_decode", "threads",
+            "graceful_s", "dtype", "disk_dir", "hold_waiting", "preempt_ratio", "passage_capacity"} <= set(checked)
 
 
 def test_scheduler_settings_reach_the_replica_app():
     config = cluster_config(_args("--replicas", "2", "--backend", "ray", "--max-delay-s", "inf", "--order", "fifo",
                                   "--prefill-chunk-tokens", "0", "--exact-repeats", "1"), None)
-    scheduler = config.replica.scheduler
+    scheduler = config.replica.server.scheduler
     assert (scheduler.max_delay_s, scheduler.order, scheduler.prefill_chunk_tokens) == (None, "fifo", 0)
     from cachedrag.cluster.replica import build_replica_engine
 
-    engine = build_replica_engine(config.replica.model_copy(update={"tiny": True}))
+    tiny = config.replica.engine.model_copy(update={"tiny": True})
+    engine = build_replica_engine(config.replica.model_copy(update={"engine": tiny}))
     assert engine.config.cache.exact_repeats == 1
-    assert engine.config.cache.exact_repeats_when == config.replica.exact_repeats_when
+    assert engine.config.cache.exact_repeats_when == config.replica.engine.exact_repeats_when
     with pytest.raises(ValueError):  # the old flat fields are gone, not silently ignored
         ClusterConfig.model_validate({"replica": {"max_batch": 4}})

@@ -26,6 +26,7 @@ pytest.importorskip("cachedrag.server.app")
 from cachedrag.cluster.asgi import ForwardedRequest, ResponseStart  # noqa: E402
 from cachedrag.cluster.deployment import REPLICA_DEPLOYMENT, ClusterConfig, build_app  # noqa: E402
 from cachedrag.cluster.replica import ReplicaSettings, build_replica_engine  # noqa: E402
+from cachedrag.server.config import EngineSettings, ServerConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -47,8 +48,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def settings(redis_server):
-    return ReplicaSettings(tiny=True, cache_gb=0.05, redis_url=redis_server.url, redis_gb=0.2,
-                           redis_prefix=f"cdray{uuid.uuid4().hex[:8]}", refresh_s=0, max_tokens=8, threads=1)
+    engine = EngineSettings(tiny=True, cache_gb=0.05, redis_url=redis_server.url, redis_gb=0.2, threads=1)
+    return ReplicaSettings(engine=engine, server=ServerConfig(default_max_tokens=8),
+                           redis_prefix=f"cdray{uuid.uuid4().hex[:8]}", refresh_s=0)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,8 @@ def reference(settings):
     from cachedrag.server.app import create_app
     from cachedrag.server.config import ServerConfig
 
-    engine = build_replica_engine(settings.model_copy(update={"redis_url": None}))
+    engine = build_replica_engine(settings.model_copy(update={"engine": settings.engine.model_copy(
+        update={"redis_url": None})}))
     with TestClient(create_app(engine, ServerConfig(model_name="tiny-random", default_max_tokens=8))) as client:
         yield client
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cachedrag.cluster.replica import ReplicaSettings, SharedCacheSync, build_replica_engine
+from cachedrag.server.config import EngineSettings
 
 pytestmark = pytest.mark.redis
 
@@ -17,8 +18,8 @@ DOCS = [f"Document {i}: " + " ".join(["alpha", "beta", "gamma", "delta", "omega"
 
 
 def replicas(redis_server, prefix, mode):
-    settings = ReplicaSettings(tiny=True, mode=mode, cache_gb=0.01, redis_url=redis_server.url, redis_gb=0.05,
-                               redis_prefix=prefix, engine_overrides={"break_even_factor": 1e6})
+    engine = EngineSettings(tiny=True, mode=mode, cache_gb=0.01, redis_url=redis_server.url, redis_gb=0.05)
+    settings = ReplicaSettings(engine=engine, redis_prefix=prefix, engine_overrides={"break_even_factor": 1e6})
     return build_replica_engine(settings), build_replica_engine(settings)
 
 
@@ -56,5 +57,5 @@ def test_sync_is_rate_limited_and_skips_unshared_stores(redis_server, redis_pref
     assert sync.refreshes == 1 and not sync.poke()  # not again within the interval
     ask(a, DOCS[1:3])
     assert ask(b, DOCS[1:3]).chunks_hit == 0  # B has not looked yet: computes, never a wrong answer
-    local = build_replica_engine(ReplicaSettings(tiny=True, cache_gb=0.01))
+    local = build_replica_engine(ReplicaSettings(engine=EngineSettings(tiny=True, cache_gb=0.01)))
     assert not SharedCacheSync(local.manager).poke()

@@ -36,7 +36,6 @@ def test_defaults_are_valid():
         ("focus_mass_threshold", 1.5),
         ("policy", "belady"),
         ("seed", -1),
-        ("penalize_novel_prefix", 1),
         ("token_choice", "attention"),
         ("check_layer", 0),
         ("deviation_on", "q"),

@@ -101,13 +101,6 @@ def test_cold_variant():
     assert behind.cfo == pytest.approx(0.4) and behind.cold and behind.beta_prime == 0.0
 
 
-def test_penalize_novel_prefix():
-    m = meta(["a"], {"a": 1.0}, 1.0)
-    assert score(m, ["a", "x", "y", "z"]).cfo == 0.0  # paper: new chunks are invisible to beta
-    s = score(m, ["a", "x", "y", "z"], penalize_novel_prefix=True)
-    assert s.beta == pytest.approx(0.25) and s.cfo == pytest.approx(0.5 * 0.75)
-
-
 @pytest.mark.parametrize(
     "fraction, n, expected",
     [(0.0, 10, 0), (1.0, 10, 10), (0.1, 30, 3), (0.15, 256, 39), (0.001, 10, 1), (0.5, 0, 0), (1.5, 4, 4), (-1, 4, 0)],

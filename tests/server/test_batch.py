@@ -83,8 +83,8 @@ def test_packed_weights_from_packed_rows_on_and_only_for_dense_float32():
     assert batch_weights(bf16) is None  # bf16 weights are oneDNN-packed already: any row count
 
 
-def _run_loop(engine, requests, max_batch, kv_pool_tokens=0):
-    loop = EngineLoop(engine, SchedulerConfig(max_batch=max_batch, order="fifo", kv_pool_tokens=kv_pool_tokens))
+def _run_loop(engine, requests, max_batch):
+    loop = EngineLoop(engine, SchedulerConfig(max_batch=max_batch, order="fifo"))
     results, done = {}, threading.Event()
 
     def emitter(i):
@@ -341,92 +341,6 @@ def test_one_row_is_the_runners_decode_step_in_low_precision(weights):
         assert torch.equal(one, runner.decode_step(token, 9 + step, kv_b))
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("mistral", "float32"), ("llama", "bfloat16")])
-def test_pooled_step_equals_decode_step_per_request(arch, dtype):
-    """Requests in a KVPool (one indexed K/V write and one masked attention call per layer) plus
-    one in its own buffer (per-request path) against ``ModelRunner.decode_step`` per request;
-    mistral: a sliding window of 24 shorter than some prompts (the mask's lower bound)."""
-    from cachedrag.server.kvpool import KVPool, PooledKV
-
-    if dtype == "float32":
-        runner = tiny_runner(arch)
-    else:
-        runner = ModelRunner(tiny_model(vocab_size=len(byte_tokenizer())), byte_tokenizer(), dtype="bfloat16")
-    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 31, 17, 40)]
-    pool = KVPool(runner, slots=3, max_tokens=64)
-    kvs, ref = [], []
-    for p in prompts:
-        own, b = runner.new_kv(len(p) + 4), runner.new_kv(len(p) + 4)
-        runner.prefill(p, kv=own)
-        runner.prefill(p, kv=b)
-        pooled = pool.admit(own, len(p))
-        kvs.append(pooled if pooled is not None else own)  # the 4th does not fit 3 slots: its own buffer
-        ref.append(b)
-    assert [isinstance(kv, PooledKV) for kv in kvs] == [True, True, True, False]
-    tokens, positions = [7, 8, 9, 10], [len(p) for p in prompts]
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
-    for step in range(3):
-        batched = batched_decode_step(runner, tokens, positions, kvs, pooled=True)  # [B, V]
-        single = torch.stack([runner.decode_step(t, pos, kv) for t, pos, kv in zip(tokens, positions, ref)])
-        torch.testing.assert_close(batched, single, **tol)
-        if dtype == "float32":
-            assert batched.argmax(-1).tolist() == single.argmax(-1).tolist()
-        tokens, positions = single.argmax(-1).tolist(), [p + 1 for p in positions]
-        if step == 0:  # the first request leaves: the one in the last slot moves into its slot
-            pool.release(kvs[0])
-            kvs, ref, tokens, positions = [kvs[2], kvs[1], kvs[3]], [ref[2], ref[1], ref[3]], \
-                [tokens[2], tokens[1], tokens[3]], [positions[2], positions[1], positions[3]]
-            assert [kv.slot for kv in kvs[:2]] == [0, 1] and len(pool) == 2
-    for kv, b, p in zip(kvs, ref, positions):
-        torch.testing.assert_close(kv.k[:, :, :p].float(), b.k[:, :, :p].float(), **tol)
-        torch.testing.assert_close(kv.v[:, :, :p].float(), b.v[:, :, :p].float(), **tol)
-
-
-def test_kv_pool_slots_stay_compact_grow_and_refuse_what_does_not_fit():
-    from cachedrag.server.kvpool import KVPool, pooled_prefix
-
-    runner = tiny_runner()
-    pool = KVPool(runner, slots=3, max_tokens=100, grow_tokens=32)
-    bufs = []
-    for n in (10, 20, 50):  # the third needs more positions than the first allocation
-        kv = runner.new_kv(n + 5)
-        kv.k.normal_()
-        kv.v.normal_()
-        kv.length = n
-        bufs.append(kv)
-    a, b = pool.admit(bufs[0], 10), pool.admit(bufs[1], 20)
-    assert pool.capacity == 32 and pooled_prefix([a, b]) == (pool, 2)
-    c = pool.admit(bufs[2], bufs[2].length)  # grows: a and b keep their rows
-    assert pool.capacity == 64  # 55 positions, rounded up to the growth step
-    for pooled, own in ((a, bufs[0]), (b, bufs[1]), (c, bufs[2])):
-        n = own.length
-        assert torch.equal(pooled.k[:, :, :n], own.k[:, :, :n]) and torch.equal(pooled.v[:, :, :n], own.v[:, :, :n])
-        assert pooled.capacity == own.capacity
-    assert pool.admit(runner.new_kv(8), 4) is None  # no free slot
-    pool.release(a)  # c (last slot) moves into slot 0 with its rows
-    assert (c.slot, b.slot, len(pool)) == (0, 1, 2) and a.pool is None
-    assert torch.equal(c.k[:, :, :c.length], bufs[2].k[:, :, :c.length])
-    assert pooled_prefix([c, b]) == (pool, 2) and pooled_prefix([b, c]) == (pool, 0)
-    assert pool.max_tokens == 128  # 100, rounded up to whole growth steps
-    assert pool.admit(runner.new_kv(129), 4) is None  # more positions than a slot may hold
-    pool.clear()
-    assert len(pool) == 0 and b.pool is None
-
-
-def test_loop_with_pooled_kv_equals_without_and_frees_every_slot():
-    engine_a = CachedEngine(tiny_runner(), config=NO_DRAFTS)
-    engine_b = CachedEngine(tiny_runner(), config=NO_DRAFTS)
-    lengths = [3, 14, 9, 20, 6, 11]
-    reqs = lambda e: [(e.prompts.chat(_chunks(i), QUESTIONS[i % 4]), SamplingParams(max_new_tokens=n))
-                      for i, n in enumerate(lengths)]
-    pooled, loop = _run_loop(engine_a, reqs(engine_a), max_batch=4, kv_pool_tokens=2048)
-    assert loop.pool is not None and len(loop.pool) == 0  # every slot given back
-    plain_loop = EngineLoop(engine_b, SchedulerConfig(max_batch=4, order="fifo"))
-    assert plain_loop.pool is None  # off by default
-    single, _ = _run_loop(engine_b, reqs(engine_b), max_batch=1)
-    assert [r.token_ids for r in pooled] == [r.token_ids for r in single]
-
-
 def test_idle_loop_promotes_a_recurring_sequence_to_an_exact_path():
     """Exact repeats through the server: the second reuse-served request of one chunk sequence hands
     its promotion to the loop, which computes the exact path while idle; the third is an exact hit."""
@@ -482,50 +396,6 @@ def test_idle_promotion_yields_to_an_arriving_request():
     loop.policy.remove(rid)  # the request left: idle again
     loop._promote()
     assert loop.promotions == 1 and not loop._promotions and engine.manager.tree.find(keys) is not None
-
-
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_pooled_request_decodes_bit_for_bit_as_it_would_alone(arch):
-    """Batch invariance of the pooled attention: requests of varied lengths (crossing the
-    kernel's 512-key blocks) decoded together in one pool give every request exactly the logits
-    it gets when it is the only request in the pool, step after step (greedy tokens fed back),
-    whichever batch-mates it has and in whichever slot. mistral: a sliding window of 600 (the
-    span's lower bound moves). bfloat16, whose projections (oneDNN) give each row the same bits
-    at any row count; float32's MKL sgemm does not (nor its packed copies from ``PACKED_ROWS``
-    rows on), so float32 batching is equal only to rounding, with or without the pool."""
-    from cachedrag.server.kvpool import KVPool
-
-    overrides = dict(max_position_embeddings=4096) | (dict(sliding_window=600) if arch == "mistral" else {})
-    runner = ModelRunner(tiny_model(arch, vocab_size=len(byte_tokenizer()), **overrides), byte_tokenizer(), dtype="bfloat16")
-    lengths = [37, 530, 700, 800, 900, 1030, 1100]
-    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
-    bufs = []
-    for p in prompts:
-        kv = runner.new_kv(len(p) + 8)
-        runner.prefill(p, kv=kv)
-        bufs.append(kv)
-
-    def decode(order, steps=4):
-        """Greedy logits per step of the requests ``order`` decoded together in one fresh pool."""
-        pool = KVPool(runner, slots=len(lengths), max_tokens=2048)
-        kvs = [pool.admit(_copy_kv(bufs[i]), lengths[i]) for i in order]
-        tokens, positions, out = [7 + i for i in order], [lengths[i] for i in order], []
-        for _ in range(steps):
-            logits = batched_decode_step(runner, tokens, positions, kvs)  # [B, V]
-            out.append(logits)
-            tokens, positions = logits.argmax(-1).tolist(), [p + 1 for p in positions]
-        return out
-
-    alone = {i: decode([i]) for i in range(len(lengths))}
-    for order in ([6, 3, 1, 5], [4, 2], [0, 6, 3], list(range(len(lengths)))):
-        together = decode(order)
-        for slot, i in enumerate(order):
-            for step in range(len(together)):
-                assert torch.equal(together[step][slot], alone[i][step][0]), (order, i, step)
-
-
-def _copy_kv(kv):
-    return type(kv)(k=kv.k.clone(), v=kv.v.clone(), length=kv.length)
 
 
 @pytest.mark.gpu

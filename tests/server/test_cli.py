@@ -71,7 +71,6 @@ def test_bad_setting_exits_2_with_one_line():
     (["--device", "tpu7"], "unknown device"),
     (["--port", "99999"], "port"),  # refused before the model loads
     (["--max-tokens", "0"], "default_max_tokens"),
-    (["--tie-guard", "1", "--tie-guard-floor", "0.1"], "tie_guard_floor needs tie_guard_trend"),
     (["--tie-guard-decode", "-1"], "tie_guard_decode"),
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):
@@ -105,7 +104,7 @@ def test_tokenization_flag_defaults_to_whole_and_refuses_others(capsys):
 
 def test_faithful_admission_flags_reach_the_scheduler():
     from cachedrag.cli import build_parser
-    from cachedrag.server.cli import scheduler_config
+    from cachedrag.server.config import scheduler_config
 
     default = scheduler_config(build_parser().parse_args(["serve"]))
     assert default.exact_whole_answers is True and default.exact_when_waiting == 1
@@ -131,9 +130,8 @@ def test_build_engine_uses_the_requested_numerics():
     assert other.exact_repeats_when == "after_response" and other.exact_repeats == 3
     text = engine.generate(["heapq pushes items onto a heap."], "What does heapq do?", max_new_tokens=3).text
     assert isinstance(text, str)
-    guard = build_engine(build_parser().parse_args(["serve", "--tiny", "--tie-guard", "1", "--tie-guard-trend", "0.6",
-                                                    "--tie-guard-floor", "0.1"])).config.cache
-    assert (guard.tie_guard, guard.tie_guard_trend, guard.tie_guard_floor) == (1.0, 0.6, 0.1)
+    guard = build_engine(build_parser().parse_args(["serve", "--tiny", "--tie-guard", "1"])).config.cache
+    assert guard.tie_guard == 1.0
     decoding = build_engine(build_parser().parse_args(["serve", "--tiny", "--tie-guard-decode", "0.25"])).config.cache
     assert decoding.tie_guard_decode == 0.25 and decoding.tie_guard == 0.0
 

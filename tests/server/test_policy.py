@@ -176,7 +176,7 @@ def test_bad_settings_are_rejected(kwargs):
 
 def test_server_settings_reach_the_policy():
     from cachedrag.cli import build_parser
-    from cachedrag.server.cli import _bound
+    from cachedrag.server.config import _bound
     from cachedrag.server.config import SchedulerConfig
     from cachedrag.server.loop import EngineLoop
     from cachedrag.server.policy import MAX_DELAY_S
