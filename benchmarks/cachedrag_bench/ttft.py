@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
         row["speedup_vs_full"] = base_full / row["ttft_median_s"]
         row["speedup_vs_prefix"] = (base_prefix / row["ttft_median_s"]) if base_prefix else None
 
-    from cachedrag.kvcache.planner import benchmark_planning
+    from cachedrag_bench.planning import benchmark_planning
 
     results["planning"] = benchmark_planning(n_chunks=args.planning_chunks, n_requests=1_000, top_k=args.top_k,
                                              chunk_tokens=args.chunk_tokens)

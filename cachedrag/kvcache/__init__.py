@@ -10,7 +10,7 @@ handles (stdlib only: no torch, no numpy), so it is testable on tiny fakes and f
   tree       KnowledgeTree, TreeNode                   RAGCache exact-prefix tree
   variants   AttentionMetadata, score, select_tokens   Cache-Craft CCI / beta' / CFO
   index      VariantIndex, Variant                     N x M variants, f_r eviction
-  planner    Planner, PlanRequest, Segment, Plan       per-request decisions, benchmark
+  planner    Planner, PlanRequest, Segment, Plan       per-request decisions
   focus      FocusTracker                              focused-chunk early termination
   simulator  make_workload, simulate, compare_policies hit-rate tables
 
@@ -33,7 +33,6 @@ from cachedrag.kvcache.planner import (
     PlanRequest,
     Segment,
     SegmentPlan,
-    benchmark_planning,
 )
 from cachedrag.kvcache.policy import (
     GDSF,
@@ -91,7 +90,6 @@ __all__ = [
     "TreeNode",
     "Variant",
     "VariantIndex",
-    "benchmark_planning",
     "chunk_key",
     "context_impact",
     "detect_focus",
