@@ -103,56 +103,88 @@ def build_disk_ivf(source: VectorSource, out: str | Path, config: DiskIndexConfi
     cluster-contiguous ``vectors.npy``/``ids.npy``; optionally add IVF-PQ codes. An existing
     complete directory at ``out`` is returned as is.
     """
-    import faiss
-
     config = config or DiskIndexConfig()
     out = Path(out)
     if (out / MANIFEST).is_file():
         return out
     if config.pq_m and source.dim % config.pq_m:
         raise ConfigError(f"pq_m ({config.pq_m}) must divide the dimension ({source.dim})")
-    work = out.with_name(out.name + ".partial")
-    work.mkdir(parents=True, exist_ok=True)
-    state_path = work / "build_state.json"
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    if state.get("config", config.model_dump()) != config.model_dump() or state.get("ntotal", source.ntotal) != source.ntotal:
-        raise ConfigError(f"{work} holds a build with other settings; remove it to start over")
-    state.update(config=config.model_dump(), ntotal=source.ntotal)
-
-    def save_state() -> None:
-        tmp = state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, state_path)
-
-    n, d, rows = source.ntotal, source.dim, config.block_rows
+    state = _BuildState(out.with_name(out.name + ".partial"), config, source.ntotal)
+    n, rows = source.ntotal, config.block_rows
     nlist = min(config.nlist, n)
     blocks = [(s, min(s + rows, n)) for s in range(0, n, rows)]
-    if "trained" not in state:
+    centroids = _train(state, source, nlist)  # [nlist, d]
+    assign = _assign(state, source, centroids, blocks, progress)
+    _scatter(state, source, assign, nlist, blocks, progress)
+    del assign
+    if config.pq_m and "pq" not in state.done:
+        _build_pq(state.work, source, centroids, config, blocks, progress)
+        state.mark(pq=True)
+    return _finish(state, out, dict(dim=source.dim, metric=config.metric, nlist=nlist, ntotal=n, config=config,
+                                    source=source_info or {}))
+
+
+class _BuildState:
+    """The work directory of a build and its resumable progress (``build_state.json``, replaced atomically)."""
+
+    def __init__(self, work: Path, config: DiskIndexConfig, ntotal: int):
+        self.work, self.config = work, config
+        work.mkdir(parents=True, exist_ok=True)
+        self.path = work / "build_state.json"
+        self.done = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        if self.done.get("config", config.model_dump()) != config.model_dump() or self.done.get("ntotal", ntotal) != ntotal:
+            raise ConfigError(f"{work} holds a build with other settings; remove it to start over")
+        self.done.update(config=config.model_dump(), ntotal=ntotal)
+
+    def mark(self, **progress) -> None:
+        self.done.update(progress)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.done))
+        os.replace(tmp, self.path)
+
+
+def _train(state: _BuildState, source: VectorSource, nlist: int) -> np.ndarray:
+    """k-means centroids over the first ``train_size`` rows (trained once, then read back)."""
+    import faiss
+
+    config, work = state.config, state.work
+    if "trained" not in state.done:
+        n, rows = source.ntotal, config.block_rows
         train = np.concatenate([source.block(s, t) for s, t in _spans(0, min(config.train_size, n), rows)])
-        km = faiss.Kmeans(d, nlist, niter=config.kmeans_iters, seed=config.seed, spherical=config.metric == "ip",
-                          min_points_per_centroid=1, max_points_per_centroid=max(1, config.train_size // nlist + 1))
+        km = faiss.Kmeans(source.dim, nlist, niter=config.kmeans_iters, seed=config.seed,
+                          spherical=config.metric == "ip", min_points_per_centroid=1,
+                          max_points_per_centroid=max(1, config.train_size // nlist + 1))
         km.train(train)
         np.save(work / "centroids.npy", km.centroids.astype(np.float32))
-        state["trained"] = True
-        save_state()
-    centroids = np.load(work / "centroids.npy")  # [nlist, d]
-    quantizer = _flat(centroids, config.metric)
-    assign = _open_rows(work / "assign.npy", (n,), np.int32)
-    done = state.setdefault("assigned", 0)
+        state.mark(trained=True)
+    return np.load(work / "centroids.npy")  # [nlist, d]
+
+
+def _assign(state: _BuildState, source: VectorSource, centroids: np.ndarray, blocks, progress: bool):
+    """Each row's nearest centroid, block by block, in ``assign.npy`` (a memory map, [n])."""
+    quantizer = _flat(centroids, state.config.metric)
+    assign = _open_rows(state.work / "assign.npy", (source.ntotal,), np.int32)
+    done = state.done.setdefault("assigned", 0)
     for b, (s, t) in enumerate(tqdm(blocks, desc="disk IVF: assign", unit="block", disable=not progress,
                                     initial=done), start=0):
         if b < done:
             continue
         assign[s:t] = quantizer.search(source.block(s, t), 1)[1][:, 0]
         assign.flush()
-        state["assigned"] = b + 1
-        save_state()
+        state.mark(assigned=b + 1)
+    return assign
+
+
+def _scatter(state: _BuildState, source: VectorSource, assign, nlist: int, blocks, progress: bool) -> None:
+    """Every block's rows written cluster-contiguous into ``vectors.npy`` / ``ids.npy`` (source
+    order within a cluster), with the clusters' ``offsets.npy``."""
+    work, n, d = state.work, source.ntotal, source.dim
     counts = np.bincount(assign[:], minlength=nlist)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [nlist + 1]
     np.save(work / "offsets.npy", offsets)
     vectors = _open_rows(work / "vectors.npy", (n, d), np.float32)
     ids = _open_rows(work / "ids.npy", (n,), np.int64)
-    done = state.setdefault("written", 0)
+    done = state.done.setdefault("written", 0)
     cursor = offsets[:-1] + np.bincount(assign[: blocks[done][0]] if done < len(blocks) else assign[:],
                                         minlength=nlist)
     for b, (s, t) in enumerate(tqdm(blocks, desc="disk IVF: write", unit="block", disable=not progress)):
@@ -168,20 +200,18 @@ def build_disk_ivf(source: VectorSource, out: str | Path, config: DiskIndexConfi
         cursor += np.bincount(a, minlength=nlist)
         vectors.flush()
         ids.flush()
-        state["written"] = b + 1
-        save_state()
-    del vectors, ids, assign
-    if config.pq_m and "pq" not in state:
-        _build_pq(work, source, centroids, config, blocks, progress)
-        state["pq"] = True
-        save_state()
-    files = {}
-    for name in ["centroids.npy", "offsets.npy", "vectors.npy", "ids.npy"] + (["pq.faiss"] if config.pq_m else []):
-        files[name] = {"bytes": (work / name).stat().st_size, "sha256": file_sha256(work / name)}
-    manifest = DiskIVFManifest(dim=d, metric=config.metric, nlist=nlist, ntotal=n, config=config,
-                               source=source_info or {}, files=files)
+        state.mark(written=b + 1)
+
+
+def _finish(state: _BuildState, out: Path, fields: dict) -> Path:
+    """The manifest (``fields`` and the files' checksums) written, the build's scratch dropped, the
+    directory moved into place."""
+    work = state.work
+    names = ["centroids.npy", "offsets.npy", "vectors.npy", "ids.npy"] + (["pq.faiss"] if state.config.pq_m else [])
+    files = {name: {"bytes": (work / name).stat().st_size, "sha256": file_sha256(work / name)} for name in names}
+    manifest = DiskIVFManifest(**fields, files=files)
     (work / "assign.npy").unlink()
-    state_path.unlink()
+    state.path.unlink()
     (work / MANIFEST).write_text(manifest.model_dump_json(indent=2))
     if out.exists():
         shutil.rmtree(out)
