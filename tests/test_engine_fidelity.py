@@ -281,13 +281,13 @@ def test_question_inter_fuses_the_question_ranking_with_token_inter(runner):
     (9, [3, 1, 2, 0]),  # count capped by the length
 ])
 def test_pick_top_scores(count, expected):
-    from cachedrag.engine import _pick
+    from cachedrag.engine.selection import _pick
 
     assert _pick(torch.tensor([0.0, 5.0, 1.0, 9.0]), count) == expected
 
 
 def test_pick_each_equals_pick_per_chunk():
-    from cachedrag.engine import _pick, _pick_each
+    from cachedrag.engine.selection import _pick, _pick_each
 
     gen = torch.Generator().manual_seed(0)
     scores = [torch.randint(0, 5, (n,), generator=gen).float() for n in (7, 1, 12, 30)]  # ties on purpose
@@ -297,7 +297,7 @@ def test_pick_each_equals_pick_per_chunk():
 
 
 def test_segment_ranks_equal_the_per_segment_ranks_ties_included():
-    from cachedrag.engine import _rank01, _rank01_segments
+    from cachedrag.engine.selection import _rank01, _rank01_segments
 
     gen = torch.Generator().manual_seed(1)
     lengths = [5, 1, 17, 2, 40]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cachedrag.config import EngineConfig
-from cachedrag.engine import CachedEngine, _rows
+from cachedrag.engine import CachedEngine
+from cachedrag.engine.selection import _rows
 from cachedrag.kvcache.keys import path_key
 from cachedrag.testing import tiny_runner
 

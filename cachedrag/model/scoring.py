@@ -23,7 +23,7 @@ chunks when asked (``RowSplitLayer``): those rows only repair approximate cached
 matmuls are most of a reuse-served request's time; in bfloat16 they run ~2x faster here
 (docs/fidelity.md, round 10).
 
-Does not own: the pre-pass or when it may use these (``engine.py``), the runner's own weight
+Does not own: the pre-pass or when it may use these (``cachedrag.engine``), the runner's own weight
 formats (``weights.py``).
 """
 

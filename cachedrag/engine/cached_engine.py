@@ -1,17 +1,16 @@
-"""The chunk-cache engine: plan -> load -> partial prefill -> decode -> store.
+"""``CachedEngine``: the chunk-cache engine's facade and request path, plan -> load -> partial
+prefill -> decode -> store.
 
-Owns: ``CachedEngine`` (the one generation API with chunk reuse), ``EngineResult`` (text plus
-per-request stats) and the tensor side of a request: loading planned KV into the working
-buffer (raw K re-rotated to its new positions), computing only fresh + recompute + question
-tokens layer by layer, choosing the recompute tokens when the plan defers that choice (by measured
-K/V deviation, CacheBlend; by the question's attention to the re-rotated cache, ProphetKV-like; or
-both fused), order-aware exact reuse (serving a cached tree path's order), the
-tie guard (``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is
-prefilled again exactly; the near-tie rule in ``kvcache/tie.py``), the tie guard during decoding (``DecodeTieGuard``,
-``CacheConfig.tie_guard_decode``: an answer decoding on approximate KV that meets a near tie goes on from an exact
-prefill of the prompt and the answer so far), teacher-forced scoring of a given answer, focused-chunk early
-termination, measuring the inter/intra attention metadata of fresh chunks, and handing their raw K + V to the
-cache manager.
+Owns: ``CachedEngine`` (the one generation API with chunk reuse) and the tensor side of a
+request: loading planned KV into the working buffer (raw K re-rotated to its new positions),
+computing only fresh + recompute + question tokens layer by layer, choosing the recompute tokens
+when the plan defers that choice (by measured K/V deviation, CacheBlend; by the question's
+attention to the re-rotated cache, ProphetKV-like; or both fused: helpers in ``selection``),
+order-aware exact reuse (serving a cached tree path's order), the first-token tie guard
+(``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is prefilled
+again exactly; the decode-time guard is ``exact.DecodeTieGuard``), teacher-forced scoring of a
+given answer, focused-chunk early termination, measuring the inter/intra attention metadata of
+fresh chunks, and handing their raw K + V to the cache manager (``handoff``).
 
 Does not own: decisions (``cachedrag.kvcache.planner`` via ``ChunkCacheManager``), storage
 tiers (``cachedrag.store``), prompt layout (``cachedrag.prompt``), or sampling
@@ -23,12 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,303 +40,20 @@ from cachedrag.kvcache.planner import MODES, Action, Mode, PlanRequest
 from cachedrag.kvcache.planner import Segment as PlanSegment
 from cachedrag.kvcache.tie import near_tie
 from cachedrag.kvcache.variants import AttentionMetadata
-from cachedrag.model.generation import Rewind, SamplingParams, eos_token_ids, rewind_allowed
+from cachedrag.model.generation import SamplingParams, eos_token_ids, rewind_allowed
 from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.runner import KVBuffer, ModelRunner
 from cachedrag.model.scoring import RowSplit, RowSplitLayer, scoring_layers
 from cachedrag.model.textgen import check_context, stream_tokens
 from cachedrag.model.transfer import device_tensor
 from cachedrag.prompt import PromptBuilder, Segment
+from cachedrag.engine.result import EngineResult, Prefilled, GenerationStream, _Holder
+from cachedrag.engine.state import _Prefill, _HandOff, _Lead, _LoadFailed
+from cachedrag.engine.exact import DecodeTieGuard, top2
+from cachedrag.engine.selection import _reused_positions, _rows, _pick, _pick_each, _fuse_inter, _rank01
+from cachedrag.engine.handoff import entry_payload
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class EngineResult:
-    """Answer and per-request stats of one ``generate`` call."""
-
-    text: str
-    token_ids: list[int]
-    mode: str
-    ttft_s: float
-    total_s: float
-    prompt_tokens: int
-    computed_tokens: int  # tokens computed at full depth (every layer): fresh + recomputed + question
-    computed_fraction: float  # token-layers computed / (layers x prompt tokens), early termination included
-    fresh_tokens: int
-    recomputed_tokens: int  # tokens of reused chunks recomputed at full depth
-    question_tokens: int
-    prefix_hit_tokens: int
-    chunks_hit: int
-    chunks_missed: int
-    chunk_cfo: list[float | None]
-    chunk_recompute: list[list[int]]  # per chunk: token indices within the chunk chosen for recompute (those of
-    #                                   chunks dropped at the focus layer stop there and count as checked)
-    focus_layer: int | None
-    load_s: float
-    prefill_s: float
-    finish_reason: str
-    notes: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)  # log p of each generated token
-    draft_passes: int = 0  # speculative decoding: verification passes that carried a prompt-lookup draft
-    draft_tokens: int = 0  # draft tokens verified
-    draft_accepted: int = 0  # draft tokens accepted (each saved one decode step)
-    cached_tokens: int = 0  # prompt tokens served from cache = not recomputed at full depth (prompt - computed)
-    checked_tokens: int = 0  # cached tokens computed at the lower layers only (deviation check probes and recompute
-    #                          tokens of chunks dropped at the focus layer); they stay counted as cached
-    token_choice: str | None = None  # how recompute tokens were chosen (None: nothing reused)
-    approximations: list[str] = field(default_factory=list)  # what made this answer differ from full prefill
-    chunk_order: list[int] | None = None  # order-aware reuse: retrieved indices in the order served (None: as given)
-    exact_repeat: str | None = None  # CacheConfig.exact_repeats: "inline" (this recurring sequence was prefilled
-    #                                  exactly), "promoted" (served from reuse, then its exact tree path computed),
-    #                                  "promote" (that computation handed to the caller: ``Prefilled.promote``)
-    promotion_s: float = 0.0  # seconds spent computing the exact path after the response (not in ttft/total)
-    first_token_gap: float | None = None  # an approximate prefill's first-token top-2 logit gap (nats): how near its
-    #                                      first token was to a rival (None: the prefill was exact)
-    tie_guard: float | None = None  # CacheConfig.tie_guard: the approximate prefill's first-token top-2 logit gap
-    #                                 when it was near-tied and the request was prefilled again exactly (else None)
-    segment_actions: list[str] = field(default_factory=list)  # per segment before the question (system, then the
-    #                                                          chunks and any text between them), in the order served:
-    #                                                          "tree" (exact prefix hit), "reuse" (a chunk variant),
-    #                                                          "fresh" (computed); the prefill that made the answer
-    tie_guard_actions: list[str] | None = None  # the approximate prefill's segment_actions when the tie guard
-    #                                             prefilled the request again (else None)
-    tie_guard_switch: int | None = None  # CacheConfig.tie_guard_decode: the answer token (0-based) before which a near
-    #                                      tie moved decoding onto an exact prefill of the prompt and the answer so far
-    #                                      (else None); that token and the rest came from exact KV
-    tie_guard_switch_gap: float | None = None  # the approximate top-2 logit gap there
-    tie_guard_switch_s: float | None = None  # seconds the answer paused for that exact prefill (in total_s)
-    tie_guard_agreed: int | None = None  # how many leading tokens before the switch are the exact prefill's greedy
-    #                                      choices too (== tie_guard_switch: the whole greedy answer is full prefill's)
-    tie_guard_rewound: int | None = None  # a whole answer (not streamed) went back this many tokens, to where the
-    #                                       exact prefill agreed, and on from there (None: no rewind)
-    decoded_first_token: int | None = None  # the first token as first decoded: what a stream of this answer would
-    #                                         have shown first. Differs from token_ids[0] only where a rewind took
-    #                                         the answer back past it (a first-token flip the first-token guard missed)
-    teacher_logits: torch.Tensor | None = None  # [A, V] with ``teacher=``: logits at each given answer position
-
-    def stats(self) -> dict:
-        """Everything but the text (and tensors), JSON-ready."""
-        out = dict(self.__dict__)
-        out.pop("text")
-        out.pop("token_ids")
-        out.pop("token_logprobs")
-        out.pop("teacher_logits")
-        return out
-
-
-@dataclass
-class _Prefill:
-    kv: KVBuffer
-    logits: torch.Tensor  # [V]
-    info: dict
-    hand_off: Callable[[], None] | None = None  # deferred store hand-off (``_prefill(defer_store=True)``)
-    promote: Callable[..., float] | None = None  # exact path of a recurring sequence, to compute after the response
-    segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
-    exact_segments: int = 0  # leading segments whose KV equals full prefill (``_prefill`` sets it: the plan's
-    #                          ``exact_prefix_segments``, fewer with ``leading_fresh_dtype="bfloat16"``)
-
-
-@dataclass
-class _HandOff:
-    """What a request computed fresh, kept until it is handed to the cache manager: raw K of the
-    fresh rows (captured during the prefill; it cannot be recovered exactly later) and, for the
-    chunks' attention metadata, the fresh rows' queries at the metadata layers. V and rotated K
-    are read from the request's KV buffer, whose prompt rows no later step writes."""
-
-    actions: list
-    fresh_t: torch.Tensor  # [Tf] absolute positions of the fresh tokens
-    raw_k: torch.Tensor  # [L, H_kv, Tf, D] pre-RoPE keys of the fresh tokens (store dtype)
-    kv: KVBuffer
-    total: int
-    meta_q: list[tuple[int, torch.Tensor]]  # (metadata layer, rotated queries [H_q, Tf, D] of the fresh rows)
-    bounds: list[int]
-    n_system: int
-    chunk_seg: list[int]
-    capture: bool
-    exact: int  # leading segments whose KV equals full prefill: stored as a tree path (``_Prefill.exact_segments``)
-
-
-@dataclass
-class _Lead:
-    """Fresh rows the question pre-pass computes exactly as the prefill proper would (they precede
-    every reused chunk, so both passes see the same rows before them): the prefill skips them
-    below ``layer`` and takes over their pre-pass state. ``hidden`` stays None when the pre-pass
-    did not run (or ran no layer below its last)."""
-
-    rows: int  # the first ``rows`` fresh positions (0 when not shared)
-    q_layers: frozenset[int]  # layers whose queries the hand-off needs (metadata layers)
-    leading: int = 0  # fresh rows before every reused chunk, shared or not: the pre-pass then keeps the
-    #                   runner's precision (``CacheConfig.question_dtype``), so both paths choose alike
-    low: bool = False  # CacheConfig.leading_fresh_dtype="bfloat16" applies: those rows, in both passes (and the
-    #                    pre-pass's question rows), run on the bfloat16 copies instead
-    k: list = field(default_factory=list)  # per layer < ``layer``: raw K ``[H_kv, rows, D]``
-    q: dict = field(default_factory=dict)  # metadata layer < ``layer`` -> rotated q ``[H_q, rows, D]``
-    hidden: torch.Tensor | None = None  # [rows, Dm] the input of layer ``layer``
-    layer: int | None = None
-
-
-@dataclass
-class Prefilled:
-    """What ``CachedEngine.prefill`` hands a scheduler: the request's KV, first logits and stats."""
-
-    kv: KVBuffer  # rows 0..prompt_tokens-1 valid; capacity prompt + max_new_tokens
-    logits: torch.Tensor  # [V] float32, logits of the last prompt position
-    info: dict  # prompt_tokens, computed_tokens, chunks_hit, ... (EngineResult's prefill fields)
-    hand_off: Callable[[], None] | None = None  # with ``prefill(defer_store=True)``: run once the first token is out
-    promote: Callable[..., float] | None = None  # ``CacheConfig.exact_repeats``: computes and stores this recurring
-    #                                              sequence's exact tree path (returns its seconds); run it after the
-    #                                              response, e.g. when idle; ``between_layers=`` may abandon it by
-    #                                              raising (nothing stored). None: nothing to promote
-    segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
-
-
-class _LoadFailed(Exception):
-    """A committed layer-wise load failed mid-prefill; the segment is recomputed instead."""
-
-    def __init__(self, segment: int, error: BaseException | None):
-        super().__init__(f"segment {segment} failed to load: {error}")
-        self.segment = segment
-
-
-class GenerationStream:
-    """Iterator of text deltas; ``.result`` holds the ``EngineResult`` once exhausted."""
-
-    def __init__(self, deltas: Iterator[str], holder: "_Holder"):
-        self._deltas = deltas
-        self._holder = holder
-
-    def __iter__(self) -> Iterator[str]:
-        return self._deltas
-
-    @property
-    def result(self) -> EngineResult | None:
-        return self._holder.result
-
-
-class _Holder:
-    result: EngineResult | None = None
-    last_result = None  # set by textgen.stream_tokens
-
-
-class DecodeTieGuard:
-    """The tie guard during decoding (``CacheConfig.tie_guard_decode``) for one answer.
-
-    While the answer decodes on an approximate prefill's KV, ``due`` says whether the logits about
-    to choose the next token are a near tie (top-2 gap below the threshold); ``switch`` then
-    prefills the prompt and the answer so far exactly (``CachedEngine.prefill_exact_continuation``),
-    once per answer, and decoding goes on from its KV. ``generate`` hands the guard to the decode
-    loop as its ``switch`` hook (``__call__``); the server's engine loop calls ``due`` after a
-    batched step and ``switch`` in its next scheduling step. ``stats`` are the
-    ``EngineResult.tie_guard_switch*`` / ``tie_guard_agreed`` / ``tie_guard_rewound`` fields.
-
-    ``rewind`` (a whole greedy answer nobody has seen yet: ``generate`` without ``stream``, a server's
-    non-streaming request): when the exact prefill would not have chosen every token so far, the answer
-    goes back to the ones it agrees with and continues from there (``Rewind``), so it is full
-    prefill's answer even where the approximate first token was not (one the first-token guard missed).
-    """
-
-    def __init__(self, engine: "CachedEngine", segments: list[Segment], threshold: float, max_new_tokens: int,
-                 rewind: bool = False):
-        self.engine, self.segments, self.threshold, self.max_new_tokens = engine, segments, threshold, max_new_tokens
-        self.rewind = rewind
-        self.rewound: int | None = None  # answer tokens dropped by a rewind (None: none)
-        self.replaced_first: int | None = None  # the first answer token, when a rewind went back past it
-        self.token: int | None = None  # the answer token chosen from the exact prefill's logits
-        self.gap: float | None = None
-        self.seconds: float | None = None
-        self.agreed: int | None = None
-        self.failure: str | None = None  # why the exact prefill failed (the answer went on approximately)
-        self._pending: Callable[[], None] | None = None  # the exact prefill's store hand-off, after the next token
-
-    @classmethod
-    def for_request(cls, engine: "CachedEngine", segments: list[Segment] | None, info: dict, mode: str,
-                    max_new_tokens: int, rewind: bool = False) -> "DecodeTieGuard | None":
-        """The guard for an answer after a prefill with stats ``info``, or None: the setting is off,
-        the mode is not ``cachedrag``, or the prefill was exact (a reordered exact prefix is exact KV).
-        ``rewind``: the caller shows no token before the answer is whole and decodes greedily with no
-        history (``generation.rewind_allowed``)."""
-        threshold = engine.config.cache.tie_guard_decode
-        approximate = [a for a in info.get("approximations", ()) if a != "reordered"]
-        if threshold <= 0 or mode != Mode.CACHEDRAG.value or not approximate or segments is None or max_new_tokens < 2:
-            return None
-        return cls(engine, list(segments), threshold, max_new_tokens, rewind)
-
-    def due(self, logits: torch.Tensor, n_tokens: int) -> bool:
-        """Whether the answer, ``n_tokens`` (>= 1) tokens long, should move onto exact KV before its
-        next token (chosen from ``logits`` ``[V]``); records the gap when it should."""
-        if self.token is not None or self.failure is not None or not 0 < n_tokens < self.max_new_tokens:
-            return False
-        tied, gap = self.engine.near_tie(logits, self.threshold)
-        if not tied:
-            return False
-        self.gap = gap
-        return True
-
-    def switch(self, answer: Sequence[int], between_layers: Callable[[int, int], None] | None = None) -> "Prefilled":
-        """The exact prefill of the prompt and ``answer``; the caller decodes on from its KV and runs
-        its ``hand_off`` once the next token is out."""
-        t0 = time.perf_counter()
-        exact = self.engine.prefill_exact_continuation(self.segments, answer, self.max_new_tokens, between_layers,
-                                                       stop_at_disagreement=self.rewind)
-        self.token, self.agreed = len(answer), exact.info["answer_agreed"]
-        if exact.info["answer_kept"] < len(answer):
-            self.rewound = len(answer) - exact.info["answer_kept"]
-            if exact.info["answer_kept"] == 0:
-                self.replaced_first = answer[0]
-        self.seconds = time.perf_counter() - t0
-        return exact
-
-    def __call__(self, logits: torch.Tensor, answer: list[int]):
-        """``decode_loop``'s ``switch`` hook. If the exact prefill fails, the answer goes on from the
-        approximate logits (logged; ``failure`` says why)."""
-        self.close()  # the previous switch's token is out: store its exact path now
-        if not self.due(logits, len(answer)):
-            return None
-        try:
-            exact = self.switch(answer)
-        except Exception as exc:
-            self.fail(exc)
-            return None
-        self._pending = exact.hand_off
-        if self.rewound is not None:
-            raise Rewind(exact.kv, exact.logits, exact.info["answer_kept"])
-        return exact.kv, exact.logits
-
-    def fail(self, exc: BaseException) -> None:
-        """The exact prefill failed: log it and record why; the answer goes on approximately and the
-        guard watches no more."""
-        log.exception("the tie guard's exact prefill during decoding failed")
-        self.failure = f"tie guard during decoding: exact prefill failed: {exc!r}"
-
-    def close(self) -> None:
-        """Run a pending store hand-off (a failure costs only the caching)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending()
-            except Exception:
-                log.exception("store hand-off of the tie guard's exact prefill during decoding failed")
-
-    def stats(self) -> dict:
-        return {"tie_guard_switch": self.token, "tie_guard_switch_gap": self.gap,
-                "tie_guard_switch_s": self.seconds, "tie_guard_agreed": self.agreed, "tie_guard_rewound": self.rewound}
-
-
-def entry_payload(namespace: str, path: Sequence[str], role: str, exact: bool, k: torch.Tensor, v: torch.Tensor,
-                  meta: AttentionMetadata | None) -> tuple[dict, dict]:
-    """Tensors and string metadata of a stored segment, self-describing so that another process
-    (shared Redis) or a restarted one (disk) can rebuild the tree path and the variant from the
-    entry alone (``ChunkCacheManager.rebuild``): ``path`` = segment keys up to this one,
-    ``exact`` = computed on an exact prefix (may join the knowledge tree), ``variant`` = the
-    attention metadata (``token_inter`` as a float32 tensor)."""
-    tensors = {"k": k, "v": v}  # [L, H_kv, T, D] each
-    info = {"namespace": namespace, "segment_key": path[-1], "path": json.dumps(list(path)), "role": role,
-            "exact": "1" if exact else "0", "n_tokens": str(k.shape[2])}
-    if meta is not None:
-        tensors["token_inter"] = device_tensor(list(meta.token_inter), k.device, torch.float32)  # [T]
-        info["variant"] = json.dumps({"prefix_keys": list(meta.prefix_keys), "inter": dict(meta.inter),
-                                      "intra": meta.intra})
-    return tensors, info
 
 
 class CachedEngine:
@@ -1370,100 +1084,6 @@ class CachedEngine:
         return AttentionMetadata(
             prefix_keys=tuple(keys[j] for j in prior), inter=inter, intra=values[-1], token_inter=values[:t],
         )
-
-
-def _reused_positions(plan, actions) -> list[int]:
-    """Prompt positions of the chunks a plan serves from reuse, in order."""
-    return [p for sp, a in zip(plan.segments, actions) if a is Action.REUSE for p in range(sp.start, sp.end)]
-
-
-def _rows(positions: torch.Tensor, wanted: torch.Tensor) -> slice | torch.Tensor:
-    """Rows of the sorted ``wanted`` positions ``[Tw]`` in the sorted ``positions`` ``[Tc]`` (all present):
-    a slice when they are consecutive rows (a miss: the fresh tokens lead the compute set), so
-    reading them is a view, not a gather; else the row indices ``[Tw]``."""
-    idx = torch.searchsorted(positions, wanted)  # [Tw]
-    n = idx.shape[0]
-    if n:
-        first, last = torch.stack([idx[0], idx[-1]]).tolist()  # one read of the device, not two
-        if last - first == n - 1:
-            return slice(first, first + n)
-    return idx
-
-
-def _pick(scores: torch.Tensor, count: int) -> list[int]:
-    """Indices of the ``count`` tokens to recompute in one chunk: the highest ``scores [T]``."""
-    return _pick_each([scores], [count])[0]
-
-
-def _pick_each(scores: list[torch.Tensor], counts: list[int]) -> list[list[int]]:
-    """``_pick`` of every chunk (``scores[c]`` ``[T_c]``, ``counts[c]`` tokens), read back to the host
-    in one transfer: one wait for the GPU per request, not one per chunk."""
-    parts = [torch.topk(x, min(count, x.shape[0])).indices for x, count in zip(scores, counts)]
-    flat = torch.cat(parts).tolist() if parts else []
-    out, at = [], 0
-    for part in parts:
-        out.append(flat[at:at + part.shape[0]])
-        at += part.shape[0]
-    return out
-
-
-def _fuse_inter(scores: dict[int, torch.Tensor], plan, weight: float, device) -> None:
-    """``question+inter``: each segment's question scores ``[T_i]`` become ``weight x rank(question) +
-    (1 - weight) x rank(token_inter)`` (ranks within the segment, ``_rank01``) where its variant
-    carries per-token inter fractions; every segment's in one transfer and one ranking pass."""
-    segs, inter = [], []
-    for i in scores:
-        variant = plan.segments[i].variant
-        values = list(variant.meta.token_inter) if variant is not None and variant.meta is not None else []
-        if len(values) == plan.segments[i].n_tokens:
-            segs.append(i)
-            inter.extend(values)
-    if not segs:
-        return
-    lengths = [plan.segments[i].n_tokens for i in segs]
-    inter_t = device_tensor(inter, device, torch.float32)  # [N]
-    question = torch.cat([scores[i] for i in segs])  # [N]
-    fused = weight * _rank01_segments(question, lengths) + (1.0 - weight) * _rank01_segments(inter_t, lengths)  # [N]
-    for i, part in zip(segs, fused.split(lengths)):
-        scores[i] = part  # [T_i]
-
-
-def _rank01_segments(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """``_rank01`` of each consecutive segment of ``x`` ``[N]`` (``lengths`` sum to N), equal to it
-    segment by segment, in two sorts for all segments instead of one per segment."""
-    n = x.shape[0]
-    device = x.device
-    lens = device_tensor(lengths, device)  # [S]
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens, output_size=n)  # [N]
-    flipped = torch.argsort(x.flip(0), stable=True)  # [N] ascending; among ties, later positions first
-    flipped = flipped[torch.argsort(seg.flip(0)[flipped], stable=True)]  # [N] grouped by segment, order kept
-    order = (n - 1) - flipped  # [N] indices into x: by segment, then ascending (ties: later first)
-    starts = torch.cumsum(lens, 0) - lens  # [S]
-    of = seg[order]  # [N] segment of each sorted entry
-    r = torch.empty(n, dtype=torch.float32, device=device)  # [N]
-    r[order] = (torch.arange(n, device=device) - starts[of]).float() / (lens[of] - 1).clamp_min(1).float()
-    return r
-
-
-def _rank01(x: torch.Tensor) -> torch.Tensor:
-    """Ranks of ``x`` scaled to [0, 1] (0 = smallest), float32 ``[T]``: a scale-free score for fusing rankings.
-    Ties rank the earlier position higher (as ``select_tokens`` breaks them: by position)."""
-    n = x.shape[0]
-    r = torch.empty_like(x, dtype=torch.float32)  # [T]
-    order = (n - 1) - torch.argsort(x.flip(0), stable=True)  # [T] ascending; among ties, later positions first
-    r[order] = torch.arange(n, dtype=torch.float32, device=x.device)
-    return r / max(1, x.shape[0] - 1)
-
-
-def top2(logits: torch.Tensor) -> tuple[float, float]:
-    """The top logit of ``logits`` ``[V]`` and how far it leads the second (nats of log-probability)."""
-    first, second = logits.float().topk(2).values.tolist()  # one read of the device
-    return first, first - second
-
-
-def top2_gap(logits: torch.Tensor) -> float:
-    """How far the top logit of ``logits`` ``[V]`` leads the second (nats of log-probability)."""
-    return top2(logits)[1]
 
 
 def _call_each(calls: list[Callable[[], None]]) -> None:
