@@ -532,35 +532,7 @@ class CachedEngine:
 
         # 1. load: planned tree / variant KV into the buffer, raw K rotated to the new positions.
         #    Layer-wise stores hand out loaders that keep reading ahead while layers compute.
-        t_load = time.perf_counter()
-        actions: list[Action] = []
-        loaders: dict[int, object] = {}
-        for idx, sp in enumerate(plan.segments):
-            action = sp.action
-            if action in (Action.TREE, Action.REUSE) and idx in force_fresh:
-                notes.append(f"segment {sp.role}[{sp.index}]: cached entry failed while loading; computed fresh")
-                action = Action.FRESH
-            elif action in (Action.TREE, Action.REUSE):
-                if self._layerwise:
-                    loader = self._open_loader(sp, notes)
-                    if loader is None:
-                        action = Action.FRESH
-                    else:
-                        loaders[idx] = loader
-                else:
-                    entry = self.manager.load(sp.handle)
-                    wrong = None if entry is None else self._wrong_shape(entry.k.shape, entry.k.dtype, sp.n_tokens)
-                    if wrong is not None:
-                        self.manager.invalidate(sp.handle)
-                        notes.append(f"segment {sp.role}[{sp.index}]: cached entry has {wrong}; computed fresh")
-                        action = Action.FRESH
-                    elif entry is None:
-                        notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
-                        action = Action.FRESH
-                    else:
-                        self._write_entry(kv, entry, sp.start, sp.end)
-            actions.append(action)
-        load_s = time.perf_counter() - t_load
+        actions, loaders, load_s = self._load_planned(plan, kv, force_fresh, notes)
 
         # 2. what to compute: fresh segments, recompute tokens of reused chunks, the question
         fresh_pos: list[int] = []
@@ -823,6 +795,45 @@ class CachedEngine:
             "approximations": approximations,
         }
         return _Prefill(kv, logits, info, exact_segments=exact_segments), hand_off
+
+    def _load_planned(self, plan, kv: KVBuffer, force_fresh: frozenset[int], notes: list[str]):
+        """Each planned tree / variant segment into ``kv`` (whole entries now, or a layer-wise loader
+        that reads ahead while layers compute); a segment whose entry is missing, damaged, of the
+        wrong shape or failed before is computed fresh instead (said in ``notes``). Returns the
+        segments' actions as executed, the loaders by segment index, and the seconds spent."""
+        t_load = time.perf_counter()
+        actions: list[Action] = []
+        loaders: dict[int, object] = {}
+        for idx, sp in enumerate(plan.segments):
+            action = sp.action
+            if action in (Action.TREE, Action.REUSE) and idx in force_fresh:
+                notes.append(f"segment {sp.role}[{sp.index}]: cached entry failed while loading; computed fresh")
+                action = Action.FRESH
+            elif action in (Action.TREE, Action.REUSE) and self._layerwise:
+                loader = self._open_loader(sp, notes)
+                if loader is None:
+                    action = Action.FRESH
+                else:
+                    loaders[idx] = loader
+            elif action in (Action.TREE, Action.REUSE) and not self._load_whole(sp, kv, notes):
+                action = Action.FRESH
+            actions.append(action)
+        return actions, loaders, time.perf_counter() - t_load
+
+    def _load_whole(self, sp, kv: KVBuffer, notes: list[str]) -> bool:
+        """One planned entry read whole into its rows of ``kv``; False (and a note) when it is
+        missing, damaged or of the wrong shape (a wrong one is invalidated in the cache)."""
+        entry = self.manager.load(sp.handle)
+        wrong = None if entry is None else self._wrong_shape(entry.k.shape, entry.k.dtype, sp.n_tokens)
+        if wrong is not None:
+            self.manager.invalidate(sp.handle)
+            notes.append(f"segment {sp.role}[{sp.index}]: cached entry has {wrong}; computed fresh")
+            return False
+        if entry is None:
+            notes.append(f"segment {sp.role}[{sp.index}]: cached entry missing or damaged; computed fresh")
+            return False
+        self._write_entry(kv, entry, sp.start, sp.end)
+        return True
 
     def _choose_deviating(self, layer: int, hidden, positions, rope, kv: KVBuffer, plan, deferred: dict[int, int],
                           probe_pos: list[int], recompute_pos: dict[int, list[int]], unfocused: set[int],
