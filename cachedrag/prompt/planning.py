@@ -13,7 +13,8 @@ and the two part rewrites it applies (``question_apart``, ``attach_separators``)
 2. automatic (no field): every passage of the messages (``passages.context_passages``: each
    paragraph at least ``min_chars`` long, the question excepted) is remembered in a bounded LRU
    ``ChunkRegistry``, and every passage seen before, found verbatim anywhere in a prompt, becomes
-   a chunk. So an unmodified OpenAI client that puts retrieved texts in its prompt gets them
+   a chunk. In an agent's steps the retrieved passages come in tool messages, plain or as a
+   JSON-dumped tool result (``passages.tool_passages``): found there too. So an unmodified OpenAI client that puts retrieved texts in its prompt gets them
    served from the chunk cache at whatever position they come next. Explicit chunks are
    remembered as passages too.
 
@@ -36,7 +37,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cachedrag.errors import CachedRAGError
-from cachedrag.prompt.passages import context_passages, last_paragraph
+from cachedrag.prompt.passages import TOOL_ROLES, context_passages, last_paragraph
 from cachedrag.prompt.registry import ChunkRegistry, ChunkRegistryConfig, Match, leftmost_longest, normalize
 from cachedrag.prompt.segments import Segment
 from cachedrag.prompt.splitter import split_prompt
@@ -111,27 +112,29 @@ class PromptPlanner:
     def chat(self, messages: Sequence[Message], chunks: Sequence[str] | None = None) -> PlannedPrompt:
         rendered = render_messages(self.tokenizer, messages)
         contents = [m.content for m in messages]
-        return self._plan(rendered, contents, chunks)
+        return self._plan(rendered, contents, chunks, [m.role for m in messages])
 
     def completion(self, prompt: str, chunks: Sequence[str] | None = None) -> PlannedPrompt:
         """A raw completion prompt (no chat template), as OpenAI's ``/v1/completions`` takes it."""
         return self._plan(RenderedPrompt(prompt), [prompt], chunks)
 
-    def _plan(self, rendered: RenderedPrompt, contents: list[str], chunks: Sequence[str] | None) -> PlannedPrompt:
+    def _plan(self, rendered: RenderedPrompt, contents: list[str], chunks: Sequence[str] | None,
+              roles: Sequence[str] | None = None) -> PlannedPrompt:
         if chunks:
             finder = _ExplicitChunks(chunks)
             split = split_prompt(rendered, finder)
             self.seen.register(t for t in finder.texts if len(t) >= self.config.min_chars)
             source = "explicit"
         elif self.config.enabled:
-            self.seen.register(context_passages(contents, self.config.min_chars))
+            self.seen.register(context_passages(contents, self.config.min_chars, roles))
             split = split_prompt(rendered, self.seen)
             source = "auto"
         else:
             split = split_prompt(rendered, _ExplicitChunks(()))
             source = "none"
         parts = split.parts
-        if source == "auto" and split.n_chunks:
+        asks = not (roles and roles[-1] in TOOL_ROLES)  # a tool result last: no question to keep apart
+        if source == "auto" and split.n_chunks and asks:
             parts = question_apart(parts, rendered.text, last_paragraph(contents[-1]))
         parts = attach_separators(parts) if self.config.attach_separators else parts
         segments = self.engine.prompts.text_segments(parts, tokenization=self.config.tokenization)

@@ -24,7 +24,6 @@ models (``protocol``).
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +59,38 @@ class StructuredOutput:
         else:
             call = json.loads(text)
             name, arguments = call["name"], json.dumps(call["arguments"], separators=(",", ":"))
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": arguments}}]
+        return [{"id": P.call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}]
+
+    def parser(self) -> "JsonCallParser":
+        """A fresh ``stream.CallParser`` of one choice's constrained answer."""
+        return JsonCallParser(self)
+
+
+class JsonCallParser:
+    """The call of a required / named tool choice, whose whole answer is constrained JSON: held back
+    until it ends (the call's name may be its last field), then one call, or the text when it was
+    cut short."""
+
+    def __init__(self, shape: StructuredOutput):
+        self.shape, self.held = shape, []
+
+    def feed(self, text: str) -> list:
+        self.held.append(text)
+        return []
+
+    def close(self, complete: bool) -> list:
+        from cachedrag.server.stream import ToolEvent
+
+        text = "".join(self.held)
+        try:
+            if not complete:
+                raise ValueError("cut short")
+            json.loads(text)
+            (call,) = self.shape.tool_calls(text)
+        except (ValueError, KeyError, TypeError):
+            return [ToolEvent("content", text)]
+        fn = call["function"]
+        return [ToolEvent("call", id=call["id"], name=fn["name"]), ToolEvent("arguments", fn["arguments"])]
 
 
 def structured_output(body) -> StructuredOutput | None:

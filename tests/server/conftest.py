@@ -34,7 +34,7 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start_server(engine=None, **config) -> LiveServer:
+def start_server(engine=None, embedder=None, **config) -> LiveServer:
     import uvicorn
 
     from cachedrag.config import EngineConfig
@@ -46,7 +46,7 @@ def start_server(engine=None, **config) -> LiveServer:
 
     if engine is None:
         engine = CachedEngine(tiny_runner(), config=EngineConfig(lookup=LookupConfig(max_draft=0)))
-    app = create_app(engine, ServerConfig(model_name="tiny", **config))
+    app = create_app(engine, ServerConfig(model_name="tiny", **config), embedder=embedder)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
@@ -63,8 +63,8 @@ def start_server(engine=None, **config) -> LiveServer:
 def live_server():
     servers = []
 
-    def make(engine=None, **config):
-        s = start_server(engine, **config)
+    def make(engine=None, embedder=None, **config):
+        s = start_server(engine, embedder, **config)
         servers.append(s)
         return s
 

@@ -139,7 +139,8 @@ def test_seeded_sampling_is_reproducible(live_server):
 @pytest.mark.parametrize("change, status, param", [
     ({"model": "gpt-4o"}, 404, "model"),
     ({"temperature": 3.0}, 400, "temperature"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 9}, 400, "n"),  # more choices than the max batch (8)
+    ({"n": 0}, 400, "n"),
     ({"max_tokens": 100_000}, 400, "messages"),
     ({"cachedrag": {"chunks": ["this text is not in the prompt at all, anywhere"]}}, 400, "cachedrag.chunks"),
     ({"frequency_penalty": 3.0}, 400, "frequency_penalty"),
