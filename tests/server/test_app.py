@@ -225,12 +225,16 @@ def test_required_tool_calls_come_back_as_openai_tool_calls(live_server):
     assert call.function.name == "add" and args_of["add"](json.loads(call.function.arguments))
     stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, tools=TOOLS,
                                             tool_choice="required", stream=True)
-    calls, reasons = [], []
+    calls, reasons = {}, []
     for chunk in stream:
         for choice in chunk.choices:
-            calls += choice.delta.tool_calls or []
+            for d in choice.delta.tool_calls or []:  # OpenAI's shape: id and name first, then argument pieces
+                if d.index not in calls:
+                    assert d.id.startswith("call_") and d.function.name and d.type == "function"
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
             reasons.append(choice.finish_reason)
-    assert [(c.function.name, c.function.arguments) for c in calls] == \
+    assert [tuple(c) for c in calls.values()] == \
         [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
     assert reasons[-1] == "tool_calls"
     cut = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3, temperature=0, tools=TOOLS,
@@ -473,8 +477,8 @@ def test_disconnect_while_a_chunk_is_being_sent_frees_the_slot():
 def test_queued_deltas_go_out_as_one_chunk():
     import asyncio
 
-    from cachedrag.server.app import _merge_deltas
     from cachedrag.server.loop import Delta, Failed, TokenLogprob
+    from cachedrag.server.stream import merge_deltas as _merge_deltas
 
     async def run():
         queue: asyncio.Queue = asyncio.Queue()
@@ -487,6 +491,11 @@ def test_queued_deltas_go_out_as_one_chunk():
         merged, pending = _merge_deltas(Delta("a", lp[:1]), queue)
         assert merged == Delta("a b c", lp) and pending is done
         assert queue.qsize() == 1  # what follows the first non-delta stays queued
+        other = Delta("x", None, index=1)  # another choice's delta ends the run too
+        for event in (Delta("b"), other, Delta("c")):
+            queue.put_nowait(event)
+        queue.get_nowait()  # the "never" left over
+        assert _merge_deltas(Delta("a"), queue) == (Delta("ab"), other)
 
     asyncio.run(run())
 
