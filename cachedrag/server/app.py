@@ -108,7 +108,7 @@ def create_app(engine, config: ServerConfig | None = None, embedder=None) -> Fas
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         _check_model(body.model, aliases)
         try:
-            messages = [Message(m.role, m.text()) for m in body.messages]
+            messages = [Message(m.role, m.text() or (m.calls_text() if m.tool_calls else "")) for m in body.messages]
         except ValueError as exc:
             raise P.APIError(400, str(exc), param="messages") from None
         chunks = body.cachedrag.chunks if body.cachedrag else None

@@ -126,18 +126,34 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str = Field("{}", description="the call's arguments: a JSON object as text")
+
+
+class ToolCallItem(BaseModel):
+    """An assistant message's ``tool_calls[i]``: kept with its ``id`` (the tool message answering it
+    names it in ``tool_call_id``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
-        if not self.content and self.model_extra and self.model_extra.get("tool_calls"):
-            # an earlier assistant turn that called tools: the model sees the calls it made
-            return json.dumps([{"name": (c.get("function") or {}).get("name"),
-                                "arguments": (c.get("function") or {}).get("arguments")}
-                               for c in self.model_extra["tool_calls"] if isinstance(c, dict)])
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -148,6 +164,11 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
+
+    def calls_text(self) -> str:
+        """The calls of an assistant turn as JSON text (for templates without a tool format)."""
+        return json.dumps([{"name": c.function.name, "arguments": c.function.arguments}
+                           for c in self.tool_calls or []])
 
 
 class ChatCompletionRequest(_Sampling):
