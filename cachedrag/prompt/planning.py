@@ -42,6 +42,7 @@ from cachedrag.prompt.registry import ChunkRegistry, ChunkRegistryConfig, Match,
 from cachedrag.prompt.segments import Segment
 from cachedrag.prompt.splitter import split_prompt
 from cachedrag.prompt.template import Message, RenderedPrompt, render_messages
+from cachedrag.prompt.tools import ToolSpec
 
 
 class PassageConfig(BaseModel):
@@ -109,8 +110,10 @@ class PromptPlanner:
     def tokenizer(self):
         return self.engine.runner.tokenizer
 
-    def chat(self, messages: Sequence[Message], chunks: Sequence[str] | None = None) -> PlannedPrompt:
-        rendered = render_messages(self.tokenizer, messages)
+    def chat(self, messages: Sequence[Message], chunks: Sequence[str] | None = None,
+             tools: Sequence[ToolSpec] | None = None) -> PlannedPrompt:
+        """``messages`` (tool calls and results included) rendered with ``tools`` offered, planned."""
+        rendered = render_messages(self.tokenizer, messages, tools=tools)
         contents = [m.content for m in messages]
         return self._plan(rendered, contents, chunks, [m.role for m in messages])
 

@@ -40,13 +40,14 @@ from cachedrag.errors import CachedRAGError, ConfigError, ContextWindowError
 from cachedrag.model.generation import SamplingParams
 from cachedrag.prompt.planning import PromptPlanner
 from cachedrag.prompt.template import Message
+from cachedrag.prompt.tools import ToolCall
 from cachedrag.server import protocol as P
 from cachedrag.server.config import ServerConfig
 from cachedrag.server.embeddings import EmbeddingService
 from cachedrag.server.loop import EngineLoop, QueueFullError, ServeRequest
 from cachedrag.server.metrics import ServerMetrics
 from cachedrag.server.stream import Answer, Choice, collect, sse_events
-from cachedrag.server.structured import StructuredOutput, structured_output
+from cachedrag.server.structured import StructuredOutput, ToolAnswer, request_tools, structured_output
 
 log = logging.getLogger("cachedrag.server")
 
@@ -108,11 +109,12 @@ def create_app(engine, config: ServerConfig | None = None, embedder=None) -> Fas
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         _check_model(body.model, aliases)
         try:
-            messages = [Message(m.role, m.text() or (m.calls_text() if m.tool_calls else "")) for m in body.messages]
+            messages = [_message(m) for m in body.messages]
         except ValueError as exc:
             raise P.APIError(400, str(exc), param="messages") from None
         chunks = body.cachedrag.chunks if body.cachedrag else None
-        planned = _plan(lambda: planner.chat(messages, chunks))
+        tools = request_tools(body)
+        planned = _plan(lambda: planner.chat(messages, chunks, tools=tools))
         return await _serve(request, body, planned, chat=True)
 
     @app.post("/v1/embeddings")
@@ -137,6 +139,9 @@ def create_app(engine, config: ServerConfig | None = None, embedder=None) -> Fas
             constraint = await _constraint(shape)
             params.append(_params(body, planned.prompt_tokens, engine.runner.max_context,
                                   config.default_max_tokens, constraint, i))
+        tokenizer = engine.runner.tokenizer
+        choices = [Choice(i, shape.parser(tokenizer) if chat and shape is not None else None,
+                          body.logprob_alternatives is not None, params[i].constraint) for i in range(body.n)]
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -153,9 +158,6 @@ def create_app(engine, config: ServerConfig | None = None, embedder=None) -> Fas
                              code="queue_full") from None
         except RuntimeError as exc:
             raise P.APIError(503, str(exc), type="service_unavailable") from None
-        calls = shape if chat and shape is not None and shape.is_tool_call else None
-        choices = [Choice(i, calls.parser() if calls else None, body.logprob_alternatives is not None)
-                   for i in range(body.n)]
         answer = Answer(P.new_id("chatcmpl" if chat else "cmpl"), body.model, chat, body.include_usage, _logprobs)
         if body.stream:
             return _EventStream(_stream(queue, rid, answer, choices), media_type="text/event-stream")
@@ -172,7 +174,7 @@ def create_app(engine, config: ServerConfig | None = None, embedder=None) -> Fas
             return Response(status_code=499)
         return JSONResponse(answer.whole(done))
 
-    async def _constraint(shape: StructuredOutput | None):
+    async def _constraint(shape: StructuredOutput | ToolAnswer | None):
         if shape is None:
             return None
         try:  # compiling the grammar (and converting the vocabulary once) is not torch work
@@ -272,6 +274,13 @@ class _CountAndAuthorize:
 def _authorized(headers: Headers, key: bytes) -> bool:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+
+
+def _message(m: P.ChatMessage) -> Message:
+    """A request message as the prompt layer takes it: an assistant turn's calls (ids kept, so the
+    tool results that answer them match) and a tool result's ``tool_call_id`` go to the template."""
+    calls = tuple(ToolCall.of(c.function.name, c.function.arguments, c.id or None) for c in m.tool_calls or ())
+    return Message(m.role, m.text(), tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)
 
 
 def _check_model(model: str, aliases: set[str]) -> None:

@@ -130,7 +130,8 @@ class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     name: str
-    arguments: str = Field("{}", description="the call's arguments: a JSON object as text")
+    arguments: str | dict[str, Any] = Field("{}", description="the call's arguments: a JSON object as text "
+                                                           "(or as an object)")
 
 
 class ToolCallItem(BaseModel):
@@ -164,11 +165,6 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
-
-    def calls_text(self) -> str:
-        """The calls of an assistant turn as JSON text (for templates without a tool format)."""
-        return json.dumps([{"name": c.function.name, "arguments": c.function.arguments}
-                           for c in self.tool_calls or []])
 
 
 class ChatCompletionRequest(_Sampling):

@@ -10,8 +10,10 @@ call's ``id``, ``type`` and ``function.name`` come first and its ``function.argu
 pieces, each choice's finish chunk, the usage chunk, ``[DONE]``).
 
 Usage of ``n`` choices: the prompt is counted once (one prefill), completion tokens summed.
-A call cut short (``max_tokens``, a stop string) is not a call: its text comes back as content with
-its own finish reason; a choice with complete calls finishes with ``"tool_calls"``.
+A choice whose calls are whole (it stopped where its grammar accepts) finishes with
+``"tool_calls"``. A call cut short (``max_tokens``, a stop string) is not a call: a whole answer
+gives its text as content, with its own finish reason; a stream has sent the call's deltas by then,
+and its finish reason (``"length"``, ``"stop"``) says the call is not whole.
 
 Does not own: the events (``loop``), the wire shapes' builders (``protocol``), the tool-call
 formats (``cachedrag.prompt.tools``), routing and disconnects (``app``).
@@ -52,12 +54,15 @@ class CallParser(Protocol):
 
 @dataclass
 class Choice:
-    """One choice of a chat or completion answer as its events arrive."""
+    """One choice of a chat or completion answer as its events arrive. ``constraint``: the
+    choice's grammar, which says whether an answer that stopped holds whole calls."""
 
     index: int
     parser: CallParser | None = None
     want_logprobs: bool = False
+    constraint: object | None = None
     content: list[str] = field(default_factory=list)
+    raw: list[str] = field(default_factory=list)  # every text delta, calls included
     calls: list[dict] = field(default_factory=list)  # OpenAI tool calls, arguments as they grow
     records: list = field(default_factory=list)  # TokenLogprob of every token (when asked)
     unsent: list = field(default_factory=list)  # TokenLogprob not yet sent with a delta (streaming)
@@ -70,13 +75,14 @@ class Choice:
         if self.want_logprobs:
             self.records += delta.logprobs or []
             self.unsent += delta.logprobs or []
+        self.raw.append(delta.text)
         events = self.parser.feed(delta.text) if self.parser else [ToolEvent("content", delta.text)]
         return self._apply(events)
 
     def finish(self, event: Finished) -> list[dict]:
         """The choice ended: the last deltas its parser held back; sets ``reason``."""
         self.finished = event
-        complete = event.finish_reason == "stop"
+        complete = event.finish_reason == "stop" and getattr(self.constraint, "complete", True)
         out = self._apply(self.parser.close(complete)) if self.parser else []
         self.reason = "tool_calls" if self.calls and complete else event.finish_reason
         return out
@@ -86,9 +92,12 @@ class Choice:
         return "".join(self.content)
 
     def message(self) -> dict:
-        """The assistant message of a whole chat answer."""
-        if self.calls:
+        """The assistant message of a whole chat answer: a call cut short (``max_tokens``, a stop
+        string) is not a call, so such an answer is its whole text."""
+        if self.calls and self.reason == "tool_calls":
             return {"role": "assistant", "content": self.text or None, "tool_calls": self.calls}
+        if self.calls:
+            return {"role": "assistant", "content": "".join(self.raw)}
         return {"role": "assistant", "content": self.text}
 
     def take_unsent(self) -> list:
@@ -107,9 +116,10 @@ class Choice:
                 self.calls.append({"id": cid, "type": "function", "function": {"name": e.name, "arguments": ""}})
                 deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "id": cid, "type": "function",
                                                "function": {"name": e.name, "arguments": ""}}]})
-            elif e.text:  # arguments of the latest call
-                self.calls[-1]["function"]["arguments"] += e.text
-                deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": e.text}}]})
+            elif e.text:  # a piece of call ``e.index``'s arguments
+                i = e.index if 0 <= e.index < len(self.calls) else len(self.calls) - 1
+                self.calls[i]["function"]["arguments"] += e.text
+                deltas.append({"tool_calls": [{"index": i, "function": {"arguments": e.text}}]})
         return deltas
 
 

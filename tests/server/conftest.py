@@ -34,6 +34,21 @@ class LiveServer:
         self.thread.join(30)
 
 
+def make_long_engine(positions: int = 2048):
+    """A tiny random-weight engine with a longer context window than ``tiny_runner``'s 512 positions
+    (offered tools take a few hundred byte tokens of system prompt)."""
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.model.lookup import LookupConfig
+    from cachedrag.model.runner import ModelRunner
+    from cachedrag.testing import byte_tokenizer, tiny_model
+
+    tok = byte_tokenizer()
+    model = tiny_model(vocab_size=len(tok), max_position_embeddings=positions)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return CachedEngine(ModelRunner(model, tok), config=EngineConfig(lookup=LookupConfig(max_draft=0)))
+
+
 def start_server(engine=None, embedder=None, **config) -> LiveServer:
     import uvicorn
 
@@ -71,3 +86,9 @@ def live_server():
     yield make
     for s in servers:
         s.stop()
+
+
+@pytest.fixture
+def long_engine():
+    """``make_long_engine()``: a tiny engine with 2048 positions."""
+    return make_long_engine()

@@ -150,7 +150,8 @@ def test_seeded_sampling_is_reproducible(live_server):
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
       "tool_choice": "required"}, 400, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),  # "auto": no parser
+    ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
@@ -209,22 +210,23 @@ def test_response_format_gives_json_valid_for_the_schema(live_server):
         json.loads(free.choices[0].message.content)  # the same model unconstrained: not JSON
 
 
-def test_required_tool_calls_come_back_as_openai_tool_calls(live_server):
-    client = _client(live_server())
+def test_required_tool_calls_come_back_as_openai_tool_calls(live_server, long_engine):
+    client = _client(live_server(long_engine))  # the offered tools take a system prompt
     args_of = {"get_weather": lambda a: a["city"] in ("Paris", "Rome") and set(a) == {"city"},
                "add": lambda a: set(a) == {"a", "b"} and all(isinstance(v, int) for v in a.values())}
-    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, tools=TOOLS,
-                                       tool_choice="required")
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False)
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     assert call.type == "function" and call.id.startswith("call_")
     assert args_of[call.function.name](json.loads(call.function.arguments))
-    named = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=1.0, seed=4,
-                                           tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
+    named = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=1.0, seed=4,
+                                           tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                                           parallel_tool_calls=False)
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "add" and args_of["add"](json.loads(call.function.arguments))
-    stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, tools=TOOLS,
-                                            tool_choice="required", stream=True)
+    stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0, tools=TOOLS,
+                                            tool_choice="required", parallel_tool_calls=False, stream=True)
     calls, reasons = {}, []
     for chunk in stream:
         for choice in chunk.choices:
