@@ -13,10 +13,10 @@ and the two part rewrites it applies (``question_apart``, ``attach_separators``)
 2. automatic (no field): every passage of the messages (``passages.context_passages``: each
    paragraph at least ``min_chars`` long, the question excepted) is remembered in a bounded LRU
    ``ChunkRegistry``, and every passage seen before, found verbatim anywhere in a prompt, becomes
-   a chunk. In an agent's steps the retrieved passages come in tool messages, plain or as a
-   JSON-dumped tool result (``passages.tool_passages``): found there too. So an unmodified OpenAI client that puts retrieved texts in its prompt gets them
-   served from the chunk cache at whatever position they come next. Explicit chunks are
-   remembered as passages too.
+   a chunk. So an unmodified OpenAI client that puts retrieved texts in its prompt gets them
+   served from the chunk cache at whatever position they come next. In an agent's steps the
+   retrieved passages come in tool messages, plain or as a JSON-dumped tool result
+   (``passages.tool_passages``): found there too. Explicit chunks are remembered as passages too.
 
 Separators (``PassageConfig.attach_separators``, off by default): left as text segments of their
 own, the 1-2-token separators between chunks are computed, never reused (the engine's

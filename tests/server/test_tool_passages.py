@@ -15,7 +15,8 @@ DOCS = ["The heapq module keeps a list as a binary heap: heappush and heappop ru
 
 
 def _step(question: str, result: str) -> list[dict]:
-    call = {"id": "call_0", "type": "function", "function": {"name": "search", "arguments": json.dumps({"q": question})}}
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "search", "arguments": json.dumps({"q": question})}}
     return [{"role": "system", "content": "Answer from the tool results."},
             {"role": "user", "content": question},
             {"role": "assistant", "content": None, "tool_calls": [call]},
