@@ -46,6 +46,14 @@ def _content_text(content) -> str:
     return ""
 
 
+def _roles(body: dict) -> list[str] | None:
+    """The roles of a chat body's messages (tool results hold passages, not questions), else None."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return [str(m.get("role", "")) for m in messages if isinstance(m, dict)]
+    return None
+
+
 def _texts(body: dict) -> list[str]:
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -84,4 +92,4 @@ def request_fingerprints(body: dict, *, min_chars: int = 200) -> Fingerprints:
         chunks = [c for c in ext["chunks"] if isinstance(c, str)]
         if chunks:
             return _collect(chunks, "explicit")
-    return _collect(context_passages(_texts(body), min_chars), "auto")
+    return _collect(context_passages(_texts(body), min_chars, _roles(body)), "auto")

@@ -2,15 +2,22 @@
 
 Owns: ``JsonConstraint``, the per-request logits constraint that ``SamplingParams.constraint``
 carries into the decode loop (``mask(logits)`` before each choice, ``advance(token)`` after it,
-``done`` once the grammar is complete), and the one-time conversion of a model's tokenizer for
-it. Only tokens that keep the output a valid prefix of a schema-conforming JSON document are
-ever allowed, so validity does not depend on the model's size (the 135M default model included);
+``done`` once the grammar is complete), ``GrammarConstraint``, the same over an llguidance Lark
+grammar (tool calls: ``prompt.toolgrammar``), lazy when the grammar waits for a trigger text
+(EOS is allowed until the trigger appears, so the answer may stay plain text), and the one-time
+conversion of a model's tokenizer for them. Only tokens that keep the output a valid prefix of a
+schema-conforming JSON document are ever allowed, so validity does not depend on the model's size (the 135M default model included);
 the model still chooses among the allowed tokens.
 
 The grammar work is llguidance's (Microsoft's maintained constrained-decoding engine, used by
 vLLM, SGLang and llama.cpp): it compiles the schema and computes the allowed-token mask over the
 model's own vocabulary from the tokenizer object in memory, so nothing is downloaded. JSON is
 compact (no free whitespace), which keeps small models from wandering in whitespace.
+Under a constraint the decode loop goes one token per step: prompt-lookup drafts are off
+(``generation.uses_history``: the grammar state would have to be rolled back past rejected draft
+tokens, which is not wired), and the tie guard during decoding may still move an answer onto an
+exact prefill's KV (the grammar state is the tokens', which stay) but never rewinds it
+(``generation.rewind_allowed``).
 Does not own: sampling (``generation``) or the framework adapters that build a constraint.
 """
 
@@ -66,26 +73,29 @@ def closed_objects(schema):
     return out
 
 
-class JsonConstraint:
-    """Allow only tokens that continue a JSON document valid for ``schema`` (any JSON object when
-    ``schema`` is None: LangChain's ``json_mode``). One instance serves one generation."""
+class _MatcherConstraint:
+    """The mask / advance / done of one llguidance matcher over one generation."""
 
-    def __init__(self, schema: dict[str, Any] | None, tokenizer, eos_ids: Iterable[int]):
+    _matcher: Any
+    eos_ids: list[int]
+
+    def _compile(self, tokenizer, eos_ids: Iterable[int], grammar: str, what: str) -> None:
         llg = _llguidance()
-        self.schema = closed_objects(schema) if schema is not None else {"type": "object"}
         self.eos_ids = sorted(set(int(i) for i in eos_ids))
         self._tok = ll_tokenizer(tokenizer, self.eos_ids)
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(self.schema), defaults=_COMPILE_OPTIONS)
             self._matcher = llg.LLMatcher(self._tok, grammar)
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise ConfigError(f"unsupported JSON schema for structured output: {exc}") from exc
+            raise ConfigError(f"unsupported {what}: {exc}") from exc
         if self._matcher.is_error():
-            raise ConfigError(f"unsupported JSON schema for structured output: {self._matcher.get_error()}")
+            raise ConfigError(f"unsupported {what}: {self._matcher.get_error()}")
+
+    def _allowed(self) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8) > 0)  # [V_tok]
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[V]`` with every token the grammar forbids at -inf (EOS only once complete)."""
-        allowed = torch.from_numpy(np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8) > 0)  # [V_tok]
+        allowed = self._allowed()  # [V_tok]
         n = min(logits.shape[-1], allowed.shape[0])
         out = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)  # [V]
         keep = allowed[:n].to(logits.device)  # [n]
@@ -109,3 +119,73 @@ class JsonConstraint:
     def complete(self) -> bool:
         """The output so far is a whole valid document (it may stop here)."""
         return self._matcher.is_accepting() or self._matcher.is_stopped()
+
+
+class JsonConstraint(_MatcherConstraint):
+    """Allow only tokens that continue a JSON document valid for ``schema`` (any JSON object when
+    ``schema`` is None: LangChain's ``json_mode``). One instance serves one generation."""
+
+    def __init__(self, schema: dict[str, Any] | None, tokenizer, eos_ids: Iterable[int]):
+        llg = _llguidance()
+        self.schema = closed_objects(schema) if schema is not None else {"type": "object"}
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(self.schema), defaults=_COMPILE_OPTIONS)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ConfigError(f"unsupported JSON schema for structured output: {exc}") from exc
+        self._compile(tokenizer, eos_ids, grammar, "JSON schema for structured output")
+
+
+class GrammarConstraint(_MatcherConstraint):
+    """Allow only tokens that continue a sentence of the Lark grammar ``lark`` (llguidance's
+    dialect, ``%json`` included). With ``lazy_trigger``, the grammar begins with free text up to
+    that text (``prompt.toolgrammar``): until it appears EOS is allowed too and the output is
+    ``complete``, so the answer may end as plain text; after it the grammar alone decides."""
+
+    def __init__(self, lark: str, tokenizer, eos_ids: Iterable[int], lazy_trigger: str | None = None):
+        llg = _llguidance()
+        self.lark = lark
+        self.lazy_trigger = lazy_trigger
+        self._tokenizer = tokenizer
+        self._tail = ""
+        self.triggered = lazy_trigger is None
+        try:
+            grammar = llg.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ConfigError(f"unsupported tool-call grammar: {exc}") from exc
+        self._compile(tokenizer, eos_ids, grammar, "tool-call grammar")
+
+    def _allowed(self) -> torch.Tensor:
+        allowed = super()._allowed()  # [V_tok]
+        if not self.triggered:
+            allowed = allowed.clone()
+            allowed[[i for i in self.eos_ids if i < allowed.shape[0]]] = True
+        return allowed
+
+    def advance(self, token: int) -> None:
+        if token in self.eos_ids:
+            return
+        super().advance(token)
+        if not self.triggered:
+            self._tail += self._tokenizer.decode([int(token)], skip_special_tokens=False)
+            if self.lazy_trigger in self._tail:
+                self.triggered = True
+            self._tail = self._tail[-(len(self.lazy_trigger) + 16):]
+
+    @property
+    def complete(self) -> bool:
+        return not self.triggered or super().complete
+
+
+def tool_constraint(tokenizer, eos_ids: Iterable[int], tools, choice, fmt=None) -> GrammarConstraint | None:
+    """The constraint of a tool-calling answer: ``tools`` (``prompt.tools.ToolSpec``s) under
+    ``choice`` (``ToolChoice``) in ``fmt`` (default: the template's, ``prompt.toolformat.detect_format``);
+    None when the answer is free text (``none``, or no callable tool)."""
+    from cachedrag.prompt.toolformat import detect_format
+    from cachedrag.prompt.toolgrammar import tool_grammar
+
+    fmt = fmt or detect_format(tokenizer)
+    trigger_id = tokenizer.convert_tokens_to_ids(fmt.trigger) if fmt.trigger_token else None
+    grammar = tool_grammar(fmt, list(tools), choice, trigger_id)
+    if grammar is None:
+        return None
+    return GrammarConstraint(grammar.lark, tokenizer, eos_ids, grammar.lazy_trigger)

@@ -8,6 +8,11 @@ One place for everything between request text and token ids:
                engine's own chat layout (system / chunks / question)
     registry   the passage registry: a bounded LRU of chunk texts found verbatim in any prompt,
                and the process-wide one the framework classes share (``register_chunks``)
+    tools      tool calling's nouns: ``ToolSpec``, ``ToolCall``, ``ToolChoice``
+    toolformat the template's tool-call syntax (Hermes, Llama-3, Mistral, the generic envelope)
+               and tools / calls / results rendered in it
+    toolparse  incremental parsers of a model's tool calls (name first, then argument deltas)
+    toolgrammar the llguidance grammar of a tool-calling answer per tool_choice
     passages   content-defined passages (paragraphs) of request text, the question excepted
     splitter   prompt string -> ordered text/chunk parts around the registered chunks
     planning   the server's request -> segments plan: explicit ``cachedrag.chunks`` or
@@ -30,6 +35,14 @@ _EXPORTS = {
     "render_messages": "template",
     "render_completion": "template",
     "template_split": "template",
+    "ToolSpec": "tools",
+    "ToolCall": "tools",
+    "ToolChoice": "tools",
+    "ToolFormat": "toolformat",
+    "detect_format": "toolformat",
+    "parser_for": "toolparse",
+    "parse_tool_calls": "toolparse",
+    "tool_grammar": "toolgrammar",
     "Segment": "segments",
     "PromptBuilder": "segments",
     "chunk_part": "segments",

@@ -14,12 +14,14 @@ bodies they come from (``cachedrag.server.protocol``, ``cachedrag.cluster.finger
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from cachedrag.prompt.registry import normalize
 
 _BOUNDARY = re.compile(r"^[^\w]*$")  # a blank line or a separator line (no letters or digits)
+TOOL_ROLES = ("tool", "function", "ipython")  # the roles of a tool's result in chat messages
 
 
 def paragraphs(text: str, min_chars: int) -> list[str]:
@@ -53,14 +55,57 @@ def last_paragraph(text: str) -> str | None:
     return normalize("\n".join(last)) or None
 
 
-def context_passages(contents: Sequence[str], min_chars: int) -> list[str]:
+def context_passages(contents: Sequence[str], min_chars: int, roles: Sequence[str] | None = None) -> list[str]:
     """The passages of a request's message texts, in order: every paragraph of at least
     ``min_chars`` characters, except the last message's last paragraph when it ends that message
-    (the question is never a passage)."""
+    (the question is never a passage). With ``roles``, a tool message's passages are
+    ``tool_passages`` (a tool result holds no question)."""
     found: list[str] = []
     for j, content in enumerate(contents):
+        if roles is not None and roles[j] in TOOL_ROLES:
+            found.extend(tool_passages(content, min_chars))
+            continue
         paras = paragraphs(content, min_chars)
         if j == len(contents) - 1 and paras and normalize(content).endswith(paras[-1]):
             paras = paras[:-1]
         found.extend(paras)
     return found
+
+
+def tool_passages(content: str, min_chars: int) -> list[str]:
+    """The passages of a tool result (an agent's retrieval step): when ``content`` is JSON (a
+    retriever tool's ``json.dumps`` of documents, ``[{"page_content": ...}]``, or of strings),
+    every string value of at least ``min_chars`` characters in the form the JSON text holds it
+    (escaped, as the prompt then does), not the JSON text as a whole, which would be one passage
+    covering them all; otherwise every paragraph, the last one included."""
+    stripped = content.strip()
+    if stripped[:1] in ("[", "{", '"'):
+        try:
+            value = json.loads(stripped)
+        except ValueError:
+            value = None
+        if value is not None and not isinstance(value, (int, float, bool)):
+            return [t for s in _strings(value) if len(s.strip()) >= min_chars
+                    for t in _as_written(s, content)]
+    return paragraphs(content, min_chars)
+
+
+def _strings(value) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _as_written(text: str, content: str) -> list[str]:
+    """``text`` as ``content`` writes it inside a JSON string: escaped with or without ASCII
+    escapes (the first that occurs; none when neither does)."""
+    for ascii_only in (True, False):
+        written = normalize(json.dumps(text, ensure_ascii=ascii_only)[1:-1])
+        if written in content:
+            return [written]
+    return []

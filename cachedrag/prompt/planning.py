@@ -14,8 +14,9 @@ and the two part rewrites it applies (``question_apart``, ``attach_separators``)
    paragraph at least ``min_chars`` long, the question excepted) is remembered in a bounded LRU
    ``ChunkRegistry``, and every passage seen before, found verbatim anywhere in a prompt, becomes
    a chunk. So an unmodified OpenAI client that puts retrieved texts in its prompt gets them
-   served from the chunk cache at whatever position they come next. Explicit chunks are
-   remembered as passages too.
+   served from the chunk cache at whatever position they come next. In an agent's steps the
+   retrieved passages come in tool messages, plain or as a JSON-dumped tool result
+   (``passages.tool_passages``): found there too. Explicit chunks are remembered as passages too.
 
 Separators (``PassageConfig.attach_separators``, off by default): left as text segments of their
 own, the 1-2-token separators between chunks are computed, never reused (the engine's
@@ -36,11 +37,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cachedrag.errors import CachedRAGError
-from cachedrag.prompt.passages import context_passages, last_paragraph
+from cachedrag.prompt.passages import TOOL_ROLES, context_passages, last_paragraph
 from cachedrag.prompt.registry import ChunkRegistry, ChunkRegistryConfig, Match, leftmost_longest, normalize
 from cachedrag.prompt.segments import Segment
 from cachedrag.prompt.splitter import split_prompt
 from cachedrag.prompt.template import Message, RenderedPrompt, render_messages
+from cachedrag.prompt.tools import ToolSpec
 
 
 class PassageConfig(BaseModel):
@@ -108,30 +110,34 @@ class PromptPlanner:
     def tokenizer(self):
         return self.engine.runner.tokenizer
 
-    def chat(self, messages: Sequence[Message], chunks: Sequence[str] | None = None) -> PlannedPrompt:
-        rendered = render_messages(self.tokenizer, messages)
+    def chat(self, messages: Sequence[Message], chunks: Sequence[str] | None = None,
+             tools: Sequence[ToolSpec] | None = None) -> PlannedPrompt:
+        """``messages`` (tool calls and results included) rendered with ``tools`` offered, planned."""
+        rendered = render_messages(self.tokenizer, messages, tools=tools)
         contents = [m.content for m in messages]
-        return self._plan(rendered, contents, chunks)
+        return self._plan(rendered, contents, chunks, [m.role for m in messages])
 
     def completion(self, prompt: str, chunks: Sequence[str] | None = None) -> PlannedPrompt:
         """A raw completion prompt (no chat template), as OpenAI's ``/v1/completions`` takes it."""
         return self._plan(RenderedPrompt(prompt), [prompt], chunks)
 
-    def _plan(self, rendered: RenderedPrompt, contents: list[str], chunks: Sequence[str] | None) -> PlannedPrompt:
+    def _plan(self, rendered: RenderedPrompt, contents: list[str], chunks: Sequence[str] | None,
+              roles: Sequence[str] | None = None) -> PlannedPrompt:
         if chunks:
             finder = _ExplicitChunks(chunks)
             split = split_prompt(rendered, finder)
             self.seen.register(t for t in finder.texts if len(t) >= self.config.min_chars)
             source = "explicit"
         elif self.config.enabled:
-            self.seen.register(context_passages(contents, self.config.min_chars))
+            self.seen.register(context_passages(contents, self.config.min_chars, roles))
             split = split_prompt(rendered, self.seen)
             source = "auto"
         else:
             split = split_prompt(rendered, _ExplicitChunks(()))
             source = "none"
         parts = split.parts
-        if source == "auto" and split.n_chunks:
+        asks = not (roles and roles[-1] in TOOL_ROLES)  # a tool result last: no question to keep apart
+        if source == "auto" and split.n_chunks and asks:
             parts = question_apart(parts, rendered.text, last_paragraph(contents[-1]))
         parts = attach_separators(parts) if self.config.attach_separators else parts
         segments = self.engine.prompts.text_segments(parts, tokenization=self.config.tokenization)

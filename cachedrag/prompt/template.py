@@ -1,8 +1,11 @@
 """Chat messages to one prompt string through the tokenizer's chat template.
 
-Owns: ``Message`` (role + text, framework-neutral), ``render_messages`` (the tokenizer's chat
+Owns: ``Message`` (role + text, framework-neutral; an assistant message may carry ``tool_calls``,
+a tool result its ``tool_call_id`` and tool ``name``), ``render_messages`` (the tokenizer's chat
 template with the generation prompt, or a plain ``role: text`` layout for tokenizers without
-one) and ``RenderedPrompt``, which also records where the last message's content starts: the
+one; with ``tools=``, the tools, assistant calls and tool results rendered the way the
+template's own tool format does, or the generic envelope of ``toolformat`` for templates that
+render no tools) and ``RenderedPrompt``, which also records where the last message's content starts: the
 text before it (system prompt, earlier turns, template markup) is a stable prefix the engine
 can cache exactly; ``template_split``, the same rendering around an empty user message (the
 text before and after it), which the engine's own chat layout puts its chunks and question in.
@@ -12,8 +15,13 @@ generation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cachedrag.prompt.tools import ToolCall, ToolSpec
 
 _SENTINEL = "CACHEDRAGxLASTxCONTENTx7f3a9c"  # no whitespace: templates may trim content
 
@@ -28,8 +36,28 @@ _ROLES = {
 
 @dataclass(frozen=True)
 class Message:
+    """One chat message; ``tool_calls`` on an assistant message, ``tool_call_id`` / ``name`` on a
+    tool result (``Message(role, content)`` is a plain message)."""
+
     role: str
     content: str
+    tool_calls: tuple["ToolCall", ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def with_content(self, content: str, role: str | None = None) -> "Message":
+        return dataclasses.replace(self, content=content, role=role or self.role)
+
+    def template_dict(self) -> dict:
+        """The message as Hugging Face chat templates take it (call arguments as dicts)."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 @dataclass(frozen=True)
@@ -46,26 +74,36 @@ def template_role(role: str) -> str:
     return _ROLES.get(role.lower(), role.lower())
 
 
-def render_messages(tokenizer, messages: Sequence[Message]) -> RenderedPrompt:
+def render_messages(tokenizer, messages: Sequence[Message],
+                    tools: "Sequence[ToolSpec] | None" = None) -> RenderedPrompt:
     """Render ``messages`` for generation (the assistant turn is opened).
 
-    Templates that reject a message sequence (e.g. ones that insist on alternating roles) get
-    consecutive same-role messages merged; the result's ``notes`` say so.
+    With ``tools`` (or messages that carry tool calls or results), a template that renders tools
+    gets them as ``tools=`` (OpenAI function format) and the calls and results in its own
+    markup; any other template gets the generic envelope (``toolformat``): a system section
+    listing the tools and calls / results as text. Templates that reject a message sequence (e.g.
+    ones that insist on alternating roles) get consecutive same-role messages merged; the
+    result's ``notes`` say so.
     """
     if not messages:
         raise ValueError("no messages to render")
-    msgs = [Message(template_role(m.role), m.content) for m in messages]
+    msgs = [m.with_content(m.content, template_role(m.role)) for m in messages]
     notes: list[str] = []
+    tool_dicts = None
+    if tools or any(m.tool_calls or m.role == "tool" for m in msgs):
+        from cachedrag.prompt.toolformat import prepare_tool_messages
+
+        msgs, tool_dicts = prepare_tool_messages(tokenizer, msgs, list(tools or ()))
     try:
-        text = _apply(tokenizer, msgs)
+        text = _apply(tokenizer, msgs, tool_dicts)
     except Exception as exc:  # jinja raises TemplateError (or its own exceptions) from the template
         merged = _merge_same_roles(msgs)
         if len(merged) == len(msgs):
             raise
-        text = _apply(tokenizer, merged)
+        text = _apply(tokenizer, merged, tool_dicts)
         notes.append(f"chat template rejected the messages ({exc}); merged consecutive same-role messages")
         msgs = merged
-    return RenderedPrompt(text, _prefix_end(tokenizer, msgs, text), tuple(notes))
+    return RenderedPrompt(text, _prefix_end(tokenizer, msgs, text, tool_dicts), tuple(notes))
 
 
 def render_completion(tokenizer, prompt: str, system_prompt: str | None = None) -> RenderedPrompt:
@@ -89,19 +127,20 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _apply(tokenizer, messages: Sequence[Message]) -> str:
+def _apply(tokenizer, messages: Sequence[Message], tools: list[dict] | None = None) -> str:
     if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                             tokenize=False, add_generation_prompt=True)
+        kwargs = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template([m.template_dict() for m in messages],
+                                             tokenize=False, add_generation_prompt=True, **kwargs)
     return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
 
 
-def _prefix_end(tokenizer, messages: Sequence[Message], text: str) -> int | None:
+def _prefix_end(tokenizer, messages: Sequence[Message], text: str, tools: list[dict] | None = None) -> int | None:
     """Where the last message's content starts in ``text``, when the template keeps it verbatim."""
     last = messages[-1]
     if not last.content:
         return None
-    probe = _apply(tokenizer, [*messages[:-1], Message(last.role, _SENTINEL)])
+    probe = _apply(tokenizer, [*messages[:-1], last.with_content(_SENTINEL)], tools)
     before, found, after = probe.partition(_SENTINEL)
     if found and before + last.content + after == text:
         return len(before)
@@ -111,8 +150,8 @@ def _prefix_end(tokenizer, messages: Sequence[Message], text: str) -> int | None
 def _merge_same_roles(messages: Sequence[Message]) -> list[Message]:
     out: list[Message] = []
     for m in messages:
-        if out and out[-1].role == m.role:
-            out[-1] = Message(m.role, out[-1].content + "\n\n" + m.content)
+        if out and out[-1].role == m.role and not (out[-1].tool_calls or m.tool_calls or m.role == "tool"):
+            out[-1] = out[-1].with_content(out[-1].content + "\n\n" + m.content)
         else:
             out.append(m)
     return out

@@ -79,6 +79,11 @@ class Embedder:
         assert vectors.shape == (len(texts), self.dim), vectors.shape
         return vectors
 
+    def count_tokens(self, texts: Sequence[str]) -> int:
+        """Tokens the model reads for ``texts`` (each cut at its maximum sequence length, as ``encode`` does)."""
+        tokenizer, limit = self._model.tokenizer, self._model.max_seq_length
+        return sum(min(len(ids), limit) for ids in tokenizer(list(texts))["input_ids"])
+
     def check_compatible(self, name: str, dim: int) -> None:
         """Raise ``IndexMismatchError`` unless this embedder is model ``name`` with dimension ``dim``."""
         if name != self.name or dim != self.dim:

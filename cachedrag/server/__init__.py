@@ -2,6 +2,9 @@
 
     config     ServerConfig, SchedulerConfig, PassageConfig (validated settings)
     protocol   OpenAI request/response bodies and the error shape
+    structured response_format JSON and tool calls (tool_choice, parallel_tool_calls) as grammars
+    stream     one answer's n choices (text, logprobs, tool calls) as OpenAI bodies and SSE chunks
+    embeddings /v1/embeddings with the index's embedder
     policy     torch-free admission order: FIFO, or cache-aware within FIFO-forecast deadlines
     batch      one batched decode forward over several requests' KV buffers
     loop       the engine thread: prefill through the engine's seam, batched decode, events

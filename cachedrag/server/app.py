@@ -1,21 +1,24 @@
 """The ASGI app: OpenAI-compatible routes over the engine loop (FastAPI).
 
-Owns: ``create_app(engine, config)`` with ``GET /health``, ``GET /v1/models``, ``GET /metrics``
-(Prometheus text), ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or SSE
-streaming, ``n=1``, temperature / top_p / max_tokens / stop / seed / frequency and presence
-penalties, structured output: ``response_format`` JSON and required tool calls (``structured``),
+Owns: ``create_app(engine, config, embedder)`` with ``GET /health``, ``GET /v1/models``, ``GET
+/metrics`` (Prometheus text), ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON or
+SSE streaming, ``n`` choices decoded from one prefill of the prompt, temperature / top_p /
+max_tokens / stop / seed (choice ``i`` samples with ``seed + i``) / frequency and presence
+penalties, structured output: ``response_format`` JSON and tool calls (``structured``),
 ``logprobs`` (chat: ``logprobs`` / ``top_logprobs``; completions: ``logprobs``), ``usage`` with
 ``prompt_tokens_details.cached_tokens``, and a ``cachedrag`` object on each finished response
-saying how its prompt was served: ``protocol.served``), OpenAI-shaped errors (400 bad parameter or a prompt
-longer than the context window, 401 without the API key when one is set, 404 unknown model, 503
-queue full or shutting down), and freeing a request's batch slot when its client disconnects
-(streaming or not; ``_EventStream`` closes the event generator however the response ends).
+saying how its prompt was served: ``protocol.served``), ``POST /v1/embeddings`` (``embeddings``),
+OpenAI-shaped errors (400 bad parameter or a prompt longer than the context window, 401 without
+the API key when one is set, 404 unknown model, 503 queue full or shutting down), and freeing a
+request's batch slots when its client disconnects (streaming or not; ``_EventStream`` closes the
+event generator however the response ends).
 
 The event-loop thread only parses, renders templates and tokenises (no torch ops: see
 ``cachedrag.server.loop`` on OpenMP threads); generation runs on the engine loop's thread and
 its events come back through ``loop.call_soon_threadsafe``.
 
-Does not own: the wire models (``protocol``), prompt planning (``prompts``), the loop.
+Does not own: the wire models (``protocol``), prompt planning (``cachedrag.prompt.planning``), the
+loop, assembling choices and SSE chunks (``stream``).
 """
 
 from __future__ import annotations
@@ -37,20 +40,25 @@ from cachedrag.errors import CachedRAGError, ConfigError, ContextWindowError
 from cachedrag.model.generation import SamplingParams
 from cachedrag.prompt.planning import PromptPlanner
 from cachedrag.prompt.template import Message
+from cachedrag.prompt.tools import ToolCall
 from cachedrag.server import protocol as P
 from cachedrag.server.config import ServerConfig
-from cachedrag.server.loop import Delta, EngineLoop, Failed, Finished, QueueFullError, ServeRequest
+from cachedrag.server.embeddings import EmbeddingService
+from cachedrag.server.loop import EngineLoop, QueueFullError, ServeRequest
 from cachedrag.server.metrics import ServerMetrics
-from cachedrag.server.structured import StructuredOutput, structured_output
+from cachedrag.server.stream import Answer, Choice, collect, sse_events
+from cachedrag.server.structured import StructuredOutput, ToolAnswer, request_tools, structured_output
 
 log = logging.getLogger("cachedrag.server")
 
 _DISCONNECT_POLL_S = 0.5
 
 
-def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
-    """The server app over ``engine`` (a ``CachedEngine``); the engine loop runs while the app does."""
+def create_app(engine, config: ServerConfig | None = None, embedder=None) -> FastAPI:
+    """The server app over ``engine`` (a ``CachedEngine``); the engine loop runs while the app does.
+    ``embedder`` (else ``config.index``'s): what ``/v1/embeddings`` embeds with (``EmbeddingService``)."""
     config = config or ServerConfig()
+    embeddings = EmbeddingService(embedder, config.index)
     loop = EngineLoop(engine, config.scheduler)
     metrics = ServerMetrics(engine, loop)
     loop.observer = metrics
@@ -101,12 +109,17 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         _check_model(body.model, aliases)
         try:
-            messages = [Message(m.role, m.text()) for m in body.messages]
+            messages = [_message(m) for m in body.messages]
         except ValueError as exc:
             raise P.APIError(400, str(exc), param="messages") from None
         chunks = body.cachedrag.chunks if body.cachedrag else None
-        planned = _plan(lambda: planner.chat(messages, chunks))
+        tools = request_tools(body)
+        planned = _plan(lambda: planner.chat(messages, chunks, tools=tools))
         return await _serve(request, body, planned, chat=True)
+
+    @app.post("/v1/embeddings")
+    async def embed(body: P.EmbeddingRequest):
+        return JSONResponse(await embeddings.embed(body))
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request):
@@ -118,14 +131,17 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     async def _serve(request: Request, body, planned, chat: bool):
         shape = structured_output(body)
-        constraint = None
-        if shape is not None:  # compiling the grammar (and converting the vocabulary once) is not torch work
-            try:
-                constraint = await asyncio.to_thread(shape.constraint, engine.runner.tokenizer, engine.eos_ids)
-            except ConfigError as exc:
-                raise P.APIError(400, str(exc), param=shape.param) from None
-        params = _params(body, planned.prompt_tokens, engine.runner.max_context, config.default_max_tokens,
-                         constraint)
+        if body.n > config.scheduler.max_batch:
+            raise P.APIError(400, f"n={body.n}: this server decodes at most {config.scheduler.max_batch} choices "
+                                  "together (its max batch)", param="n")
+        params = []
+        for i in range(body.n):  # each choice its own grammar state and seed
+            constraint = await _constraint(shape)
+            params.append(_params(body, planned.prompt_tokens, engine.runner.max_context,
+                                  config.default_max_tokens, constraint, i))
+        tokenizer = engine.runner.tokenizer
+        choices = [Choice(i, shape.parser(tokenizer) if chat and shape is not None else None,
+                          body.logprob_alternatives is not None, params[i].constraint) for i in range(body.n)]
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -133,8 +149,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             with contextlib.suppress(RuntimeError):  # the event loop closed (shutdown)
                 aio.call_soon_threadsafe(queue.put_nowait, event)
 
-        serve = ServeRequest(segments=planned.segments, params=params, emit=emit, mode=config.mode,
-                             logprobs=body.logprob_alternatives, whole_answer=not body.stream)
+        serve = ServeRequest(segments=planned.segments, params=params[0], more=params[1:], emit=emit,
+                             mode=config.mode, logprobs=body.logprob_alternatives, whole_answer=not body.stream)
         try:
             rid = loop.submit(serve)
         except QueueFullError as exc:
@@ -142,39 +158,29 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                              code="queue_full") from None
         except RuntimeError as exc:
             raise P.APIError(503, str(exc), type="service_unavailable") from None
-        name = body.model
-        oid = P.new_id("chatcmpl" if chat else "cmpl")
-        calls = shape if chat and shape is not None and shape.is_tool_call else None
+        answer = Answer(P.new_id("chatcmpl" if chat else "cmpl"), body.model, chat, body.include_usage, _logprobs)
         if body.stream:
-            return _EventStream(_stream(queue, rid, oid, name, chat, body.include_usage, calls),
-                                media_type="text/event-stream")
-        text: list[str] = []
-        records: list | None = [] if body.logprob_alternatives is not None else None
-        while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    loop.cancel(rid)
-                    metrics.disconnects.inc()
-                    return Response(status_code=499)
-                continue
-            if isinstance(event, Delta):
-                text.append(event.text)
-                if records is not None:
-                    records += event.logprobs or []
-            elif isinstance(event, Failed):
-                raise _failure(event.error)
-            elif isinstance(event, Finished):
-                use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                logprobs = _logprobs(records, chat)
-                if not chat:
-                    body = P.completion_response(oid, name, "".join(text), event.finish_reason, use, logprobs)
-                else:
-                    tool_calls = _tool_calls(calls, "".join(text), event.finish_reason)
-                    body = P.chat_response(oid, name, "".join(text), "tool_calls" if tool_calls
-                                           else event.finish_reason, use, tool_calls, logprobs)
-                return JSONResponse({**body, "cachedrag": P.served(event.stats)})
+            return _EventStream(_stream(queue, rid, answer, choices), media_type="text/event-stream")
+        try:
+            done = await collect(queue, choices, _DISCONNECT_POLL_S, request.is_disconnected)
+        except BaseException as exc:
+            loop.cancel(rid)
+            if isinstance(exc, Exception):
+                raise _failure(exc) from None
+            raise
+        if done is None:
+            loop.cancel(rid)
+            metrics.disconnects.inc()
+            return Response(status_code=499)
+        return JSONResponse(answer.whole(done))
+
+    async def _constraint(shape: StructuredOutput | ToolAnswer | None):
+        if shape is None:
+            return None
+        try:  # compiling the grammar (and converting the vocabulary once) is not torch work
+            return await asyncio.to_thread(shape.constraint, engine.runner.tokenizer, engine.eos_ids)
+        except ConfigError as exc:
+            raise P.APIError(400, str(exc), param=shape.param) from None
 
     def _logprobs(records: list | None, chat: bool, offset: int = 0) -> dict | None:
         """The OpenAI ``logprobs`` object of ``records`` (None: the request did not ask)."""
@@ -185,54 +191,22 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             return P.chat_logprobs(records, lambda t: decode([t]))
         return P.completion_logprobs(records, lambda t: decode([t]), offset)
 
-    async def _stream(queue: asyncio.Queue, rid: int, oid: str, name: str, chat: bool, include_usage: bool,
-                      calls: StructuredOutput | None = None):
-        """SSE events of one request, each text delta with the logprobs of its tokens (when asked).
-        A tool call's JSON is held back and sent whole as one ``tool_calls`` delta when it
-        completes (the call's name may be its last field)."""
+    async def _stream(queue: asyncio.Queue, rid: int, answer: Answer, choices: list[Choice]):
+        """SSE events of one request: per choice its deltas, each with the logprobs of its tokens
+        (when asked), its finish chunk; then the usage chunk (when asked) and ``[DONE]``."""
         finished = False
-        held: list[str] = []
-        held_records: list | None = None
-        sent = 0  # characters of completion text sent: the legacy logprobs' text_offset
         try:
-            if chat:
-                yield _sse(P.chat_chunk(oid, name, {"role": "assistant", "content": ""}))
-            pending = None
-            while True:
-                event, pending = pending or await queue.get(), None
-                if isinstance(event, Delta):
-                    event, pending = _merge_deltas(event, queue)
-                    if calls is not None:
-                        held.append(event.text)
-                        if event.logprobs is not None:
-                            held_records = (held_records or []) + event.logprobs
-                        continue
-                    logprobs = _logprobs(event.logprobs, chat, sent)
-                    sent += len(event.text)
-                    yield _sse(P.chat_chunk(oid, name, {"content": event.text}, logprobs=logprobs) if chat
-                               else P.completion_chunk(oid, name, event.text, logprobs=logprobs))
-                elif isinstance(event, Failed):
-                    finished = True
-                    yield _sse(_failure(event.error).body())
-                    break
-                elif isinstance(event, Finished):
-                    finished = True
-                    reason = event.finish_reason
-                    if calls is not None:
-                        tool_calls = _tool_calls(calls, "".join(held), reason)
-                        if tool_calls:
-                            reason = "tool_calls"
-                            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
-                        else:
-                            delta = {"content": "".join(held)}
-                        yield _sse(P.chat_chunk(oid, name, delta, logprobs=_logprobs(held_records, chat)))
-                    last = P.chat_chunk(oid, name, {}, reason) if chat else P.completion_chunk(oid, name, "", reason)
-                    yield _sse({**last, "cachedrag": P.served(event.stats)})
-                    if include_usage:
-                        use = P.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                        yield _sse(P.chat_chunk(oid, name, {}, use=use, choices=False) if chat
-                                   else P.completion_chunk(oid, name, "", use=use, choices=False))
-                    break
+            if answer.chat:
+                for c in choices:
+                    yield _sse(P.chat_chunk(answer.id, answer.model, {"role": "assistant", "content": ""},
+                                            index=c.index))
+            try:
+                async for body in sse_events(queue, choices, answer.chunk, answer.last, answer.closing):
+                    yield _sse(body)
+            except Exception as exc:  # a failed request: its error, in the OpenAI shape, ends the stream
+                finished = True
+                yield _sse(_failure(exc).body())
+            finished = True
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away (the response task was cancelled): free the slot
@@ -256,35 +230,6 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-
-
-def _tool_calls(calls: StructuredOutput | None, text: str, finish_reason: str) -> list[dict] | None:
-    """The OpenAI ``tool_calls`` of a finished answer when it is a complete call (a call cut at
-    ``max_tokens`` or by a stop string stays text, with its own finish reason)."""
-    if calls is None or finish_reason != "stop":
-        return None
-    try:
-        json.loads(text)
-        return calls.tool_calls(text)
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def _merge_deltas(first: Delta, queue: asyncio.Queue) -> tuple[Delta, object | None]:
-    """``first`` joined with the deltas already queued behind it (one SSE chunk for them: when
-    the event loop falls behind a batch of streams it catches up in fewer sends), and the first
-    queued event that is not a delta (``None`` if none was taken)."""
-    if queue.empty():
-        return first, None
-    texts, records = [first.text], None if first.logprobs is None else list(first.logprobs)
-    while not queue.empty():
-        event = queue.get_nowait()
-        if not isinstance(event, Delta):
-            return Delta("".join(texts), records), event
-        texts.append(event.text)
-        if records is not None:
-            records += event.logprobs or []
-    return Delta("".join(texts), records), None
 
 
 class _CountAndAuthorize:
@@ -331,6 +276,13 @@ def _authorized(headers: Headers, key: bytes) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
 
 
+def _message(m: P.ChatMessage) -> Message:
+    """A request message as the prompt layer takes it: an assistant turn's calls (ids kept, so the
+    tool results that answer them match) and a tool result's ``tool_call_id`` go to the template."""
+    calls = tuple(ToolCall.of(c.function.name, c.function.arguments, c.id or None) for c in m.tool_calls or ())
+    return Message(m.role, m.text(), tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)
+
+
 def _check_model(model: str, aliases: set[str]) -> None:
     if model not in aliases:
         raise P.APIError(404, f"the model {model!r} does not exist; this server serves {sorted(aliases)[-1]!r}",
@@ -348,7 +300,10 @@ def _plan(build):
         raise P.APIError(400, str(exc), param="messages") from None
 
 
-def _params(body, prompt_tokens: int, max_context: int, default_max: int, constraint=None) -> SamplingParams:
+def _params(body, prompt_tokens: int, max_context: int, default_max: int, constraint=None,
+            choice: int = 0) -> SamplingParams:
+    """Sampling parameters of choice ``choice`` (a request's seed + ``choice``: its choices differ,
+    reproducibly)."""
     room = max_context - prompt_tokens
     new = body.new_tokens
     if new is None:
@@ -359,7 +314,8 @@ def _params(body, prompt_tokens: int, max_context: int, default_max: int, constr
                          code="context_length_exceeded")
     try:
         return SamplingParams(max_new_tokens=new, temperature=body.temperature, top_p=body.top_p,
-                              stop=body.stop, seed=body.seed, frequency_penalty=body.frequency_penalty,
+                              stop=body.stop, seed=None if body.seed is None else body.seed + choice,
+                              frequency_penalty=body.frequency_penalty,
                               presence_penalty=body.presence_penalty, constraint=constraint)
     except ValidationError as exc:
         raise P.APIError(400, str(exc.errors()[0].get("msg")), param="stop") from None

@@ -13,7 +13,12 @@ hands in: prompt segments, sampling parameters, an ``emit`` callback) and the ev
 3. ONE batched decode forward (``cachedrag.server.batch``) gives every running request its next
    token; finished requests (EOS, stop string, ``max_tokens``) leave.
 
-So requests join and leave between steps (continuous batching). The tie guard during decoding
+So requests join and leave between steps (continuous batching). A request with ``n`` choices
+(``ServeRequest.more``) is prefilled once: its choices start from the same prompt KV and first
+logits, each with its own sampling state, and each decodes in its own rows (a
+copy of the prefill's buffer), so they take ``n`` batch slots once admitted (admission counts the
+request as one: the batch may run ``n - 1`` over ``max_batch`` until they finish; the app refuses
+``n`` above ``max_batch``). Events carry their choice's ``index``. The tie guard during decoding
 (``CacheConfig.tie_guard_decode``): a request decoding on an approximate prefill's KV whose next
 token would come from near-tied logits leaves the batch for one step; at the start of the next, its
 prompt and answer so far are prefilled exactly (``DecodeTieGuard.switch``, chunked like an
@@ -62,6 +67,7 @@ from cachedrag.executor import release_openmp_threads
 from cachedrag.heap import trim_heap
 from cachedrag.kvcache.planner import Mode
 from cachedrag.model.generation import SamplingParams, TextStream, choose_token, make_generator, rewind_allowed
+from cachedrag.model.runner import KVBuffer
 from cachedrag.prompt import Segment
 from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
@@ -76,6 +82,7 @@ __all__ = ["Delta", "EngineLoop", "Failed", "Finished", "QueueFullError", "Serve
 class Delta:
     text: str
     logprobs: list[TokenLogprob] | None = None  # the tokens up to this text (when the request asked for them)
+    index: int = 0  # the choice it belongs to (``ServeRequest.n``)
 
 
 @dataclass
@@ -100,6 +107,7 @@ class Finished:
     text: str
     token_ids: list[int]
     stats: dict = field(default_factory=dict)  # the prefill's engine stats
+    index: int = 0  # the choice that finished (``ServeRequest.n``; each choice finishes once)
 
 
 @dataclass
@@ -116,6 +124,8 @@ class ServeRequest:
     logprobs: int | None = None  # report each token's log p and this many alternatives (None: off)
     whole_answer: bool = False  # the client reads the answer only once it is whole (not streamed): the tie guard
     #                             during decoding may rewind it (``DecodeTieGuard.rewind``)
+    more: list[SamplingParams] = field(default_factory=list)  # choices 1..n-1 (each its own seed and
+    #                                                            constraint); they fork the prompt's prefill
     arrival: float = field(default_factory=time.perf_counter)
     id: int = 0  # set by submit
     cancelled: bool = False
@@ -123,6 +133,14 @@ class ServeRequest:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(s) for s in self.segments)
+
+    @property
+    def n(self) -> int:
+        """Choices: ``params`` and each of ``more``, decoded from one prefill of the prompt."""
+        return 1 + len(self.more)
+
+    def choice_params(self, index: int) -> SamplingParams:
+        return self.params if index == 0 else self.more[index - 1]
 
 
 class _Busy(Exception):
@@ -137,6 +155,8 @@ class _Running:
     generator: torch.Generator | None
     stats: dict
     position: int  # where the last chosen token goes when fed back
+    params: SamplingParams  # this choice's (``ServeRequest.choice_params``)
+    index: int = 0  # the choice (``ServeRequest.n``)
     tokens: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
     last: int | None = None  # the token to feed next
@@ -414,25 +434,35 @@ class EngineLoop:
             return
         finally:
             self._prefill_work = outer_work  # a preempting prefill leaves the preempted one's count as it was
-        info = pre.info
-        rewind = request.whole_answer and request.logprobs is None and rewind_allowed(request.params)
-        guard = DecodeTieGuard.for_request(engine, pre.segments, info, request.mode or engine.config.mode,
-                                           request.params.max_new_tokens, rewind=rewind)
-        run = _Running(request=request, kv=pre.kv, stream=TextStream(engine.runner.tokenizer, request.params.stop),
-                       generator=make_generator(request.params, engine.runner.device), stats=info,
-                       position=info["prompt_tokens"], guard=guard, held=guard is not None and guard.rewind)
-        self._running.append(run)
-        self._advance(run, pre.logits, first=True)
+        runs = [self._start(request, pre, i) for i in range(request.n)]
+        for run in runs:
+            self._running.append(run)
+            self._advance(run, pre.logits, first=True)
         if pre.hand_off is not None:  # the store hand-off waits for the first token, as in generate()
             self._hold_waiting()
             try:
                 pre.hand_off()
             except Exception:  # the answer stands; only its caching failed (the next request misses)
                 log.exception("store hand-off after the first token failed")
+        for run in runs:  # after the hand-off (it reads the prefill's buffer): each further choice in its own rows
+            if run.index > 0 and run.kv is pre.kv and run.last is not None:
+                run.kv = KVBuffer(k=pre.kv.k.clone(), v=pre.kv.v.clone(), length=pre.kv.length)  # [L, H_kv, C, D] each
         if pre.promote is not None:  # computed when the loop is idle
             self._promotions.append(pre.promote)
             while len(self._promotions) > engine.config.cache.repeat_memory:
                 self._promotions.popleft()
+
+    def _start(self, request: ServeRequest, pre, index: int) -> _Running:
+        """Choice ``index`` of ``request`` after its prefill ``pre``: every choice starts from the same
+        prompt KV and first logits (choices after the first fork the KV before they decode: ``_prefill``)."""
+        engine, info, params = self.engine, pre.info, request.choice_params(index)
+        rewind = request.whole_answer and request.logprobs is None and rewind_allowed(params)
+        guard = DecodeTieGuard.for_request(engine, pre.segments, info, request.mode or engine.config.mode,
+                                           params.max_new_tokens, rewind=rewind)
+        return _Running(request=request, kv=pre.kv, stream=TextStream(engine.runner.tokenizer, params.stop),
+                        generator=make_generator(params, engine.runner.device), stats=info,
+                        position=info["prompt_tokens"], params=params, index=index, guard=guard,
+                        held=guard is not None and guard.rewind)
 
     def _admits_exactly(self, request: ServeRequest) -> bool:
         """Whether ``request`` gets an exact prefill (prefix caching's plan; what it computes is still stored
@@ -526,7 +556,7 @@ class EngineLoop:
         """Choose the next token from ``logits`` ``[V]`` (penalties and the request's constraint
         applied); emit its text; finish or keep running. A choice that fails (a grammar that allows
         no token) fails this request alone."""
-        params = run.request.params
+        params = run.params
         constraint = params.constraint
         if not first and run.guard is not None and run.guard.due(logits, len(run.tokens)):
             run.near_tie, run.last = logits, None  # leaves the batch; ``step`` runs its exact prefill next
@@ -550,7 +580,7 @@ class EngineLoop:
             run.logprobs.append(_token_logprob(logits, token, run.request.logprobs))
         delta = run.stream.push(token)
         if delta and not run.held:
-            run.request.emit(Delta(delta, run.take_logprobs()))
+            run.request.emit(Delta(delta, run.take_logprobs(), run.index))
         grammar_done = constraint is not None and constraint.done  # a complete document: nothing may follow
         if run.stream.stopped or len(run.tokens) >= params.max_new_tokens or grammar_done:
             return self._finish(run)
@@ -563,8 +593,8 @@ class EngineLoop:
             tail = run.stream.text
         pending = run.take_logprobs()
         if tail or pending:
-            run.request.emit(Delta(tail, pending))
-        params = run.request.params
+            run.request.emit(Delta(tail, pending, run.index))
+        params = run.params
         complete = run.stream.stopped or (params.constraint is not None and params.constraint.done)
         reason = "length" if len(run.tokens) >= params.max_new_tokens and not complete else "stop"
         info = run.stats
@@ -573,7 +603,7 @@ class EngineLoop:
         done = Finished(finish_reason=reason, prompt_tokens=prompt, completion_tokens=len(run.tokens),
                         cached_tokens=int(cached), ttft_s=run.ttft_s,
                         total_s=time.perf_counter() - run.request.arrival, text=run.stream.text,
-                        token_ids=list(run.tokens), stats=info)
+                        token_ids=list(run.tokens), stats=info, index=run.index)
         run.kv = None  # free the buffer now, not when the list is rebuilt
         if self.observer is not None:
             self.observer.on_finished(done)
@@ -584,7 +614,7 @@ class EngineLoop:
         remaining tokens at the measured step time; an early EOS frees it sooner) and the
         measured prefill cost."""
         step = self._step_s
-        left = [max(0, r.request.params.max_new_tokens - len(r.tokens)) * step for r in running]
+        left = [max(0, r.params.max_new_tokens - len(r.tokens)) * step for r in running]
         model = self._prefill_model
         return Forecast(left, step, model.base_s, model.per_token_s)
 

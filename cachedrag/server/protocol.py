@@ -98,7 +98,7 @@ class _Sampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="only n=1 is served")
+    n: int = Field(1, ge=1, le=128, description="choices, decoded from one prefill of the prompt")
     stop: str | list[str] | None = None
     seed: int | None = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -126,18 +126,35 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = Field("{}", description="the call's arguments: a JSON object as text "
+                                                           "(or as an object)")
+
+
+class ToolCallItem(BaseModel):
+    """An assistant message's ``tool_calls[i]``: kept with its ``id`` (the tool message answering it
+    names it in ``tool_call_id``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
-        if not self.content and self.model_extra and self.model_extra.get("tool_calls"):
-            # an earlier assistant turn that called tools: the model sees the calls it made
-            return json.dumps([{"name": (c.get("function") or {}).get("name"),
-                                "arguments": (c.get("function") or {}).get("arguments")}
-                               for c in self.model_extra["tool_calls"] if isinstance(c, dict)])
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -185,6 +202,33 @@ class CompletionRequest(_Sampling):
                 raise APIError(400, "only one prompt per request is served", param="prompt")
             return self.prompt[0]
         return self.prompt
+
+
+class EmbeddingRequest(BaseModel):
+    """``/v1/embeddings``: texts to embed with the server's embedder (token-id inputs are not served)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[str] = Field(description="a text or a list of texts (each non-empty)")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+    @field_validator("input")
+    @classmethod
+    def _texts(cls, value):
+        texts = [value] if isinstance(value, str) else value
+        if not texts:
+            raise ValueError("nothing to embed: input is empty")
+        if len(texts) > 2048:
+            raise ValueError("at most 2048 inputs per request")
+        if any(not t for t in texts):
+            raise ValueError("inputs must be non-empty strings")
+        return value
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
 
 
 def new_id(prefix: str) -> str:
@@ -236,38 +280,63 @@ def served(stats: dict) -> dict:
             "tie_guard_rewound": stats.get("tie_guard_rewound")}
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict,
-                  tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if tool_calls:
-        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+def call_id() -> str:
+    """A fresh tool call id (``call_`` + 24 hex digits, the shape OpenAI's ids have)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    """A ``chat.completion`` body; ``choices``: ``chat_choice`` dicts."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
-            "usage": use}
+            "choices": choices, "usage": use}
+
+
+def chat_choice(index: int, message: dict, finish_reason: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None,
-               use: dict | None = None, choices: bool = True, logprobs: dict | None = None) -> dict:
+               use: dict | None = None, choices: bool = True, logprobs: dict | None = None, index: int = 0) -> dict:
     body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
             if choices else []}
     if use is not None:
         body["usage"] = use
     return body
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict,
-                        logprobs: dict | None = None) -> dict:
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    """A ``text_completion`` body; ``choices``: ``completion_choice`` dicts."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
-            "usage": use}
+            "choices": choices, "usage": use}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None = None,
-                     use: dict | None = None, choices: bool = True, logprobs: dict | None = None) -> dict:
+                     use: dict | None = None, choices: bool = True, logprobs: dict | None = None,
+                     index: int = 0) -> dict:
     body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]
-            if choices else []}
+            "choices": [completion_choice(index, text, finish_reason, logprobs)] if choices else []}
     if use is not None:
         body["usage"] = use
     return body
+
+
+def embeddings_response(model: str, vectors, prompt_tokens: int, encoding: str) -> dict:
+    """A ``/v1/embeddings`` body of ``vectors`` (float32 ``[N, d]``): floats, or base64 of their
+    little-endian float32 bytes (what the ``openai`` package decodes)."""
+    import base64
+
+    import numpy as np
+
+    def encode(row):
+        if encoding == "base64":
+            return base64.b64encode(np.asarray(row, dtype="<f4").tobytes()).decode("ascii")
+        return [float(x) for x in row]
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(row)} for i, row in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

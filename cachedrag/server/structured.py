@@ -1,50 +1,45 @@
-"""Structured output over the OpenAI API: ``response_format`` and required tool calls as JSON constraints.
+"""Structured output over the OpenAI API: ``response_format`` JSON and tool calls as grammar constraints.
 
-Owns: ``StructuredOutput`` (what a request asks its answer to be: the JSON schema its decoding is
-constrained to, and whether that JSON is a tool call) and ``structured_output(body)``, which reads
-it from a request's ``response_format`` (``json_object``, ``json_schema``) and ``tools`` +
-``tool_choice`` (``"required"`` or a named function), answering in the OpenAI error shape (400)
-what the server cannot honour: ``tool_choice: "auto"`` (the model would choose between text and a
-call in its own free-form syntax, and this server has no parser for one: vLLM refuses the same
-without one), a named function missing from ``tools``, a required call beside a JSON
-``response_format``, the deprecated ``functions`` / ``function_call``. ``tool_calls(text)`` turns
-a finished constrained answer into OpenAI ``tool_calls``.
+Owns: ``StructuredOutput`` (a JSON answer: the schema its decoding is constrained to), ``ToolAnswer``
+(the tools a request offers and its ``tool_choice``, in the model's own tool-call format: the
+grammar of its answer and a parser per choice) and ``structured_output(body)``, which reads them
+from a request's ``response_format`` (``json_object``, ``json_schema``) and ``tools`` +
+``tool_choice`` + ``parallel_tool_calls``, answering in the OpenAI error shape (400) what the
+server cannot honour: a named function missing from ``tools``, duplicate tool names, tool calls
+beside a JSON ``response_format``, ``tool_choice`` without ``tools``, the deprecated ``functions``
+/ ``function_call``. ``request_tools(body)`` gives the tools the prompt renders (also under
+``tool_choice: "none"``: the model sees them, as with OpenAI, and answers in text).
 
-Decoding is constrained by ``model.constraint.JsonConstraint`` (llguidance over the model's own
-vocabulary), so the JSON is valid for the schema whatever the model's size; the model still picks
-the values. With one callable function (named, or the only one under ``"required"``) its
-``parameters`` schema is the whole answer, which becomes the call's ``arguments``; with several
-under ``"required"`` the answer is ``{"name": <one of them>, "arguments": {...}}`` (an ``anyOf``
-with one branch per function), split into the call's name and arguments.
+Tool calls (``cachedrag.prompt.tools`` is the core): ``tool_choice`` absent or ``"auto"`` is a
+lazy grammar (free text until the format's trigger, e.g. ``<tool_call>`` or the generic
+envelope's ``{"tool_calls":``, then only well-formed calls of the offered tools), ``"required"``
+and a named function are eager (the answer is calls); ``parallel_tool_calls: false`` allows one
+call. The model's text is parsed incrementally (``cachedrag.prompt.toolparse``), so a streamed
+call's name goes out before its arguments. Decoding is constrained by llguidance over the model's
+own vocabulary, so calls are valid for their schemas whatever the model's size; the model still
+picks the values.
 
-Does not own: the grammar engine (``model.constraint``), sampling (``model.generation``), the wire
-models (``protocol``).
+Does not own: the grammars and parsers (``cachedrag.prompt.toolgrammar`` / ``toolparse``,
+``model.constraint``), sampling (``model.generation``), the wire models (``protocol``), the
+per-choice assembly of text and calls (``stream``).
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cachedrag.prompt.tools import ToolChoice, ToolSpec
 from cachedrag.server import protocol as P
-
-_EMPTY_OBJECT = {"type": "object", "properties": {}}
+from cachedrag.server.stream import ToolEvent
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """The answer's shape: JSON valid for ``schema`` (None: any JSON object); a call of one of
-    ``tool_names`` when that is non-empty (one name: the JSON is its arguments)."""
+    """A JSON answer valid for ``schema`` (None: any JSON object)."""
 
     schema: dict[str, Any] | None
-    tool_names: tuple[str, ...] = ()
     param: str = "response_format"  # the request field a schema error is reported against
-
-    @property
-    def is_tool_call(self) -> bool:
-        return bool(self.tool_names)
 
     def constraint(self, tokenizer, eos_ids):
         """A fresh ``JsonConstraint`` for one generation (raises ``ConfigError`` for a schema the
@@ -53,18 +48,65 @@ class StructuredOutput:
 
         return JsonConstraint(self.schema, tokenizer, eos_ids)
 
-    def tool_calls(self, text: str) -> list[dict]:
-        """The OpenAI ``tool_calls`` of a complete answer ``text`` (valid JSON by construction)."""
-        if len(self.tool_names) == 1:
-            name, arguments = self.tool_names[0], text
-        else:
-            call = json.loads(text)
-            name, arguments = call["name"], json.dumps(call["arguments"], separators=(",", ":"))
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": arguments}}]
+    def parser(self, tokenizer) -> None:
+        return None
 
 
-def structured_output(body) -> StructuredOutput | None:
+@dataclass(frozen=True)
+class ToolAnswer:
+    """An answer that may (``auto``) or must (``required``, named) call ``tools``."""
+
+    tools: tuple[ToolSpec, ...]
+    choice: ToolChoice
+    param: str = "tools"
+
+    def constraint(self, tokenizer, eos_ids):
+        """A fresh ``GrammarConstraint`` for one generation, in the template's tool format."""
+        from cachedrag.model.constraint import tool_constraint
+
+        return tool_constraint(tokenizer, eos_ids, self.tools, self.choice)
+
+    def parser(self, tokenizer) -> "FormatParser":
+        """A fresh ``stream.CallParser`` of one choice's answer."""
+        from cachedrag.prompt.toolformat import detect_format
+        from cachedrag.prompt.toolparse import parser_for
+
+        return FormatParser(parser_for(detect_format(tokenizer), P.call_id))
+
+
+class FormatParser:
+    """``stream.CallParser`` over the core's incremental parser of one tool format."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        return _events(self.parser.feed(text))
+
+    def close(self, complete: bool) -> list[ToolEvent]:
+        return _events(self.parser.finish())
+
+
+def _events(events) -> list[ToolEvent]:
+    from cachedrag.prompt.toolparse import ArgumentsDelta, CallStarted, TextDelta
+
+    out = []
+    for e in events:
+        if isinstance(e, TextDelta):
+            out.append(ToolEvent("content", e.text))
+        elif isinstance(e, CallStarted):
+            out.append(ToolEvent("call", index=e.index, id=e.id, name=e.name))
+        elif isinstance(e, ArgumentsDelta):
+            out.append(ToolEvent("arguments", e.text, index=e.index))
+    return out  # CallEnded: the call's deltas were all sent
+
+
+def request_tools(body) -> list[ToolSpec]:
+    """The tools ``body`` offers (rendered into its prompt whatever its ``tool_choice``)."""
+    return [ToolSpec.from_openai(t.model_dump(exclude_none=True)) for t in getattr(body, "tools", None) or []]
+
+
+def structured_output(body) -> StructuredOutput | ToolAnswer | None:
     """What ``body`` (a chat or completion request) asks its answer to be; None: free text."""
     extra = body.model_extra or {}
     for legacy in ("functions", "function_call"):
@@ -74,10 +116,10 @@ def structured_output(body) -> StructuredOutput | None:
     fmt = body.response_format
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
-    if choice not in (None, "none") and not tools:
+    if choice not in (None, "none", "auto") and not tools:
         raise P.APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
     if tools and choice != "none":
-        return _tool_call(tools, choice, fmt)
+        return _tool_answer(body, tools, choice, fmt)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -85,25 +127,16 @@ def structured_output(body) -> StructuredOutput | None:
     return StructuredOutput(fmt.json_schema.schema_ or None)
 
 
-def _tool_call(tools: list[P.Tool], choice, fmt: P.ResponseFormat | None) -> StructuredOutput:
+def _tool_answer(body, tools: list[P.Tool], choice, fmt: P.ResponseFormat | None) -> ToolAnswer:
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise P.APIError(400, "tool function names must be unique", param="tools")
-    if choice in (None, "auto"):
-        raise P.APIError(400, "tool_choice 'auto' is not served (this server has no parser for the model's own "
-                              "tool-call syntax): set tool_choice to 'required', {'type': 'function', 'function': "
-                              "{'name': ...}} or 'none'", param="tool_choice")
     if fmt is not None and fmt.type != "text":
-        raise P.APIError(400, "a required tool call and a JSON response_format cannot be combined",
-                         param="response_format")
-    if isinstance(choice, P.NamedToolChoice):
-        if choice.function.name not in names:
-            raise P.APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools {names}",
-                             param="tool_choice")
-        tools = [tools[names.index(choice.function.name)]]
-    if len(tools) == 1:
-        return StructuredOutput(tools[0].function.parameters or _EMPTY_OBJECT, (tools[0].function.name,), "tools")
-    branches = [{"type": "object",
-                 "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters or _EMPTY_OBJECT},
-                 "required": ["name", "arguments"]} for t in tools]
-    return StructuredOutput({"anyOf": branches}, tuple(t.function.name for t in tools), "tools")
+        raise P.APIError(400, "tool calls and a JSON response_format cannot be combined: set tool_choice to "
+                              "'none' for a JSON answer", param="response_format")
+    raw = choice.model_dump() if isinstance(choice, P.NamedToolChoice) else choice
+    try:
+        parsed = ToolChoice.parse(raw, body.parallel_tool_calls, names)
+    except ValueError as exc:
+        raise P.APIError(400, str(exc), param="tool_choice") from None
+    return ToolAnswer(tuple(request_tools(body)), parsed)

@@ -44,3 +44,15 @@ def test_malformed_bodies_give_no_fingerprints():
         fp = request_fingerprints(body)
         assert len(fp) == 0 and fp.source == "none"
 
+
+
+def test_tool_results_are_fingerprinted_as_the_server_detects_them():
+    import json
+
+    from cachedrag.cluster.fingerprints import digest, request_fingerprints
+
+    doc = "A passage a retriever tool returned, long enough to count as one passage. " * 3
+    body = {"messages": [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": None},
+                         {"role": "tool", "content": json.dumps([{"page_content": doc.strip()}])}]}
+    fp = request_fingerprints(body, min_chars=100)
+    assert fp.source == "auto" and fp.digests == [digest(doc)]

@@ -26,3 +26,20 @@ def test_the_last_paragraph_of_the_last_message_is_the_question_never_a_passage(
     # a last message that ends in a short line: its last long paragraph is context
     assert context_passages([f"{doc}\n\nQ?"], 40) == [doc]
     assert context_passages([], 40) == []
+
+
+def test_tool_results_hold_passages_plain_or_json_dumped():
+    import json
+
+    from cachedrag.prompt.passages import tool_passages
+
+    a = "A retrieved passage about heaps, long enough to be one: " + "x" * 20
+    b = 'Another one, with "quotes" and a\nline break inside it: ' + "y" * 20
+    assert tool_passages(f"{a}\n\n{b}", 40) == [a, b]  # plain: every paragraph, the last too
+    dumped = json.dumps([{"page_content": a, "metadata": {"source": "s"}}, {"page_content": b}])
+    assert tool_passages(dumped, 40) == [a, json.dumps(b)[1:-1]]  # as the JSON text writes them
+    assert tool_passages(json.dumps([a, "short"]), 40) == [a]
+    assert tool_passages(json.dumps({"results": [{"text": b}]}, ensure_ascii=False), 40) == \
+        [json.dumps(b, ensure_ascii=False)[1:-1]]
+    assert context_passages(["Question?", dumped], 40, roles=["user", "tool"]) == [a, json.dumps(b)[1:-1]]
+    assert context_passages([f"{a}\n\nQ: ?", f"{a}\n\n{b}"], 40, roles=["user", "tool"]) == [a, a, b]

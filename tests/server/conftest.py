@@ -34,7 +34,22 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start_server(engine=None, **config) -> LiveServer:
+def make_long_engine(positions: int = 2048):
+    """A tiny random-weight engine with a longer context window than ``tiny_runner``'s 512 positions
+    (offered tools take a few hundred byte tokens of system prompt)."""
+    from cachedrag.config import EngineConfig
+    from cachedrag.engine import CachedEngine
+    from cachedrag.model.lookup import LookupConfig
+    from cachedrag.model.runner import ModelRunner
+    from cachedrag.testing import byte_tokenizer, tiny_model
+
+    tok = byte_tokenizer()
+    model = tiny_model(vocab_size=len(tok), max_position_embeddings=positions)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return CachedEngine(ModelRunner(model, tok), config=EngineConfig(lookup=LookupConfig(max_draft=0)))
+
+
+def start_server(engine=None, embedder=None, **config) -> LiveServer:
     import uvicorn
 
     from cachedrag.config import EngineConfig
@@ -46,7 +61,7 @@ def start_server(engine=None, **config) -> LiveServer:
 
     if engine is None:
         engine = CachedEngine(tiny_runner(), config=EngineConfig(lookup=LookupConfig(max_draft=0)))
-    app = create_app(engine, ServerConfig(model_name="tiny", **config))
+    app = create_app(engine, ServerConfig(model_name="tiny", **config), embedder=embedder)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
@@ -63,11 +78,17 @@ def start_server(engine=None, **config) -> LiveServer:
 def live_server():
     servers = []
 
-    def make(engine=None, **config):
-        s = start_server(engine, **config)
+    def make(engine=None, embedder=None, **config):
+        s = start_server(engine, embedder, **config)
         servers.append(s)
         return s
 
     yield make
     for s in servers:
         s.stop()
+
+
+@pytest.fixture
+def long_engine():
+    """``make_long_engine()``: a tiny engine with 2048 positions."""
+    return make_long_engine()

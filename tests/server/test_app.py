@@ -139,7 +139,8 @@ def test_seeded_sampling_is_reproducible(live_server):
 @pytest.mark.parametrize("change, status, param", [
     ({"model": "gpt-4o"}, 404, "model"),
     ({"temperature": 3.0}, 400, "temperature"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 9}, 400, "n"),  # more choices than the max batch (8)
+    ({"n": 0}, 400, "n"),
     ({"max_tokens": 100_000}, 400, "messages"),
     ({"cachedrag": {"chunks": ["this text is not in the prompt at all, anywhere"]}}, 400, "cachedrag.chunks"),
     ({"frequency_penalty": 3.0}, 400, "frequency_penalty"),
@@ -149,7 +150,8 @@ def test_seeded_sampling_is_reproducible(live_server):
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
       "tool_choice": "required"}, 400, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),  # "auto": no parser
+    ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
@@ -208,28 +210,33 @@ def test_response_format_gives_json_valid_for_the_schema(live_server):
         json.loads(free.choices[0].message.content)  # the same model unconstrained: not JSON
 
 
-def test_required_tool_calls_come_back_as_openai_tool_calls(live_server):
-    client = _client(live_server())
+def test_required_tool_calls_come_back_as_openai_tool_calls(live_server, long_engine):
+    client = _client(live_server(long_engine))  # the offered tools take a system prompt
     args_of = {"get_weather": lambda a: a["city"] in ("Paris", "Rome") and set(a) == {"city"},
                "add": lambda a: set(a) == {"a", "b"} and all(isinstance(v, int) for v in a.values())}
-    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, tools=TOOLS,
-                                       tool_choice="required")
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False)
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     assert call.type == "function" and call.id.startswith("call_")
     assert args_of[call.function.name](json.loads(call.function.arguments))
-    named = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=1.0, seed=4,
-                                           tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
+    named = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=1.0, seed=4,
+                                           tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                                           parallel_tool_calls=False)
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "add" and args_of["add"](json.loads(call.function.arguments))
-    stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, tools=TOOLS,
-                                            tool_choice="required", stream=True)
-    calls, reasons = [], []
+    stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0, tools=TOOLS,
+                                            tool_choice="required", parallel_tool_calls=False, stream=True)
+    calls, reasons = {}, []
     for chunk in stream:
         for choice in chunk.choices:
-            calls += choice.delta.tool_calls or []
+            for d in choice.delta.tool_calls or []:  # OpenAI's shape: id and name first, then argument pieces
+                if d.index not in calls:
+                    assert d.id.startswith("call_") and d.function.name and d.type == "function"
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
             reasons.append(choice.finish_reason)
-    assert [(c.function.name, c.function.arguments) for c in calls] == \
+    assert [tuple(c) for c in calls.values()] == \
         [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
     assert reasons[-1] == "tool_calls"
     cut = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3, temperature=0, tools=TOOLS,
@@ -472,8 +479,8 @@ def test_disconnect_while_a_chunk_is_being_sent_frees_the_slot():
 def test_queued_deltas_go_out_as_one_chunk():
     import asyncio
 
-    from cachedrag.server.app import _merge_deltas
     from cachedrag.server.loop import Delta, Failed, TokenLogprob
+    from cachedrag.server.stream import merge_deltas as _merge_deltas
 
     async def run():
         queue: asyncio.Queue = asyncio.Queue()
@@ -486,6 +493,11 @@ def test_queued_deltas_go_out_as_one_chunk():
         merged, pending = _merge_deltas(Delta("a", lp[:1]), queue)
         assert merged == Delta("a b c", lp) and pending is done
         assert queue.qsize() == 1  # what follows the first non-delta stays queued
+        other = Delta("x", None, index=1)  # another choice's delta ends the run too
+        for event in (Delta("b"), other, Delta("c")):
+            queue.put_nowait(event)
+        queue.get_nowait()  # the "never" left over
+        assert _merge_deltas(Delta("a"), queue) == (Delta("ab"), other)
 
     asyncio.run(run())
 

@@ -27,9 +27,9 @@ def _recording(server):
     seen = []
     chat, completion = planner.chat, planner.completion
 
-    def record_chat(messages, chunks=None):
+    def record_chat(messages, chunks=None, **kw):
         seen.append(list(chunks or []))
-        return chat(messages, chunks)
+        return chat(messages, chunks, **kw)
 
     def record_completion(prompt, chunks=None):
         seen.append(list(chunks or []))
@@ -106,14 +106,15 @@ class Pick(BaseModel):
     n: int = Field(ge=0, le=99)  # bounded: a random-weight model would write digits to max_tokens
 
 
-def test_langchain_structured_output_through_the_server(live_server):
+def test_langchain_structured_output_through_the_server(live_server, long_engine):
     """``ChatOpenAI.with_structured_output`` sends a JSON schema (default) or a named tool; the
     server constrains decoding to it, so even a random-weight model answers with a ``Pick``."""
     pytest.importorskip("langchain_openai")
     from cachedrag.integrations.openai_langchain import ChatCachedRAGOpenAI
 
-    s = live_server(passages={"enabled": False})
-    llm = ChatCachedRAGOpenAI(model="tiny", base_url=s.base_url, max_tokens=40, temperature=0.0)
+    s = live_server(long_engine, passages={"enabled": False})  # tools take a system prompt
+    # 120 byte tokens: a call in the generic envelope is ~60
+    llm = ChatCachedRAGOpenAI(model="tiny", base_url=s.base_url, max_tokens=120, temperature=0.0)
     for method in ("json_schema", "function_calling"):
         pick = llm.with_structured_output(Pick, method=method).invoke("Pick one.")
         assert isinstance(pick, Pick) and 0 <= pick.n <= 99

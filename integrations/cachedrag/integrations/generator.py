@@ -6,6 +6,9 @@ blocking or streaming, with an optional wall-clock timeout; and ``Answer``, the 
 engine's per-request stats and token usage in the shape both frameworks report. TTFT in the
 stats counts from the start of prompt preparation (template, split, tokenisation included).
 
+``ToolRequest``: the tools and ``tool_choice`` of one call, the grammar constraint and the
+incremental parser (``cachedrag.prompt.toolparse``) for its answer, in the template's format.
+
 Does not own: framework types (``llama_index``/``langchain`` modules), template rendering
 and splitting (``cachedrag.prompt``: ``template``, ``splitter``), the engine.
 """
@@ -28,6 +31,7 @@ from cachedrag.prompt.template import (
     render_completion,
     render_messages,
 )
+from cachedrag.prompt.tools import ToolChoice, ToolSpec, as_tool_specs
 
 
 @dataclass
@@ -158,8 +162,8 @@ class ChunkAwareGenerator:
         return has_chat_template(self.tokenizer)
 
     # ------------------------------------------------------------------ prompts
-    def render_messages(self, messages: Sequence[Message]) -> RenderedPrompt:
-        return render_messages(self.tokenizer, messages)
+    def render_messages(self, messages: Sequence[Message], tools: Sequence[ToolSpec] | None = None) -> RenderedPrompt:
+        return render_messages(self.tokenizer, messages, tools=tools)
 
     def render_completion(self, prompt: str, system_prompt: str | None = None,
                           formatted: bool = False) -> RenderedPrompt:
@@ -205,6 +209,44 @@ class _Counted:
     @property
     def result(self):
         return self._generation.result
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools offered in one call and the ``tool_choice`` (``ToolChoice``) for its answer."""
+
+    tools: tuple[ToolSpec, ...]
+    choice: ToolChoice
+
+    @classmethod
+    def of(cls, tools, tool_choice=None, parallel_tool_calls: bool | None = None) -> "ToolRequest | None":
+        """From OpenAI-format dicts (or ``ToolSpec``s) and any framework's ``tool_choice``; None without tools."""
+        specs = as_tool_specs(tools)
+        if not specs:
+            if tool_choice not in (None, "none", "auto"):
+                raise ValueError("tool_choice needs tools")
+            return None
+        return cls(tuple(specs), ToolChoice.parse(tool_choice, parallel_tool_calls, [t.name for t in specs]))
+
+    def format(self, engine):
+        from cachedrag.prompt.toolformat import detect_format
+
+        return detect_format(engine.runner.tokenizer)
+
+    def constraint(self, engine):
+        """The grammar constraint of the answer (None under ``tool_choice="none"``)."""
+        from cachedrag.model.constraint import tool_constraint
+        from cachedrag.model.generation import eos_token_ids
+
+        runner = engine.runner
+        return tool_constraint(runner.tokenizer, eos_token_ids(runner.model, runner.tokenizer), self.tools,
+                               self.choice, self.format(engine))
+
+    def parser(self, engine):
+        """A fresh incremental parser of the answer (None under ``none``: the answer is text)."""
+        from cachedrag.prompt.toolparse import parser_for
+
+        return None if self.choice.mode == "none" else parser_for(self.format(engine))
 
 
 def sampling_params(max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
