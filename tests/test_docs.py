@@ -54,12 +54,14 @@ def test_run_page_shares_one_namespace_and_stops_at_a_failure(tmp_path):
     assert main([]) == 2
 
 
-def test_the_cli_reference_is_current():
-    """docs/cli.md is generated from the parsers; regenerate it with scripts/gen_cli_reference.py."""
+@pytest.mark.parametrize("script", ["gen_cli_reference.py", "gen_config_reference.py"])
+def test_the_generated_reference_pages_are_current(script):
+    """docs/cli.md and docs/config.md are generated from the parsers and the settings models;
+    regenerate them with ``python scripts/<script>``."""
     import runpy
 
-    gen = runpy.run_path(str(ROOT / "scripts" / "gen_cli_reference.py"))
-    assert gen["main"](["--check"]) == 0, "docs/cli.md is stale: run python scripts/gen_cli_reference.py"
+    gen = runpy.run_path(str(ROOT / "scripts" / script))
+    assert gen["main"](["--check"]) == 0, f"a generated page is stale: run python scripts/{script}"
 
 
 def test_examples_readme_lists_every_example():
