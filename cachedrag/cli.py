@@ -9,7 +9,7 @@ command line answers at once:
 
     cachedrag demo                 answer questions over the stdlib docs corpus
     cachedrag serve                OpenAI-compatible server (continuous batching, chunk reuse)
-    cachedrag bench <suite>        benchmark suites (ttft, retrieval, kernels, tiers, pipelines)
+    cachedrag bench <suite>        the benchmark suites of BENCH_SUITES below (docs/cli.md lists all)
     cachedrag index build|search   build or query an IVF index directory
 
 The bench suites are a distribution of their own, ``cachedrag-bench`` (``benchmarks/`` in a

@@ -2,8 +2,9 @@
 
 Five engines over the same reordered retrieval (every chunk cached before, in another order):
 ``fidelity="exact"`` (exact-prefix reuse only: answers equal full prefill), ``"faithful"`` (as
-guarded, and a later answer token within 0.25 nats of a rival moves the answer onto an exact
-prefill of the prompt and the answer so far; ``tie_guard_switch`` says before which token),
+guarded, and the tie guard during decoding at every token, ``tie_guard_decode=inf``: after the first
+token the answer moves onto an exact prefill of the prompt and the answer so far, so the rest of it
+is full prefill's; ``tie_guard_switch`` says before which token),
 ``"guarded"`` (as
 balanced, but a request whose approximate first token is within 0.25 nats of a rival is prefilled
 again exactly; ``tie_guard`` in the result says when), ``"balanced"`` (non-prefix chunk reuse, 27%

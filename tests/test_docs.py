@@ -1,4 +1,5 @@
-"""The documentation's code runs as written: every ```python block of README.md and docs/*.md.
+"""The documentation's code runs as written: every ```python block of README.md and of every user
+page under docs/ (the measurement notes under docs/notes/ are history, not run).
 
 Each page's blocks run in order in one namespace (a later block may use what an earlier one
 defined, as a reader following the page would), in a fresh working directory per page, with
@@ -25,7 +26,7 @@ import pytest
 from cachedrag.docblocks import Block, blocks_of, run_block
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "notes" not in p.relative_to(ROOT / "docs").parts)]
 CASES = [(b, n) for page in PAGES if page.is_file() for n, b in enumerate(blocks_of(page))]
 
 
@@ -51,6 +52,34 @@ def test_run_page_shares_one_namespace_and_stops_at_a_failure(tmp_path):
     with pytest.raises(AssertionError, match="wrong"):
         run_page(page, log=lines.append)
     assert main([]) == 2
+
+
+@pytest.mark.parametrize("script", ["gen_cli_reference.py", "gen_config_reference.py"])
+def test_the_generated_reference_pages_are_current(script):
+    """docs/cli.md and docs/config.md are generated from the parsers and the settings models;
+    regenerate them with ``python scripts/<script>``."""
+    import runpy
+
+    gen = runpy.run_path(str(ROOT / "scripts" / script))
+    assert gen["main"](["--check"]) == 0, f"a generated page is stale: run python scripts/{script}"
+
+
+def test_examples_readme_lists_every_example():
+    listed = (ROOT / "examples" / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "examples").iterdir())
+               if p.suffix in (".py", ".yaml") and f"]({p.name})" not in listed]
+    assert not missing, f"examples/README.md does not list {missing}"
+
+
+def test_user_pages_stay_short_and_link_their_notes():
+    """User pages stay readable (measurement logs go to docs/notes/); each note is linked from its page."""
+    docs = ROOT / "docs"
+    long = [p.name for p in PAGES[1:] if p.name != "cli.md" and len(p.read_text().splitlines()) > 400]
+    assert not long, f"user pages over 400 lines: {long}"
+    for note in (docs / "notes").glob("*.md"):
+        page = docs / note.name
+        if page.is_file():
+            assert f"notes/{note.name}" in page.read_text(), f"{page.name} does not link its notes"
 
 
 @pytest.fixture(scope="session")

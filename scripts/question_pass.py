@@ -5,7 +5,7 @@ and row bucket (opt-in: ``question_pass = "cuda-graph"``); elsewhere it runs the
 eagerly (``"static"``), which checks the path on the CPU. Both engines answer the same reordered
 requests; the padded pass picks the same tokens to recompute, so the answers match.
 
-    python examples/question_pass.py
+    python scripts/question_pass.py
 """
 
 from __future__ import annotations

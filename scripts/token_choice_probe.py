@@ -6,7 +6,7 @@ now), then the question is answered from those caches with each token choice at 
 recompute ratios. Reported per choice: KL(full || reuse) of the next-token distribution,
 first-token agreement and ROUGE-L of a 32-token greedy answer, both against full prefill.
 
-    python examples/token_choice_probe.py --questions 8
+    python scripts/token_choice_probe.py --questions 8
 
 Choices: naive (none), random, leading (first tokens), inter (Cache-Craft: most attention to
 prior chunks when cached), deviation / deviation_k / deviation_kv (CacheBlend: largest V, K or

@@ -7,8 +7,8 @@ row-major layout the runner holds. This times one step of B requests (1, 2, 4, 8
 contexts) with both, interleaved, and checks that each row of a batch equals its request's single
 step bit for bit.
 
-    python examples/batched_decode.py                 # bf16, the server's numerics
-    python examples/batched_decode.py --dtype float32
+    python scripts/batched_decode.py                 # bf16, the server's numerics
+    python scripts/batched_decode.py --dtype float32
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Runs anywhere: on a CUDA machine the Triton kernels run (and are checked against
 references); elsewhere the references run, and the result says so. Then it runs the kernel
 benchmark at small sizes (``cachedrag bench kernels`` does the same with full options).
 
-    python examples/kernels_bench.py
+    python scripts/kernels_bench.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ On a CUDA machine this is the Llama-3.1-8B shape in bf16 (the figures of docs/gp
 16 GB of GPU memory for the weights); elsewhere the tiny shape runs on the CPU in seconds, which
 checks the code paths but says nothing about speed.
 
-    python examples/gpu_shapes.py
+    python scripts/gpu_shapes.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ prefix, or, on the reuse path, fresh chunks, ~27% of each reused chunk and the q
 times each kind on both runners (interleaved, medians) and prints how far the logits differ
 (docs/speed.md, "Prefill attention, round 11").
 
-    python examples/prefill_attention.py            # embedded SmolLM2-135M-Instruct
+    python scripts/prefill_attention.py            # embedded SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations

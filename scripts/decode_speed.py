@@ -7,7 +7,7 @@ default). Each answers the same questions over the same chunks, interleaved; all
 produce the same tokens (the paths sum in different orders, so a near-tied greedy choice may
 differ). Prints decode ms per generated token and how many drafts were kept.
 
-Run: .venv/bin/python examples/decode_speed.py [--questions 6] [--tokens 48]
+Run: .venv/bin/python scripts/decode_speed.py [--questions 6] [--tokens 48]
 """
 
 import argparse

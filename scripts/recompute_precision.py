@@ -9,7 +9,7 @@ prompt, fresh chunks before every reused one, the question and the logits stay f
 chunks cached before in another order and one new chunk behind them. Each prints TTFT, the
 approximations it used and the answer, beside full prefill (docs/fidelity.md, rounds 10 and 20).
 
-    python examples/recompute_precision.py            # embedded SmolLM2-135M-Instruct
+    python scripts/recompute_precision.py            # embedded SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
