@@ -104,3 +104,10 @@ def test_function_agent_runs_with_a_forced_first_call(llm):
     assert out.tool_calls and out.tool_calls[0].tool_name == "search"
     assert out.tool_calls[0].tool_output.content == "The heapq module provides a heap queue."
     assert isinstance(str(out.response.content), str)
+
+
+def test_the_openai_like_client_says_it_calls_functions():
+    pytest.importorskip("llama_index.llms.openai_like")
+    from cachedrag.integrations.openai_llama_index import CachedRAGOpenAILike
+
+    assert CachedRAGOpenAILike(api_base="http://127.0.0.1:9/v1").metadata.is_function_calling_model
