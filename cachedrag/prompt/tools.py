@@ -150,10 +150,14 @@ class ToolChoice:
         return tools
 
 
-def as_tool_specs(tools: Iterable[Any] | None) -> list[ToolSpec]:
-    """``ToolSpec``s from ToolSpecs or OpenAI-format dicts; names must be unique."""
+def as_tool_specs(tools: Iterable[Any] | None, unique: bool = True) -> list[ToolSpec]:
+    """``ToolSpec``s from ToolSpecs or OpenAI-format dicts. Names must be unique, or with
+    ``unique=False`` the first tool of a name is kept (a call names a tool: two of one name
+    cannot both be meant)."""
     specs = [t if isinstance(t, ToolSpec) else ToolSpec.from_openai(t) for t in (tools or [])]
     names = [t.name for t in specs]
-    if len(set(names)) != len(names):
+    if len(set(names)) == len(names):
+        return specs
+    if unique:
         raise ValueError(f"tool names must be unique: {names}")
-    return specs
+    return [t for i, t in enumerate(specs) if t.name not in names[:i]]

@@ -1,5 +1,5 @@
 """Framework idioms: strict constructor arguments, own tokenizer counts, sampling knobs,
-structured output (grammar-constrained JSON), bind_tools error, logprobs."""
+structured output (grammar-constrained JSON), logprobs (tool calling: test_langchain_tools.py)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,8 @@ def test_langchain_json_mode_and_unsupported_methods(tiny_engine):
         import json
 
         assert isinstance(json.loads(msg.content), dict)
-    with pytest.raises(NotImplementedError, match="tool"):
-        chat.with_structured_output(Verdict, method="function_calling")
-    with pytest.raises(NotImplementedError, match="tool calling"):
-        chat.bind_tools([Verdict])
+    with pytest.raises(ValueError, match="not supported"):
+        chat.with_structured_output(Verdict, method="xml")
 
 
 def test_langchain_logprobs_and_sampling_knobs(tiny_engine):

@@ -1,11 +1,12 @@
 """LangChain's standard test suites (langchain-tests) on ChatCachedRAG and CachedRAGRetriever.
 
 The chat suites run on the tiny random engine registered as ``TINY`` (they check shapes and
-behaviour, not wording); tool calling and multimodal inputs are declared unsupported, so those
-tests skip themselves. Structured output IS supported (grammar-constrained JSON; tested in
-test_idioms.py and tests/model/test_constraint.py) but declared off here: the suite's schemas
-have free-text strings, which a random-weight byte-level model does not close within the
-suite's 16-token cap.
+behaviour, not wording); multimodal inputs are declared unsupported, so those tests skip
+themselves. Tool calling, tool choice, structured output and JSON mode are on: every test that
+the grammar alone decides passes on random weights (a forced call is a valid call, histories
+with calls and results render). The tests that need a competent model (the right arguments, a
+call chosen under ``auto``, free-text strings closed within the cap, Chinese text copied) are
+non-strict xfails here, on random weights only.
 """
 
 from __future__ import annotations
@@ -35,15 +36,19 @@ class _Declared:
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:
@@ -75,10 +80,54 @@ class TestChatCachedRAGUnit(_Declared, ChatModelUnitTests):
         super().test_serdes(model, snapshot)
 
 
+_COMPETENT = "needs a competent model: random weights (byte tokenizer) make valid but arbitrary calls and JSON"
+
+
+_JOKE = _COMPETENT + (" (the pydantic Joke needs both strings closed within the cap; the typeddict and json_schema "
+                      "cases pass: XPASS)")
+
+
 class TestChatCachedRAGIntegration(_Declared, ChatModelIntegrationTests):
     @property
     def standard_chat_model_params(self) -> dict:
-        return {"max_tokens": 16}  # short answers keep the suite fast
+        return {"max_tokens": 128}  # a call in the envelope is ~60 bytes before its arguments
+
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    @pytest.mark.xfail(strict=False, reason=_COMPETENT + " (expects exactly one call with input=3)")
+    def test_tool_calling(self, model) -> None:
+        super().test_tool_calling(model)
+
+    @pytest.mark.xfail(strict=False, reason=_COMPETENT + " (expects exactly one call with input=3)")
+    async def test_tool_calling_async(self, model) -> None:
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    @pytest.mark.xfail(strict=False, reason=_JOKE)
+    def test_structured_output(self, model, schema_type) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    @pytest.mark.xfail(strict=False, reason=_JOKE)
+    async def test_structured_output_async(self, model, schema_type) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(strict=False, reason=_COMPETENT + " (the pydantic Joke needs both strings closed)")
+    def test_structured_output_pydantic_2_v1(self, model) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(strict=False, reason=_COMPETENT + " (json_mode allows any object; the keys come from the "
+                       "prompt)")
+    def test_json_mode(self, model) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    @pytest.mark.xfail(strict=False, reason=_COMPETENT + " (under auto the model must choose to call the tool)")
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(strict=False, reason=_COMPETENT + " (the arguments must copy Chinese text)")
+    def test_unicode_tool_call_integration(self, model, *, tool_choice=None, force_tool_call=True) -> None:
+        super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
 
     @property
     def supported_usage_metadata_details(self) -> dict:

@@ -220,8 +220,9 @@ class ToolRequest:
 
     @classmethod
     def of(cls, tools, tool_choice=None, parallel_tool_calls: bool | None = None) -> "ToolRequest | None":
-        """From OpenAI-format dicts (or ``ToolSpec``s) and any framework's ``tool_choice``; None without tools."""
-        specs = as_tool_specs(tools)
+        """From OpenAI-format dicts (or ``ToolSpec``s) and any framework's ``tool_choice``; None without
+        tools. Of several tools with one name the first is kept."""
+        specs = as_tool_specs(tools, unique=False)
         if not specs:
             if tool_choice not in (None, "none", "auto"):
                 raise ValueError("tool_choice needs tools")

@@ -9,7 +9,13 @@ Owns the LangChain adapters (thin: the work is in ``generator``, ``search``, ``c
   tokens as ``input_token_details.cache_read``) and ``response_metadata`` with ``model_name``
   and the engine's cache stats. Messages are rendered with the tokenizer's chat template into
   one string; registered chunk texts found in it (in any message) are served from the chunk
-  caches, the rest is computed.
+  caches, the rest is computed. Tool calling: ``bind_tools(tools, tool_choice=...,
+  parallel_tool_calls=..., strict=...)``; the tools, ``AIMessage.tool_calls`` and
+  ``ToolMessage`` results of a history are rendered in the template's own tool format (or the
+  generic envelope), the answer is grammar-constrained per ``tool_choice`` (``cachedrag.prompt``
+  tool modules) and parsed into ``AIMessage.tool_calls`` / streamed ``tool_call_chunks`` (name
+  first, then argument deltas). ``with_structured_output`` with ``function_calling``,
+  ``json_schema`` or ``json_mode``.
 - ``CachedRAGRetriever`` (``BaseRetriever``) over an index directory with ``k``, returning
   ``Document``s (id = chunk id; metadata: chunk id, doc id, score, rank, offsets) and
   registering their texts.
@@ -19,7 +25,8 @@ Does not own: generation, search or the registries (the shared helper modules).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import json
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import (
@@ -31,15 +38,16 @@ from langchain_core.callbacks import (
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.base import LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.messages import ChatMessage as LCChatMessage
+from langchain_core.messages.tool import tool_call, tool_call_chunk
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field, PrivateAttr, SecretStr
 
 from cachedrag.integrations.engines import engine_name, load_engine, shared_engine
-from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
+from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, ToolRequest, json_constraint, sampling_params
 from cachedrag.integrations.search import shared_searcher
 from cachedrag.integrations.speculation import pipelining_option
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
@@ -47,6 +55,8 @@ from cachedrag.model.loader import DEFAULT_MODEL
 from cachedrag.prompt.registry import ChunkRegistry
 from cachedrag.prompt.registry import chunk_registry as _default_registry
 from cachedrag.prompt.template import Message
+from cachedrag.prompt.toolparse import ArgumentsDelta, CallStarted, TextDelta
+from cachedrag.prompt.tools import ToolCall
 from cachedrag.retrieval.config import PipeliningConfig
 
 __all__ = ["ChatCachedRAG", "CachedRAGRetriever"]
@@ -143,47 +153,58 @@ class ChatCachedRAG(BaseChatModel):
     def get_token_ids(self, text: str) -> list[int]:
         return list(self._engine.runner.tokenizer.encode(text, add_special_tokens=False))
 
-    def bind_tools(self, tools, **kwargs: Any):
-        raise NotImplementedError(
-            "ChatCachedRAG does not support tool calling yet; for JSON output use "
-            "with_structured_output(Schema) (grammar-constrained, always valid for the schema)")
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                   strict: bool | None = None, **kwargs: Any):
+        """The model with ``tools`` (pydantic classes, functions, ``BaseTool``s or OpenAI dicts) bound.
+
+        ``tool_choice``: None / ``"auto"`` (text or calls), ``"none"``, ``"any"`` / ``"required"`` /
+        True (calls only), or a tool's name; the answer is grammar-constrained accordingly, so a
+        required call is always a call valid for its schema. ``parallel_tool_calls=False``: at most
+        one call per answer. ``strict`` is passed to ``convert_to_openai_tool`` (the grammar
+        enforces the schema either way).
+        """
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        ToolRequest.of(formatted, tool_choice, parallel_tool_calls)  # fail here on a bad choice, not at invoke
+        bound: dict[str, Any] = {"tools": formatted, **kwargs}
+        if tool_choice is not None:
+            bound["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            bound["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(**bound)
 
     def with_structured_output(self, schema=None, *, method: str = "json_schema", include_raw: bool = False,
-                               **kwargs: Any):
+                               strict: bool | None = None, **kwargs: Any):
         """Output parsed into ``schema`` (a pydantic class, a TypedDict or a JSON schema dict).
 
         Decoding is constrained by the schema's grammar over the model's vocabulary, so the JSON
-        is valid whatever the model size. ``method="json_mode"`` constrains to any JSON object
-        (``schema`` then only picks the parser). ``function_calling`` is not supported.
+        is valid whatever the model size. ``json_schema``: the answer is the JSON;
+        ``function_calling``: the answer is a forced call of a tool whose parameters are the
+        schema (parsed from ``AIMessage.tool_calls``); ``json_mode`` constrains to any JSON
+        object (``schema`` then only picks the parser). ``strict`` is accepted (the grammar always
+        enforces the schema).
         """
         from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
-        from langchain_core.runnables import RunnableLambda, RunnableMap, RunnablePassthrough
         from langchain_core.utils.function_calling import convert_to_json_schema
         from langchain_core.utils.pydantic import is_basemodel_subclass
 
         if kwargs:
             raise TypeError(f"with_structured_output got unknown argument(s) {', '.join(sorted(kwargs))}")
-        if method not in ("json_schema", "json_mode"):
-            raise NotImplementedError(f"method={method!r} is not supported (no tool calling); "
-                                      f"use 'json_schema' or 'json_mode'")
-        if method == "json_schema" and schema is None:
-            raise ValueError("with_structured_output(method='json_schema') needs a schema")
-        json_schema = None if method == "json_mode" else convert_to_json_schema(schema)
-        llm = self.bind(response_format={"type": method, "schema": json_schema})
+        if method not in ("json_schema", "json_mode", "function_calling"):
+            raise ValueError(f"method={method!r} is not supported; use 'function_calling', 'json_schema' or "
+                             f"'json_mode'")
+        if method != "json_mode" and schema is None:
+            raise ValueError(f"with_structured_output(method={method!r}) needs a schema")
         pydantic_cls = schema if isinstance(schema, type) and is_basemodel_subclass(schema) else None
+        if method == "function_calling":
+            return _with_raw(*_function_calling(self, schema, pydantic_cls, strict), include_raw)
+        json_schema = None if method == "json_mode" else convert_to_json_schema(schema)
+        llm = self.bind(response_format={"type": method, "schema": json_schema}, ls_structured_output_format={
+            "kwargs": {"method": method, "strict": strict},
+            "schema": convert_to_json_schema(schema) if schema is not None else None})
         parser = PydanticOutputParser(pydantic_object=pydantic_cls) if pydantic_cls else JsonOutputParser()
-        if not include_raw:
-            return llm | parser
-
-        def parse(raw):
-            try:
-                return {"parsed": parser.invoke(raw), "parsing_error": None}
-            except Exception as exc:  # noqa: BLE001 - LangChain's include_raw contract reports it
-                return {"parsed": None, "parsing_error": exc}
-
-        return RunnableMap(raw=llm) | RunnablePassthrough.assign(**{
-            "parsed": RunnableLambda(lambda x: parse(x["raw"])["parsed"]),
-            "parsing_error": RunnableLambda(lambda x: parse(x["raw"])["parsing_error"])})
+        return _with_raw(llm, parser, include_raw)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -202,9 +223,17 @@ class ChatCachedRAG(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         model, generator = self._generator_for(kwargs)
-        answer = generator.generate(generator.render_messages(_messages(messages)), self._params(stop, kwargs),
-                                    mode=kwargs.get("mode", self.reuse_mode), timeout=self.timeout)
-        message = AIMessage(content=answer.text, usage_metadata=_usage(answer),
+        tools = _tool_request(kwargs)
+        answer = generator.generate(generator.render_messages(_messages(messages), tools and tools.tools),
+                                    self._params(stop, kwargs, tools), mode=kwargs.get("mode", self.reuse_mode),
+                                    timeout=self.timeout)
+        content, calls = answer.text, []
+        parser = tools.parser(generator.engine) if tools else None
+        if parser is not None:
+            events = parser.feed(answer.text) + parser.finish()
+            content = "".join(e.text for e in events if isinstance(e, TextDelta))
+            calls = [tool_call(name=c.name, args=c.args, id=c.id) for c in parser.calls]
+        message = AIMessage(content=content, tool_calls=calls, usage_metadata=_usage(answer),
                             response_metadata=_response_metadata(model, answer))
         generation = ChatGeneration(message=message, generation_info={"finish_reason": answer.finish_reason})
         return ChatResult(generations=[generation], llm_output={"model_name": model})
@@ -212,13 +241,18 @@ class ChatCachedRAG(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         model, generator = self._generator_for(kwargs)
-        stream = generator.stream(generator.render_messages(_messages(messages)), self._params(stop, kwargs),
-                                  mode=kwargs.get("mode", self.reuse_mode), timeout=self.timeout)
+        tools = _tool_request(kwargs)
+        stream = generator.stream(generator.render_messages(_messages(messages), tools and tools.tools),
+                                  self._params(stop, kwargs, tools), mode=kwargs.get("mode", self.reuse_mode),
+                                  timeout=self.timeout)
+        parser = tools.parser(generator.engine) if tools else None
         try:
             for delta in stream:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-                if run_manager is not None:
-                    run_manager.on_llm_new_token(delta, chunk=chunk)
+                for chunk in _chunks(parser.feed(delta) if parser is not None else [TextDelta(delta)]):
+                    if run_manager is not None:
+                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
+            for chunk in _chunks(parser.finish() if parser is not None else []):
                 yield chunk
         finally:
             stream.close()
@@ -250,12 +284,17 @@ class ChatCachedRAG(BaseChatModel):
             return self.model, self._generator
         return model, ChunkAwareGenerator(shared_engine(model), self._registry)
 
-    def _params(self, stop: list[str] | None, kwargs: dict):
+    def _params(self, stop: list[str] | None, kwargs: dict, tools: ToolRequest | None = None):
         max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))
         constraint = None
         response_format = kwargs.get("response_format")
+        engine = self._generator_for(kwargs)[1].engine
+        if response_format and tools is not None and tools.choice.mode != "none":
+            raise ValueError("tools with a tool_choice other than 'none' and a response_format cannot be combined")
         if response_format:
-            constraint = json_constraint(response_format, self._generator_for(kwargs)[1].engine)
+            constraint = json_constraint(response_format, engine)
+        elif tools is not None:
+            constraint = tools.constraint(engine)
         return sampling_params(
             max_new_tokens=max_tokens or 256, temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p), stop=list(self.stop or []) + list(stop or []),
@@ -317,7 +356,74 @@ class CachedRAGRetriever(BaseRetriever):
 
 # ---------------------------------------------------------------------- helpers
 def _messages(messages: list[BaseMessage]) -> list[Message]:
-    return [Message(m.role if isinstance(m, LCChatMessage) else m.type, _text(m)) for m in messages]
+    out = []
+    for m in messages:
+        role = m.role if isinstance(m, LCChatMessage) else m.type
+        if isinstance(m, AIMessage) and m.tool_calls:
+            calls = tuple(ToolCall.of(c["name"], c.get("args") or {}, c.get("id")) for c in m.tool_calls)
+            out.append(Message(role, _text(m), tool_calls=calls))
+        elif isinstance(m, ToolMessage):
+            out.append(Message("tool", _tool_text(m), tool_call_id=m.tool_call_id, name=m.name))
+        else:
+            out.append(Message(role, _text(m)))
+    return out
+
+
+def _tool_text(message: ToolMessage) -> str:
+    """A tool result's text (non-text content JSON-dumped; an error status said)."""
+    try:
+        text = _text(message)
+    except ValueError:
+        text = json.dumps(message.content, ensure_ascii=False, default=str)
+    return f"Error: {text}" if message.status == "error" else text
+
+
+def _tool_request(kwargs: dict) -> ToolRequest | None:
+    return ToolRequest.of(kwargs.get("tools"), kwargs.get("tool_choice"), kwargs.get("parallel_tool_calls"))
+
+
+def _chunks(events) -> Iterator[ChatGenerationChunk]:
+    """Stream chunks of parser events: text deltas as content, calls as ``tool_call_chunks``."""
+    for e in events:
+        if isinstance(e, TextDelta) and e.text:
+            yield ChatGenerationChunk(message=AIMessageChunk(content=e.text))
+        elif isinstance(e, CallStarted):
+            yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                tool_call_chunk(name=e.name, args="", id=e.id, index=e.index)]))
+        elif isinstance(e, ArgumentsDelta):
+            yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                tool_call_chunk(args=e.text, index=e.index)]))
+
+
+def _function_calling(llm: ChatCachedRAG, schema, pydantic_cls, strict: bool | None):
+    """The bound model and the parser of ``with_structured_output(method="function_calling")``."""
+    from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+    from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+
+    name = convert_to_openai_tool(schema)["function"]["name"]
+    bound = llm.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, strict=strict,
+                           ls_structured_output_format={"kwargs": {"method": "function_calling", "strict": strict},
+                                                        "schema": convert_to_json_schema(schema)})
+    if pydantic_cls is not None:
+        return bound, PydanticToolsParser(tools=[pydantic_cls], first_tool_only=True)
+    return bound, JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+
+
+def _with_raw(llm, parser, include_raw: bool):
+    from langchain_core.runnables import RunnableLambda, RunnableMap, RunnablePassthrough
+
+    if not include_raw:
+        return llm | parser
+
+    def parse(raw):
+        try:
+            return {"parsed": parser.invoke(raw), "parsing_error": None}
+        except Exception as exc:  # noqa: BLE001 - LangChain's include_raw contract reports it
+            return {"parsed": None, "parsing_error": exc}
+
+    return RunnableMap(raw=llm) | RunnablePassthrough.assign(**{
+        "parsed": RunnableLambda(lambda x: parse(x["raw"])["parsed"]),
+        "parsing_error": RunnableLambda(lambda x: parse(x["raw"])["parsing_error"])})
 
 
 def _text(message: BaseMessage) -> str:

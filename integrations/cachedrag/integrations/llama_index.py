@@ -2,9 +2,12 @@
 
 Owns the LlamaIndex adapters (thin: the work is in ``generator``, ``search``, ``cachedrag.prompt``):
 
-- ``CachedRAGLLM`` (``CustomLLM``): complete / chat, streaming and real async variants (work
-  runs on a worker thread; streams come through an ``asyncio.Queue``); the tokenizer's chat
-  template; stop strings; ``metadata`` from the model. Registered chunk texts found in a
+- ``CachedRAGLLM`` (``FunctionCallingLLM``): complete / chat, streaming and real async variants
+  (work runs on a worker thread; streams come through an ``asyncio.Queue``); the tokenizer's
+  chat template; stop strings; ``metadata`` from the model. Tool calling (``chat_with_tools``
+  and its async / stream variants, ``FunctionAgent``): tools, ``ToolCallBlock``s and tool
+  messages rendered in the template's tool format, answers grammar-constrained per tool choice
+  and parsed into ``ToolCallBlock``s (``llama_index_tools``). Registered chunk texts found in a
   prompt are served from the engine's chunk caches whatever template surrounds them.
 - ``CachedRAGRetriever`` (``BaseRetriever``) over an index directory (``cachedrag index
   build``): embeds ``query_bundle.embedding_strs`` (HyDE's hypothetical document included),
@@ -42,7 +45,6 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
-    TextBlock,
 )
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.instrumentation import get_dispatcher
@@ -51,7 +53,7 @@ from llama_index.core.instrumentation.events.query import QueryStartEvent
 from llama_index.core.instrumentation.span import SimpleSpan, active_span_id
 from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import (
     MetadataMode,
@@ -64,7 +66,9 @@ from llama_index.core.schema import (
 from pydantic import Field, PrivateAttr
 
 from cachedrag.integrations.engines import engine_name, load_engine
-from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, json_constraint, sampling_params
+from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, ToolRequest, json_constraint, sampling_params
+from cachedrag.integrations.llama_index_tools import ToolCallTracker, prepare_chat_with_tools, tool_selections
+from cachedrag.integrations.llama_index_tools import to_messages as _messages
 from cachedrag.integrations.query_stats import QueryStats
 from cachedrag.integrations.search import SearchHit, shared_searcher
 from cachedrag.integrations.speculation import pipelining_option
@@ -72,13 +76,13 @@ from cachedrag.integrations.worker import run_in_worker, stream_in_worker
 from cachedrag.model.loader import DEFAULT_MODEL
 from cachedrag.prompt.registry import ChunkRegistry
 from cachedrag.prompt.registry import chunk_registry as _default_registry
-from cachedrag.prompt.template import Message, RenderedPrompt
+from cachedrag.prompt.template import RenderedPrompt
 from cachedrag.retrieval.config import PipeliningConfig
 
 __all__ = ["CachedRAGLLM", "CachedRAGRetriever", "CachedRAGNodePostprocessor"]
 
 
-class CachedRAGLLM(CustomLLM):
+class CachedRAGLLM(FunctionCallingLLM):
     """A LlamaIndex LLM that reuses the KV caches of retrieved chunks.
 
     >>> from cachedrag.integrations.llama_index import CachedRAGLLM, CachedRAGRetriever
@@ -168,8 +172,22 @@ class CachedRAGLLM(CustomLLM):
             num_output=self.max_new_tokens,
             model_name=self.model,
             is_chat_model=self._generator.is_chat_model,
-            is_function_calling_model=False,
+            is_function_calling_model=True,
         )
+
+    # ------------------------------------------------------------------ tool calling
+    def _prepare_chat_with_tools(self, tools, user_msg=None, chat_history=None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 **kwargs: Any) -> dict[str, Any]:
+        """``tool_required=True`` (or ``tool_choice="required"`` / a tool's name) forces a call;
+        otherwise the model may answer in text (``auto``, a lazy grammar)."""
+        return prepare_chat_with_tools(tools, user_msg, chat_history, allow_parallel_tool_calls, tool_required,
+                                       **kwargs)
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list:
+        """``ToolSelection``s of the response's ``ToolCallBlock``s (partial JSON arguments closed)."""
+        return tool_selections(response, error_on_no_tool_call)
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
@@ -223,14 +241,28 @@ class CachedRAGLLM(CustomLLM):
                 yield CompletionResponse(text=text, delta=delta, raw=answer.stats(), additional_kwargs=_usage(answer))
 
     def _chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        answer = self._answer(self._generator.render_messages(_messages(messages)), kwargs)
-        message = ChatMessage(role=MessageRole.ASSISTANT, content=answer.text)
+        tools = _tool_request(kwargs)
+        answer = self._answer(self._generator.render_messages(_messages(messages), tools and tools.tools), kwargs)
+        parser = tools.parser(self._engine) if tools else None
+        if parser is None:
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=answer.text)
+        else:
+            tracker = ToolCallTracker()
+            tracker.add(parser.feed(answer.text) + parser.finish())
+            message = tracker.message()
         return ChatResponse(message=message, raw=answer.stats(), additional_kwargs=_usage(answer))
 
     def _stream_chat(self, messages: Sequence[ChatMessage], _sinks=(), **kwargs: Any) -> ChatResponseGen:
-        rendered = self._generator.render_messages(_messages(messages))
+        tools = _tool_request(kwargs)
+        rendered = self._generator.render_messages(_messages(messages), tools and tools.tools)
+        parser = tools.parser(self._engine) if tools else None
+        tracker = ToolCallTracker()
         for text, delta, answer in self._deltas(rendered, kwargs, _sinks):
-            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+            if parser is not None:  # text outside the calls; the calls as ToolCallBlocks so far
+                delta = tracker.add(parser.feed(delta) + (parser.finish() if answer is not None else []))
+                message = tracker.message()
+            else:
+                message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
             if answer is None:
                 yield ChatResponse(message=message, delta=delta)
             else:
@@ -269,13 +301,17 @@ class CachedRAGLLM(CustomLLM):
 
     def _params(self, kwargs: dict):
         stop = list(self.stop) + list(kwargs.get("stop") or [])
+        tools = _tool_request(kwargs)
+        if tools is not None and not kwargs.get("response_format"):
+            constraint = tools.constraint(self._engine)
+        else:
+            constraint = json_constraint(kwargs["response_format"], self._engine) if kwargs.get("response_format") \
+                else None
         return sampling_params(
             max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
             temperature=kwargs.get("temperature", self.temperature), top_p=kwargs.get("top_p", self.top_p),
             stop=stop, seed=kwargs.get("seed", self.seed), top_k=kwargs.get("top_k", self.top_k),
-            repetition_penalty=kwargs.get("repetition_penalty", self.repetition_penalty),
-            constraint=json_constraint(kwargs["response_format"], self._engine) if kwargs.get("response_format")
-            else None,
+            repetition_penalty=kwargs.get("repetition_penalty", self.repetition_penalty), constraint=constraint,
         )
 
 
@@ -363,14 +399,8 @@ class CachedRAGNodePostprocessor(BaseNodePostprocessor):
 
 
 # ---------------------------------------------------------------------- helpers
-def _messages(messages: Sequence[ChatMessage]) -> list[Message]:
-    out = []
-    for m in messages:
-        if any(not isinstance(b, TextBlock) for b in m.blocks):
-            kinds = sorted({type(b).__name__ for b in m.blocks if not isinstance(b, TextBlock)})
-            raise ValueError(f"CachedRAGLLM handles text only; the message has {', '.join(kinds)}")
-        out.append(Message(m.role.value, m.content or ""))
-    return out
+def _tool_request(kwargs: dict) -> ToolRequest | None:
+    return ToolRequest.of(kwargs.get("tools"), kwargs.get("tool_choice"), kwargs.get("parallel_tool_calls"))
 
 
 def _usage(answer: Answer) -> dict:

@@ -5,7 +5,9 @@ Owns: ``CachedRAGOpenAILike``, LlamaIndex's ``OpenAILike`` (the OpenAI-compatibl
 ``httpx`` client (``openai_transport``) that attaches the chunks cachedrag's retrievers or
 ``CachedRAGNodePostprocessor`` registered as the request's ``cachedrag.chunks`` field, so the
 server serves them from its chunk cache at any position; ``structured_predict`` asks the server
-for JSON constrained to the output class (``response_format``). Everything else (completion, chat,
+for JSON constrained to the output class (``response_format``); it declares itself a function-calling
+model (``cachedrag serve`` renders ``tools`` and constrains calls per ``tool_choice``), so
+``FunctionAgent`` and the function-calling question generators accept it. Everything else (completion, chat,
 streaming, async, query engines) is ``OpenAILike``'s own.
 
 Does not own: the server, chunk registration (``cachedrag.prompt.registry``), in-process generation (``llama_index``).
@@ -34,6 +36,7 @@ class CachedRAGOpenAILike(OpenAILike):
     def __init__(self, model: str = "SmolLM2-135M-Instruct", api_base: str = "http://127.0.0.1:8000/v1",
                  api_key: str = "none", *, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
         kwargs.setdefault("is_chat_model", True)
+        kwargs.setdefault("is_function_calling_model", True)
         kwargs.setdefault("context_window", 8192)
         kwargs.setdefault("http_client", chunk_http_client(chunk_registry))
         kwargs.setdefault("async_http_client", chunk_async_http_client(chunk_registry))
