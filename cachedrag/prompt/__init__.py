@@ -2,6 +2,7 @@
 
 One place for everything between request text and token ids:
 
+    messages   ``Message``: one chat message (role, text, tool calls or a tool result's call id)
     template   chat messages -> one prompt string (the tokenizer's chat template), where the last
                message's content starts, and the template around an empty user message
     segments   ``Segment`` and ``PromptBuilder``: tokenisation into keyed text/chunk segments, the
@@ -30,7 +31,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Message": "template",
+    "Message": "messages",
     "RenderedPrompt": "template",
     "render_messages": "template",
     "render_completion": "template",

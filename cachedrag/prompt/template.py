@@ -15,13 +15,14 @@ generation.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cachedrag.prompt.messages import Message
+
 if TYPE_CHECKING:
-    from cachedrag.prompt.tools import ToolCall, ToolSpec
+    from cachedrag.prompt.tools import ToolSpec
 
 _SENTINEL = "CACHEDRAGxLASTxCONTENTx7f3a9c"  # no whitespace: templates may trim content
 
@@ -32,32 +33,6 @@ _ROLES = {
     "assistant": "assistant", "ai": "assistant", "chatbot": "assistant", "model": "assistant",
     "tool": "tool", "function": "tool",
 }
-
-
-@dataclass(frozen=True)
-class Message:
-    """One chat message; ``tool_calls`` on an assistant message, ``tool_call_id`` / ``name`` on a
-    tool result (``Message(role, content)`` is a plain message)."""
-
-    role: str
-    content: str
-    tool_calls: tuple["ToolCall", ...] = ()
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    def with_content(self, content: str, role: str | None = None) -> "Message":
-        return dataclasses.replace(self, content=content, role=role or self.role)
-
-    def template_dict(self) -> dict:
-        """The message as Hugging Face chat templates take it (call arguments as dicts)."""
-        out: dict = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            out["tool_calls"] = [c.to_template() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
 
 
 @dataclass(frozen=True)

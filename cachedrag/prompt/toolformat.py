@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cachedrag.prompt.template import Message
+from cachedrag.prompt.messages import Message
 from cachedrag.prompt.tools import ToolCall, ToolSpec
 
 _PROBE_TOOL = "cachedrag_probe_tool_9f2c"
