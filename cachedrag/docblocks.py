@@ -4,8 +4,9 @@ Owns ``blocks_of`` (a page's python blocks with their ``<!-- doc-test: skip (rea
 markers) and ``run_page`` (a page's blocks in order in one namespace, as a reader follows it).
 The test suite runs every page on the tiny model (tests/test_docs.py); ``make wheel-check`` runs
 the integration tutorials with ``python -m cachedrag.docblocks PAGE...`` in a venv holding only
-the built wheel, on the real default model. Does not own the pages or what they need on disk
-(``my-index``): the caller prepares the working directory.
+the built wheel, on the real default model. Also ``generated_page``, the write-or-``--check``
+entry point of the scripts that generate reference pages (scripts/gen_*_reference.py). Does not
+own the pages or what they need on disk (``my-index``): the caller prepares the working directory.
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def run_page(path: Path, log=print) -> int:
         ran += 1
         log(f"{block.page}:{block.line}: ok ({time.perf_counter() - start:.1f} s)")
     return ran
+
+
+def generated_page(page: Path, text: str, script: str, argv: list[str] | None = None) -> int:
+    """Write ``text`` to ``page``; with ``--check`` in ``argv`` (default: the command line) only say
+    whether ``page`` already holds it (exit code 1 and one line naming ``script`` when stale)."""
+    if "--check" not in (argv if argv is not None else sys.argv[1:]):
+        page.write_text(text)
+        return 0
+    if page.is_file() and page.read_text() == text:
+        return 0
+    print(f"{page} is stale: run python scripts/{script}", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

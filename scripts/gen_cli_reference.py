@@ -61,15 +61,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    check = "--check" in (argv if argv is not None else sys.argv[1:])
-    text = render()
-    if check:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE} is stale: run python scripts/gen_cli_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    return 0
+    from cachedrag.docblocks import generated_page
+
+    return generated_page(PAGE, render(), "gen_cli_reference.py", argv)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ Does not own the engine, the metrics' definitions (``bench.metrics``) or the gol
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import statistics
 import sys

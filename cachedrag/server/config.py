@@ -1,7 +1,8 @@
 """Settings of ``cachedrag serve``, validated once.
 
-Owns: ``SchedulerConfig`` (batching and admission order), ``PassageConfig`` (automatic chunk
-detection), ``ServerConfig`` (address, model name, mode, both of the above), ``EngineSettings``
+Owns: ``SchedulerConfig`` (batching and admission order), ``ServerConfig`` (address, model name,
+mode, the scheduler and the automatic chunk detection's ``PassageConfig``, which
+``cachedrag.prompt.planning`` defines), ``EngineSettings``
 (what a server's engine is built from: model, numerics, fidelity level and the fields beside it,
 chunk-cache tiers), ``ServeSettings`` (what ``cachedrag serve --config FILE`` holds: a
 ``ServerConfig`` and an ``EngineSettings``), how a server's engine settings become its
