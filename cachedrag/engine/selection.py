@@ -11,7 +11,7 @@ that layer inside the layer loop):
     LeadingScorer    each chunk's leading tokens (the fallback when the check layer is too deep)
 
 their fusion (weighted ranks within each chunk: ``fuse_inter``, ``fuse_ranks``), picking the top
-tokens (``pick_each``) and the step that runs them for one request (``choose_before_prefill``;
+tokens (``_pick_each``) and the step that runs them for one request (``choose_before_prefill``;
 ``DeviationCheck`` is the layer loop's hook at the check layer). A new scorer is a class here with
 its name among ``CacheConfig.token_choice``'s choices and a branch in ``scorers_for``.
 Pure tensor helpers besides the scorers; the pre-pass itself is ``engine/question.py``."""
@@ -147,7 +147,7 @@ def _left_out(engine, rows: RowPlan, notes: list[str]) -> list[int]:
 
 def pick_into(rows: RowPlan, plan, scores: dict[int, torch.Tensor]) -> None:
     """The top-scored tokens of every deferred segment into ``rows.recompute_pos``; nothing stays deferred."""
-    tops = pick_each([scores[i] for i in rows.deferred], list(rows.deferred.values()))
+    tops = _pick_each([scores[i] for i in rows.deferred], list(rows.deferred.values()))
     for i, top in zip(rows.deferred, tops):
         rows.recompute_pos[i] = sorted(plan.segments[i].start + j for j in top)
     rows.deferred = {}
@@ -204,10 +204,10 @@ def _rows(positions: torch.Tensor, wanted: torch.Tensor) -> slice | torch.Tensor
 
 def _pick(scores: torch.Tensor, count: int) -> list[int]:
     """Indices of the ``count`` tokens to recompute in one chunk: the highest ``scores [T]``."""
-    return pick_each([scores], [count])[0]
+    return _pick_each([scores], [count])[0]
 
 
-def pick_each(scores: list[torch.Tensor], counts: list[int]) -> list[list[int]]:
+def _pick_each(scores: list[torch.Tensor], counts: list[int]) -> list[list[int]]:
     """``_pick`` of every chunk (``scores[c]`` ``[T_c]``, ``counts[c]`` tokens), read back to the host
     in one transfer: one wait for the GPU per request, not one per chunk."""
     parts = [torch.topk(x, min(count, x.shape[0])).indices for x, count in zip(scores, counts)]
