@@ -174,7 +174,7 @@ class CachedEngine:
         left in ``.hand_off`` (None when there is nothing to store), for the caller to run once
         the first token is out, as ``generate`` does; until then only decode may write the buffer
         (rows past the prompt).
-        ``.promote`` (``CacheConfig.exact_repeats``, timing "after_response"): when this request's
+        ``.promote`` (``CacheConfig.exact.repeats``, timing "after_response"): when this request's
         chunk sequence recurred often enough, a callable that computes and stores its exact tree
         path; the caller runs it whenever it likes (after the response, in idle time) or drops it.
         ``exact``: plan as prefix caching (tree prefix, the rest fresh: the prefill equals full
@@ -197,7 +197,7 @@ class CachedEngine:
     def prefill_exact_continuation(self, segments: Sequence[Segment], answer: Sequence[int], max_new_tokens: int,
                                    between_layers: Callable[[int, int], None] | None = None,
                                    stop_at_disagreement: bool = False) -> "Prefilled":
-        """The tie guard during decoding (``CacheConfig.tie_guard_decode``): prefill exactly, as prefix
+        """The tie guard during decoding (``CacheConfig.exact.tie_guard_decode``): prefill exactly, as prefix
         caching would (tree prefix, the rest fresh), ``segments`` as served (``Prefilled.segments``)
         followed by the ``answer`` token ids chosen so far (>= 1).
 

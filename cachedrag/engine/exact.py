@@ -2,11 +2,11 @@
 the rest fresh, so the KV equals full prefill's) instead of, or after, an approximate one.
 
     exact_repeat         a chunk sequence served from reuse often enough is planned exactly now
-                         (``CacheConfig.exact_repeats`` timing "inline") or promoted later (``Promotion``)
+                         (``CacheConfig.exact.repeats`` timing "inline") or promoted later (``Promotion``)
     first_token_guard    an approximate prefill whose first token is a near tie is prefilled again
-                         exactly (``CacheConfig.tie_guard``)
+                         exactly (``CacheConfig.exact.tie_guard``)
     DecodeTieGuard       a near tie while decoding moves the answer onto an exact prefill of the
-                         prompt and the answer so far (``CacheConfig.tie_guard_decode``), maybe rewinding
+                         prompt and the answer so far (``CacheConfig.exact.tie_guard_decode``), maybe rewinding
     exact_continuation   that exact prefill (also teacher-forced scoring's, ``guard_teacher``)
     near_tie, top2       the top-2 logit gap both guards read (the rule itself: ``kvcache.tie``)
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class DecodeTieGuard:
-    """The tie guard during decoding (``CacheConfig.tie_guard_decode``) for one answer.
+    """The tie guard during decoding (``CacheConfig.exact.tie_guard_decode``) for one answer.
 
     While the answer decodes on an approximate prefill's KV, ``due`` says whether the logits about
     to choose the next token are a near tie (top-2 gap below the threshold); ``switch`` then
@@ -71,7 +71,7 @@ class DecodeTieGuard:
         the mode is not ``cachedrag``, or the prefill was exact (a reordered exact prefix is exact KV).
         ``rewind``: the caller shows no token before the answer is whole and decodes greedily with no
         history (``generation.rewind_allowed``)."""
-        threshold = engine.config.cache.tie_guard_decode
+        threshold = engine.config.cache.exact.tie_guard_decode
         approximate = [a for a in info.get("approximations", ()) if a != "reordered"]
         if threshold <= 0 or mode != Mode.CACHEDRAG.value or not approximate or segments is None or max_new_tokens < 2:
             return None
@@ -157,14 +157,14 @@ def near_tie(engine, logits: torch.Tensor, threshold: float) -> tuple[bool, floa
 
 
 def exact_repeat(manager, cache, plan, request, exact_plan: bool):
-    """``CacheConfig.exact_repeats``: when the plan reuses chunk variants and this chunk sequence has now
+    """``CacheConfig.exact.repeats``: when the plan reuses chunk variants and this chunk sequence has now
     been served from reuse that many times, either it is planned again as prefix caching would (timing
     "inline", or "after_response_else_inline" when an earlier promotion has not landed) or its exact path
     is promoted after the response. Returns the plan to run and ``"inline"``, ``"promote"`` or None."""
-    if not cache.exact_repeats or exact_plan or plan.repeat < cache.exact_repeats:
+    if not cache.exact.repeats or exact_plan or plan.repeat < cache.exact.repeats:
         return plan, None
-    overdue = plan.repeat > cache.exact_repeats  # an earlier sighting's promotion has not landed
-    when = cache.exact_repeats_when
+    overdue = plan.repeat > cache.exact.repeats  # an earlier sighting's promotion has not landed
+    when = cache.exact.repeats_when
     if when == "inline" or (when == "after_response_else_inline" and overdue):
         manager.release(plan, used=False)  # this sighting is computed exactly and stores its path
         return manager.plan(request, Mode.PREFIX), "inline"
@@ -173,14 +173,14 @@ def exact_repeat(manager, cache, plan, request, exact_plan: bool):
 
 def first_token_guard(engine, mode: Mode, exact_plan: bool, request, plan, pre: _Prefill, hand_offs: list,
                       t_first: float, execute: Callable[[object], Steps]) -> Steps:
-    """``CacheConfig.tie_guard``: reads the approximate prefill's first-token top-2 gap (reported as
+    """``CacheConfig.exact.tie_guard``: reads the approximate prefill's first-token top-2 gap (reported as
     ``first_token_gap``) and, in mode ``cachedrag`` when it is a near tie, prefills exactly
     (``execute(prefix plan)``); the approximate prefill's time counts in ``prefill_s``. Fresh chunks
     the first prefill computed before its first reused one are stored first, so the exact prefill
     finds them on the tree. Returns ``(plan, pre, hand_offs, fields)``; ``fields``: the result's
     ``tie_guard``, ``first_token_gap``, ``tie_guard_actions`` (the exact prefill ran when
     ``tie_guard`` is not None)."""
-    threshold = engine.config.cache.tie_guard
+    threshold = engine.config.cache.exact.tie_guard
     fields = {"tie_guard": None, "first_token_gap": None, "tie_guard_actions": None}
     if mode is Mode.FULL or exact_plan or not pre.info["approximations"]:
         return plan, pre, hand_offs, fields

@@ -1,10 +1,10 @@
 """Row precision: which rows of a prefill run on the runner's bfloat16 weight copies
 (``model/scoring.py``) instead of its own precision.
 
-Owns the rule (``CacheConfig.recompute_dtype``: the reused chunks' recomputed rows;
-``fresh_dtype``: fresh rows after the first reused chunk; ``leading_fresh_dtype``: fresh chunks
+Owns the rule (``CacheConfig.precision``, a ``RowPrecision``: ``recompute``, the reused chunks' recomputed rows;
+``fresh``, fresh rows after the first reused chunk; ``leading_fresh``, fresh chunks
 before it, ``leading_low``), the per-layer projections that split the compute set by it
-(``RowPrecision.weights``, a ``RowSplitLayer``), and building the copies ahead of the first
+(``LowPrecisionRows.weights``, a ``RowSplitLayer``), and building the copies ahead of the first
 request (``prepare``). Only mode ``cachedrag`` with reused chunks lowers any row; a prefill that
 lowered rows reports ``recompute_bfloat16`` / ``fresh_bfloat16`` among its approximations."""
 
@@ -23,33 +23,33 @@ from cachedrag.engine.state import LayerState, RowPlan
 def prepare(engine) -> None:
     """Build the bfloat16 weight copies now (~130 ms and 120 MB for the default model; every layer's
     where a row-precision setting is "bfloat16", the question pre-pass's layers where only
-    ``question_dtype`` is), so the first reuse-served request does not pay them. Only where this
+    ``precision.question`` is), so the first reuse-served request does not pay them. Only where this
     engine's default mode is ``cachedrag`` (a per-call ``mode="cachedrag"`` builds them on its first
     reuse instead)."""
     cache = engine.config.cache
-    if engine.config.mode == "cachedrag" and "bfloat16" in (cache.recompute_dtype, cache.fresh_dtype,
-                                                            cache.leading_fresh_dtype):
+    if engine.config.mode == "cachedrag" and "bfloat16" in (cache.precision.recompute, cache.precision.fresh,
+                                                            cache.precision.leading_fresh):
         scoring_layers(engine.runner, engine.runner.n_layers)
     elif (engine.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
-            and cache.question_dtype == "bfloat16"):
+            and cache.precision.question == "bfloat16"):
         scoring_layers(engine.runner, max(engine._question_layers()) + 1)
 
 
 def leading_low(engine, mode: Mode, rows: RowPlan, plan) -> tuple[bool, list[int]]:
     """Whether the fresh chunks before the first reused one run on the bfloat16 copies
-    (``leading_fresh_dtype="bfloat16"``; approximate then: the exact tree path ends before them),
+    (``precision.leading_fresh="bfloat16"``; approximate then: the exact tree path ends before them),
     and those segments. Only where no other fresh segment (the system prompt) leads."""
     lead_segments = [i for i, (sp, a) in enumerate(zip(plan.segments, rows.actions))
                      if a is Action.FRESH and sp.start < rows.first_reuse]
     runner = engine.runner
-    low = (mode is Mode.CACHEDRAG and engine.config.cache.leading_fresh_dtype == "bfloat16"
+    low = (mode is Mode.CACHEDRAG and engine.config.cache.precision.leading_fresh == "bfloat16"
            and rows.first_reuse < rows.total and bool(lead_segments)
            and all(plan.segments[i].role == "chunk" for i in lead_segments)
            and scoring_layers(runner, runner.n_layers) is not None)
     return low, lead_segments
 
 
-class RowPrecision:
+class LowPrecisionRows:
     """The rows of one prefill on the bfloat16 copies (``low_t`` ``[Tlow]``, absolute positions) and the
     per-layer projections splitting the compute set by them. ``used``: some layer split rows."""
 
@@ -57,8 +57,8 @@ class RowPrecision:
         cfg = engine.config.cache
         runner = engine.runner
         self.runner, self.tail_logits = runner, tail_logits
-        self.recompute_low = cfg.recompute_dtype == "bfloat16"
-        fresh_bf16 = cfg.fresh_dtype == "bfloat16"
+        self.recompute_low = cfg.precision.recompute == "bfloat16"
+        fresh_bf16 = cfg.precision.fresh == "bfloat16"
         first = rows.first_reuse
         fresh_low = [p for p in rows.fresh_pos if (p > first and fresh_bf16) or (p < first and lead_low)]
         self.low_t = None

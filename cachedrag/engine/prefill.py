@@ -14,7 +14,7 @@ request's prefill) without touching this request's buffer. Time spent suspended 
 stores nothing.
 
 Hook order within a layer: loads, lead join, deviation check (``selection.DeviationCheck``), row
-precision (``precision.RowPrecision.weights``), the layer's forward, then capture for the hand-off
+precision (``precision.LowPrecisionRows.weights``), the layer's forward, then capture for the hand-off
 (``handoff.Capture``) and focus. A new per-layer technique is a hook here or in its own module."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from cachedrag.kvcache.planner import Action, Mode
 from cachedrag.model.transfer import device_tensor
 from cachedrag.engine.handoff import Capture
 from cachedrag.engine.load import load_plan
-from cachedrag.engine.precision import RowPrecision, leading_low
+from cachedrag.engine.precision import LowPrecisionRows, leading_low
 from cachedrag.engine.result import prefill_info
 from cachedrag.engine.selection import DeviationCheck, choose_before_prefill
 from cachedrag.engine.state import LayerState, RowPlan, _HandOff, _Lead, _LoadFailed, _Prefill
@@ -80,7 +80,7 @@ def drive(steps: Steps, between_layers: Callable[[int, int], None] | None = None
     return PrefillTask(steps).run(between_layers)
 
 
-def layer_loop(runner, state: LayerState, kv, hooks: list, precision: RowPrecision | None, tail_logits: int,
+def layer_loop(runner, state: LayerState, kv, hooks: list, precision: LowPrecisionRows | None, tail_logits: int,
                all_logits: bool) -> Steps:
     """Every layer over ``state``'s rows with ``hooks`` around each; returns the seconds spent suspended."""
     paused = 0.0
@@ -189,7 +189,7 @@ def execute(engine, plan, segments, mode: Mode, max_new_tokens: int, all_logits:
                      leading=leading, low=lead_low)
         checking = choose_before_prefill(engine, rows, plan, ids, kv, loads, lead, notes)
         run = _Run(engine, plan, segments, mode, rows, kv, lead, checking)
-        precision = RowPrecision(engine, mode, rows, plan, lead_low, tail_logits)
+        precision = LowPrecisionRows(engine, mode, rows, plan, lead_low, tail_logits)
         t_prefill = time.perf_counter()
         state = run.state(ids)
         paused = yield from layer_loop(runner, state, kv, [loads, *run.hooks], precision, tail_logits, all_logits)

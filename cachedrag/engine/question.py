@@ -65,11 +65,11 @@ def question_scores(engine, ids: torch.Tensor, kv: KVBuffer, total: int, fresh_p
     ``lead.rows`` leading fresh rows (before every reused chunk, so computed as the prefill
     would): their raw K, metadata-layer queries and the hidden states entering the last scoring
     layer go into ``lead`` for the prefill to take over.
-    Its projections run on bfloat16 copies of the weights (``CacheConfig.question_dtype``,
+    Its projections run on bfloat16 copies of the weights (``CacheConfig.precision.question``,
     ``model/scoring.py``) unless fresh rows lead every reused chunk (``lead.leading``): those
     are the prefill's own rows and stay in the runner's precision, or go on the copies with
     every other row of the pass where the prefill computes them there (``lead.low``:
-    ``CacheConfig.leading_fresh_dtype="bfloat16"``).
+    ``CacheConfig.precision.leading_fresh="bfloat16"``).
     ``hidden``: positions of fresh rows left out of the pass (``CacheConfig.question_pass_fresh``
     "leading": fresh chunks after a reused one): zeroed in the buffer's pass layers and masked
     from every query's attention, as if those rows were absent (attention is position-free
@@ -77,7 +77,7 @@ def question_scores(engine, ids: torch.Tensor, kv: KVBuffer, total: int, fresh_p
     runner = engine.runner
     layers = engine._question_layers()
     weights = None  # None: the runner's own projections
-    if (lead is not None and lead.low) or (engine.config.cache.question_dtype == "bfloat16"
+    if (lead is not None and lead.low) or (engine.config.cache.precision.question == "bfloat16"
                                            and not (lead is not None and lead.leading)):
         weights = scoring_layers(runner, max(layers) + 1)
     rows = sorted(set(fresh_pos) | set(question_pos))

@@ -19,13 +19,13 @@ logits, each with its own sampling state, and each decodes in its own rows (a co
 prefill's buffer), so they take ``n`` batch slots once admitted (admission counts the request as
 one: the batch may run ``n - 1`` over ``max_batch`` until they finish; the app refuses ``n`` above
 ``max_batch``). Events carry their choice's ``index``. The tie guard during decoding
-(``CacheConfig.tie_guard_decode``): a request decoding on an approximate prefill's KV whose next
+(``CacheConfig.exact.tie_guard_decode``): a request decoding on an approximate prefill's KV whose next
 token would come from near-tied logits leaves the batch for one step; at the start of the next, its
 prompt and answer so far are prefilled exactly (``DecodeTieGuard.switch_task``, advanced like an
 admitted prefill, so the others keep decoding) and it goes on from that KV, holding its batch slot
 meanwhile. Idle time (nothing waiting or running) computes the exact knowledge-tree paths of
 recurring chunk sequences that prefills handed over (``Prefilled.promote``,
-``CacheConfig.exact_repeats``), one per idle turn; a request that arrives meanwhile makes it stop
+``CacheConfig.exact.repeats``), one per idle turn; a request that arrives meanwhile makes it stop
 after the current layer (abandoned, nothing stored; it starts over at the next idle turn). After
 ``trim_heap_idle_s`` with nothing at all to do, the loop returns the C heap's freed memory to the OS
 (``cachedrag.heap``: glibc otherwise keeps a burst's KV buffers mapped).
@@ -268,13 +268,13 @@ class EngineLoop(PrefillJobs):
     def _admits_exactly(self, request: ServeRequest) -> bool:
         """Whether ``request`` gets an exact prefill (prefix caching's plan; what it computes is still stored
         as its ``cachedrag`` mode stores it, reusable elsewhere): with the tie guard during decoding at
-        every token (``tie_guard_decode=inf``), its answer would move onto an exact prefill before its
+        every token (``exact.tie_guard_decode=inf``), its answer would move onto an exact prefill before its
         second token anyway, so the approximate prefill buys only an earlier first token. That is not worth
         it when at least ``exact_when_waiting`` requests wait (computing the approximate one first delays
         every one of them by a second prefill) or when the answer is sent whole (``exact_whole_answers``:
         nobody sees the first token early). Counted in ``exact_admissions``."""
         mode = request.mode or self.engine.config.mode
-        if mode != Mode.CACHEDRAG.value or not math.isinf(self.engine.config.cache.tie_guard_decode):
+        if mode != Mode.CACHEDRAG.value or not math.isinf(self.engine.config.cache.exact.tie_guard_decode):
             return False
         n = self.config.exact_when_waiting
         if (n > 0 and len(self.policy) >= n) or (self.config.exact_whole_answers and request.whole_answer):

@@ -197,7 +197,7 @@ class PrefillJobs:
                 run.kv = KVBuffer(k=pre.kv.k.clone(), v=pre.kv.v.clone(), length=pre.kv.length)  # [L, H_kv, C, D] each
         if pre.promote is not None:  # computed when the loop is idle
             self._promotions.append(pre.promote)
-            while len(self._promotions) > self.engine.config.cache.repeat_memory:
+            while len(self._promotions) > self.engine.config.cache.exact.repeat_memory:
                 self._promotions.popleft()
 
     # ------------------------------------------------------------------ the decode tie guard's switch

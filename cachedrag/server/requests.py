@@ -95,7 +95,7 @@ class _Running:
     ttft_s: float = 0.0
     last: int | None = None  # the token to feed next
     logprobs: list[TokenLogprob] = field(default_factory=list)  # chosen, not yet sent with a text delta
-    guard: DecodeTieGuard | None = None  # CacheConfig.tie_guard_decode (None: off, or the prefill was exact)
+    guard: DecodeTieGuard | None = None  # CacheConfig.exact.tie_guard_decode (None: off, or the prefill was exact)
     near_tie: torch.Tensor | None = None  # [V] the near-tied logits while the request waits for its exact prefill
     held: bool = False  # its text is sent whole when it finishes (the guard may rewind it; nobody sees a delta)
 
