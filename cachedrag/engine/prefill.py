@@ -167,8 +167,9 @@ def plan_rows(plan, actions: list[Action], total: int) -> RowPlan:
     deferred = {i: sp.deferred for i, (sp, a) in enumerate(zip(plan.segments, actions))
                 if a is Action.REUSE and sp.deferred}
     first_reuse = min((sp.start for sp, a in zip(plan.segments, actions) if a is Action.REUSE), default=total)
-    return RowPlan(total=total, actions=actions, fresh_pos=fresh_pos, question_pos=list(range(plan.question_start, total)),
-                   recompute_pos=recompute_pos, deferred=deferred, first_reuse=first_reuse)
+    return RowPlan(total=total, actions=actions, fresh_pos=fresh_pos,
+                   question_pos=list(range(plan.question_start, total)), recompute_pos=recompute_pos,
+                   deferred=deferred, first_reuse=first_reuse)
 
 
 def execute(engine, plan, segments, mode: Mode, max_new_tokens: int, all_logits: bool,
