@@ -165,11 +165,11 @@ class CachedEngine:
 
         Returns the working KV buffer (capacity = prompt + ``max_new_tokens``, rows of the
         prompt valid), the last-position logits ``[V]`` and the request's stats (the
-        ``EngineResult`` fields of the prefill); the caller decodes (``cachedrag.server.batch``).
+        ``EngineResult`` fields of the prefill); the caller decodes (``ModelRunner.decode_batch``).
         ``between_layers(layer, tokens)`` is called after each layer of the partial prefill
-        (``tokens``: positions that layer computed): the serving loop runs other requests'
-        decode steps there (chunked prefill). It must not touch this request's buffer; its time
-        is left out of ``prefill_s`` and the engine's cost model.
+        (``tokens``: positions that layer computed; ``prefill_task`` hands the same boundaries to a
+        caller that advances the prefill itself, as the serving loop does). It must not touch this
+        request's buffer; its time is left out of ``prefill_s`` and the engine's cost model.
         ``defer_store``: what the request computed fresh is not handed to the cache manager yet but
         left in ``.hand_off`` (None when there is nothing to store), for the caller to run once
         the first token is out, as ``generate`` does; until then only decode may write the buffer
