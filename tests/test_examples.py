@@ -6,8 +6,9 @@ neither ``EXAMPLES`` nor ``COVERED_ELSEWHERE`` (a config file another test reads
 
 Examples run in-process (``runpy``, as ``python examples/NAME.py ARGS``) with the embedded default
 model swapped for the tiny random model (``cachedrag.testing.tiny_default_model``, as the
-documentation's code runs in tests/test_docs.py), in a fresh working directory and cache home, so
-each takes seconds; answers are gibberish, so the patterns check the report's shape and the facts
+documentation's code runs in tests/test_docs.py), in a fresh working directory (the cache home is
+the session's, whose compiled native library the examples' servers reuse; what an example stores
+goes to folders given on its command line), so each takes seconds; answers are gibberish, so the patterns check the report's shape and the facts
 an example states (chunks served from the cache, answers equal to full prefill's), not the text.
 Those that take ``--index`` get the tiny ``my-index`` of ``cachedrag.testing.TINY_DOCS``. An
 example marked ``subprocess`` (it starts Ray) runs as a child process with its own ``--tiny``
@@ -131,8 +132,7 @@ def test_example_runs(name, docs_env, tmp_path, monkeypatch):
     for module in example.needs:
         pytest.importorskip(module)
     model_dir, index_dir = docs_env
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("CACHEDRAG_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)  # the cache home stays the session's: its compiled native library is reused
     argv = [a.replace("{index}", str(index_dir)).replace("{tmp}", str(tmp_path)) for a in example.args]
     path = EXAMPLES_DIR / name
     for _ in range(example.runs):
