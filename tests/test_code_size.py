@@ -23,10 +23,6 @@ MAX_FUNCTION_LINES = 80
 
 #: oversized modules (``module``) and functions (``module:Qualified.name``) still being split -> why
 ALLOWED: dict[str, str] = {
-    "cachedrag.engine.cached_engine": "the engine facade, being split into one module per stage (issue 53)",
-    "cachedrag.engine.cached_engine:CachedEngine._execute": "the request path's stages, being split (issue 53)",
-    "cachedrag.engine.cached_engine:CachedEngine._prefill": "the layer loop, becoming a loop over hooks (issue 53)",
-    "cachedrag.server.loop": "the server loop, moving to an advanced prefill and the one decoder (issue 53)",
     "cachedrag.integrations.llama_index": "the LlamaIndex adapter, being split (issue 53)",
 }
 

@@ -1,8 +1,9 @@
 """What a request returns: ``EngineResult`` (the answer and its per-request stats), ``Prefilled``
 (a prefill ready to decode, as the server and the decode guard use it) and ``GenerationStream``
-(text deltas, then the result).
+(text deltas, then the result), and a prefill's stats (``prefill_info``: what was computed, what
+was served from cache, and what made the prefill differ from full prefill).
 
-Owns the result types only; the engine fills them (``cached_engine``)."""
+Owns the result types and the accounting; the stages fill them."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cachedrag.kvcache.planner import Action, Mode
 from cachedrag.model.runner import KVBuffer
-from cachedrag.model.textgen import stream_tokens
 from cachedrag.prompt import Segment
 
 
@@ -123,3 +124,52 @@ class GenerationStream:
 class _Holder:
     result: EngineResult | None = None
     last_result = None  # set by textgen.stream_tokens
+
+
+def prefill_info(n_layers: int, plan, rows, compute: list[int], state, mode: Mode, choice: str, chunk_seg: list[int],
+                 precision, load_s: float, prefill_s: float, notes: list[str]) -> dict:
+    """A prefill's stats (``EngineResult``'s prefill fields). Truthful reuse: only tokens that reached the
+    last layer (``state.positions``) were computed; the rest of the prompt was served from cache (some of
+    it probed at the lower layers: "checked"). ``approximations`` is empty when the prefill equals full
+    prefill of the order served."""
+    total, actions = rows.total, rows.actions
+    full_depth = set(state.positions.tolist())
+    n_recomputed = len(full_depth - set(rows.fresh_pos) - set(rows.question_pos))
+    chunk_actions = [actions[i] for i in chunk_seg]
+    reused = [i for i, a in enumerate(actions) if a is Action.REUSE]
+    used_choice = (None if not reused else "none" if mode is Mode.NAIVE
+                   else "random" if mode is Mode.RANDOM else choice)
+    approximations = []
+    if reused:
+        approximations.append("chunk_reuse")
+        if any(p not in full_depth for i in reused for p in range(plan.segments[i].start, plan.segments[i].end)):
+            approximations.append(f"partial_recompute:{used_choice}")
+        if state.focus_layer is not None:
+            approximations.append("early_termination")
+        reused_rows = len(compute) > len(rows.fresh_pos) + len(rows.question_pos)  # reused rows computed
+        if precision.used and precision.recompute_low and reused_rows:
+            approximations.append("recompute_bfloat16")
+        if precision.used and precision.fresh_low:
+            approximations.append("fresh_bfloat16")
+    return {
+        "prompt_tokens": total,
+        "computed_tokens": len(full_depth),
+        "cached_tokens": total - len(full_depth),
+        "checked_tokens": len(compute) - len(full_depth),
+        "computed_fraction": state.token_layers / (n_layers * total),
+        "fresh_tokens": len(rows.fresh_pos),
+        "recomputed_tokens": n_recomputed,
+        "question_tokens": len(rows.question_pos),
+        "prefix_hit_tokens": sum(sp.n_tokens for sp, a in zip(plan.segments, actions) if a is Action.TREE),
+        "chunks_hit": sum(a is not Action.FRESH for a in chunk_actions),
+        "chunks_missed": sum(a is Action.FRESH for a in chunk_actions),
+        "chunk_cfo": [plan.segments[i].cfo if actions[i] is Action.REUSE else None for i in chunk_seg],
+        "chunk_recompute": [[p - plan.segments[i].start for p in rows.recompute_pos.get(i, ())] for i in chunk_seg],
+        "focus_layer": state.focus_layer,
+        "load_s": load_s,
+        "prefill_s": prefill_s,
+        "segment_actions": [a.value for a in actions],
+        "notes": notes,
+        "token_choice": used_choice,
+        "approximations": approximations,
+    }

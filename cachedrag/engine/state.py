@@ -1,4 +1,5 @@
-"""The typed state one request's prefill passes between its stages: what the prefill computed
+"""The typed state one request's prefill passes between its stages: the rows it computes
+(``RowPlan``), the layer loop's running state (``LayerState``), what the prefill computed
 (``_Prefill``), what it hands to the cache manager (``_HandOff``), the lead rows shared with the
 question pre-pass (``_Lead``), and the failure of a planned load (``_LoadFailed``, a miss: the
 segment is computed instead). Internal to the engine package."""
@@ -22,7 +23,7 @@ class _Prefill:
     hand_off: Callable[[], None] | None = None  # deferred store hand-off (``_prefill(defer_store=True)``)
     promote: Callable[..., float] | None = None  # exact path of a recurring sequence, to compute after the response
     segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
-    exact_segments: int = 0  # leading segments whose KV equals full prefill (``_prefill`` sets it: the plan's
+    exact_segments: int = 0  # leading segments whose KV equals full prefill (a tree path when stored)
 
 
 @dataclass
@@ -62,6 +63,52 @@ class _Lead:
     q: dict = field(default_factory=dict)  # metadata layer < ``layer`` -> rotated q ``[H_q, rows, D]``
     hidden: torch.Tensor | None = None  # [rows, Dm] the input of layer ``layer``
     layer: int | None = None
+
+    @property
+    def shared(self) -> int:
+        """Leading fresh rows the pre-pass computed (0 when it did not run below its last layer)."""
+        return self.rows if self.hidden is not None else 0
+
+
+@dataclass
+class RowPlan:
+    """Which prompt positions one prefill computes, by why (all absolute, sorted where lists)."""
+
+    total: int  # prompt tokens
+    actions: list  # per planned segment, the ``Action`` as executed (a failed load turns into FRESH)
+    fresh_pos: list[int]  # segments computed fresh
+    question_pos: list[int]  # the question's
+    recompute_pos: dict[int, list[int]]  # segment -> tokens of a reused chunk recomputed at full depth
+    deferred: dict[int, int]  # segment -> how many tokens to recompute, chosen by a token scorer
+    first_reuse: int  # position of the first reused chunk (``total`` when none)
+    probe_pos: list[int] = field(default_factory=list)  # deferred segments' tokens probed up to the check layer
+    question_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # segment -> [T_i] question scores
+
+    def compute(self) -> list[int]:
+        """Every position the prefill's first layer computes."""
+        recompute = {p for ps in self.recompute_pos.values() for p in ps}
+        return sorted(set(self.fresh_pos) | recompute | set(self.question_pos) | set(self.probe_pos))
+
+
+@dataclass
+class LayerState:
+    """The layer loop's running state: the rows being computed (``positions`` ``[Tc]``, sorted), their
+    hidden states and the per-row RoPE tables and attention plan that follow them when the compute
+    set shrinks (``narrow``) or the lead rows join."""
+
+    positions: torch.Tensor  # [Tc]
+    hidden: torch.Tensor  # [Tc, Dm]
+    rope: tuple[torch.Tensor, torch.Tensor]  # [Tc, D] each
+    blocks: object  # the runner's block-causal plan for ``positions``
+    total: int
+    token_layers: int = 0  # rows x layers computed so far
+    focus_layer: int | None = None  # where focused-chunk early termination decided
+
+    def narrow(self, runner, keep: torch.Tensor) -> None:
+        """Keep the rows of the mask ``keep`` ``[Tc]``; rope and the attention plan follow."""
+        self.positions, self.hidden = self.positions[keep], self.hidden[keep]
+        self.rope = (self.rope[0][keep], self.rope[1][keep])
+        self.blocks = runner.causal_blocks(self.positions, self.total)
 
 
 class _LoadFailed(Exception):

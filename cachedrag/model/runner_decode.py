@@ -92,6 +92,22 @@ class RunnerDecode:
             return "torch", reason, None
         return "fused", "", FusedDecode(self)
 
+    def decode_batch(self, tokens, positions, kvs, fast: bool | None = None, packed: bool | None = None,
+                     fused: bool | None = None) -> torch.Tensor:
+        """One decode step for B requests as one forward: ``tokens[b]`` at ``positions[b]`` into
+        ``kvs[b]``; returns logits ``[B, V]``, each row equal to ``decode_step`` on that request
+        (``model/batch_decode.py``; ``fast`` / ``packed`` / ``fused`` force a path, for tests)."""
+        from cachedrag.model.batch_decode import batched_decode_step
+
+        return batched_decode_step(self, tokens, positions, kvs, fast=fast, packed=packed, fused=fused)
+
+    def prepare_batch(self, max_batch: int) -> None:
+        """Build what batched steps of up to ``max_batch`` requests use (packed weights, per-shape
+        kernel setup) now, on the calling thread, so no request pays it (``batch_decode.prepare``)."""
+        from cachedrag.model.batch_decode import prepare
+
+        prepare(self, max_batch)
+
     @torch.inference_mode()
     def decode_step(self, token_id: int, position: int, kv: KVBuffer) -> torch.Tensor:
         """One autoregressive step: token at ``position`` attends to rows ``[0, position]``; logits ``[V]``."""

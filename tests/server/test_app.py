@@ -302,14 +302,14 @@ def test_openai_client_raises_its_typed_errors(live_server):
 def test_full_queue_answers_503(live_server):
     s = live_server(scheduler={"max_batch": 1, "max_waiting": 1})
     gate, entered = threading.Event(), threading.Event()
-    prefill = s.engine.prefill
+    prefill_task = s.engine.prefill_task
 
     def held_prefill(*args, **kwargs):  # the first prefill waits: the queue behind it fills up
         entered.set()
         gate.wait(30)
-        return prefill(*args, **kwargs)
+        return prefill_task(*args, **kwargs)
 
-    s.engine.prefill = held_prefill
+    s.engine.prefill_task = held_prefill
     body = {"model": "tiny", "messages": _messages(CHUNKS[:1]), "max_tokens": 2}
     results = []
 

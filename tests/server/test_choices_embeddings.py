@@ -43,13 +43,13 @@ def test_n_choices_share_one_prefill(live_server):
 def test_n_choices_prefill_once(live_server):
     s = live_server()
     calls = []
-    prefill = s.engine.prefill
+    prefill_task = s.engine.prefill_task
 
     def counting(*args, **kwargs):
         calls.append(1)
-        return prefill(*args, **kwargs)
+        return prefill_task(*args, **kwargs)
 
-    s.engine.prefill = counting
+    s.engine.prefill_task = counting
     _client(s).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0.7, n=4)
     assert len(calls) == 1
 
