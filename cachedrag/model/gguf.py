@@ -349,6 +349,8 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, numerics=None, linear_dt
     arch = architecture_of(gf)
     report.tensor_types = dict(check_quant_types(gf))
     config = gguf_config(gf)
+    # the tokenizer first: its vocabulary's transient objects are freed before the weights arrive (a lower peak)
+    tokenizer = gguf_tokenizer(path, config.model_type) if with_tokenizer else None
     model = _skeleton(config, dtype)
     name_map, processor = _name_map(model, arch, config)
     source = _TensorSource(gf, processor)
@@ -371,7 +373,6 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, numerics=None, linear_dt
             layers.append(_pack_layer(model.model.layers[i], numerics))
     _tie_or_check(model, path)
     packed = (layers, _pack_head(model, numerics)) if numerics is not None else None
-    tokenizer = gguf_tokenizer(path, config.model_type) if with_tokenizer else None
     report.seconds = time.perf_counter() - start
     report.peak_rss_bytes = peak_rss_bytes()
     log.info(report.line())
@@ -401,7 +402,11 @@ def _pack_head(model, numerics):
     head = model.lm_head
     head_numerics = numerics.model_copy(update={"weights": "dense"}) if numerics.weights == "int4" else numerics
     weight = head.weight if head.weight.dtype == numerics.torch_dtype else head.weight.to(numerics.torch_dtype)
-    return PackedLinear(weight, getattr(head, "bias", None), head_numerics)
+    packed = PackedLinear(weight, getattr(head, "bias", None), head_numerics)
+    if packed.kind == "int8" and head.weight is not model.model.embed_tokens.weight:  # an untied head: its
+        head.weight = torch.nn.Parameter(torch.empty(head.weight.shape, device="meta", dtype=head.weight.dtype),
+                                         requires_grad=False)  # int8 copy is the only one
+    return packed
 
 
 def _tie_or_check(model, path) -> None:
