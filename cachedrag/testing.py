@@ -166,17 +166,16 @@ class tiny_default_model:
 TINY_GGUF_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
-def save_tiny_gguf(path, arch: str = "llama", qtype: str = "F32", seed: int = 0, model=None):
+def save_tiny_gguf(path, arch: str = "llama", qtype: str = "F32", seed: int = 0, model=None, **overrides):
     """Write ``tiny_model(arch)`` (or ``model``, a Llama/Qwen2/Qwen3 causal LM) with ``byte_tokenizer()``
     as a GGUF file the way llama.cpp's converter lays it out: GGUF tensor names, Llama's q/k rows
     permuted, every 2-D weight in ``qtype`` (``TINY_GGUF_TYPES``; 1-D norms stay F32), the tokenizer
     and its chat template in the metadata. Returns ``(path, model)``; ``model`` keeps the float weights
-    the file was quantised from."""
+    the file was quantised from; ``overrides`` go to ``tiny_config`` (e.g. ``max_position_embeddings``)."""
     import gguf
-    import numpy as np
 
     tok = byte_tokenizer()
-    model = model if model is not None else tiny_model(arch, seed=seed, vocab_size=len(tok))
+    model = model if model is not None else tiny_model(arch, seed=seed, vocab_size=len(tok), **overrides)
     cfg = model.config
     gguf_arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), gguf_arch)

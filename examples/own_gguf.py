@@ -30,7 +30,8 @@ if not args.model and not args.tiny:
 
 path = args.model
 if args.tiny:
-    path = str(save_tiny_gguf(Path(tempfile.mkdtemp()) / "tiny-q8_0.gguf", qtype="Q8_0")[0])
+    path = str(save_tiny_gguf(Path(tempfile.mkdtemp()) / "tiny-q8_0.gguf", qtype="Q8_0",
+                              max_position_embeddings=4096)[0])
 try:
     runner = ModelRunner.from_pretrained(path, dtype="bfloat16", weights=args.weights)
 except CachedRAGError as exc:  # an unsupported quant type or architecture, a damaged file: one line

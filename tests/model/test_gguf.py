@@ -107,7 +107,7 @@ def test_load_report_is_logged(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="cachedrag.model.gguf"):
         loaded = g.load_gguf(path)
     assert "peak RSS" in caplog.text and "Q4_0" in caplog.text
-    assert loaded.report.tensor_types["Q4_0"] == 15  # 2 layers x 7 projections + the LM head
+    assert loaded.report.tensor_types["Q4_0"] == 16  # 2 layers x 7 projections, the embedding, the LM head
 
 
 def test_truncated_file_is_one_clear_error(tmp_path):
