@@ -77,6 +77,18 @@ def test_packed_while_loading_equals_packing_the_loaded_model(tmp_path, weights)
         assert direct.layers[0].self_attn.q_proj.weight.device.type == "meta"
 
 
+def test_int8_rows_in_blocks_equal_the_whole_weight():
+    from cachedrag.model.weights import int8_rows
+
+    w = torch.randn(300, 64, dtype=torch.bfloat16)  # [O, I]
+    w[7] = 0  # an all-zero row keeps its clamped scale
+    whole, blocks = int8_rows(w, block=10_000), int8_rows(w, block=7)
+    assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[1], blocks[1])
+    wf = w.float()
+    scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # the formula it replaces, in one piece
+    assert torch.equal(whole[0], torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8))
+
+
 def test_config_and_tokenizer_match_transformers(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
