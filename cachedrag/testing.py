@@ -59,8 +59,16 @@ def tiny_config(arch: str = "llama", vocab_size: int = 260, **overrides):
         cfg = Qwen2Config(**common)
     elif arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=16)
+    elif arch == "gemma3":  # sliding window 24 on 3 of every 4 layers, their own RoPE base; q/k norms, soft-cap
+        from transformers import Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, sliding_window=24,
+                               layer_types=["sliding_attention"] * 3 + ["full_attention"], query_pre_attn_scalar=16,
+                               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                               final_logit_softcapping=30.0)
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES} or gemma3")
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
