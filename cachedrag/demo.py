@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="earlier users' questions that fill the cache before the timed stream (default 8)")
     parser.add_argument("--top-k", type=int, default=5, help="chunks retrieved per question (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="answer length bound (default 40)")
-    parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="HF model id, path or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the full-prefill comparison")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true",

@@ -24,7 +24,8 @@ def model_fingerprint(model) -> str:
     for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset"):
         config.pop(volatile, None)
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
-    params = dict(model.named_parameters())
+    # a GGUF load with int8/int4 weights leaves the HF linear weights empty (meta): the fused copies are the weights
+    params = {name: p for name, p in model.named_parameters() if not p.is_meta}
     names = sorted(params)
     for name in names[:2] + names[len(names) // 2: len(names) // 2 + 2] + names[-2:]:
         flat = params[name].detach().reshape(-1)[:_SAMPLE].to("cpu", torch.float32)  # [<=4096]

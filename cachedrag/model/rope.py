@@ -67,6 +67,14 @@ class Rotary:
         rotary = model.model.rotary_emb
         return cls(rotary.inv_freq.detach().to("cpu"), getattr(rotary, "attention_scaling", 1.0))
 
+    def for_layer(self, i: int) -> "Rotary":
+        """The rotary of layer ``i``: this one for every layer (``model/gemma.py``'s ``LayerRotary`` differs)."""
+        return self
+
+    def table_for(self, i: int, table):
+        """Layer ``i``'s part of a ``cos_sin`` table: all of it here (one frequency set for every layer)."""
+        return table
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device | str):
         """cos, sin ``[T, D]`` for integer ``positions`` ``[T]``, computed as HF does (fp32, then cast)."""
         inv_freq = self.inv_freq_on(device)  # [D/2]

@@ -30,12 +30,12 @@ from pydantic import ValidationError
 
 from cachedrag.errors import ConfigError, ContextWindowError, UnsupportedModelError
 from cachedrag.model.attention import PAIRS
+from cachedrag.model.gemma import gemma_features, rotary_of, sandwich_finish, softcap
 from cachedrag.model.hardware import default_threads, resolve_device, set_threads
 from cachedrag.model.kv_buffer import KVBuffer
 from cachedrag.model.linear import gated_mlp, linear, reference_linear
 from cachedrag.model.loader import check_architecture
 from cachedrag.model.norms import RowNorms, plain_rms_norm, rms_norm, rms_norm_rows
-from cachedrag.model.rope import Rotary
 from cachedrag.model.runner_attention import CausalBlocks, RunnerAttention
 from cachedrag.model.runner_cached import RunnerCachedWrites
 from cachedrag.model.runner_decode import DECODE_STEPS, RunnerDecode
@@ -123,6 +123,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
     block-causal plan (the reference); ``"auto"`` (default): the kernel where it builds, on CPU
     with torch kernels, else SDPA (the reason in ``prefill_attention_note``). Layers with a
     sliding window, and float32 calls of fewer than ``_KERNEL_MIN_ROWS`` rows, keep SDPA.
+    ``prepacked``: every layer's ``LayerWeights`` and the LM head's ``PackedLinear`` already built (a
+    GGUF load packs them layer by layer, ``model/gguf.py``); used instead of packing ``model``'s weights.
     ``prefill_pairs``: with bfloat16 K/V and queries on an AVX512-BF16 CPU, which of the kernel's
     products multiply bf16 pairs (``vdpbf16ps``; ``model/attention.py``'s ``prefill_attention``):
     ``"scores"`` (default: exact products, the widened path's accuracy), ``"scores+values"``
@@ -130,19 +132,21 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
     ~4% faster prefills, a little less accurate), ``"none"`` (every element widened to float32).
     """
 
+    load_report = None  # what loading took (``model/gguf.py``'s ``LoadReport``), where the loader measured it
+
     def __init__(self, model, tokenizer=None, kernel_backend: str = "auto", skinny_linear: bool = True, *,
                  dtype=None, weights: str = "dense", kv_store_dtype=None, fast: bool = True,
                  threads: int | None = None, block_causal: bool = True, compile: bool = False,
                  compile_cache_dir=None, decode_attention: str = "auto", decode_step: str = "auto",
-                 prefill_attention: str = "auto", prefill_pairs: str = "scores"):
+                 prefill_attention: str = "auto", prefill_pairs: str = "scores", prepacked: tuple | None = None):
         """The runner over ``model`` (cast in place to ``dtype`` when it differs; arguments: the class
         docstring)."""
         if kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
         self.architecture = _architecture(model)
         self.numerics = _numerics(model, dtype, weights, kv_store_dtype, fast)
-        fast_weights = None
-        if fast and packable(model) and self.numerics.weights == "int4":  # quantise the weights as loaded (fp32
+        fast_weights = prepacked if fast else None  # (layers, head) built while loading (model/gguf.py)
+        if fast_weights is None and fast and packable(model) and self.numerics.weights == "int4":  # quantise the weights as loaded (fp32
             fast_weights = self._fast_weights(model)  # from the GGUF: its Q4_1 levels), before the cast below
         if next(model.parameters()).dtype != self.numerics.torch_dtype:
             model.to(self.numerics.torch_dtype)
@@ -172,11 +176,12 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.scaling = float(attn0.scaling)
-        self.rotary = Rotary.from_model(model)
+        self.rotary = rotary_of(model)  # per layer for Gemma 3 (model/gemma.py)
         if self.rotary.head_dim != self.head_dim:
             raise UnsupportedModelError(f"rotary dim {self.rotary.head_dim} != head dim {self.head_dim}")
         self.max_context = int(getattr(config, "max_position_embeddings", 2048))
         self.windows = [self._sliding_window(i) for i in range(self.n_layers)]
+        self.sandwich_norms, self.final_softcap = gemma_features(model)  # Gemma's four norms, logit soft-capping
         param = next(model.parameters())
         self.dtype = param.dtype
         self.device = param.device
@@ -228,15 +233,23 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         run one representative prefill and decode now so the first request pays no one-time cost.
         ``device``: ``"auto"`` (default: CUDA where present, else the CPU), ``"cpu"``, ``"cuda"``
         or ``"cuda:N"``."""
-        from cachedrag.model.loader import load_model
+        from cachedrag.model.gguf import is_gguf, load_gguf_packed
+        from cachedrag.model.loader import GEMMA_MODEL, load_model, resolve_model_path
 
         device = resolve_device(device)
-
+        if str(name_or_path).lower() == GEMMA_MODEL:
+            name_or_path = resolve_model_path(name_or_path)  # the GGUF file of the gemma extra
         name = dtype_name(dtype) if dtype is not None else ("bfloat16" if weights in QUANTIZED else "float32")
         load_dtype = DTYPES["float32"] if weights == "int4" else DTYPES[name]  # int4 quantises the fp32 values
-        model, tokenizer = load_model(name_or_path, dtype=load_dtype, device=device)
+        report = None
+        if is_gguf(name_or_path) and torch.device(device).type == "cpu":  # each layer packed as it loads
+            model, tokenizer, kwargs["prepacked"], report = load_gguf_packed(
+                name_or_path, name, weights, kv_store_dtype, load_dtype, kwargs.get("fast", True))
+        else:
+            model, tokenizer = load_model(name_or_path, dtype=load_dtype, device=device)
         runner = cls(model, tokenizer, dtype=name, weights=weights, kv_store_dtype=kv_store_dtype, threads=threads,
                      **kwargs)
+        runner.load_report = report
         if warmup:
             runner.warmup()
         return runner
@@ -276,14 +289,6 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         return "torch"
 
     # ------------------------------------------------------------------ setup helpers
-    def _sliding_window(self, i: int) -> int | None:
-        attn = self.layers[i].self_attn
-        if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: set per layer from layer_types
-            return attn.sliding_window
-        if self.architecture == "MistralForCausalLM":
-            return getattr(self.config, "sliding_window", None)
-        return None
-
     def new_kv(self, capacity: int, fill: float | None = 0.0) -> KVBuffer:
         """An empty working buffer for ``capacity`` positions (prompt + new tokens), every value
         ``fill``; ``fill=None`` leaves the memory uninitialised, for callers that write every row
@@ -348,6 +353,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
 
     def finish_layer(self, i: int, residual: torch.Tensor, attn_out: torch.Tensor, weights=None) -> torch.Tensor:
         """Output projection, residual and MLP of layer ``i``: ``[T, Dm]`` (``weights`` as in ``qkv``)."""
+        if self.sandwich_norms:
+            return sandwich_finish(self, i, residual, attn_out, self._projections(i, weights))  # [T, Dm]
         if self.row_kernels:  # the residual add and the norm in one kernel
             h, mlp = self.finish_row(i, residual, attn_out, weights)  # [T, Dm] each
             return h + mlp
@@ -402,6 +409,7 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         q, k_raw, v = self.qkv(i, hidden, weights=weights)  # [H_q, T, D], [H_kv, T, D], [H_kv, T, D]
         if rope is None:
             rope = self.rotary.cos_sin(positions, q.dtype, self.device)  # [T, D] each
+        rope = self.rotary.table_for(i, rope)  # layer i's frequencies (Gemma 3's local and global layers differ)
         rows = positions.to(self.device)
         if self.row_kernels and q.dtype == rope[0].dtype == kv.k.dtype and rows.dtype == torch.int64:
             from cachedrag.kernels import rope_rows  # q and k rotated, the K/V rows written: one kernel
@@ -437,7 +445,7 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         if "k" in on:
             if rope is None:
                 rope = self.rotary.cos_sin(positions, k_raw.dtype, self.device)  # [T, D] each
-            k = self.rotary.apply(k_raw, positions, rope)  # [H_kv, T, D]
+            k = self.rotary.apply(k_raw, positions, self.rotary.table_for(i, rope))  # [H_kv, T, D]
             dev += (k - kv.k[i].index_select(1, rows)).float().pow(2).sum(-1)  # [H_kv, T]
         if "v" in on:
             dev += (v - kv.v[i].index_select(1, rows)).float().pow(2).sum(-1)  # [H_kv, T]
@@ -457,8 +465,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head of normalised rows ``[T, Dm] -> [T, V]`` (float32)."""
         if self.fast_head is not None:
-            return self.fast_head(x).float()
-        return self.project(self.model.lm_head, x).float()
+            return softcap(self.fast_head(x).float(), self.final_softcap)
+        return softcap(self.project(self.model.lm_head, x).float(), self.final_softcap)
 
     # ------------------------------------------------------------------ whole passes
     @torch.inference_mode()

@@ -49,6 +49,14 @@ class CausalBlocks:
 class RunnerAttention:
     """``ModelRunner``'s attention over the working KV buffer (module docstring)."""
 
+    def _sliding_window(self, i: int) -> int | None:
+        attn = self.layers[i].self_attn
+        if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: set per layer from layer_types
+            return attn.sliding_window
+        if self.architecture == "MistralForCausalLM":
+            return getattr(self.config, "sliding_window", None)
+        return None
+
     def _pick_prefill_attention(self, requested: str):
         """``(choice, note, kernel module or None)`` for a prefill's attention."""
         if requested not in ("auto", "kernel", "sdpa"):

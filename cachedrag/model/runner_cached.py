@@ -26,7 +26,7 @@ class RunnerCachedWrites:
         raw_k = raw_k.to(self.dtype)  # stored chunk caches may be in another dtype (kv_store_dtype)
         positions = torch.arange(start, start + t, device=self.device)  # [T]
         kv.v[:, :, start:start + t] = v
-        if self.kernel_backend == "triton":
+        if self.kernel_backend == "triton" and self.rotary.for_layer(0) is self.rotary:
             from cachedrag.kernels import rerotate
 
             flat_out = kv.k.view(-1, kv.capacity, self.head_dim)  # [L*H_kv, C, D]
@@ -44,10 +44,11 @@ class RunnerCachedWrites:
         if self.kernel_backend == "triton":
             from cachedrag.kernels import rerotate
 
-            rerotate(raw_k, positions, self.rotary.inv_freq_on(self.device), out=kv.k[layer], out_rows=positions,
+            rerotate(raw_k, positions, self.rotary.for_layer(layer).inv_freq_on(self.device), out=kv.k[layer],
+                     out_rows=positions,
                      backend="triton", validate=False)
             return
-        self.rotary.apply_into(raw_k, positions, kv.k[layer, :, start:start + t])  # [H_kv, T, D]
+        self.rotary.for_layer(layer).apply_into(raw_k, positions, kv.k[layer, :, start:start + t])  # [H_kv, T, D]
 
     def write_rotated_segments(self, kv: KVBuffer, layer: int, parts: list[tuple[torch.Tensor, torch.Tensor, int]],
                                rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -67,6 +68,7 @@ class RunnerCachedWrites:
             rows = device_tensor([p for k, _, start in parts for p in range(start, start + k.shape[1])], self.device)
         raw = torch.cat([k.to(self.dtype) for k, _, _ in parts], dim=1)  # [H_kv, sum T_i, D]
         kv.v[layer].index_copy_(1, rows, torch.cat([v for _, v, _ in parts], dim=1).to(kv.v.dtype))  # rows of [H_kv, C, D]
-        rerotate(raw, rows, self.rotary.inv_freq_on(self.device), out=kv.k[layer], out_rows=rows, backend="triton",
+        rerotate(raw, rows, self.rotary.for_layer(layer).inv_freq_on(self.device), out=kv.k[layer], out_rows=rows,
+                 backend="triton",
                  validate=False)
         return rows

@@ -155,9 +155,7 @@ class PackedLinear:
             return
         self.dynamic = None
         if numerics.weights in ("int8", "int8-dynamic"):
-            w = weight.float()  # [O, I]
-            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [O]
-            self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [O, I]
+            self.qweight, scale = int8_rows(weight)  # [O, I] int8, [O] float32
             self.scale = scale.to(numerics.torch_dtype)  # [O]
             self.weight = None
             self.kind = "int8"
@@ -232,6 +230,20 @@ class PackedLinear:
                 return out.reshape(*x.shape[:-1], self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def int8_rows(weight: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8: ``q = round(w / s)``, ``s = absmax(row) / 127``; ``(q [O, I] int8,
+    s [O] float32)``. Computed ``block`` rows at a time (each row alone, so the result is the same for
+    any block): a large weight (Gemma's 262k-row tied embedding as LM head) never has float32 copies."""
+    q = torch.empty(weight.shape, dtype=torch.int8)  # [O, I]
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)  # [O]
+    for start in range(0, weight.shape[0], block):
+        w = weight[start:start + block].float()  # [b, I]
+        s = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [b]
+        q[start:start + block] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scale[start:start + block] = s
+    return q, scale
 
 
 @lru_cache(maxsize=1)

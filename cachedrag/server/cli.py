@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flags given here win over it")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; default 8000)")
-    parser.add_argument("--model", default=None, help="HF model id or path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="HF model id, path or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: the model's name)")
     parser.add_argument("--fidelity", default=None, choices=FIDELITY_LEVELS,
                         help="a fidelity level (docs/fidelity.md): exact (prefix reuse only), faithful (every "

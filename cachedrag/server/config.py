@@ -193,7 +193,8 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str | None = Field(None, description="HF model id or path; None = the embedded SmolLM2-135M-Instruct")
+    model: str | None = Field(None, description="HF model id, path or .gguf file; None = the embedded "
+                              "SmolLM2-135M-Instruct")
     tiny: bool = Field(False, description="a tiny random-weight model (tests, smoke checks)")
     mode: Literal["cachedrag", "prefix", "full"] | None = Field(
         None, description="chunk reuse mode (None: cachedrag, or the fidelity level's)")

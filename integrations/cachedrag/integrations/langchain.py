@@ -82,8 +82,8 @@ class ChatCachedRAG(BaseChatModel):
     shared engine for that call.
     """
 
-    model: str = Field(default=DEFAULT_MODEL, description="HF model id, local path, the embedded default's name, "
-                       "or a name registered with register_engine")
+    model: str = Field(default=DEFAULT_MODEL, description="HF model id, local path, .gguf file, the embedded default's "
+                       "name, or a name registered with register_engine")
     temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature; 0 = greedy")
     max_tokens: int | None = Field(default=256, ge=1, description="upper bound on generated tokens (None = 256)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")

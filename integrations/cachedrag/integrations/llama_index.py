@@ -98,7 +98,8 @@ class CachedRAGLLM(FunctionCallingLLM):
     computed...); ``last_stats`` the latest call's.
     """
 
-    model: str = Field(default=DEFAULT_MODEL, description="HF model id, local path, or the embedded default's name")
+    model: str = Field(default=DEFAULT_MODEL, description="HF model id, local path, .gguf file, "
+                       "or the embedded default's name")
     max_new_tokens: int = Field(default=256, ge=1, description="upper bound on generated tokens (metadata.num_output)")
     temperature: float = Field(default=0.0, ge=0.0, description="sampling temperature; 0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
