@@ -52,6 +52,7 @@ from cachedrag.engine.state import _Prefill, _HandOff, _Lead, _LoadFailed
 from cachedrag.engine.exact import DecodeTieGuard, top2
 from cachedrag.engine.selection import _reused_positions, _rows, _pick, _pick_each, _fuse_inter, _rank01
 from cachedrag.engine.handoff import entry_payload
+from cachedrag.engine.continuation import follow as follow_conversation, remember as remember_conversation
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,13 @@ class CachedEngine:
         return self.generate_segments(segments, params, mode=mode, stream=stream, start=start)
 
     def generate_segments(self, segments: Sequence[Segment], params: SamplingParams, *, mode: str | None = None,
-                          stream: bool = False, start: float | None = None, teacher: Sequence[int] | None = None):
+                          stream: bool = False, start: float | None = None, teacher: Sequence[int] | None = None,
+                          conversation: bool = False):
         """Generate after an arbitrary segment layout (see ``PromptBuilder.text_segments``).
+
+        ``conversation`` (a chat's or an agent's step, whose next step extends this prompt and
+        answer): the prompt as served and the answer are stored as one tree path after decoding,
+        so the next step is a prefix hit up to its new messages (``continuation``).
 
         ``teacher``: token ids of a reference answer (at most ``max_new_tokens``); after
         generating, the same prefilled KV scores it teacher-forced and ``result.teacher_logits``
@@ -163,7 +169,8 @@ class CachedEngine:
         if teacher is not None and (stream or not 0 < len(teacher) <= params.max_new_tokens):
             raise ConfigError("teacher needs stream=False and 1..max_new_tokens token ids")
         holder = _Holder()
-        deltas = self._run(list(segments), params, mode, start, holder, teacher, rewind=not stream)
+        deltas = self._run(list(segments), params, mode, start, holder, teacher, rewind=not stream,
+                           conversation=conversation)
         if stream:
             return GenerationStream(deltas, holder)
         for _ in deltas:
@@ -307,10 +314,11 @@ class CachedEngine:
         return Mode(name)
 
     def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder,
-             teacher: Sequence[int] | None = None, rewind: bool = False):
+             teacher: Sequence[int] | None = None, rewind: bool = False, conversation: bool = False):
         """The request path of ``generate_segments``: prefill, decode (yielding text deltas), result.
-        ``rewind``: nobody sees the deltas (not streamed), so the tie guard during decoding may rewind."""
-        pre = self._prefill(segments, mode, params.max_new_tokens, defer_store=True)
+        ``rewind``: nobody sees the deltas (not streamed), so the tie guard during decoding may rewind.
+        ``conversation``: the prompt and answer are stored as a tree path at the end (``continuation``)."""
+        pre = self._prefill(segments, mode, params.max_new_tokens, defer_store=True, conversation=conversation)
         prompt_tokens = pre.info["prompt_tokens"]
         lookup = prompt_lookup(self.config.lookup, [t for s in segments for t in s.ids], params.temperature == 0.0)
         guard = DecodeTieGuard.for_request(self, pre.segments, pre.info, mode.value, params.max_new_tokens,
@@ -323,6 +331,9 @@ class CachedEngine:
             if guard is not None:
                 guard.close()
         g = holder.last_result
+        if conversation and (guard is None or guard.token is None):  # the buffer holds this answer's rows
+            remember_conversation(self, pre.segments, pre.kv, g.token_ids, exact_segments=pre.exact_segments,
+                                  mode=mode, conversation=True)
         info = dict(pre.info, decoded_first_token=g.token_ids[0] if g.token_ids else None)
         if guard is not None:
             info.update(guard.stats())
@@ -390,7 +401,7 @@ class CachedEngine:
     @torch.inference_mode()
     def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False,
                  between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False,
-                 exact_plan: bool = False, tail_logits: int = 1) -> _Prefill:
+                 exact_plan: bool = False, tail_logits: int = 1, conversation: bool = False) -> _Prefill:
         """Plan, load and prefill. What the request computed fresh is handed to the cache
         manager (``_HandOff``: metadata, entry copies, store writes) before returning, or with
         ``defer_store`` left in ``pre.hand_off`` for the caller to run once the first token is
@@ -404,8 +415,12 @@ class CachedEngine:
         ``[tail_logits, V]`` (the tie guard during decoding reads the answer's rows).
         The question is the last segment; text segments between the last chunk and it are
         context (glue: stored with the chunks and part of their tree path), as the server's
-        automatic passage detection cuts what follows the last passage it knows."""
+        automatic passage detection cuts what follows the last passage it knows.
+        The leading segments are first re-cut along the longest tree path that is a token prefix
+        of the prompt (``continuation.follow``: a conversation's earlier steps; their approximate
+        paths too with ``conversation``)."""
         runner = self.runner
+        segments, followed_approximate = follow_conversation(self, segments, mode, conversation and not exact_plan)
         first_chunk = next((i for i, s in enumerate(segments) if s.kind == "chunk"), None)
         last_chunk = max((i for i, s in enumerate(segments) if s.kind == "chunk"), default=None)
         if first_chunk is None:  # no chunks: everything but the last segment is a cacheable prefix
@@ -490,6 +505,8 @@ class CachedEngine:
             pre.promote = functools.partial(self._promote, list(segments), mode)
         if chunk_order is not None:
             pre.info["approximations"].insert(0, "reordered")
+        if followed_approximate:
+            pre.info["approximations"].insert(0, "conversation_prefix")
         return pre
 
     def near_tie(self, logits: torch.Tensor, threshold: float) -> tuple[bool, float]:
