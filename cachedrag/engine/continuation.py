@@ -17,8 +17,10 @@ their recomputed tokens): stored only for a conversation (``remember(conversatio
 the content key plus ``APPROXIMATE``, so no exact lookup (mode ``prefix``, a faithful server,
 the tie guard's exact plan on an ordinary request) ever meets them; ``follow`` takes them only
 for a conversation planned with chunk reuse, where that step's answer was decoded over the very
-same rows. The answer's rows are decode steps' rows (as vLLM's and SGLang's prefix caches keep
-them), equal to a prefill's up to the dtype's rounding.
+same rows, and only on an engine without tie guards (``CacheConfig.tie_guard`` and
+``tie_guard_decode`` 0: the levels ``balanced`` and ``fast``), whose exact prefills would otherwise
+plan the same segments and read the approximate path. The answer's rows are decode steps' rows (as
+vLLM's and SGLang's prefix caches keep them), equal to a prefill's up to the dtype's rounding.
 
 Does not own: the tree (``kvcache.tree``: ``match_tokens``), admission (``ChunkCacheManager.admit``,
 given a plan whose leading segments are tree hits and the rest fresh), payloads (``handoff``).
@@ -44,10 +46,17 @@ def is_approximate(key: str) -> bool:
     return key.endswith(APPROXIMATE)
 
 
+def approximate_paths(engine, mode: Mode, conversation: bool) -> bool:
+    """Whether a conversation's approximate paths are stored and followed: a conversation in a reuse
+    mode, on an engine without tie guards (their exact prefills must not meet approximate KV)."""
+    cache = engine.config.cache
+    return conversation and mode in REUSE_MODES and not cache.tie_guard and not cache.tie_guard_decode
+
+
 def follow(engine, segments: list[Segment], mode: Mode, conversation: bool = False) -> tuple[list[Segment], bool]:
     """``segments`` with their leading part re-cut along the longest tree path whose tokens are a
     prefix of the prompt's (``KnowledgeTree.match_tokens``); whether that path holds approximate
-    segments (only with ``conversation`` and a reuse mode). The path stops before the last
+    segments (``approximate_paths``). The path stops before the last
     segment's last token (the question is computed) and never cuts through a chunk. Segments it
     covers become text segments with the path's keys (tree hits for the planner); the one it
     ends in keeps its tail as a text segment. Unchanged when the path ends on the segments' own
@@ -59,7 +68,7 @@ def follow(engine, segments: list[Segment], mode: Mode, conversation: bool = Fal
     for s in segments:
         bounds.append(bounds[-1] + len(s))
     namespace = engine.namespace
-    alternates = (lambda key: (key + APPROXIMATE,)) if conversation and mode in REUSE_MODES else None
+    alternates = (lambda key: (key + APPROXIMATE,)) if approximate_paths(engine, mode, conversation) else None
     nodes = engine.manager.tree.match_tokens(len(ids), lambda a, b: chunk_key(ids[a:b], namespace),
                                              alternates=alternates)
     inside_chunk = {p for s, a, b in zip(segments, bounds, bounds[1:]) if s.kind == "chunk" for p in range(a + 1, b)}
@@ -97,7 +106,7 @@ def remember(engine, segments: Sequence[Segment], kv, answer: Sequence[int], *, 
     taken from the buffer's rows (raw K recovered by rotating back). ``exact_segments``: leading
     segments of the context (all but the question segments) whose KV equals full prefill; when
     that is all of them, the question and answer are exact too. Segments past the exact part are
-    stored only with ``conversation`` and a reuse mode, under approximate keys. Returns the
+    stored only where ``approximate_paths`` allows, under approximate keys. Returns the
     tokens stored."""
     if mode is Mode.FULL or len(answer) < 2:
         return 0
@@ -105,7 +114,7 @@ def remember(engine, segments: Sequence[Segment], kv, answer: Sequence[int], *, 
     n_context = question_from(segments)
     exact = len(parts) if exact_segments >= n_context else exact_segments
     exact = next((i for i, (key, _) in enumerate(parts[:exact]) if key and is_approximate(key)), exact)
-    if exact < len(parts) and not (conversation and mode in REUSE_MODES):
+    if exact < len(parts) and not approximate_paths(engine, mode, conversation):
         parts = parts[:exact]
     if not parts:
         return 0
