@@ -1,7 +1,6 @@
 """The agentic RAG recipe end to end on the default model (SmolLM2-135M-Instruct): LangGraph's ReAct
 agent over ``ChatCachedRAG`` and over ``ChatOpenAI`` against ``cachedrag serve``, LlamaIndex's
-``FunctionAgent`` over ``CachedRAGLLM``, each answering through two retrieval calls, and LlamaIndex's
-stock ``SubQuestionQueryEngine.from_defaults``.
+``FunctionAgent`` over ``CachedRAGLLM``, each answering through two retrieval calls.
 
 The default model rarely calls a tool on its own (docs/agents.md), so the agents follow a
 ``ToolScript``: the first two steps must call the tool (the grammar makes each call valid), the
@@ -112,19 +111,3 @@ def test_llama_index_function_agent_over_cachedrag_llm(index_dir):
     assert isinstance(out.response.content, str)
     stats = llm.last_stats  # the answer step: both earlier steps were a prefix hit
     assert stats["prefix_hit_tokens"] > stats["prompt_tokens"] / 2
-
-
-def test_stock_subquestion_query_engine_from_defaults(index_dir):
-    from llama_index.core.query_engine import RetrieverQueryEngine, SubQuestionQueryEngine
-    from llama_index.core.tools import QueryEngineTool, ToolMetadata
-
-    from cachedrag.integrations.llama_index import CachedRAGLLM, CachedRAGRetriever
-
-    llm = CachedRAGLLM(max_new_tokens=48)
-    retriever = CachedRAGRetriever(index_dir=index_dir, similarity_top_k=2)
-    tool = QueryEngineTool(RetrieverQueryEngine.from_args(retriever, llm=llm),
-                           ToolMetadata(name="python_docs", description="The Python standard library documentation"))
-    engine = SubQuestionQueryEngine.from_defaults(query_engine_tools=[tool], llm=llm, use_async=False)
-    assert type(engine._question_gen).__name__ == "OpenAIQuestionGenerator"  # the function-calling generator
-    response = engine.query("How do json.dumps and json.loads differ?")
-    assert isinstance(response.response, str) and response.source_nodes
