@@ -14,7 +14,9 @@ Modes, one engine each over one model (each with its own cache), run per questio
 order: ``full`` (no reuse), ``prefix`` (exact prefix caching: earlier steps are exact tree hits)
 and ``default`` (the engine's default fidelity level: earlier steps as prefix hits, the new tool
 result's passages reused as chunks). In-process through ``ChatCachedRAG`` (LangChain), whose
-agent steps store their prompt and answer as a conversation path (``engine/continuation.py``).
+agent steps store their prompt and answer as a conversation path (``engine/continuation.py``);
+with ``--serve``, through ``ChatOpenAI`` against one ``cachedrag serve --mode M`` process per mode
+(TTFT measured by the client on the stream; computed = prompt - cached tokens of the usage).
 
 Reported per K, policy and mode: per step (step 1 = the first call, step K+1 = the answer) TTFT
 p50/p95 and median prompt / computed / cached tokens; per question the summed TTFT; against full
@@ -63,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the question stream")
     parser.add_argument("--seed", type=int, default=0, help="seed of the question stream")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="chunk-cache budget of each engine")
+    parser.add_argument("--serve", action="store_true",
+                        help="through `cachedrag serve` (one server process per mode, ChatOpenAI as the client)")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -107,8 +111,12 @@ def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes:
 
     registry = ChunkRegistry()
     searcher = IndexSearcher(index_dir, registry)
-    chats = {}
+    chats, servers = {}, []
     for m in modes:
+        if getattr(args, "serve", False):
+            servers.append(_Served(m, args))
+            chats[m] = servers[-1].chat
+            continue
         engine = CachedEngine(runner, config=EngineConfig(mode=MODES[m], cache_bytes=int(args.cache_gb * 2**30)))
         chats[m] = ChatCachedRAG(engine=engine, chunk_registry=registry, max_tokens=args.max_tokens,
                                  reuse_mode=MODES[m], share_engine=False)
@@ -129,6 +137,8 @@ def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes:
                 print(f"[K={k} {policy} {i + 1}/{len(questions)}] {line}", file=sys.stderr)
     finally:
         searcher.close()
+        for server in servers:
+            server.close()
     return records
 
 
@@ -140,8 +150,8 @@ def _episode(chat, searcher, question: str, k: int, policy: str, n_chunks: int) 
     steps, calls, passages = [], [], []
     for j in range(k):
         choice = "search_docs" if policy == "scripted" else "auto"
-        ai = chat.bind_tools([TOOL], tool_choice=choice, parallel_tool_calls=False).invoke(messages)
-        steps.append(_step(ai))
+        ai, stats = _invoke(chat.bind_tools([TOOL], tool_choice=choice, parallel_tool_calls=False), messages)
+        steps.append(stats)
         if not ai.tool_calls:  # (auto) the model answered: that is the answer
             return {"steps": steps, "calls": calls, "passages": passages, "answer": ai.content}
         call = ai.tool_calls[0]
@@ -151,9 +161,64 @@ def _episode(chat, searcher, question: str, k: int, policy: str, n_chunks: int) 
         hits = searcher.search(query, n_chunks)
         passages.append([h.chunk_id for h in hits])
         messages += [ai, ToolMessage("\n\n".join(h.text for h in hits), tool_call_id=call["id"])]
-    final = chat.bind_tools([TOOL], tool_choice="none").invoke(messages)
-    steps.append(_step(final))
+    final, stats = _invoke(chat.bind_tools([TOOL], tool_choice="none"), messages)
+    steps.append(stats)
     return {"steps": steps, "calls": calls, "passages": passages, "answer": final.content}
+
+
+def _invoke(model, messages):
+    """The answer and its step stats: the engine's (in-process) or, from a server, TTFT as the client
+    saw the stream's first token and the usage's token counts."""
+    if _served(model):
+        start, first, message = time.perf_counter(), None, None
+        for chunk in model.stream(messages):
+            if first is None and (chunk.content or chunk.tool_call_chunks):
+                first = time.perf_counter() - start
+            message = chunk if message is None else message + chunk
+        usage = message.usage_metadata or {}
+        prompt, cached = usage.get("input_tokens", 0), (usage.get("input_token_details") or {}).get("cache_read", 0)
+        return message, {"ttft_s": first if first is not None else time.perf_counter() - start,
+                         "prompt_tokens": prompt, "computed_tokens": prompt - cached, "cached_tokens": cached,
+                         "prefix_hit_tokens": None, "chunks_hit": None, "approximations": []}
+    message = model.invoke(messages)
+    return message, _step(message)
+
+
+def _served(model) -> bool:
+    return type(getattr(model, "bound", model)).__name__ == "ChatOpenAI"
+
+
+class _Served:
+    """One ``cachedrag serve --mode M --port 0`` process and a ``ChatOpenAI`` client of it."""
+
+    def __init__(self, mode: str, args):
+        import os
+        import re
+        import subprocess
+
+        from langchain_openai import ChatOpenAI
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0", "--mode", MODES[mode], "--cache-gb",
+             str(args.cache_gb), "--max-tokens", str(args.max_tokens)],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        url, deadline = None, time.monotonic() + 300
+        while url is None and time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            m = re.search(r"listening on (http://[\w.:\[\]]+)", line)
+            url = m.group(1) if m else None
+        if url is None:
+            self.close()
+            raise RuntimeError(f"cachedrag serve --mode {MODES[mode]} did not start")
+        self.chat = ChatOpenAI(base_url=url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct",
+                               max_tokens=args.max_tokens, temperature=0.0, stream_usage=True)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
 
 
 def _step(message) -> dict:
