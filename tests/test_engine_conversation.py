@@ -13,7 +13,8 @@ from cachedrag.kvcache.keys import chunk_key
 from cachedrag.kvcache.tree import KnowledgeTree
 from cachedrag.model.generation import SamplingParams
 from cachedrag.prompt import Segment
-from cachedrag.testing import tiny_runner
+from cachedrag.model.runner import ModelRunner
+from cachedrag.testing import byte_tokenizer, tiny_model
 
 SYSTEM = "<|im_start|>system\nYou answer with the search tool.<|im_end|>\n<|im_start|>user\n"
 QUESTION = "How do I keep a list sorted?<|im_end|>\n<|im_start|>assistant\n"
@@ -27,7 +28,10 @@ TAIL = "<|im_end|>\n<|im_start|>assistant\n"
 
 @pytest.fixture
 def engine():
-    return CachedEngine(tiny_runner("llama", seed=3), config=EngineConfig(mode="cachedrag"))
+    tok = byte_tokenizer()
+    model = tiny_model("llama", seed=3, vocab_size=len(tok), max_position_embeddings=4096)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return CachedEngine(ModelRunner(model, tok), config=EngineConfig(mode="cachedrag"))
 
 
 def _params(n: int = 10) -> SamplingParams:

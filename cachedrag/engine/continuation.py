@@ -17,7 +17,7 @@ their recomputed tokens): stored only for a conversation (``remember(conversatio
 the content key plus ``APPROXIMATE``, so no exact lookup (mode ``prefix``, a faithful server,
 the tie guard's exact plan on an ordinary request) ever meets them; ``follow`` takes them only
 for a conversation planned with chunk reuse, where that step's answer was decoded over the very
-same rows, and only on an engine without tie guards (``CacheConfig.tie_guard`` and
+same rows, and only on an engine without tie guards (``CacheConfig.exact.tie_guard`` and
 ``tie_guard_decode`` 0: the levels ``balanced`` and ``fast``), whose exact prefills would otherwise
 plan the same segments and read the approximate path. The answer's rows are decode steps' rows (as
 vLLM's and SGLang's prefix caches keep them), equal to a prefill's up to the dtype's rounding.
@@ -50,7 +50,7 @@ def approximate_paths(engine, mode: Mode, conversation: bool) -> bool:
     """Whether a conversation's approximate paths are stored and followed: a conversation in a reuse
     mode, on an engine without tie guards (their exact prefills must not meet approximate KV)."""
     cache = engine.config.cache
-    return conversation and mode in REUSE_MODES and not cache.tie_guard and not cache.tie_guard_decode
+    return conversation and mode in REUSE_MODES and not cache.exact.tie_guard and not cache.exact.tie_guard_decode
 
 
 def follow(engine, segments: list[Segment], mode: Mode, conversation: bool = False) -> tuple[list[Segment], bool]:

@@ -19,7 +19,7 @@ def test_fidelity_level_engine_shares_weights_and_is_shared(tiny_engine):
     assert chat.engine.runner is tiny_engine.runner  # the weights are not loaded again
     assert chat.engine.config.fidelity == "exact" and chat.engine.config.mode == "prefix"
     faithful = ChatCachedRAG(engine=tiny_engine, fidelity="faithful").engine
-    assert faithful.config.cache.tie_guard == 0.25 and faithful.manager is not tiny_engine.manager
+    assert faithful.config.cache.exact.tie_guard == 0.25 and faithful.manager is not tiny_engine.manager
     assert ChatCachedRAG(model=TINY).engine is tiny_engine  # no level: the engine as configured
 
 
