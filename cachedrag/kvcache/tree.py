@@ -195,8 +195,8 @@ class KnowledgeTree:
         prompt's ids, cut elsewhere). ``key_of(start, end)`` is the key of the prompt's tokens
         ``start..end`` (the content key a segment of those ids would have); ``alternates(key)``
         lists further keys a child may carry for the same tokens (none by default). Children
-        are probed by their distinct token lengths, one ``key_of`` per length and level;
-        ties (two children matching) go to the child with the longer continuation first seen.
+        are probed by their distinct token lengths, longest first, one ``key_of`` per length and
+        level; the first child that matches is taken (greedy: a longer segment covers more).
         Read-only: nothing is pinned or touched (``match_prefix`` with the keys pins)."""
         with self._lock:
             out: list[TreeNode] = []
