@@ -73,7 +73,10 @@ def run_llama_index(model: str, index_dir: Path) -> None:
     llm = CachedRAGLLM(model=model, max_new_tokens=48)
     agent = function_agent(llm, LlamaIndexRetriever(index_dir=str(index_dir), similarity_top_k=3),
                            script=ToolScript(2, 2))
-    out = asyncio.run(agent.run(user_msg=QUESTION))
+    async def run():  # the workflow needs a running event loop
+        return await agent.run(user_msg=QUESTION)
+
+    out = asyncio.run(run())
     print("LlamaIndex FunctionAgent over CachedRAGLLM:")
     for call in out.tool_calls:
         print(f"  {call.tool_name}({call.tool_kwargs}) -> {len(call.tool_output.content)} characters")

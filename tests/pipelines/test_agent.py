@@ -105,7 +105,10 @@ def test_llama_index_function_agent_over_cachedrag_llm(index_dir):
     llm = CachedRAGLLM(max_new_tokens=48)
     retriever = CachedRAGRetriever(index_dir=index_dir, similarity_top_k=3)
     agent = function_agent(llm, retriever, script=SCRIPT)
-    out = asyncio.run(agent.run(user_msg=QUESTION))
+    async def run():  # the workflow needs a running event loop
+        return await agent.run(user_msg=QUESTION)
+
+    out = asyncio.run(run())
     assert [c.tool_name for c in out.tool_calls] == ["search_docs", "search_docs"]
     assert all(c.tool_output.content for c in out.tool_calls)
     assert isinstance(out.response.content, str)
