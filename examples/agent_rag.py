@@ -43,7 +43,8 @@ def setup(tiny: bool, out: Path) -> tuple[str, Path]:
         model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         register_engine("tiny", CachedEngine(ModelRunner(model, tokenizer)))
-        name, config = "tiny", RetrievalConfig(chunk=ChunkConfig(chunk_tokens=96, overlap=8), index=IndexConfig(nlist=2))
+        name = "tiny"
+        config = RetrievalConfig(chunk=ChunkConfig(chunk_tokens=96, overlap=8), index=IndexConfig(nlist=2))
     else:
         from cachedrag.model.loader import load_default_tokenizer
 

@@ -309,8 +309,9 @@ def print_table(results: dict) -> None:
         print(f"  {'mode':<8} {'step':>4} {'TTFT p50':>9} {'p95':>7} {'prompt':>7} {'computed':>8} {'cached':>7}")
         for m, entry in run["modes"].items():
             for j, f in entry["steps"].items():
-                print(f"  {m:<8} {j:>4} {f['ttft_s_p50']:>9.3f} {f['ttft_s_p95']:>7.3f} {f['prompt_tokens_median']:>7.0f} "
-                      f"{f['computed_tokens_median']:>8.0f} {f['cached_tokens_median']:>7.0f}")
+                print(f"  {m:<8} {j:>4} {f['ttft_s_p50']:>9.3f} {f['ttft_s_p95']:>7.3f} "
+                      f"{f['prompt_tokens_median']:>7.0f} {f['computed_tokens_median']:>8.0f} "
+                      f"{f['cached_tokens_median']:>7.0f}")
             agree = "" if "calls_equal_full" not in entry else (
                 f", tool calls = full {entry['calls_equal_full']}, answers = full {entry['answers_equal_full']}")
             print(f"  {m:<8} question TTFT median {entry['question_ttft_s_median']:.3f}s, calls "

@@ -19,7 +19,8 @@ def test_agent_example_runs_on_the_tiny_model():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "LangGraph create_react_agent over ChatCachedRAG:" in out and "LlamaIndex FunctionAgent" in out
-    steps = [tuple(int(x) for x in m) for m in re.findall(r"prompt (\d+) tokens, computed (\d+), prefix hit (\d+)", out)]
+    pattern = r"prompt (\d+) tokens, computed (\d+), prefix hit (\d+)"
+    steps = [tuple(int(x) for x in m) for m in re.findall(pattern, out)]
     assert len(steps) == 3  # two searches and the answer
     for (prompt, _, _), (total, computed, hit) in zip(steps, steps[1:]):
         assert hit >= prompt and computed <= total - prompt  # the previous step's prompt and call came from the cache
