@@ -27,7 +27,6 @@ ALLOWED: dict[str, str] = {
     "cachedrag.engine.cached_engine:CachedEngine._execute": "the request path's stages, being split (issue 53)",
     "cachedrag.engine.cached_engine:CachedEngine._prefill": "the layer loop, becoming a loop over hooks (issue 53)",
     "cachedrag.server.loop": "the server loop, moving to an advanced prefill and the one decoder (issue 53)",
-    "cachedrag.integrations.llama_index": "the LlamaIndex adapter, being split (issue 53)",
 }
 
 
