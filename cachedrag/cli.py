@@ -43,6 +43,7 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "serve": ("cachedrag_bench.serve", "OpenAI server under load: batching, cache-aware order, chunk modes (a..e)"),
     "integrations": ("cachedrag_bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
     "shapes": ("cachedrag_bench.shapes", "end to end at Llama-3.1-8B / Qwen2.5-7B shapes (random weights; GPU)"),
+    "agent": ("cachedrag_bench.agent", "agent steps (K retrieval calls, then the answer) per mode: full, prefix, default"),
     "speed": ("cachedrag_bench.speed", "prefill/decode speed per dtype vs transformers and llama.cpp; first-request and miss cost"),
 }
 

@@ -23,7 +23,6 @@ MAX_FUNCTION_LINES = 80
 
 #: oversized modules (``module``) and functions (``module:Qualified.name``) still being split -> why
 ALLOWED: dict[str, str] = {
-    "cachedrag.integrations.llama_index": "the LlamaIndex adapter, being split (issue 53)",
 }
 
 

@@ -48,6 +48,7 @@ from cachedrag.engine.load import LoadCosts
 from cachedrag.engine.prefill import PrefillTask, Steps, drive, execute_plan
 from cachedrag.engine.result import GenerationStream, Prefilled, _Holder
 from cachedrag.engine.state import _HandOff, _Lead, _Prefill
+from cachedrag.engine.continuation import follow as follow_conversation
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,13 @@ class CachedEngine:
         return self.generate_segments(segments, params, mode=mode, stream=stream, start=start)
 
     def generate_segments(self, segments: Sequence[Segment], params: SamplingParams, *, mode: str | None = None,
-                          stream: bool = False, start: float | None = None, teacher: Sequence[int] | None = None):
+                          stream: bool = False, start: float | None = None, teacher: Sequence[int] | None = None,
+                          conversation: bool = False):
         """Generate after an arbitrary segment layout (see ``PromptBuilder.text_segments``).
+
+        ``conversation`` (a chat's or an agent's step, whose next step extends this prompt and
+        answer): the prompt as served and the answer are stored as one tree path after decoding,
+        so the next step is a prefix hit up to its new messages (``continuation``).
 
         ``teacher``: token ids of a reference answer (at most ``max_new_tokens``); after
         generating, the same prefilled KV scores it teacher-forced and ``result.teacher_logits``
@@ -142,7 +148,8 @@ class CachedEngine:
         if teacher is not None and (stream or not 0 < len(teacher) <= params.max_new_tokens):
             raise ConfigError("teacher needs stream=False and 1..max_new_tokens token ids")
         holder = _Holder()
-        deltas = self._run(list(segments), params, mode, start, holder, teacher, rewind=not stream)
+        deltas = self._run(list(segments), params, mode, start, holder, teacher, rewind=not stream,
+                           conversation=conversation)
         if stream:
             return GenerationStream(deltas, holder)
         for _ in deltas:
@@ -258,11 +265,12 @@ class CachedEngine:
         return Mode(name)
 
     def _run(self, segments: list[Segment], params: SamplingParams, mode: Mode, start: float, holder: _Holder,
-             teacher: Sequence[int] | None = None, rewind: bool = False):
+             teacher: Sequence[int] | None = None, rewind: bool = False, conversation: bool = False):
         """The request path of ``generate_segments``: prefill, decode (yielding text deltas), result
-        (``decoding.run_request``). ``rewind``: nobody sees the deltas (not streamed)."""
-        pre = self._prefill(segments, mode, params.max_new_tokens, defer_store=True)
-        yield from run_request(self, pre, segments, params, mode, start, holder, teacher, rewind)
+        (``decoding.run_request``). ``rewind``: nobody sees the deltas (not streamed). ``conversation``:
+        the prompt and answer are stored as a tree path at the end (``continuation``)."""
+        pre = self._prefill(segments, mode, params.max_new_tokens, defer_store=True, conversation=conversation)
+        yield from run_request(self, pre, segments, params, mode, start, holder, teacher, rewind, conversation)
 
     def _teacher_forced(self, pre: _Prefill, start: int, teacher: list[int]) -> torch.Tensor:
         """Logits ``[A, V]`` predicting ``teacher[j]`` after the prefilled prompt and
@@ -279,14 +287,15 @@ class CachedEngine:
 
     def _prefill(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False,
                  between_layers: Callable[[int, int], None] | None = None, defer_store: bool = False,
-                 exact_plan: bool = False, tail_logits: int = 1) -> _Prefill:
+                 exact_plan: bool = False, tail_logits: int = 1, conversation: bool = False) -> _Prefill:
         """``_prefill_steps`` run to the end, ``between_layers(layer, tokens)`` after each layer but the last."""
         return drive(self._prefill_steps(segments, mode, max_new_tokens, all_logits, defer_store, exact_plan,
-                                         tail_logits), between_layers)
+                                         tail_logits, conversation), between_layers)
 
     @torch.inference_mode()
     def _prefill_steps(self, segments: list[Segment], mode: Mode, max_new_tokens: int, all_logits: bool = False,
-                       defer_store: bool = False, exact_plan: bool = False, tail_logits: int = 1) -> Steps:
+                       defer_store: bool = False, exact_plan: bool = False, tail_logits: int = 1,
+                       conversation: bool = False) -> Steps:
         """Lay out, plan, load and prefill, yielding between layers (``prefill.PrefillTask``). What the
         request computed fresh is handed to the cache manager before returning, or with ``defer_store``
         left in ``pre.hand_off`` for the caller to run once the first token is out: the KV rows and
@@ -294,7 +303,10 @@ class CachedEngine:
         (``exact``) may plan the request exactly instead; ``pre.promote`` computes a recurring
         sequence's exact path later. ``exact_plan``: plan as prefix caching, in the given order (a
         promotion, the tie guard during decoding). ``tail_logits`` > 1: ``pre.logits`` holds the last
-        that many positions' logits ``[tail_logits, V]``."""
+        that many positions' logits ``[tail_logits, V]``. The leading segments are first re-cut along
+        the longest tree path that is a token prefix of the prompt (``continuation.follow``: a
+        conversation's earlier steps; their approximate paths too with ``conversation``)."""
+        segments, followed_approximate = follow_conversation(self, segments, mode, conversation and not exact_plan)
         layout = lay_out(segments, mode, exact_plan, self.config.order_aware, self.manager)
         check_context(self.runner, layout.total, max_new_tokens)
         plan = self.manager.plan(layout.request, Mode.PREFIX if exact_plan and mode is not Mode.FULL else mode)
@@ -326,6 +338,8 @@ class CachedEngine:
             pre.promote = exact.Promotion(self, layout.segments, mode)
         if layout.chunk_order is not None:
             pre.info["approximations"].insert(0, "reordered")
+        if followed_approximate:
+            pre.info["approximations"].insert(0, "conversation_prefix")
         return pre
 
     def near_tie(self, logits: torch.Tensor, threshold: float) -> tuple[bool, float]:

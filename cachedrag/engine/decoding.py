@@ -12,15 +12,19 @@ from cachedrag.model.generation import SamplingParams, rewind_allowed
 from cachedrag.model.lookup import prompt_lookup
 from cachedrag.model.textgen import stream_tokens
 from cachedrag.prompt import Segment
+from cachedrag.engine.continuation import remember
 from cachedrag.engine.exact import DecodeTieGuard, guard_teacher
 from cachedrag.engine.result import EngineResult, _Holder
 from cachedrag.engine.state import _Prefill
 
 
 def run_request(engine, pre: _Prefill, segments: list[Segment], params: SamplingParams, mode: Mode, start: float,
-                holder: _Holder, teacher: Sequence[int] | None = None, rewind: bool = False):
+                holder: _Holder, teacher: Sequence[int] | None = None, rewind: bool = False,
+                conversation: bool = False):
     """Decode after ``pre`` (yielding text deltas) and set ``holder.result``. ``rewind``: nobody sees
-    the deltas (not streamed), so the tie guard during decoding may rewind."""
+    the deltas (not streamed), so the tie guard during decoding may rewind. ``conversation``: the
+    prompt and answer are stored as one tree path (``continuation.remember``) unless the guard
+    moved decoding onto another buffer."""
     prompt_tokens = pre.info["prompt_tokens"]
     lookup = prompt_lookup(engine.config.lookup, [t for s in segments for t in s.ids], params.temperature == 0.0)
     guard = DecodeTieGuard.for_request(engine, pre.segments, pre.info, mode.value, params.max_new_tokens,
@@ -32,6 +36,9 @@ def run_request(engine, pre: _Prefill, segments: list[Segment], params: Sampling
     finally:
         if guard is not None:
             guard.close()
+    if conversation and (guard is None or guard.token is None):  # the buffer holds this answer's rows
+        remember(engine, pre.segments, pre.kv, holder.last_result.token_ids, exact_segments=pre.exact_segments,
+                 mode=mode, conversation=True)
     holder.result = _result(holder.last_result, pre, mode, lookup, guard)
     if teacher is not None:
         holder.result.teacher_logits = engine._teacher_forced(pre, prompt_tokens, list(teacher))

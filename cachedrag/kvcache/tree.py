@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +185,40 @@ class KnowledgeTree:
             if pin:
                 for n in out:
                     n.pins += 1
+            return out
+
+    def match_tokens(self, n_total: int, key_of: Callable[[int, int], str], *,
+                     alternates: Callable[[str], Sequence[str]] | None = None) -> list[TreeNode]:
+        """The longest path from the root whose segments, laid end to end, are a token prefix
+        of a prompt of ``n_total`` tokens, whatever that prompt's own segment boundaries are (a
+        conversation's next step: the previous prompt and its answer are a prefix of the new
+        prompt's ids, cut elsewhere). ``key_of(start, end)`` is the key of the prompt's tokens
+        ``start..end`` (the content key a segment of those ids would have); ``alternates(key)``
+        lists further keys a child may carry for the same tokens (none by default). Children
+        are probed by their distinct token lengths, longest first, one ``key_of`` per length and
+        level; the first child that matches is taken (greedy: a longer segment covers more).
+        Read-only: nothing is pinned or touched (``match_prefix`` with the keys pins)."""
+        with self._lock:
+            out: list[TreeNode] = []
+            node, pos = self._root, 0
+            while node.children:
+                by_len: dict[int, list[TreeNode]] = {}
+                for child in node.children.values():
+                    by_len.setdefault(child.n_tokens, []).append(child)
+                found = None
+                for n in sorted(by_len, reverse=True):
+                    if pos + n > n_total:
+                        continue
+                    key = key_of(pos, pos + n)
+                    keys = (key, *(alternates(key) if alternates is not None else ()))
+                    found = next((node.children[k] for k in keys if k in node.children
+                                  and node.children[k].n_tokens == n), None)
+                    if found is not None:
+                        break
+                if found is None:
+                    break
+                out.append(found)
+                node, pos = found, pos + found.n_tokens
             return out
 
     def find(self, keys: Sequence[str]) -> TreeNode | None:

@@ -141,10 +141,12 @@ class GrammarConstraint(_MatcherConstraint):
     that text (``prompt.toolgrammar``): until it appears EOS is allowed too and the output is
     ``complete``, so the answer may end as plain text; after it the grammar alone decides."""
 
-    def __init__(self, lark: str, tokenizer, eos_ids: Iterable[int], lazy_trigger: str | None = None):
+    def __init__(self, lark: str, tokenizer, eos_ids: Iterable[int], lazy_trigger: str | None = None,
+                 watch: "RepeatWatch | None" = None):
         llg = _llguidance()
         self.lark = lark
         self.lazy_trigger = lazy_trigger
+        self.watch = watch
         self._tokenizer = tokenizer
         self._tail = ""
         self.triggered = lazy_trigger is None
@@ -165,6 +167,8 @@ class GrammarConstraint(_MatcherConstraint):
         if token in self.eos_ids:
             return
         super().advance(token)
+        if self.watch is not None:
+            self.watch.add(int(token))
         if not self.triggered:
             self._tail += self._tokenizer.decode([int(token)], skip_special_tokens=False)
             if self.lazy_trigger in self._tail:
@@ -174,6 +178,35 @@ class GrammarConstraint(_MatcherConstraint):
     @property
     def complete(self) -> bool:
         return not self.triggered or super().complete
+
+    @property
+    def done(self) -> bool:
+        """Complete, or (parallel calls) the last call repeated an earlier one: nothing follows."""
+        return super().done or (self.watch is not None and self.watch.repeated)
+
+
+class RepeatWatch:
+    """Watches a parallel tool-calling answer for a call that repeats an earlier one (same name and
+    arguments): a small model repeats its call until ``max_tokens``; the answer stops there
+    (``GrammarConstraint.done``) and the parsers drop the repeat (``toolparse``)."""
+
+    def __init__(self, tokenizer, fmt):
+        from cachedrag.prompt.toolparse import parser_for
+
+        self._tokenizer = tokenizer
+        self._parser = parser_for(fmt, id_factory=lambda: "")
+        self._ids: list[int] = []
+        self._text = ""
+        self.repeated = False
+
+    def add(self, token: int) -> None:
+        self._ids.append(token)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=False)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for its end
+            return
+        delta, self._text = text[len(self._text):], text
+        self._parser.feed(delta)
+        self.repeated = self.repeated or self._parser.repeats > 0
 
 
 def tool_constraint(tokenizer, eos_ids: Iterable[int], tools, choice, fmt=None) -> GrammarConstraint | None:
@@ -188,4 +221,5 @@ def tool_constraint(tokenizer, eos_ids: Iterable[int], tools, choice, fmt=None) 
     grammar = tool_grammar(fmt, list(tools), choice, trigger_id)
     if grammar is None:
         return None
-    return GrammarConstraint(grammar.lark, tokenizer, eos_ids, grammar.lazy_trigger)
+    watch = RepeatWatch(tokenizer, fmt) if choice.parallel else None
+    return GrammarConstraint(grammar.lark, tokenizer, eos_ids, grammar.lazy_trigger, watch)

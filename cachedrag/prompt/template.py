@@ -42,6 +42,7 @@ class RenderedPrompt:
     text: str
     prefix_end: int | None = None
     notes: tuple[str, ...] = field(default=())
+    conversation: bool = False  # earlier turns, tool calls or tools: a next step will extend this prompt
 
 
 def template_role(role: str) -> str:
@@ -78,7 +79,8 @@ def render_messages(tokenizer, messages: Sequence[Message],
         text = _apply(tokenizer, merged, tool_dicts)
         notes.append(f"chat template rejected the messages ({exc}); merged consecutive same-role messages")
         msgs = merged
-    return RenderedPrompt(text, _prefix_end(tokenizer, msgs, text, tool_dicts), tuple(notes))
+    conversation = bool(tools) or any(m.role in ("assistant", "tool") for m in msgs)
+    return RenderedPrompt(text, _prefix_end(tokenizer, msgs, text, tool_dicts), tuple(notes), conversation)
 
 
 def render_completion(tokenizer, prompt: str, system_prompt: str | None = None) -> RenderedPrompt:

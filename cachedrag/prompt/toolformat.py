@@ -117,9 +117,11 @@ def _detect(tokenizer) -> ToolFormat:
 
 
 def format_calls(fmt: ToolFormat, calls: Sequence[ToolCall]) -> str:
-    """``calls`` written in ``fmt``'s syntax, as the model should emit them."""
+    """``calls`` written in ``fmt``'s syntax as the model emits them under the grammar: compact JSON,
+    so an agent's call in its next prompt is the model's own text (the conversation path of the
+    step that made it is then a prefix hit through the call, ``engine.continuation``)."""
     objs = [{"name": c.name, fmt.args_key: c.args} for c in calls]
-    dump = lambda o: json.dumps(o, ensure_ascii=False)  # noqa: E731
+    dump = lambda o: json.dumps(o, ensure_ascii=False, separators=(",", ":"))  # noqa: E731
     if fmt.layout == "tagged":
         return "\n".join(f"{fmt.trigger}\n{dump(o)}\n{fmt.closer}" for o in objs)
     if fmt.layout == "single":

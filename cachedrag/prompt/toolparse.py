@@ -9,7 +9,9 @@ its string is closed, before any of its arguments; arguments stream as the raw J
 model wrote (compact under a grammar). Text that might be the start of a call marker is held
 back until it is decided. Partial JSON is tolerated: ``finish`` closes a call cut off by the
 token limit (open strings and brackets closed, a dangling key dropped), so its arguments are
-still a JSON object.
+still a JSON object. A call that repeats an earlier one (name and arguments) is dropped after its
+name was announced (``repeats`` counts them): the constraint stops such an answer there
+(``model.constraint.RepeatWatch``).
 
 Does not own: the formats themselves (``toolformat``) or the grammars (``toolgrammar``). Pure Python.
 """
@@ -164,6 +166,7 @@ class _CallParser:
         self._name: str | None = None
         self._id = ""
         self._args_sent = 0
+        self.repeats = 0  # calls dropped for repeating an earlier call (name and arguments)
 
     # --- the interface ----------------------------------------------------------------------
     def feed(self, delta: str) -> list:
@@ -305,9 +308,12 @@ class _CallParser:
             if arguments.startswith(sent) and len(arguments) > len(sent):
                 events.append(ArgumentsDelta(len(self.calls), arguments[len(sent):]))
         call = ToolCall(self._id, self._name, arguments)
+        self._name = None
+        if any(c.name == call.name and c.args == call.args for c in self.calls):
+            self.repeats += 1  # a repeat of an earlier call (small models loop on parallel calls): dropped
+            return
         events.append(CallEnded(len(self.calls), call))
         self.calls.append(call)
-        self._name = None
 
 
 def _arguments_text(raw: str, partial: bool) -> str:

@@ -304,9 +304,12 @@ def engine_settings(args: argparse.Namespace, **update) -> EngineSettings:
 
 def server_config(args: argparse.Namespace, engine: EngineSettings) -> ServerConfig:
     """The ``ServerConfig`` of ``cachedrag serve``'s arguments, for a server running ``engine``."""
+    index = getattr(args, "index", None)
+    if index is not None and not Path(index).is_dir():
+        raise ConfigError(f"--index {index}: no such index directory (build one with `cachedrag index build`)")
     return ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name or engine.model_name,
                         mode=engine.reuse_mode, scheduler=scheduler_config(args), passages=passage_config(args),
-                        default_max_tokens=args.max_tokens, api_key=args.api_key)
+                        default_max_tokens=args.max_tokens, index=index, api_key=args.api_key)
 
 
 #: ``ServerConfig`` fields whose flag is named otherwise (the rest: the same name)

@@ -77,7 +77,7 @@ def test_history_with_calls_and_results_is_rendered(chat):
     msgs = _messages(history)
     assert msgs[1].tool_calls[0].id == "call_7" and msgs[2].tool_call_id == "call_7"
     text = chat._generator.render_messages(msgs, [_spec()]).text
-    assert '{"tool_calls": [{"name": "search", "arguments": {"query": "heapq"}}]}' in text
+    assert '{"tool_calls":[{"name":"search","arguments":{"query":"heapq"}}]}' in text  # compact, as generated
     assert "The heapq module provides a heap queue." in text and '"name": "search"' in text
     msg = chat.bind_tools([search], tool_choice="none").invoke(history)
     assert msg.usage_metadata["input_tokens"] == len(chat.engine.runner.tokenizer.encode(

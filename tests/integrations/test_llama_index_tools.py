@@ -80,7 +80,7 @@ def test_history_with_tool_call_blocks_and_tool_messages(llm):
     msgs = to_messages(history)
     assert msgs[1].tool_calls[0].args == {"query": "heapq"} and msgs[2].tool_call_id == "call_9"
     text = llm._generator.render_messages(msgs).text
-    assert '{"tool_calls": [{"name": "search", "arguments": {"query": "heapq"}}]}' in text
+    assert '{"tool_calls":[{"name":"search","arguments":{"query":"heapq"}}]}' in text  # compact, as generated
     resp = llm.chat(history, max_new_tokens=8)
     assert isinstance(resp.message.content, str)
     from llama_index.core.base.llms.types import ImageBlock

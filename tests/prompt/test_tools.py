@@ -121,7 +121,7 @@ def test_envelope_renders_a_system_section_and_calls_as_text():
     rendered = render_messages(byte_tokenizer(), _history(), tools=[SEARCH])
     text = rendered.text
     assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call the following tools.")
-    assert '{"tool_calls": [{"name": "search", "arguments": {"query": "heapq"}}]}' in text
+    assert '{"tool_calls":[{"name":"search","arguments":{"query":"heapq"}}]}' in text  # compact, as generated
     assert "<|im_start|>tool\nThe heapq module provides a heap queue.<|im_end|>" in text  # verbatim
     last = text.index("The heapq module provides")
     assert rendered.prefix_end == last  # the tool result is the newest content: the rest is a stable prefix

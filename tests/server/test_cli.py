@@ -72,6 +72,7 @@ def test_bad_setting_exits_2_with_one_line():
     (["--port", "99999"], "port"),  # refused before the model loads
     (["--max-tokens", "0"], "default_max_tokens"),
     (["--tie-guard-decode", "-1"], "exact.tie_guard_decode"),
+    (["--index", "/nonexistent/index"], "--index"),
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):
     port = [] if "--port" in args else ["--port", "0"]

@@ -3,7 +3,8 @@
 Owns: ``shared_engine(model)``, which loads a model once per process and hands the same
 engine to every LlamaIndex and LangChain class that names it, ``register_engine`` (make an
 engine you built the shared one for a name, e.g. with a custom store or config), and
-``engine_name`` (the name an engine is known by). Names are canonical: ``None``,
+``engine_name`` (the name an engine is known by), and ``fidelity_engine`` (an engine at a fidelity
+level on another engine's weights: the classes' ``fidelity=``). Names are canonical: ``None``,
 ``"default"`` and the default model's name are one key; an existing local path is keyed by
 its absolute path; anything else (a Hugging Face id) by itself.
 
@@ -27,6 +28,8 @@ class EngineRegistry:
 
     def __init__(self):
         self._engines: dict[str, CachedEngine] = {}
+        # (id of the base engine, fidelity) -> (base, engine at that level): holding the base keeps its id unique
+        self._levels: dict[tuple[int, str], tuple[CachedEngine, CachedEngine]] = {}
         self._lock = threading.Lock()
 
     def get(self, model: str | None = None) -> "CachedEngine":
@@ -40,6 +43,21 @@ class EngineRegistry:
                 engine = CachedEngine(model=None if name == DEFAULT_MODEL else name)
                 self._engines[name] = engine
             return engine
+
+    def at_level(self, engine: "CachedEngine", fidelity: str) -> "CachedEngine":
+        """``engine`` itself when configured at ``fidelity``; else one engine per (engine, level) on
+        its runner (the weights are not loaded again), configured at that level, with its own cache."""
+        if engine.config.fidelity == fidelity:
+            return engine
+        with self._lock:
+            key = (id(engine), fidelity)
+            if key not in self._levels:
+                from cachedrag.config import EngineConfig
+                from cachedrag.engine import CachedEngine
+
+                config = EngineConfig(fidelity=fidelity, cache_bytes=engine.config.cache_bytes)
+                self._levels[key] = (engine, CachedEngine(engine.runner, config=config))
+            return self._levels[key][1]
 
     def register(self, name: str, engine: "CachedEngine") -> None:
         """Make ``engine`` the shared engine of ``name`` (replacing any earlier one)."""
@@ -75,14 +93,25 @@ def shared_engine(model: str | None = None) -> "CachedEngine":
     return _REGISTRY.get(model)
 
 
-def load_engine(model: str, share: bool) -> "CachedEngine":
+def load_engine(model: str, share: bool, fidelity: str | None = None) -> "CachedEngine":
     """The engine an integration class uses: the process-wide one of ``model`` when ``share``,
-    else a private engine of its own."""
+    else a private engine of its own; with ``fidelity``, that engine at the level
+    (``fidelity_engine``)."""
     if share:
-        return shared_engine(model)
+        engine = shared_engine(model)
+        return engine if fidelity is None else _REGISTRY.at_level(engine, fidelity)
+    from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
 
-    return CachedEngine(model=None if model == DEFAULT_MODEL else model)
+    config = EngineConfig(fidelity=fidelity) if fidelity is not None else None
+    return CachedEngine(model=None if model == DEFAULT_MODEL else model, config=config)
+
+
+def fidelity_engine(engine: "CachedEngine", fidelity: str) -> "CachedEngine":
+    """``engine`` at the fidelity level ``fidelity`` (``FIDELITY_PRESETS``: exact, faithful, guarded,
+    balanced, fast): itself when configured so, else an engine on the same runner at that level,
+    with a chunk cache of its own, one per (engine, level) in the process."""
+    return _REGISTRY.at_level(engine, fidelity)
 
 
 def register_engine(name: str, engine: "CachedEngine") -> None:

@@ -186,7 +186,8 @@ class ChunkAwareGenerator:
         split = split_prompt(prompt, self.registry)
         remember_shape(self.registry, split, self.engine, mode)  # retrievers' speculative pipelining
         segments = self.engine.prompts.text_segments(split.parts, tokenization=TOKENIZATION)
-        generation = _Counted(self.engine.generate_segments(segments, params, mode=mode, stream=True, start=start),
+        generation = _Counted(self.engine.generate_segments(segments, params, mode=mode, stream=True, start=start,
+                                                            conversation=prompt.conversation),
                               engine_load(self.engine))
         deadline = start + timeout if timeout else None
         layout = [(seg.kind, len(seg)) for seg in segments]

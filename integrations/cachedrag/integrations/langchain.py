@@ -46,7 +46,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field, PrivateAttr, SecretStr
 
-from cachedrag.integrations.engines import engine_name, load_engine, shared_engine
+from cachedrag.config import FidelityName
+from cachedrag.integrations.engines import engine_name, fidelity_engine, load_engine, shared_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, ToolRequest, json_constraint, sampling_params
 from cachedrag.integrations.search import shared_searcher
 from cachedrag.integrations.speculation import pipelining_option
@@ -103,6 +104,10 @@ class ChatCachedRAG(BaseChatModel):
                                    "cachedrag (None = the engine's)")
     share_engine: bool = Field(default=True, description="use the process-wide engine of `model` "
                                "(False: load a private one)")
+    fidelity: FidelityName | None = Field(
+        default=None, description="a fidelity level, as `cachedrag serve --fidelity`: exact, faithful, guarded, "
+        "balanced or fast (docs/fidelity.md); the engine at that level on the same weights, with a chunk cache of "
+        "its own (None = the engine as configured)")
 
     _engine: Any = PrivateAttr(default=None)
     _generator: ChunkAwareGenerator = PrivateAttr(default=None)
@@ -118,7 +123,9 @@ class ChatCachedRAG(BaseChatModel):
             kwargs["model"] = engine_name(engine)
         super().__init__(**kwargs)
         if engine is None:
-            engine = load_engine(self.model, self.share_engine)
+            engine = load_engine(self.model, self.share_engine, self.fidelity)
+        elif self.fidelity is not None:
+            engine = fidelity_engine(engine, self.fidelity)
         self._engine = engine
         self._registry = _default_registry() if chunk_registry is None else chunk_registry
         self._generator = ChunkAwareGenerator(engine, self._registry)
@@ -209,7 +216,7 @@ class ChatCachedRAG(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens,
-                "top_p": self.top_p, "reuse_mode": self.reuse_mode}
+                "top_p": self.top_p, "reuse_mode": self.reuse_mode, "fidelity": self.fidelity}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)

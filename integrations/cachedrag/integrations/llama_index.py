@@ -1,6 +1,7 @@
 """LlamaIndex integration: an LLM, a retriever and a node postprocessor that share chunk caches.
 
-Owns the LlamaIndex adapters (thin: the work is in ``generator``, ``search``, ``cachedrag.prompt``):
+Owns the LlamaIndex adapters (thin: the work is in ``generator``, ``search``, ``cachedrag.prompt``;
+the retriever and the postprocessor live in ``llama_index_retrieval``, re-exported here):
 
 - ``CachedRAGLLM`` (``FunctionCallingLLM``): complete / chat, streaming and real async variants
   (work runs on a worker thread; streams come through an ``asyncio.Queue``); the tokenizer's
@@ -29,12 +30,10 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
-from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -46,38 +45,24 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.callbacks import CallbackManager
 from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-from llama_index.core.instrumentation.events.query import QueryStartEvent
 from llama_index.core.instrumentation.span import SimpleSpan, active_span_id
 from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
-from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.schema import (
-    MetadataMode,
-    NodeRelationship,
-    NodeWithScore,
-    QueryBundle,
-    RelatedNodeInfo,
-    TextNode,
-)
 from pydantic import Field, PrivateAttr
 
-from cachedrag.integrations.engines import engine_name, load_engine
+from cachedrag.config import FidelityName
+from cachedrag.integrations.engines import engine_name, fidelity_engine, load_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, ToolRequest, json_constraint, sampling_params
+from cachedrag.integrations.llama_index_retrieval import CachedRAGNodePostprocessor, CachedRAGRetriever
 from cachedrag.integrations.llama_index_tools import ToolCallTracker, prepare_chat_with_tools, tool_selections
 from cachedrag.integrations.llama_index_tools import to_messages as _messages
 from cachedrag.integrations.query_stats import QueryStats
-from cachedrag.integrations.search import SearchHit, shared_searcher
-from cachedrag.integrations.speculation import pipelining_option
 from cachedrag.integrations.worker import run_in_worker, stream_in_worker
 from cachedrag.model.loader import DEFAULT_MODEL
 from cachedrag.prompt.registry import ChunkRegistry
-from cachedrag.prompt.registry import chunk_registry as _default_registry
 from cachedrag.prompt.template import RenderedPrompt
-from cachedrag.retrieval.config import PipeliningConfig
 
 __all__ = ["CachedRAGLLM", "CachedRAGRetriever", "CachedRAGNodePostprocessor"]
 
@@ -116,6 +101,10 @@ class CachedRAGLLM(FunctionCallingLLM):
                                   description="seconds a generation may take (checked between tokens)")
     share_engine: bool = Field(default=True,
                                description="use the process-wide engine of `model` (False: load a private one)")
+    fidelity: FidelityName | None = Field(
+        default=None, description="a fidelity level, as `cachedrag serve --fidelity`: exact, faithful, guarded, "
+        "balanced or fast (docs/fidelity.md); the engine at that level on the same weights, with a chunk cache of "
+        "its own (None = the engine as configured)")
 
     _engine: Any = PrivateAttr(default=None)
     _generator: ChunkAwareGenerator = PrivateAttr(default=None)
@@ -131,7 +120,9 @@ class CachedRAGLLM(FunctionCallingLLM):
             kwargs["model"] = engine_name(engine)
         super().__init__(**kwargs)
         if engine is None:
-            engine = load_engine(self.model, self.share_engine)
+            engine = load_engine(self.model, self.share_engine, self.fidelity)
+        elif self.fidelity is not None:
+            engine = fidelity_engine(engine, self.fidelity)
         self._engine = engine
         self._generator = ChunkAwareGenerator(engine, chunk_registry)
 
@@ -316,89 +307,6 @@ class CachedRAGLLM(FunctionCallingLLM):
         )
 
 
-class CachedRAGRetriever(BaseRetriever):
-    """Retrieve chunks from a cachedrag index directory; their texts become cacheable chunks.
-
-    >>> retriever = CachedRAGRetriever(index_dir="my-index", similarity_top_k=4)   # doctest: +SKIP
-    >>> [n.node.node_id for n in retriever.retrieve("How do I pretty-print JSON?")]  # doctest: +SKIP
-    ['stdlib/json#0', ...]
-
-    Several ``embedding_strs`` (HyDE with ``include_original=True``) are searched as the
-    renormalised mean of their normalised embeddings. ``query_bundle.embedding`` is ignored:
-    it comes from ``Settings.embed_model``, not necessarily the index's embedder.
-
-    ``pipelining=True`` (or a ``PipeliningConfig``): speculative pipelining; the search runs in
-    stages while the LLM's engine prefills the intermediate top-k in the shape of its previous
-    prompt (``integrations.speculation``); same nodes and answers, ``last_speculation`` says
-    what it did.
-    """
-
-    def __init__(self, index_dir: str, similarity_top_k: int = 4, nprobe: int | None = None,
-                 auto_prefetch: bool = True, chunk_registry: ChunkRegistry | None = None,
-                 callback_manager: CallbackManager | None = None, verbose: bool = False,
-                 pipelining: bool | PipeliningConfig | dict = False):
-        if similarity_top_k < 1:
-            raise ValueError("similarity_top_k must be at least 1")
-        super().__init__(callback_manager=callback_manager, verbose=verbose)
-        self.index_dir = str(index_dir)
-        self.similarity_top_k = similarity_top_k
-        self.nprobe = nprobe
-        self._searcher = shared_searcher(index_dir, chunk_registry)
-        self._pipelining = pipelining_option(pipelining)
-        self.last_speculation: dict | None = None  # what the latest pipelined retrieval speculated
-        self._handler = None
-        if auto_prefetch:
-            self._handler = _PrefetchOnQueryStart()
-            self._handler._retriever = weakref.ref(self)
-            _add_handler(self._handler)
-            weakref.finalize(self, _remove_handler, self._handler)
-
-    def prefetch(self, original_query: str) -> bool:
-        """Start moving the IVF clusters nearest ``original_query`` to the fast tier; returns at once."""
-        return self._searcher.prefetch(original_query)
-
-    def close(self) -> None:
-        """Stop listening for query starts (the shared index stays loaded)."""
-        if self._handler is not None:
-            _remove_handler(self._handler)
-            self._handler = None
-
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        if self._pipelining is None:
-            hits = self._searcher.search(query_bundle.embedding_strs, k=self.similarity_top_k, nprobe=self.nprobe)
-        else:
-            hits, self.last_speculation = self._pipelining.search(self._searcher, query_bundle.embedding_strs,
-                                                                  self.similarity_top_k, self.nprobe)
-        return [NodeWithScore(node=_node(h), score=h.score) for h in hits]
-
-    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return await run_in_worker(self._retrieve, query_bundle)
-
-
-class CachedRAGNodePostprocessor(BaseNodePostprocessor):
-    """Register the texts of nodes from any retriever or vector store; nodes pass unchanged.
-
-    >>> engine = RetrieverQueryEngine.from_args(my_vector_retriever, llm=CachedRAGLLM(),        # doctest: +SKIP
-    ...                                         node_postprocessors=[CachedRAGNodePostprocessor()])
-    """
-
-    _registry: ChunkRegistry = PrivateAttr(default=None)
-
-    def __init__(self, *, chunk_registry: ChunkRegistry | None = None, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._registry = _default_registry() if chunk_registry is None else chunk_registry
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "CachedRAGNodePostprocessor"
-
-    def _postprocess_nodes(self, nodes: list[NodeWithScore],
-                           query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
-        self._registry.register(n.node.get_content(metadata_mode=MetadataMode.NONE) for n in nodes
-                                if isinstance(n.node, TextNode))
-        return nodes
-
-
 # ---------------------------------------------------------------------- helpers
 def _tool_request(kwargs: dict) -> ToolRequest | None:
     return ToolRequest.of(kwargs.get("tools"), kwargs.get("tool_choice"), kwargs.get("parallel_tool_calls"))
@@ -407,33 +315,6 @@ def _tool_request(kwargs: dict) -> ToolRequest | None:
 def _usage(answer: Answer) -> dict:
     return {"prompt_tokens": answer.input_tokens, "completion_tokens": answer.output_tokens,
             "total_tokens": answer.input_tokens + answer.output_tokens, "cached_tokens": answer.cached_tokens}
-
-
-def _node(hit: SearchHit) -> TextNode:
-    metadata = hit.metadata()
-    node = TextNode(id_=hit.chunk_id, text=hit.text, metadata=metadata,
-                    excluded_llm_metadata_keys=list(metadata), excluded_embed_metadata_keys=list(metadata))
-    node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=hit.doc_id)
-    return node
-
-
-class _PrefetchOnQueryStart(BaseEventHandler):
-    """Starts a retriever's lookahead prefetch when any query engine starts a query."""
-
-    _retriever: Any = PrivateAttr(default=None)  # weakref to the CachedRAGRetriever
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "CachedRAGPrefetchOnQueryStart"
-
-    def handle(self, event, **kwargs: Any) -> None:
-        if not isinstance(event, QueryStartEvent):
-            return
-        retriever = self._retriever() if self._retriever is not None else None
-        if retriever is None:
-            return
-        query = event.query.query_str if isinstance(event.query, QueryBundle) else str(event.query)
-        retriever.prefetch(query)
 
 
 class _QuerySpans(BaseSpanHandler[SimpleSpan]):
@@ -529,12 +410,3 @@ async def _attributed_async(gen, stats: QueryStats):
 
 _query_spans = _QuerySpans()
 get_dispatcher().add_span_handler(_query_spans)
-
-
-def _add_handler(handler: BaseEventHandler) -> None:
-    get_dispatcher().add_event_handler(handler)
-
-
-def _remove_handler(handler: BaseEventHandler) -> None:
-    root = get_dispatcher()
-    root.event_handlers = [h for h in root.event_handlers if h is not handler]

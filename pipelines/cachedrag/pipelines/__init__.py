@@ -5,6 +5,8 @@
     subquestion   SubQuestion: decompose -> batched retrieve -> answer each -> synthesise
     iter_retgen   IterRetGen: N rounds of retrieve(question + last answer) -> generate
     flare         FLARE: sentence look-ahead, retrieve on low token probability, regenerate
+    agent         agentic RAG: LangGraph's ReAct agent / LlamaIndex's FunctionAgent with the
+                  retriever as their tool (ToolScript: scripted tool_choice per step)
     prompts       PromptTemplate and the default prompts
     parsing       sub-question parsing, sentence cuts, confidence masks (pure Python)
     generators    EngineGenerator (CachedEngine), TransformersGenerator (plain baseline)
@@ -45,6 +47,12 @@ _EXPORTS = {
     "ChunkWarmer": "retrievers",
     "PipelineQueryEngine": "query_engine",
     "as_runnable": "runnable",
+    "ToolScript": "agent",
+    "langgraph_agent": "agent",
+    "function_agent": "agent",
+    "search_tool": "agent",
+    "llama_index_search_tool": "agent",
+    "ScriptedFunctionAgent": "agent",
 }
 
 PIPELINES: dict[str, tuple[str, str]] = {
