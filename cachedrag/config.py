@@ -7,7 +7,6 @@ tier budgets of a custom store (``cachedrag.store``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Literal
 
@@ -20,7 +19,8 @@ ModeName = Literal["full", "prefix", "naive", "random", "cachedrag"]
 FidelityName = Literal["exact", "faithful", "guarded", "balanced", "fast"]
 
 #: What each fidelity level sets (calibrated on the measured frontier, docs/fidelity.md):
-#: the reuse mode, the policy fields of ``cache`` it owns, and order-aware exact reuse.
+#: the reuse mode, the policy fields of ``cache`` it owns (groups nested, as ``CacheConfig.replace``
+#: takes them), and order-aware exact reuse.
 FIDELITY_PRESETS: dict[str, dict] = {
     # no approximation: exact-prefix reuse only, in the retrieved order (answers = full prefill)
     "exact": {"mode": "prefix", "cache": {}, "order_aware": False, "early_termination": False},
@@ -30,9 +30,9 @@ FIDELITY_PRESETS: dict[str, dict] = {
     # the same run once the reuse path's question pre-pass ran in bfloat16 (1.88 on the reference path; 1.89 / 1.93
     # in earlier runs; 0.2: 2.40, TF 0.972, ROUGE-L 0.863); bench fidelity: KL a quarter of the order noise,
     # so order-aware off (docs/fidelity.md)
-    # (round 10: the recomputed rows' matmuls in bfloat16, CacheConfig.recompute_dtype's default, keep those figures
+    # (round 10: the recomputed rows' matmuls in bfloat16, CacheConfig.precision.recompute's default, keep those figures
     # at x_prefix 2.51 / 1.96 on bench ttft's two streams, 1.99 / 1.80 with float32 repairs in the same runs)
-    # (round 20: the missed chunks behind a reused one on the same bfloat16 copies, CacheConfig.fresh_dtype's default,
+    # (round 20: the missed chunks behind a reused one on the same bfloat16 copies, CacheConfig.precision.fresh's default,
     # keep the fidelity figures; x_prefix 2.73 -> 2.89, 1.98 -> 2.40 on stdlib seeds 0 / 1, 1.62 -> 2.00 on info seed 0)
     "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27},
                  "order_aware": False, "early_termination": False},
@@ -41,19 +41,19 @@ FIDELITY_PRESETS: dict[str, dict] = {
     # streams of two corpora (24 of 24; the trend check, calibrated on one corpus, caught 15), and took bench
     # ttft's first-token agreement to 1.000 on six streams where the default had 0.833-1.000
     "guarded": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27,
-                                               "tie_guard": 0.25},
+                                               "exact": {"tie_guard": 0.25}},
                 "order_aware": False, "early_termination": False},
-    # "guarded" plus the guard during decoding at every token (CacheConfig.tie_guard_decode=inf): an approximate
+    # "guarded" plus the guard during decoding at every token (CacheConfig.exact.tie_guard_decode=inf): an approximate
     # answer moves onto an exact prefill of the prompt and its first token before its second token, so it is full
     # prefill's answer whenever its (guarded) first token is. Round 22 (docs/fidelity.md): 62 of 62 gold answers
     # equal to full prefill's at 4x its TTFT (at 0.25 nats: 47 of 62, a decisive token moved first); every answer
     # of bench ttft's streams at the guarded row's TTFT; the answers take longer (one more exact prefill each).
     # Round 26: only the (guarded) first token reads the approximate prefill, so the missed chunks before the first
-    # reused one run on the bfloat16 copies too (leading_fresh_dtype): first token and answers unchanged on the four
+    # reused one run on the bfloat16 copies too (precision.leading_fresh): first token and answers unchanged on the four
     # streams, median TTFT x prefix 1.61 -> 2.09 on info seed 1 (2.12 -> 2.29 on stdlib seed 1) in the same runs
     "faithful": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27,
-                                                "tie_guard": 0.25,
-                                                "tie_guard_decode": math.inf, "leading_fresh_dtype": "bfloat16"},
+                                                "exact": {"tie_guard": 0.25, "tie_guard_decode": math.inf},
+                                                "precision": {"leading_fresh": "bfloat16"}},
                  "order_aware": False, "early_termination": False},
     # 10% recompute (5x TTFT, KL 0.034) and cached orders served exactly (15x): both at about the order-noise floor
     "fast": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.1},
@@ -105,7 +105,7 @@ class EngineConfig(BaseModel):
             cache = CacheConfig()
         elif isinstance(cache, dict):
             cache = CacheConfig.from_dict(cache)
-        cache = dataclasses.replace(cache, **preset["cache"]) if isinstance(cache, CacheConfig) else cache
+        cache = cache.replace(**preset["cache"]) if isinstance(cache, CacheConfig) else cache
         return {**data, "mode": preset["mode"], "order_aware": preset["order_aware"],
                 "early_termination": preset["early_termination"], "cache": cache}
 

@@ -3,7 +3,7 @@
 Every chunk is cached first in another order, so the retrieved order is served from non-prefix
 reuse (approximate). ``fidelity="guarded"`` (the first-token tie guard at 0.25 nats) keeps the
 first token full prefill's; later tokens are still decoded on the approximate KV, where a 135M
-model's near ties flip. ``CacheConfig.tie_guard_decode=G`` watches them too: the first answer
+model's near ties flip. ``CacheConfig.exact.tie_guard_decode=G`` watches them too: the first answer
 token whose top-2 logits are closer than G nats is not chosen from them; the prompt and the answer
 so far are prefilled exactly (prefix caching's plan, its path stored) and decoding goes on from
 that KV. The answer pauses once for that prefill (``result.tie_guard_switch_s``; its TTFT is
@@ -26,7 +26,7 @@ from tie_guard import QUESTIONS, SYSTEM, excerpts  # the first-token guard's exa
 
 from cachedrag.config import EngineConfig
 from cachedrag.engine import CachedEngine
-from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.config import CacheConfig, ExactFallback
 from cachedrag.model.loader import load_model
 from cachedrag.model.runner import ModelRunner
 
@@ -38,7 +38,7 @@ def main() -> None:
     for decode in (0.0, 0.25, math.inf):  # "guarded", a threshold, "faithful"
         print(f"tie_guard=0.25 tie_guard_decode={decode}")
         for question in QUESTIONS:
-            cache = CacheConfig(tie_guard=0.25, tie_guard_decode=decode, exact_repeats=0)
+            cache = CacheConfig(exact=ExactFallback(tie_guard=0.25, tie_guard_decode=decode, repeats=0))
             engine = CachedEngine(runner, config=EngineConfig(cache=cache))
             engine.generate(chunks[::-1], "What are these modules for?", SYSTEM, max_new_tokens=1)  # warm, other order
             reference = full.generate(chunks, question, SYSTEM, max_new_tokens=24)

@@ -1,7 +1,7 @@
 """Exact repeats: a recurring retrieval turns from approximate chunk reuse into an exact prefix hit.
 
 Every chunk is cached first in another order, so the retrieved order is served from non-prefix
-reuse (approximate). With ``CacheConfig.exact_repeats=2`` (the default) the second such sighting
+reuse (approximate). With ``CacheConfig.exact.repeats=2`` (the default) the second such sighting
 computes the sequence's exact knowledge-tree path once its answer is out, and the third is an
 exact prefix hit: no approximation, the answer of full prefill. ``exact_repeats=0`` is the
 reference behaviour (approximated at every sighting). See docs/fidelity.md, "Exact repeats".
@@ -14,7 +14,7 @@ from __future__ import annotations
 from cachedrag.config import EngineConfig
 from cachedrag.corpus import stdlib_corpus
 from cachedrag.engine import CachedEngine
-from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.config import CacheConfig, ExactFallback
 from cachedrag.model.loader import load_model
 from cachedrag.model.runner import ModelRunner
 
@@ -28,7 +28,7 @@ def main() -> None:
     docs = {d.id: d.text for d in stdlib_corpus(("heapq", "bisect", "functools"))}
     chunks = [docs["stdlib/heapq"][:900], docs["stdlib/bisect"][:900], docs["stdlib/functools"][:900]]
     for n in (0, 2):
-        engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(exact_repeats=n)))
+        engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(exact=ExactFallback(repeats=n))))
         engine.generate(chunks[::-1], "What are these modules for?", SYSTEM, max_new_tokens=1)  # warm, other order
         print(f"exact_repeats={n}")
         for question in QUESTIONS:

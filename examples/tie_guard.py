@@ -1,7 +1,7 @@
 """Tie guard: a near-tied first token is never left to the chunk-reuse approximation.
 
 Every chunk is cached first in another order, so the retrieved order is served from non-prefix
-reuse (approximate). With ``CacheConfig.tie_guard=G``, a request whose approximate prefill ends
+reuse (approximate). With ``CacheConfig.exact.tie_guard=G``, a request whose approximate prefill ends
 in a first token whose top-2 logits are closer than G nats is prefilled again exactly (its
 answer is full prefill's, its TTFT pays both prefills; ``result.tie_guard`` holds the gap). The
 default, 0, is off. These five questions have no first token within 0.3 nats, so the example
@@ -12,7 +12,7 @@ chunk reused, then every chunk computed exactly; missed chunks ahead of the firs
 come from the tree in the exact plan, since the guard stores them first). With
 G = 0 two answers differ from full prefill although their first tokens are decisive (gaps near
 2 nats): the guard does not look at those (``fidelity="faithful"`` guards every later token too:
-``CacheConfig.tie_guard_decode``).
+``CacheConfig.exact.tie_guard_decode``).
 
     python examples/tie_guard.py            # embedded SmolLM2-135M-Instruct
 """
@@ -23,7 +23,7 @@ from cachedrag_bench.ttft import plan_letters
 from cachedrag.config import EngineConfig
 from cachedrag.corpus import stdlib_corpus
 from cachedrag.engine import CachedEngine, top2_gap
-from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.config import CacheConfig, ExactFallback
 from cachedrag.model.loader import load_model
 from cachedrag.model.runner import ModelRunner
 
@@ -45,7 +45,7 @@ def main() -> None:
     full = CachedEngine(runner, config=EngineConfig(mode="full"))
     for guard in (0.0, 1.0):
         # exact_repeats off: every question is served from reuse, so each one meets the guard
-        cache = CacheConfig(tie_guard=guard, exact_repeats=0)
+        cache = CacheConfig(exact=ExactFallback(tie_guard=guard, repeats=0))
         engine = CachedEngine(runner, config=EngineConfig(cache=cache))
         engine.generate(chunks[::-1], "What are these modules for?", SYSTEM, max_new_tokens=1)  # warm, other order
         print(f"tie_guard={guard}")

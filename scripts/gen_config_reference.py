@@ -4,7 +4,8 @@
     python scripts/gen_config_reference.py --check    # exit 1 when docs/config.md is stale
 
 Each pydantic model's fields become a table (name, type, default, description from ``Field``);
-``CacheConfig`` (a dataclass whose docstring documents its fields) is rendered by mkdocstrings.
+``CacheConfig`` and its settings groups (dataclasses whose docstrings document their fields) are
+rendered by mkdocstrings.
 ``tests/test_docs.py`` runs the check.
 """
 
@@ -24,8 +25,11 @@ SECTIONS = (
                    "cachedrag.retrieval.config.PipeliningConfig")),
     ("Server (`cachedrag serve --config FILE`)", ("cachedrag.server.config.ServerConfig",
                                                   "cachedrag.server.config.SchedulerConfig",
-                                                  "cachedrag.server.config.EngineSettings")),
+                                                  "cachedrag.server.config.EngineSettings",
+                                                  "cachedrag.server.config.ExactSettings")),
 )
+#: ``CacheConfig``'s settings groups (dataclasses rendered by mkdocstrings after it): class, field
+CACHE_GROUPS = (("RowPrecision", "precision"), ("ExactFallback", "exact"), ("FocusConfig", "focus"))
 HEADER = """# Configuration reference
 
 Every setting is a validated field of one of these models: a bad value fails when the object is
@@ -72,8 +76,10 @@ def render() -> str:
         out.append(f"## {title}\n")
         out.extend(_table(p) for p in paths)
         if title == "Engine":
-            out.append("### `CacheConfig`\n\n::: cachedrag.kvcache.config.CacheConfig\n    options:\n"
-                       "      show_root_heading: false\n")
+            for name, field in (("CacheConfig", None), *CACHE_GROUPS):
+                where = f" (`CacheConfig.{field}`)" if field else ""
+                out.append(f"### `{name}`{where}\n\n::: cachedrag.kvcache.config.{name}\n    options:\n"
+                           "      show_root_heading: false\n")
     return "\n".join(out)
 
 

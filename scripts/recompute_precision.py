@@ -1,8 +1,8 @@
 """The precision of the rows a reuse prefill computes: bfloat16 vs float32.
 
 A reuse-served request recomputes ~27% of each reused chunk's tokens to repair the cached K/V
-they carry from other neighbours (``CacheConfig.recompute_dtype``), and computes the chunks it
-missed; those behind a reused chunk attend to its approximate K/V (``CacheConfig.fresh_dtype``).
+they carry from other neighbours (``CacheConfig.precision.recompute``), and computes the chunks it
+missed; those behind a reused chunk attend to its approximate K/V (``CacheConfig.precision.fresh``).
 By default both kinds of rows run their matmuls on bfloat16 copies of the weights (the system
 prompt, fresh chunks before every reused one, the question and the logits stay float32);
 ``"float32"`` for both is the reference. Both engines below serve the same retrieval: three
@@ -17,7 +17,7 @@ from __future__ import annotations
 from cachedrag.config import EngineConfig
 from cachedrag.corpus import stdlib_corpus
 from cachedrag.engine import CachedEngine
-from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.config import CacheConfig, ExactFallback, RowPrecision
 from cachedrag.model.loader import load_model
 from cachedrag.model.runner import ModelRunner
 
@@ -34,7 +34,7 @@ def main() -> None:
     full = CachedEngine(runner, config=EngineConfig(mode="full")).generate(order, question, SYSTEM, max_new_tokens=24)
     print(f"     full prefill: TTFT {full.ttft_s:.3f} s  {full.text.strip()!r}")
     for dtype in ("bfloat16", "float32"):
-        cache = CacheConfig(recompute_dtype=dtype, fresh_dtype=dtype, exact_repeats=0)
+        cache = CacheConfig(precision=RowPrecision(recompute=dtype, fresh=dtype), exact=ExactFallback(repeats=0))
         engine = CachedEngine(runner, config=EngineConfig(cache=cache))
         engine.generate(cached, "What are these modules for?", SYSTEM, max_new_tokens=1)  # caches three chunks
         engine.generate(cached[::-1], "warm-up question", SYSTEM, max_new_tokens=1)  # first reuse (one-time costs)

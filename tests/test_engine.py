@@ -40,8 +40,8 @@ def _logits(engine, chunks, question, mode=None):
 def test_full_recompute_of_reused_chunks_equals_full_prefill(runner):
     # the recomputed rows in the runner's own precision (the reference; bfloat16 repairs, the default,
     # are close to it: tests/test_engine_scoring.py)
-    engine = _engine(runner, early_termination=False, cache={"recompute_ratio": 1.0, "recompute_dtype": "float32",
-                                                             "fresh_dtype": "float32"})
+    engine = _engine(runner, early_termination=False, cache={"recompute_ratio": 1.0,
+                                                             "precision": {"recompute": "float32", "fresh": "float32"}})
     engine.generate(CHUNKS[:3], "warm up", SYSTEM, max_new_tokens=1)
     reordered = [CHUNKS[2], CHUNKS[0], CHUNKS[1]]  # every chunk cached, none in exact-prefix order
     r = engine.generate(reordered, "which module memoizes?", SYSTEM, max_new_tokens=1)
@@ -112,8 +112,8 @@ def test_early_termination_computes_less(runner):
     """Two-layer model, decision allowed after layer 0, focus = chunks holding 30% of the
     question's attention: the other chunks' recompute tokens are skipped in layer 1."""
     chunks = [c[:90] for c in CHUNKS]
-    on = _engine(runner, early_termination=True, cache={"recompute_ratio": 0.5, "focus_min_layers": 1, "focus_window": 1,
-                                "focus_mass_threshold": 0.3})
+    on = _engine(runner, early_termination=True, cache={"recompute_ratio": 0.5,
+                                "focus": {"min_layers": 1, "window": 1, "mass_threshold": 0.3}})
     off = _engine(runner, early_termination=False, cache={"recompute_ratio": 0.5})
     for e in (on, off):
         e.generate(chunks, "warm", SYSTEM, max_new_tokens=1)

@@ -45,7 +45,7 @@ def test_cuda_runner_uses_the_triton_kernels_and_the_graph_step():
 
 def test_full_recompute_of_reused_chunks_equals_full_prefill_on_cuda():
     engine = _engine(_cuda_runner(), early_termination=False,
-                     cache={"recompute_ratio": 1.0, "recompute_dtype": "float32", "fresh_dtype": "float32"})
+                     cache={"recompute_ratio": 1.0, "precision": {"recompute": "float32", "fresh": "float32"}})
     engine.generate(CHUNKS, "warm up", SYSTEM, max_new_tokens=1)
     r = engine.generate(REORDERED, "which module memoizes?", SYSTEM, max_new_tokens=1)
     assert r.chunks_hit == 3

@@ -1,4 +1,4 @@
-"""The tie guard during decoding (``CacheConfig.tie_guard_decode``): an answer decoding on an
+"""The tie guard during decoding (``CacheConfig.exact.tie_guard_decode``): an answer decoding on an
 approximate prefill's KV that meets a near tie goes on from an exact prefill of the prompt and the
 answer so far, so the rest of it is full prefill's.
 
@@ -43,7 +43,7 @@ def runner():
 
 
 def _engine(runner, decode: float = 0.0, draft: int = 0) -> CachedEngine:
-    cache = CacheConfig(recompute_ratio=0.0, exact_repeats=0, tie_guard_decode=decode)
+    cache = CacheConfig(recompute_ratio=0.0, exact={"repeats": 0, "tie_guard_decode": decode})
     engine = CachedEngine(runner, config=EngineConfig(cache=cache, lookup=LookupConfig(max_draft=draft)))
     # every chunk of SEQ cached as a variant behind another system prompt: nothing on SEQ's tree path
     engine.generate([CHUNKS[2], CHUNKS[1], CHUNKS[0]], "warm", "another system prompt", max_new_tokens=1)
@@ -276,7 +276,7 @@ def test_no_guard_on_exact_prefills_or_other_modes(runner):
     assert full.tie_guard_switch is None and prefix.tie_guard_switch is None
     for bad in (-0.1, math.nan, "0.2"):
         with pytest.raises(ConfigError):
-            CacheConfig(tie_guard_decode=bad)
+            CacheConfig(exact={"tie_guard_decode": bad})
 
 
 def test_a_failed_exact_prefill_keeps_the_approximate_answer(runner, plant, monkeypatch, caplog):

@@ -7,7 +7,6 @@ choice and ignored by ``deviation`` (which looks at V); a V outlier the other wa
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -128,7 +127,7 @@ def test_weighted_rank_spans_question_and_deviation(runner):
 
 def test_question_choice_at_full_recompute_equals_full_prefill(runner):
     engine = _engine(runner, cache={"recompute_ratio": 1.0, "token_choice": "question",
-                                    "recompute_dtype": "float32", "fresh_dtype": "float32"})
+                                    "precision": {"recompute": "float32", "fresh": "float32"}})
     _warm(engine)
     segs = engine.prompts.chat(ORDER, QUESTION, SYSTEM)
     torch.testing.assert_close(engine.prefill_logits(segs), engine.prefill_logits(segs, mode="full"),
@@ -178,18 +177,21 @@ def test_fidelity_levels_set_mode_policy_and_order(level):
     assert cfg.early_termination is preset["early_termination"] is False  # it costs fidelity (docs/fidelity.md)
     assert cfg.cache.alpha == 2.0  # fields the preset does not own are kept
     for name, value in preset["cache"].items():
-        assert getattr(cfg.cache, name) == value
+        if isinstance(value, dict):  # a settings group: the fields the preset names
+            assert {f: getattr(getattr(cfg.cache, name), f) for f in value} == value
+        else:
+            assert getattr(cfg.cache, name) == value
 
 
 def test_guarded_is_balanced_with_the_gap_tie_guard(runner):
     """'guarded': the balanced policy, plus the tie guard at 0.25 nats."""
     guarded, balanced = EngineConfig(fidelity="guarded"), EngineConfig(fidelity="balanced")
-    assert guarded.cache.tie_guard == 0.25
-    assert dataclasses.replace(guarded.cache, tie_guard=0.0) == balanced.cache
+    assert guarded.cache.exact.tie_guard == 0.25
+    assert guarded.cache.replace(exact={"tie_guard": 0.0}) == balanced.cache
     assert guarded.mode == balanced.mode and guarded.order_aware == balanced.order_aware
     engines = {}
     for level in ("balanced", "guarded"):
-        engines[level] = CachedEngine(runner, config=EngineConfig(fidelity=level, cache={"exact_repeats": 0}))
+        engines[level] = CachedEngine(runner, config=EngineConfig(fidelity=level, cache={"exact": {"repeats": 0}}))
         engines[level].generate(CHUNKS[:3], "warm", SYSTEM, max_new_tokens=1)
     segs = engines["balanced"].prompts.chat(ORDER, QUESTION, SYSTEM)
     gap = top2_gap(engines["balanced"].prefill_logits(segs))  # the approximate prefill's first-token gap
@@ -206,9 +208,9 @@ def test_faithful_is_guarded_with_the_guard_during_decoding():
     """'faithful': the guarded level, plus the tie guard during decoding at every token (round 22) and the
     missed chunks before the first reused one on the bfloat16 copies (round 26: only the first token reads them)."""
     faithful, guarded = EngineConfig(fidelity="faithful"), EngineConfig(fidelity="guarded")
-    assert faithful.cache.tie_guard_decode == math.inf and guarded.cache.tie_guard_decode == 0.0
-    assert faithful.cache.leading_fresh_dtype == "bfloat16" and guarded.cache.leading_fresh_dtype == "float32"
-    assert dataclasses.replace(faithful.cache, tie_guard_decode=0.0, leading_fresh_dtype="float32") == guarded.cache
+    assert faithful.cache.exact.tie_guard_decode == math.inf and guarded.cache.exact.tie_guard_decode == 0.0
+    assert faithful.cache.precision.leading_fresh == "bfloat16" and guarded.cache.precision.leading_fresh == "float32"
+    assert faithful.cache.replace(exact={"tie_guard_decode": 0.0}, precision={"leading_fresh": "float32"}) == guarded.cache
     assert faithful.mode == guarded.mode and faithful.order_aware == guarded.order_aware
 
 

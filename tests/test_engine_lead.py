@@ -21,7 +21,7 @@ def _run(share: bool, order: list[int], choice: str):
     runner = tiny_runner("llama", seed=5)
     # the rows behind the lead rows in float32: on the bfloat16 copies a 1e-7 difference in their input (the lead
     # rows' K/V from the pre-pass vs the prefill) can cross a bfloat16 rounding boundary and move an output by 1e-3
-    cache = CacheConfig(recompute_ratio=0.27, token_choice=choice, recompute_dtype="float32", fresh_dtype="float32")
+    cache = CacheConfig(recompute_ratio=0.27, token_choice=choice, precision={"recompute": "float32", "fresh": "float32"})
     engine = CachedEngine(runner, config=EngineConfig(cache=cache))
     engine.share_lead_rows = share
     engine.generate(CHUNKS[:3], "warm up", SYSTEM, max_new_tokens=1)  # chunks 0-2 cached

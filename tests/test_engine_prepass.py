@@ -26,7 +26,8 @@ ORDERS = [[0, 3, 1, 4, 2], [3, 0, 1, 2, 4], [4, 3, 0, 1, 2]]  # fresh after reus
 
 def _engine(fresh: str, choice: str = "question+inter", fill=None):
     runner = tiny_runner("llama", seed=5)
-    cache = CacheConfig(recompute_ratio=0.27, token_choice=choice, question_dtype="float32", question_pass_fresh=fresh)
+    cache = CacheConfig(recompute_ratio=0.27, token_choice=choice, precision={"question": "float32"},
+                        question_pass_fresh=fresh)
     engine = CachedEngine(runner, config=EngineConfig(cache=cache))
     engine.buffer_fill = fill
     engine.generate([CHUNKS[i] for i in (2, 1, 0)], "warm up", SYSTEM, max_new_tokens=1)  # chunks 0-2 cached
@@ -162,7 +163,7 @@ def test_server_style_separators_are_computed_not_reused():
     from cachedrag.model.generation import SamplingParams
 
     runner = tiny_runner("llama", seed=5)
-    engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(exact_repeats=0)))
+    engine = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(exact={"repeats": 0})))
     calls = []
     original = engine._question_scores
     engine._question_scores = lambda *a, **k: calls.append(k.get("hidden")) or original(*a, **k)
@@ -184,7 +185,7 @@ def test_server_style_separators_are_computed_not_reused():
     assert mixed.chunks_hit == 3 and mixed.chunks_missed == 2  # the chunks reused, the separators computed
     assert len(calls) == 1 and len(calls[0]) == 4  # the pre-pass hid the two separators after the first chunk
     # the reference (min_reuse_tokens=0): the known separator is reused, so new chunks after it are approximate
-    off = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(exact_repeats=0, min_reuse_tokens=0)))
+    off = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(exact={"repeats": 0}, min_reuse_tokens=0)))
     off.generate_segments(off.prompts.text_segments(parts([0, 1, 2])), params)
     new_off = off.generate_segments(off.prompts.text_segments(parts([3, 4])), params)
     assert "chunk_reuse" in new_off.approximations and new_off.chunks_hit == 1

@@ -1,4 +1,4 @@
-"""Exact repeats (``CacheConfig.exact_repeats``): a recurring chunk sequence gets its exact tree path.
+"""Exact repeats (``CacheConfig.exact.repeats``): a recurring chunk sequence gets its exact tree path.
 
 A request served from reuse stores no exact path; once its sequence has been served from reuse
 ``exact_repeats`` times, the exact path is computed (after the response, or inline) and later
@@ -34,9 +34,10 @@ def runner():
     return ModelRunner(model, tok)
 
 
-def _engine(runner, mode="cachedrag", store=None, **cache):
-    cache = {"recompute_ratio": 0.3, **cache}
-    return CachedEngine(runner, config=EngineConfig(mode=mode, cache=CacheConfig(**cache)), store=store)
+def _engine(runner, mode="cachedrag", store=None, **exact):
+    """``exact``: ``ExactFallback`` fields."""
+    cache = CacheConfig(recompute_ratio=0.3, exact=exact)
+    return CachedEngine(runner, config=EngineConfig(mode=mode, cache=cache), store=store)
 
 
 def _warm(engine):
@@ -76,7 +77,7 @@ def test_repeat_after_promotion_equals_prefix_caching_and_full_prefill(runner):
 
 
 def test_reference_behaviour_off_keeps_approximating(runner):
-    engine = _engine(runner, exact_repeats=0)
+    engine = _engine(runner, repeats=0)
     _warm(engine)
     rs = [engine.generate(SEQ, f"question {i}", SYSTEM, max_new_tokens=1) for i in range(4)]
     assert all("chunk_reuse" in r.approximations and r.exact_repeat is None and r.promotion_s == 0 for r in rs)
@@ -84,7 +85,7 @@ def test_reference_behaviour_off_keeps_approximating(runner):
 
 
 def test_inline_promotion_serves_the_recurring_request_exactly(runner):
-    engine = _engine(runner, exact_repeats_when="inline")
+    engine = _engine(runner, repeats_when="inline")
     _warm(engine)
     first = engine.generate(SEQ, "q", SYSTEM, max_new_tokens=1)
     assert "chunk_reuse" in first.approximations
@@ -97,7 +98,7 @@ def test_inline_promotion_serves_the_recurring_request_exactly(runner):
 
 
 def test_threshold_counts_reuse_served_sightings_only(runner):
-    engine = _engine(runner, exact_repeats=3)
+    engine = _engine(runner, repeats=3)
     _warm(engine)
     rs = [engine.generate(SEQ, f"q{i}", SYSTEM, max_new_tokens=1) for i in range(4)]
     assert [r.exact_repeat for r in rs] == [None, None, "promoted", None]
@@ -126,7 +127,7 @@ def test_an_overdue_promotion_goes_inline_at_the_next_sighting(runner):
     exactly, stores the path, and the one after is an exact hit equal to full prefill; the plain
     ``after_response`` timing keeps handing the promotion over."""
     for when, fourth in (("after_response_else_inline", "inline"), ("after_response", "promote")):
-        engine = _engine(runner, exact_repeats_when=when)
+        engine = _engine(runner, repeats_when=when)
         _warm(engine)
         segs = engine.prompts.chat(SEQ, "q", SYSTEM)
         kinds = [engine.prefill(segs, 1).info["exact_repeat"] for _ in range(3)]  # no promote() ever called
@@ -176,7 +177,7 @@ def test_damaged_promoted_entry_is_a_miss_not_a_wrong_answer(runner, tmp_path, w
     store = TieredStore.from_config(StoreConfig(namespace=probe.model_namespace.digest, disk_dir=str(tmp_path),
                                                 disk_bytes=64 << 20))
     engine = CachedEngine(runner, store=store, config=EngineConfig(
-        break_even_factor=1e6, cache=CacheConfig(recompute_ratio=0.3, exact_repeats_when=when)))
+        break_even_factor=1e6, cache=CacheConfig(recompute_ratio=0.3, exact={"repeats_when": when})))
     _warm(engine)
     for i in range(2):
         engine.generate(SEQ, f"q{i}", SYSTEM, max_new_tokens=1)
@@ -191,8 +192,8 @@ def test_damaged_promoted_entry_is_a_miss_not_a_wrong_answer(runner, tmp_path, w
     assert r.approximations == [] and r.token_ids == full.token_ids
 
 
-@pytest.mark.parametrize("field, value", [("exact_repeats", -1), ("exact_repeats", 1.5),
-                                          ("exact_repeats_when", "idle"), ("repeat_memory", 0)])
+@pytest.mark.parametrize("field, value", [("repeats", -1), ("repeats", 1.5),
+                                          ("repeats_when", "idle"), ("repeat_memory", 0)])
 def test_bad_settings_are_refused(field, value):
-    with pytest.raises(ConfigError, match=field):
-        CacheConfig(**{field: value})
+    with pytest.raises(ConfigError, match=f"exact.{field}"):
+        CacheConfig(exact={field: value})

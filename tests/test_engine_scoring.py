@@ -1,4 +1,4 @@
-"""The question pre-pass on bfloat16 copies of the weights (``CacheConfig.question_dtype``,
+"""The question pre-pass on bfloat16 copies of the weights (``CacheConfig.precision.question``,
 ``model/scoring.py``) against its reference, the runner's own float32 projections: the scores
 agree to bfloat16 rounding and the choices nearly so (near ties may swap), and given the same
 choice the prefill (logits, buffer) equals the reference bit for bit, since it overwrites every
@@ -13,7 +13,7 @@ import torch
 from cachedrag.config import EngineConfig
 from cachedrag.engine import CachedEngine
 from cachedrag.errors import ConfigError
-from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.config import CacheConfig, RowPrecision
 from cachedrag.model.scoring import ScoringLayer, scoring_layers
 from cachedrag.testing import tiny_runner
 
@@ -26,10 +26,11 @@ def runner():
     return tiny_runner("llama", seed=5)
 
 
-def _engine(runner, dtype: str, **cache):
-    cache = {"recompute_ratio": 0.27, "token_choice": "question+inter", "question_dtype": dtype,
-             "recompute_dtype": "float32", "fresh_dtype": "float32", **cache}
-    return CachedEngine(runner, config=EngineConfig(cache=CacheConfig(**cache)))
+def _engine(runner, dtype: str, precision: dict | None = None, **cache):
+    """``dtype``: the question pre-pass's; ``precision``: the other row groups' (float32 unless named)."""
+    rows = {"question": dtype, "recompute": "float32", "fresh": "float32", **(precision or {})}
+    cache = {"recompute_ratio": 0.27, "token_choice": "question+inter", **cache}
+    return CachedEngine(runner, config=EngineConfig(cache=CacheConfig(precision=RowPrecision(**rows), **cache)))
 
 
 def _prefill(engine, order, question="which chunk?", scores_from=None):
@@ -116,8 +117,8 @@ def test_leading_fresh_rows_keep_the_runner_precision(runner, share):
 
 
 def test_question_dtype_is_validated():
-    with pytest.raises(ConfigError, match="question_dtype"):
-        CacheConfig(question_dtype="float16")
+    with pytest.raises(ConfigError, match="precision.question"):
+        CacheConfig(precision=RowPrecision(question="float16"))
 
 
 def test_engine_builds_the_bf16_copies_at_construction_not_on_the_first_reuse():
@@ -140,7 +141,7 @@ def test_engine_builds_the_bf16_copies_at_construction_not_on_the_first_reuse():
     assert built(fast) == max(engine._question_layers()) + 1
 
 
-# --- the recomputed rows of reused chunks on the bfloat16 copies (CacheConfig.recompute_dtype) ---
+# --- the recomputed rows of reused chunks on the bfloat16 copies (CacheConfig.precision.recompute) ---
 
 
 def test_row_split_layer_computes_each_row_on_its_own_weights(runner):
@@ -165,13 +166,13 @@ def test_row_split_layer_computes_each_row_on_its_own_weights(runner):
 
 @pytest.mark.parametrize("order", [[0, 2, 1], [1, 0, 2, 3]])  # every chunk reused / a fresh chunk after reused ones
 def test_bf16_recompute_runs_exactly_the_reused_rows_on_the_copies(runner, order):
-    """With ``recompute_dtype="bfloat16"`` every prefill layer splits its rows: the reused chunks'
+    """With ``precision.recompute="bfloat16"`` every prefill layer splits its rows: the reused chunks'
     recomputed rows (all of them, nothing else) on the bf16 copies, question and fresh rows on the
     float32 weights. Same choice as the float32 setting (the pre-pass runs before), logits close
     to it but not equal (the path really ran), and the response names the approximation."""
     from cachedrag.model.scoring import RowSplitLayer
 
-    got, _, got_weights = _prefill(_engine(runner, "bfloat16", recompute_dtype="bfloat16"), order)
+    got, _, got_weights = _prefill(_engine(runner, "bfloat16", precision={"recompute": "bfloat16"}), order)
     want, _, want_weights = _prefill(_engine(runner, "bfloat16"), order)
     assert got.info["chunk_recompute"] == want.info["chunk_recompute"]
     prefill_layers = [w for w in got_weights if isinstance(w, RowSplitLayer)]
@@ -190,11 +191,11 @@ def test_bf16_recompute_runs_exactly_the_reused_rows_on_the_copies(runner, order
 
 
 def _setting_changes_nothing(runner, field: str, approximation: str, prefill) -> None:
-    """``prefill(engine)`` with the CacheConfig ``field`` at bfloat16 and at float32: neither names
+    """``prefill(engine)`` with the ``RowPrecision`` ``field`` at bfloat16 and at float32: neither names
     ``approximation``, and the logits are equal bit for bit."""
     logits = {}
     for dt in ("bfloat16", "float32"):
-        pre = prefill(_engine(runner, "bfloat16", **{field: dt}))
+        pre = prefill(_engine(runner, "bfloat16", precision={field: dt}))
         assert approximation not in pre.info["approximations"]
         logits[dt] = pre.logits
     assert torch.equal(logits["bfloat16"], logits["float32"])
@@ -203,35 +204,35 @@ def _setting_changes_nothing(runner, field: str, approximation: str, prefill) ->
 def test_bf16_recompute_leaves_a_request_without_reuse_unchanged(runner):
     """A cold request (every chunk fresh) has no reused rows: the setting changes nothing."""
     prompts = [CHUNKS[i] for i in (2, 1, 0)]
-    _setting_changes_nothing(runner, "recompute_dtype", "recompute_bfloat16",
+    _setting_changes_nothing(runner, "recompute", "recompute_bfloat16",
                              lambda engine: engine.prefill(engine.prompts.chat(prompts, "which chunk?", SYSTEM), 2))
 
 
 def test_recompute_dtype_is_validated_and_builds_every_layer_at_construction():
     from cachedrag.model import scoring
 
-    with pytest.raises(ConfigError, match="recompute_dtype"):
-        CacheConfig(recompute_dtype="float16")
+    with pytest.raises(ConfigError, match="precision.recompute"):
+        CacheConfig(precision=RowPrecision(recompute="float16"))
     r = tiny_runner("llama", seed=6)
-    _engine(r, "bfloat16", recompute_dtype="bfloat16")
+    _engine(r, "bfloat16", precision={"recompute": "bfloat16"})
     assert len(scoring._BUILT.get(r, [])) == r.n_layers
 
 
-# --- the fresh rows after a reused chunk on the bfloat16 copies (CacheConfig.fresh_dtype) ---
+# --- the fresh rows after a reused chunk on the bfloat16 copies (CacheConfig.precision.fresh) ---
 
 
 @pytest.mark.parametrize("recompute_dtype", ["float32", "bfloat16"])
 def test_bf16_fresh_rows_are_exactly_the_fresh_rows_after_the_first_reused_chunk(runner, recompute_dtype):
-    """``fresh_dtype="bfloat16"``: order [1, 0, 3, 2, 4] has chunk 3 and 4 fresh behind reused chunk 1
-    (chunk 3's rows and chunk 4's go to the copies; with ``recompute_dtype="bfloat16"`` the recomputed
+    """``precision.fresh="bfloat16"``: order [1, 0, 3, 2, 4] has chunk 3 and 4 fresh behind reused chunk 1
+    (chunk 3's rows and chunk 4's go to the copies; with ``precision.recompute="bfloat16"`` the recomputed
     rows too), the question's rows stay float32; the logits move but stay close, the response names
     ``fresh_bfloat16``, and the choice of recomputed tokens is the float32 setting's."""
     from cachedrag.model.scoring import RowSplitLayer
 
     order = [1, 0, 3, 2, 4]
-    got, _, got_weights = _prefill(_engine(runner, "bfloat16", recompute_dtype=recompute_dtype,
-                                           fresh_dtype="bfloat16"), order)
-    want, _, want_weights = _prefill(_engine(runner, "bfloat16", recompute_dtype=recompute_dtype), order)
+    got, _, got_weights = _prefill(_engine(runner, "bfloat16", precision={"recompute": recompute_dtype,
+                                                                          "fresh": "bfloat16"}), order)
+    want, _, want_weights = _prefill(_engine(runner, "bfloat16", precision={"recompute": recompute_dtype}), order)
     assert got.info["chunk_recompute"] == want.info["chunk_recompute"]
     assert got.info["chunks_missed"] == 2 and got.info["fresh_tokens"] > 0
     n_recomputed = sum(len(c) for c in got.info["chunk_recompute"] if c)
@@ -251,18 +252,18 @@ def test_bf16_fresh_rows_are_exactly_the_fresh_rows_after_the_first_reused_chunk
 
 def test_bf16_fresh_rows_leave_leading_fresh_chunks_and_cold_requests_exact(runner):
     """Fresh chunks before every reused one see only exact rows: they keep float32 (order [3, 0, 1]:
-    chunk 3 leads, 0 and 1 reused), as does a cold request; with ``recompute_dtype="float32"`` the
+    chunk 3 leads, 0 and 1 reused), as does a cold request; with ``precision.recompute="float32"`` the
     setting then changes nothing, bit for bit."""
     for order in ([3, 0, 1], [4, 3]):
-        _setting_changes_nothing(runner, "fresh_dtype", "fresh_bfloat16", lambda engine: _prefill(engine, order)[0])
+        _setting_changes_nothing(runner, "fresh", "fresh_bfloat16", lambda engine: _prefill(engine, order)[0])
 
 
 def test_fresh_dtype_is_validated():
-    with pytest.raises(ConfigError, match="fresh_dtype"):
-        CacheConfig(fresh_dtype="float16")
+    with pytest.raises(ConfigError, match="precision.fresh"):
+        CacheConfig(precision=RowPrecision(fresh="float16"))
 
 
-# --- the fresh chunks before the first reused one on the bfloat16 copies (CacheConfig.leading_fresh_dtype) ---
+# --- the fresh chunks before the first reused one on the bfloat16 copies (CacheConfig.precision.leading_fresh) ---
 
 
 def _tree_keys(engine, segs) -> int:
@@ -272,7 +273,7 @@ def _tree_keys(engine, segs) -> int:
 
 @pytest.mark.parametrize("share", [True, False])
 def test_bf16_leading_fresh_rows_run_on_the_copies_and_stay_out_of_the_tree(runner, share):
-    """``leading_fresh_dtype="bfloat16"``: order [3, 0, 1] has chunk 3 fresh before reused chunks 0 and 1.
+    """``precision.leading_fresh="bfloat16"``: order [3, 0, 1] has chunk 3 fresh before reused chunks 0 and 1.
     Its rows go to the copies in both passes (the pre-pass's every layer, the prefill's rows split: exactly
     the fresh rows), shared with the prefill or not; the logits move but stay close; the response names
     ``fresh_bfloat16``; and chunk 3 is stored as a variant, not as a tree node (its KV is approximate now),
@@ -280,7 +281,7 @@ def test_bf16_leading_fresh_rows_run_on_the_copies_and_stay_out_of_the_tree(runn
     from cachedrag.model.scoring import RowSplitLayer, ScoringLayer
 
     order = [3, 0, 1]
-    engines = {dt: _engine(runner, "bfloat16", leading_fresh_dtype=dt) for dt in ("bfloat16", "float32")}
+    engines = {dt: _engine(runner, "bfloat16", precision={"leading_fresh": dt}) for dt in ("bfloat16", "float32")}
     for engine in engines.values():
         engine.share_lead_rows = share
     (got, _, got_weights), (want, _, want_weights) = (_prefill(engines[dt], order) for dt in ("bfloat16", "float32"))
@@ -309,7 +310,7 @@ def test_bf16_leading_fresh_rows_leave_cold_requests_and_fresh_system_prompts_ex
     """No reused chunk (order [4, 3]: the warm-up caches chunks 0-2 only): nothing is approximate, so the
     setting changes nothing, bit for bit; nor where the system prompt is fresh too (a non-chunk segment
     leads: the leading rows keep the runner's precision)."""
-    _setting_changes_nothing(runner, "leading_fresh_dtype", "fresh_bfloat16",
+    _setting_changes_nothing(runner, "leading_fresh", "fresh_bfloat16",
                              lambda engine: _prefill(engine, [4, 3])[0])
 
     def fresh_system(engine):
@@ -317,7 +318,7 @@ def test_bf16_leading_fresh_rows_leave_cold_requests_and_fresh_system_prompts_ex
         pre = engine.prefill(engine.prompts.chat([CHUNKS[i] for i in (3, 0, 1)], "which chunk?", "another system"), 2)
         assert pre.info["segment_actions"][:3] == ["fresh", "fresh", "reuse"]
         return pre
-    _setting_changes_nothing(runner, "leading_fresh_dtype", "fresh_bfloat16", fresh_system)
+    _setting_changes_nothing(runner, "leading_fresh", "fresh_bfloat16", fresh_system)
 
 
 def test_tie_guard_exact_prefill_recomputes_bf16_leading_rows(runner):
@@ -325,7 +326,8 @@ def test_tie_guard_exact_prefill_recomputes_bf16_leading_rows(runner):
     21); bfloat16 ones are not exact, so it computes them again: its logits equal an exact prefill's to float32
     rounding, and the tree path it stores holds chunk 3 as an exact node."""
     order = [3, 0, 1]
-    engine = _engine(runner, "bfloat16", leading_fresh_dtype="bfloat16", tie_guard=1e6)  # every first token guarded
+    engine = _engine(runner, "bfloat16", exact={"tie_guard": 1e6},  # every first token guarded
+                     precision={"leading_fresh": "bfloat16"})
     pre, _, _ = _prefill(engine, order)
     assert pre.info["tie_guard"] is not None and pre.info["approximations"] == []
     assert pre.info["tie_guard_actions"] == ["tree", "fresh", "reuse", "reuse"]
@@ -339,5 +341,5 @@ def test_tie_guard_exact_prefill_recomputes_bf16_leading_rows(runner):
 
 
 def test_leading_fresh_dtype_is_validated():
-    with pytest.raises(ConfigError, match="leading_fresh_dtype"):
-        CacheConfig(leading_fresh_dtype="float16")
+    with pytest.raises(ConfigError, match="precision.leading_fresh"):
+        CacheConfig(precision=RowPrecision(leading_fresh="float16"))

@@ -1,4 +1,4 @@
-"""The tie guard (``CacheConfig.tie_guard``): an approximate prefill whose first token is a near
+"""The tie guard (``CacheConfig.exact.tie_guard``): an approximate prefill whose first token is a near
 tie is prefilled again exactly, so the approximation never picks between near-tied first tokens.
 
 The guard's threshold is planted around the approximate prefill's own top-2 gap (measured with
@@ -24,7 +24,7 @@ QUESTION = "which module memoizes?"
 
 
 def _engine(runner, tie_guard: float, mode: str = "cachedrag") -> CachedEngine:
-    cache = CacheConfig(recompute_ratio=0.3, exact_repeats=0, tie_guard=tie_guard)
+    cache = CacheConfig(recompute_ratio=0.3, exact={"repeats": 0, "tie_guard": tie_guard})
     engine = CachedEngine(runner, config=EngineConfig(mode=mode, cache=cache))
     _warm(engine)  # every chunk of SEQ cached as a variant, no tree path in SEQ's order
     return engine
@@ -145,7 +145,7 @@ def test_a_failing_store_before_the_exact_prefill_costs_only_the_reuse(runner, m
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.3x"])
 def test_tie_guard_is_validated(bad):
     with pytest.raises(ConfigError, match="tie_guard"):
-        CacheConfig(tie_guard=bad)
+        CacheConfig(exact={"tie_guard": bad})
 
 
 def test_a_near_tie_allows_for_the_rounding_of_bfloat16_logits(runner):

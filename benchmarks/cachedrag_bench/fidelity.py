@@ -60,19 +60,19 @@ FULL_RATIOS = "0,0.05,0.1,0.15,0.2,0.3,0.5"
 #: strategies beyond token selection, as ``--variants CHOICE/NAME`` rows ``CHOICE/NAME@RATIO``
 #: (same recompute budget as ``CHOICE@RATIO``): the CacheConfig fields each sets
 VARIANTS = {
-    # the recomputed rows' matmuls on bfloat16 copies (CacheConfig.recompute_dtype; docs/fidelity.md round 10)
-    "bf16": {"recompute_dtype": "bfloat16"},
-    "fp32": {"recompute_dtype": "float32"},  # the reference repairs (the default before round 10)
-    # the tie guard (CacheConfig.tie_guard, opt-in; docs/fidelity.md lever 4): a guarded request's exact prefill
+    # the recomputed rows' matmuls on bfloat16 copies (CacheConfig.precision.recompute; docs/fidelity.md round 10)
+    "bf16": {"precision": {"recompute": "bfloat16"}},
+    "fp32": {"precision": {"recompute": "float32"}},  # the reference repairs (the default before round 10)
+    # the tie guard (CacheConfig.exact.tie_guard, opt-in; docs/fidelity.md lever 4): a guarded request's exact prefill
     # stores its tree path in the cache the rows share, so give one guard row, one ratio, per run
-    "guard15": {"tie_guard": 0.15},
-    "guard3": {"tie_guard": 0.3},
-    # ``fidelity="guarded"``'s first-token guard plus the guard during decoding (CacheConfig.tie_guard_decode;
+    "guard15": {"exact": {"tie_guard": 0.15}},
+    "guard3": {"exact": {"tie_guard": 0.3}},
+    # ``fidelity="guarded"``'s first-token guard plus the guard during decoding (CacheConfig.exact.tie_guard_decode;
     # docs/fidelity.md round 22): a near tie while decoding moves the answer onto an exact prefill (stored
     # too: one such row per run)
-    "decode25": {"tie_guard": 0.25, "tie_guard_decode": 0.25},
-    "decode10": {"tie_guard": 0.25, "tie_guard_decode": 0.1},
-    "decodeinf": {"tie_guard": 0.25, "tie_guard_decode": float("inf")},  # every answer switches before token 1
+    "decode25": {"exact": {"tie_guard": 0.25, "tie_guard_decode": 0.25}},
+    "decode10": {"exact": {"tie_guard": 0.25, "tie_guard_decode": 0.1}},
+    "decodeinf": {"exact": {"tie_guard": 0.25, "tie_guard_decode": float("inf")}},  # every answer switches before token 1
 }
 
 
@@ -269,14 +269,14 @@ def _rows(runner, args, ratios: list[float], choices: list[str]) -> dict:
 
     # the rows share one cache per request and serve the same sequence in turn: with exact repeats on, the
     # second reuse row would promote it and every later row would be an exact hit, not the reuse it measures
-    base: dict = {"exact_repeats": 0}
+    base: dict = {"exact": {"repeats": 0}}
     if args.question_layers:
         base["question_layers"] = tuple(int(x) for x in args.question_layers.split(","))
     oracle = _oracle_class()
 
     def engine(cls=CachedEngine, order_aware=False, et=args.early_termination, **cache):
-        return cls(runner, config=EngineConfig(cache=CacheConfig(**{**base, **cache}), early_termination=et,
-                                               order_aware=order_aware))
+        settings = CacheConfig().replace(**base).replace(**cache)  # groups merge: a variant keeps exact.repeats=0
+        return cls(runner, config=EngineConfig(cache=settings, early_termination=et, order_aware=order_aware))
 
     # run order: "prefix" stores the retrieved order as a tree path, so it runs last (the reuse rows
     # compute nothing fresh and store nothing; "noise" computes everything and warms the cache)
@@ -478,7 +478,7 @@ def _aggregate(recs: list[dict], row: str) -> dict:
     out["ttft_median_s"] = statistics.median(r["rows"][row]["ttft_s"] for r in recs)
     totals = [r["rows"][row]["total_s"] for r in recs if "total_s" in r["rows"][row]]  # (older JSON lacks it)
     out["total_median_s"] = statistics.median(totals) if totals else None
-    out["switches"] = sum(r["rows"][row].get("switch") is not None for r in recs)  # CacheConfig.tie_guard_decode
+    out["switches"] = sum(r["rows"][row].get("switch") is not None for r in recs)  # CacheConfig.exact.tie_guard_decode
     out["n"] = len(recs)
     return out
 

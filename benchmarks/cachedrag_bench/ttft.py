@@ -93,18 +93,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-early-termination", dest="early_termination", action="store_false",
                         help="focused-chunk early termination off")
     parser.add_argument("--exact-repeats", default="", help="also run cachedrag with these exact-repeat settings "
-                        "(CacheConfig.exact_repeats): 'off', N (the N-th reuse-served sighting of a chunk sequence gets "
+                        "(CacheConfig.exact.repeats): 'off', N (the N-th reuse-served sighting of a chunk sequence gets "
                         "its exact path after the response) or N:inline (that sighting is prefilled exactly), e.g. "
                         "off,2:inline (rows 'cachedrag:repeats=SPEC')")
     parser.add_argument("--tie-guards", default="", help="also run cachedrag with these tie guards, "
-                        "comma-separated gaps (CacheConfig.tie_guard, nats, 0 = off), e.g. 0,0.3,1 "
+                        "comma-separated gaps (CacheConfig.exact.tie_guard, nats, 0 = off), e.g. 0,0.3,1 "
                         "(rows 'cachedrag:tie_guard=SPEC')")
     parser.add_argument("--recompute-dtypes", default="", help="also run cachedrag with the recomputed rows' "
-                        "matmuls in these dtypes (CacheConfig.recompute_dtype), comma-separated DTYPE[@RATIO], e.g. "
+                        "matmuls in these dtypes (CacheConfig.precision.recompute), comma-separated DTYPE[@RATIO], e.g. "
                         "bfloat16,bfloat16@0.35 (rows 'cachedrag:recompute=SPEC'; @RATIO: recompute_ratio, else the default's)")
     parser.add_argument("--cache-rows", default="", help="also run cachedrag with these CacheConfig settings, "
                         "comma-separated rows of FIELD=VALUE joined by '+' (scalar fields: a number, a word, "
-                        "true/false or none), e.g. fresh_dtype=bfloat16,fresh_dtype=bfloat16+tie_guard=0.25 "
+                        "true/false or none), e.g. precision.fresh=bfloat16,precision.fresh=bfloat16+exact.tie_guard=0.25 "
                         "(rows 'cachedrag:SPEC'; fields not named keep the default's)")
     parser.add_argument("--previous-default", action="store_true",
                         help="also run the engine default before the frontier picked one (row 'cachedrag:previous': "
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         modes.append(name)
     for ratio in [float(x) for x in args.reference_ratios.split(",") if x.strip()]:
         name = f"cachedrag@{ratio:g}:ref"
-        cache = CacheConfig(**{**cache_kwargs, "recompute_ratio": ratio, "question_dtype": "float32"})
+        cache = CacheConfig(**cache_kwargs).replace(recompute_ratio=ratio, precision={"question": "float32"})
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         engines[name].buffer_fill = 0.0
         modes.append(name)
@@ -247,20 +247,20 @@ def run(args: argparse.Namespace) -> int:
 
     for spec, setting in tie_guards.items():
         name = f"cachedrag:tie_guard={spec}"
-        cache = CacheConfig(**{**cache_kwargs, **setting})
+        cache = CacheConfig(**cache_kwargs).replace(**setting)
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
     for spec, setting in repeats.items():
         name = f"cachedrag:repeats={spec}"
-        cache = CacheConfig(**{**cache_kwargs, **setting})
+        cache = CacheConfig(**cache_kwargs).replace(**setting)
         engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
         modes.append(name)
 
     for prefix, settings in (("recompute=", recompute), ("", cache_rows)):
         for spec, setting in settings.items():
             name = f"cachedrag:{prefix}{spec}"
-            cache = CacheConfig(**{**cache_kwargs, **setting})
+            cache = CacheConfig(**cache_kwargs).replace(**setting)
             engines[name] = CachedEngine(runner, config=config.model_copy(update={"mode": "cachedrag", "cache": cache}))
             modes.append(name)
 
@@ -347,8 +347,8 @@ def run(args: argparse.Namespace) -> int:
             # exact repeats: "promoted" (exact path computed after the response), "inline" (prefilled exactly)
             "exact_repeats": dict(sorted(Counter(r.exact_repeat for r in rs if r.exact_repeat).items())),
             "promotion_s": sum(r.promotion_s for r in rs),  # after the responses: in no TTFT, but compute spent
-            "tie_guarded": sum(r.tie_guard is not None for r in rs),  # prefilled again exactly (CacheConfig.tie_guard)
-            # answers moved onto exact KV while decoding (CacheConfig.tie_guard_decode), and the seconds they paused
+            "tie_guarded": sum(r.tie_guard is not None for r in rs),  # prefilled again exactly (CacheConfig.exact.tie_guard)
+            # answers moved onto exact KV while decoding (CacheConfig.exact.tie_guard_decode), and the seconds they paused
             "tie_guard_switches": sum(r.tie_guard_switch is not None for r in rs),
             "tie_guard_switch_s": sum(r.tie_guard_switch_s or 0.0 for r in rs),
             "ttft_sum_s": sum(ttft),
@@ -388,16 +388,16 @@ def _number(option: str, text: str) -> float:
 
 
 def tie_guard_setting(spec: str) -> dict:
-    """``--tie-guards`` spec -> CacheConfig fields: a gap 'G' (``tie_guard``, nats).
+    """``--tie-guards`` spec -> CacheConfig fields: a gap 'G' (``exact.tie_guard``, nats).
 
     >>> tie_guard_setting("0.3")
-    {'tie_guard': 0.3}
+    {'exact': {'tie_guard': 0.3}}
     """
-    out = {"tie_guard": _number("--tie-guards", spec)}
+    out = {"exact": {"tie_guard": _number("--tie-guards", spec)}}
     from cachedrag.kvcache.config import CacheConfig
 
     try:
-        CacheConfig(**out)  # validated now: a bad spec fails before the model loads
+        CacheConfig().replace(**out)  # validated now: a bad spec fails before the model loads
     except ConfigError as exc:
         raise ConfigError(f"--tie-guards: {spec!r}: {exc}") from None
     return out
@@ -435,31 +435,29 @@ def request_record(index: int, r, f) -> dict:
 
 
 def cache_row_setting(spec: str) -> dict:
-    """``--cache-rows`` spec -> CacheConfig fields: FIELD=VALUE pairs joined by '+', each VALUE a
-    number, true/false, none or a word, validated by CacheConfig before any model loads.
+    """``--cache-rows`` spec -> CacheConfig fields: FIELD=VALUE pairs joined by '+' (a group's field
+    as GROUP.FIELD), each VALUE a number, true/false, none or a word, validated by CacheConfig before
+    any model loads.
 
-    >>> cache_row_setting("fresh_dtype=bfloat16+tie_guard=0.25")
-    {'fresh_dtype': 'bfloat16', 'tie_guard': 0.25}
-    >>> cache_row_setting("exact_repeats=0+recompute_ratio=none")
-    {'exact_repeats': 0, 'recompute_ratio': None}
+    >>> cache_row_setting("precision.fresh=bfloat16+exact.tie_guard=0.25")
+    {'precision': {'fresh': 'bfloat16'}, 'exact': {'tie_guard': 0.25}}
+    >>> cache_row_setting("exact.repeats=0+recompute_ratio=none")
+    {'exact': {'repeats': 0}, 'recompute_ratio': None}
     """
-    import dataclasses
-
     from cachedrag.kvcache.config import CacheConfig
 
-    fields = {f.name for f in dataclasses.fields(CacheConfig)}
     out: dict = {}
     for pair in spec.split("+"):
         name, sep, text = (x.strip() for x in pair.partition("="))
         if not sep or not name or not text:
             raise ConfigError(f"--cache-rows: {pair!r} in {spec!r} is not FIELD=VALUE")
-        if name not in fields:
-            raise ConfigError(f"--cache-rows: {spec!r}: CacheConfig has no field {name!r}")
-        if name in out:
+        group, _, field = name.rpartition(".")
+        target = out.setdefault(group, {}) if group else out
+        if field in target:
             raise ConfigError(f"--cache-rows: {spec!r} sets {name} twice")
-        out[name] = _scalar(text)
+        target[field] = _scalar(text)
     try:
-        CacheConfig(**out)  # validated now: a bad spec fails before the model loads
+        CacheConfig().replace(**out)  # validated now: a bad spec fails before the model loads
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"--cache-rows: {spec!r}: {exc}") from None
     return out
@@ -483,27 +481,27 @@ def _scalar(text: str):
 def _repeat_setting(spec: str) -> dict:
     """``--exact-repeats`` spec -> CacheConfig fields: 'off', 'N' or 'N:inline'."""
     if spec == "off":
-        return {"exact_repeats": 0}
+        return {"exact": {"repeats": 0}}
     n, _, when = spec.partition(":")
     if not n.isdigit() or when not in ("", "inline", "after_response"):
         raise ConfigError(f"--exact-repeats: {spec!r} is not 'off', N or N:inline")
-    return {"exact_repeats": int(n), "exact_repeats_when": when or "after_response"}
+    return {"exact": {"repeats": int(n), "repeats_when": when or "after_response"}}
 
 
 def recompute_setting(spec: str) -> dict:
     """``--recompute-dtypes`` spec -> CacheConfig fields.
 
     >>> recompute_setting("bfloat16@0.35")
-    {'recompute_dtype': 'bfloat16', 'recompute_ratio': 0.35}
+    {'precision': {'recompute': 'bfloat16'}, 'recompute_ratio': 0.35}
     >>> recompute_setting("float32")
-    {'recompute_dtype': 'float32'}
+    {'precision': {'recompute': 'float32'}}
     """
-    from cachedrag.kvcache.config import RECOMPUTE_DTYPES
+    from cachedrag.kvcache.config import ROW_DTYPES
 
     dtype, _, ratio = spec.partition("@")
-    if dtype not in RECOMPUTE_DTYPES:
-        raise ConfigError(f"--recompute-dtypes: {spec!r}: the dtype must be one of {list(RECOMPUTE_DTYPES)}")
-    out: dict = {"recompute_dtype": dtype}
+    if dtype not in ROW_DTYPES:
+        raise ConfigError(f"--recompute-dtypes: {spec!r}: the dtype must be one of {list(ROW_DTYPES)}")
+    out: dict = {"precision": {"recompute": dtype}}
     if ratio:
         out["recompute_ratio"] = _ratio("--recompute-dtypes", spec, ratio)
         if not 0.0 <= out["recompute_ratio"] <= 1.0:

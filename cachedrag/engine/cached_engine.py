@@ -7,7 +7,7 @@ computing only fresh + recompute + question tokens layer by layer, choosing the 
 when the plan defers that choice (by measured K/V deviation, CacheBlend; by the question's
 attention to the re-rotated cache, ProphetKV-like; or both fused: helpers in ``selection``),
 order-aware exact reuse (serving a cached tree path's order), the first-token tie guard
-(``CacheConfig.tie_guard``: an approximate prefill whose first token is a near tie is prefilled
+(``CacheConfig.exact.tie_guard``: an approximate prefill whose first token is a near tie is prefilled
 again exactly; the decode-time guard is ``exact.DecodeTieGuard``), teacher-forced scoring of a
 given answer, focused-chunk early termination, measuring the inter/intra attention metadata of
 fresh chunks, and handing their raw K + V to the cache manager (``handoff``).
@@ -114,18 +114,18 @@ class CachedEngine:
 
     def _prepare_question_pass(self) -> None:
         """Build the question pre-pass's bfloat16 weight copies now (``model/scoring.py``: ~130 ms
-        and 120 MB for the default model; every layer's with ``recompute_dtype``, ``fresh_dtype`` or
-        ``leading_fresh_dtype`` "bfloat16", which its recomputed rows and fresh rows run on), so
+        and 120 MB for the default model; every layer's with ``precision.recompute``, ``.fresh`` or
+        ``.leading_fresh`` "bfloat16", which its recomputed rows and fresh rows run on), so
         the first reuse-served request does not pay them.
         Only where this engine's default can use them: mode ``cachedrag`` with a question token
-        choice and ``question_dtype="bfloat16"`` (a per-call ``mode="cachedrag"`` on an engine
+        choice and ``precision.question="bfloat16"`` (a per-call ``mode="cachedrag"`` on an engine
         with another default builds them on its first reuse instead)."""
         cache = self.config.cache
-        if self.config.mode == "cachedrag" and "bfloat16" in (cache.recompute_dtype, cache.fresh_dtype,
-                                                              cache.leading_fresh_dtype):
+        if self.config.mode == "cachedrag" and "bfloat16" in (cache.precision.recompute, cache.precision.fresh,
+                                                              cache.precision.leading_fresh):
             scoring_layers(self.runner, self.runner.n_layers)
         elif (self.config.mode == "cachedrag" and cache.token_choice in QUESTION_CHOICES
-                and cache.question_dtype == "bfloat16"):
+                and cache.precision.question == "bfloat16"):
             scoring_layers(self.runner, max(self._question_layers()) + 1)
 
     def _question_layers(self) -> list[int]:
@@ -195,7 +195,7 @@ class CachedEngine:
         left in ``.hand_off`` (None when there is nothing to store), for the caller to run once
         the first token is out, as ``generate`` does; until then only decode may write the buffer
         (rows past the prompt).
-        ``.promote`` (``CacheConfig.exact_repeats``, timing "after_response"): when this request's
+        ``.promote`` (``CacheConfig.exact.repeats``, timing "after_response"): when this request's
         chunk sequence recurred often enough, a callable that computes and stores its exact tree
         path; the caller runs it whenever it likes (after the response, in idle time) or drops it.
         ``exact``: plan as prefix caching (tree prefix, the rest fresh: the prefill equals full
@@ -210,7 +210,7 @@ class CachedEngine:
     def prefill_exact_continuation(self, segments: Sequence[Segment], answer: Sequence[int], max_new_tokens: int,
                                    between_layers: Callable[[int, int], None] | None = None,
                                    stop_at_disagreement: bool = False) -> "Prefilled":
-        """The tie guard during decoding (``CacheConfig.tie_guard_decode``): prefill exactly, as prefix
+        """The tie guard during decoding (``CacheConfig.exact.tie_guard_decode``): prefill exactly, as prefix
         caching would (tree prefix, the rest fresh), ``segments`` as served (``Prefilled.segments``)
         followed by the ``answer`` token ids chosen so far (>= 1).
 
@@ -395,7 +395,7 @@ class CachedEngine:
         manager (``_HandOff``: metadata, entry copies, store writes) before returning, or with
         ``defer_store`` left in ``pre.hand_off`` for the caller to run once the first token is
         out (``_run``): the KV rows and queries it reads stay untouched until then.
-        Exact repeats (``CacheConfig.exact_repeats``): when the plan reuses chunk variants and this
+        Exact repeats (``CacheConfig.exact.repeats``): when the plan reuses chunk variants and this
         chunk sequence has now been served from reuse that many times, either the request is
         planned as prefix caching would (timing "inline": tree prefix, the rest fresh, so it is
         exact and stores its whole path) or ``pre.promote`` computes that path later (``_promote``).
@@ -436,9 +436,9 @@ class CachedEngine:
         plan = self.manager.plan(request, Mode.PREFIX if exact_plan and mode is not Mode.FULL else mode)
         repeat = None
         cache = self.config.cache
-        if cache.exact_repeats and not exact_plan and plan.repeat >= cache.exact_repeats:
-            overdue = plan.repeat > cache.exact_repeats  # an earlier sighting's promotion has not landed
-            when = cache.exact_repeats_when
+        if cache.exact.repeats and not exact_plan and plan.repeat >= cache.exact.repeats:
+            overdue = plan.repeat > cache.exact.repeats  # an earlier sighting's promotion has not landed
+            when = cache.exact.repeats_when
             if when == "inline" or (when == "after_response_else_inline" and overdue):
                 # this sighting is computed exactly and stores its path
                 self.manager.release(plan, used=False)
@@ -454,8 +454,8 @@ class CachedEngine:
         if mode is not Mode.FULL and not exact_plan and pre.info["approximations"]:
             logits = pre.logits[-1] if pre.logits.dim() == 2 else pre.logits  # [V]
             # how close the approximate first token was to a rival (reported; the tie guard's reading)
-            tied, first = self.near_tie(logits, cache.tie_guard)
-        if cache.tie_guard and mode is Mode.CACHEDRAG and first is not None:
+            tied, first = self.near_tie(logits, cache.exact.tie_guard)
+        if cache.exact.tie_guard and mode is Mode.CACHEDRAG and first is not None:
             if tied:  # the approximation would pick a near-tied first token: prefill exactly
                 if hand_offs and any(sp.action is Action.FRESH for sp in plan.segments[:pre.exact_segments]):
                     # the first prefill computed fresh chunks before its first reused one, exactly: stored
@@ -589,7 +589,7 @@ class CachedEngine:
         # (approximate then: the tree path ends before them), where no other fresh segment leads
         lead_segments = [i for i, (sp, a) in enumerate(zip(plan.segments, actions))
                          if a is Action.FRESH and sp.start < first_reuse]
-        lead_low = (mode is Mode.CACHEDRAG and cfg.leading_fresh_dtype == "bfloat16" and first_reuse < total
+        lead_low = (mode is Mode.CACHEDRAG and cfg.precision.leading_fresh == "bfloat16" and first_reuse < total
                     and bool(lead_segments) and all(plan.segments[i].role == "chunk" for i in lead_segments)
                     and scoring_layers(runner, runner.n_layers) is not None)
         exact_segments = min(lead_segments[0], plan.exact_prefix_segments) if lead_low else plan.exact_prefix_segments
@@ -652,8 +652,8 @@ class CachedEngine:
         # The rows on bfloat16 copies: with recompute_dtype="bfloat16" the reused rows of the compute set; with
         # fresh_dtype="bfloat16" the fresh rows after the first reused chunk (``low_t``: every such row), and with
         # leading_fresh_dtype="bfloat16" those before it (``lead.low``)
-        low_bf16 = cfg.recompute_dtype == "bfloat16"
-        fresh_bf16 = cfg.fresh_dtype == "bfloat16"
+        low_bf16 = cfg.precision.recompute == "bfloat16"
+        fresh_bf16 = cfg.precision.fresh == "bfloat16"
         low_t = None
         fresh_low = [p for p in fresh_pos if (p > first_reuse and fresh_bf16) or (p < first_reuse and lead.low)]
         if mode is Mode.CACHEDRAG and (low_bf16 or fresh_low) and Action.REUSE in actions:
@@ -887,11 +887,11 @@ class CachedEngine:
         ``lead.rows`` leading fresh rows (before every reused chunk, so computed as the prefill
         would): their raw K, metadata-layer queries and the hidden states entering the last scoring
         layer go into ``lead`` for the prefill to take over.
-        Its projections run on bfloat16 copies of the weights (``CacheConfig.question_dtype``,
+        Its projections run on bfloat16 copies of the weights (``CacheConfig.precision.question``,
         ``model/scoring.py``) unless fresh rows lead every reused chunk (``lead.leading``): those
         are the prefill's own rows and stay in the runner's precision, or go on the copies with
         every other row of the pass where the prefill computes them there (``lead.low``:
-        ``CacheConfig.leading_fresh_dtype="bfloat16"``).
+        ``CacheConfig.precision.leading_fresh="bfloat16"``).
         ``hidden``: positions of fresh rows left out of the pass (``CacheConfig.question_pass_fresh``
         "leading": fresh chunks after a reused one): zeroed in the buffer's pass layers and masked
         from every query's attention, as if those rows were absent (attention is position-free
@@ -901,7 +901,7 @@ class CachedEngine:
         device = runner.device
         layers = self._question_layers()
         weights = None  # None: the runner's own projections
-        if (lead is not None and lead.low) or (self.config.cache.question_dtype == "bfloat16"
+        if (lead is not None and lead.low) or (self.config.cache.precision.question == "bfloat16"
                                                and not (lead is not None and lead.leading)):
             weights = scoring_layers(runner, max(layers) + 1)
         rows = sorted(set(fresh_pos) | set(question_pos))

@@ -1,5 +1,5 @@
 """Exact fallbacks during decoding: the decode tie guard (``DecodeTieGuard``,
-``CacheConfig.tie_guard_decode``): an answer decoding on approximate KV that meets a near tie goes
+``CacheConfig.exact.tie_guard_decode``): an answer decoding on approximate KV that meets a near tie goes
 on from an exact prefill of the prompt and the answer so far; and the top-2 logit gap that the
 first-token and decode guards read (``top2``, ``top2_gap``). The near-tie rule itself is
 ``cachedrag.kvcache.tie``'s."""
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class DecodeTieGuard:
-    """The tie guard during decoding (``CacheConfig.tie_guard_decode``) for one answer.
+    """The tie guard during decoding (``CacheConfig.exact.tie_guard_decode``) for one answer.
 
     While the answer decodes on an approximate prefill's KV, ``due`` says whether the logits about
     to choose the next token are a near tie (top-2 gap below the threshold); ``switch`` then
@@ -59,7 +59,7 @@ class DecodeTieGuard:
         the mode is not ``cachedrag``, or the prefill was exact (a reordered exact prefix is exact KV).
         ``rewind``: the caller shows no token before the answer is whole and decodes greedily with no
         history (``generation.rewind_allowed``)."""
-        threshold = engine.config.cache.tie_guard_decode
+        threshold = engine.config.cache.exact.tie_guard_decode
         approximate = [a for a in info.get("approximations", ()) if a != "reordered"]
         if threshold <= 0 or mode != Mode.CACHEDRAG.value or not approximate or segments is None or max_new_tokens < 2:
             return None

@@ -52,13 +52,13 @@ class EngineResult:
     token_choice: str | None = None  # how recompute tokens were chosen (None: nothing reused)
     approximations: list[str] = field(default_factory=list)  # what made this answer differ from full prefill
     chunk_order: list[int] | None = None  # order-aware reuse: retrieved indices in the order served (None: as given)
-    exact_repeat: str | None = None  # CacheConfig.exact_repeats: "inline" (this recurring sequence was prefilled
+    exact_repeat: str | None = None  # CacheConfig.exact.repeats: "inline" (this recurring sequence was prefilled
     #                                  exactly), "promoted" (served from reuse, then its exact tree path computed),
     #                                  "promote" (that computation handed to the caller: ``Prefilled.promote``)
     promotion_s: float = 0.0  # seconds spent computing the exact path after the response (not in ttft/total)
     first_token_gap: float | None = None  # an approximate prefill's first-token top-2 logit gap (nats): how near its
     #                                      first token was to a rival (None: the prefill was exact)
-    tie_guard: float | None = None  # CacheConfig.tie_guard: the approximate prefill's first-token top-2 logit gap
+    tie_guard: float | None = None  # CacheConfig.exact.tie_guard: the approximate prefill's first-token top-2 logit gap
     #                                 when it was near-tied and the request was prefilled again exactly (else None)
     segment_actions: list[str] = field(default_factory=list)  # per segment before the question (system, then the
     #                                                          chunks and any text between them), in the order served:
@@ -66,7 +66,7 @@ class EngineResult:
     #                                                          "fresh" (computed); the prefill that made the answer
     tie_guard_actions: list[str] | None = None  # the approximate prefill's segment_actions when the tie guard
     #                                             prefilled the request again (else None)
-    tie_guard_switch: int | None = None  # CacheConfig.tie_guard_decode: the answer token (0-based) before which a near
+    tie_guard_switch: int | None = None  # CacheConfig.exact.tie_guard_decode: the answer token (0-based) before which a near
     #                                      tie moved decoding onto an exact prefill of the prompt and the answer so far
     #                                      (else None); that token and the rest came from exact KV
     tie_guard_switch_gap: float | None = None  # the approximate top-2 logit gap there
@@ -98,7 +98,7 @@ class Prefilled:
     logits: torch.Tensor  # [V] float32, logits of the last prompt position
     info: dict  # prompt_tokens, computed_tokens, chunks_hit, ... (EngineResult's prefill fields)
     hand_off: Callable[[], None] | None = None  # with ``prefill(defer_store=True)``: run once the first token is out
-    promote: Callable[..., float] | None = None  # ``CacheConfig.exact_repeats``: computes and stores this recurring
+    promote: Callable[..., float] | None = None  # ``CacheConfig.exact.repeats``: computes and stores this recurring
     #                                              sequence's exact tree path (returns its seconds); run it after the
     #                                              response, e.g. when idle; ``between_layers=`` may abandon it by
     #                                              raising (nothing stored). None: nothing to promote

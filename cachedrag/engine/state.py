@@ -55,8 +55,8 @@ class _Lead:
     rows: int  # the first ``rows`` fresh positions (0 when not shared)
     q_layers: frozenset[int]  # layers whose queries the hand-off needs (metadata layers)
     leading: int = 0  # fresh rows before every reused chunk, shared or not: the pre-pass then keeps the
-    #                   runner's precision (``CacheConfig.question_dtype``), so both paths choose alike
-    low: bool = False  # CacheConfig.leading_fresh_dtype="bfloat16" applies: those rows, in both passes (and the
+    #                   runner's precision (``CacheConfig.precision.question``), so both paths choose alike
+    low: bool = False  # CacheConfig.precision.leading_fresh="bfloat16" applies: those rows, in both passes (and the
     #                    pre-pass's question rows), run on the bfloat16 copies instead
     k: list = field(default_factory=list)  # per layer < ``layer``: raw K ``[H_kv, rows, D]``
     q: dict = field(default_factory=dict)  # metadata layer < ``layer`` -> rotated q ``[H_q, rows, D]``

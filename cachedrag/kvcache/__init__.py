@@ -4,7 +4,8 @@ Owns: everything about *which* KV to reuse, recompute or evict, as pure Python o
 handles (stdlib only: no torch, no numpy), so it is testable on tiny fakes and fast:
 
   keys       Namespace, chunk_key, path_key            chunk identity
-  config     CacheConfig                               every threshold, validated once
+  config     CacheConfig, RowPrecision, ExactFallback,   every threshold, validated once
+             FocusConfig
   profile    PrefillProfile                            T(cached, computed), bilinear
   policy     LRU, LFU, GDSF, PGDSF, CacheCraftFR       sort-key strategies, make_policy
   tree       KnowledgeTree, TreeNode                   RAGCache exact-prefix tree
@@ -20,7 +21,7 @@ See ``docs/cache-policies.md``.
 
 from __future__ import annotations
 
-from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.config import CacheConfig, ExactFallback, FocusConfig, RowPrecision
 from cachedrag.kvcache.focus import FocusDecision, FocusTracker, detect_focus, focused_set
 from cachedrag.kvcache.index import AddResult, Variant, VariantIndex
 from cachedrag.kvcache.keys import Namespace, chunk_key, path_key
@@ -69,6 +70,8 @@ __all__ = [
     "CacheCraftFR",
     "EntryStats",
     "EvictionPolicy",
+    "ExactFallback",
+    "FocusConfig",
     "FocusDecision",
     "FocusTracker",
     "GDSF",
@@ -85,6 +88,7 @@ __all__ = [
     "Planner",
     "PrefillProfile",
     "ReuseScore",
+    "RowPrecision",
     "Segment",
     "SegmentPlan",
     "TreeNode",

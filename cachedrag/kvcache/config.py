@@ -1,18 +1,23 @@
 """Settings of the chunk-cache policy layer, validated once.
 
 Owns: ``CacheConfig``, the one place every threshold of the policy layer lives (Cache-Craft's
-alpha, variant caps N x M, the f_r guard, focus window / minimum layers / mass threshold, the
-fixed recompute ratio, the tree's replacement policy, the seed of the ``random`` mode).
+alpha, variant caps N x M, the f_r guard, the fixed recompute ratio, token choice, the tree's
+replacement policy, the seed of the ``random`` mode), with one validated group per mechanism:
+``RowPrecision`` (``precision``: which rows run on bfloat16 copies), ``ExactFallback``
+(``exact``: every "run the exact prefix plan instead" rule) and ``FocusConfig`` (``focus``:
+focused-chunk early termination). A former flat name (``MOVED``) is refused with one line that
+names its new place.
 Does not own: byte budgets of the tiers (the store's config), model or retrieval settings.
 
 Every field is checked in ``__post_init__``; a bad value raises ``ConfigError`` naming the
-field, the value and the allowed range. ``dataclasses.replace(cfg, alpha=2.0)`` re-validates.
+field, the value and the allowed range. ``dataclasses.replace(cfg, alpha=2.0)`` re-validates;
+``cfg.replace(exact={"tie_guard": 0.25})`` updates only the named fields of a group.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from cachedrag.errors import ConfigError
@@ -22,14 +27,11 @@ from cachedrag.kvcache.policy import POLICY_NAMES, canonical_policy_name
 TOKEN_CHOICES = ("deviation", "inter", "leading", "question", "question+deviation", "question+inter")
 #: token choices that rank reused tokens by the question's attention (a pre-pass of the question)
 QUESTION_CHOICES = ("question", "question+deviation", "question+inter")
-#: precision of the question pre-pass's projections (``CacheConfig.question_dtype``)
-QUESTION_DTYPES = ("bfloat16", "float32")
-#: precision of the projections of recomputed reused tokens and of fresh tokens after a reused chunk
-#: (``CacheConfig.recompute_dtype``, ``CacheConfig.fresh_dtype``)
-RECOMPUTE_DTYPES = ("float32", "bfloat16")
+#: precisions a row group's projections may run in (``RowPrecision``)
+ROW_DTYPES = ("float32", "bfloat16")
 #: which fresh rows the question pre-pass computes (``CacheConfig.question_pass_fresh``)
 QUESTION_PASS_FRESH = ("leading", "all")
-#: when a recurring chunk sequence gets its exact tree path (``CacheConfig.exact_repeats_when``)
+#: when a recurring chunk sequence gets its exact tree path (``ExactFallback.repeats_when``)
 EXACT_REPEAT_TIMINGS = ("after_response", "inline", "after_response_else_inline")
 
 
@@ -49,6 +51,138 @@ def _check_int(name: str, value: Any, lo: int) -> None:
         raise ConfigError(f"CacheConfig.{name} must be an integer, got {value!r}")
     if value < lo:
         raise ConfigError(f"CacheConfig.{name} must be >= {lo}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"CacheConfig.{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _group_from_dict(cls, group: str, data: Any):
+    """A settings group from a mapping; unknown keys are an error naming the group."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"CacheConfig.{group} must be a {cls.__name__} or a mapping, got {data!r}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"CacheConfig.{group}: unknown setting(s) {unknown}; known: {sorted(known)}")
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class RowPrecision:
+    """Which rows of a reuse prefill run their projections (q/k/v, output, MLP) on bfloat16 copies
+    of the weights (``model/scoring.py``; fp32 accumulation; the residual stream, norms, RoPE and
+    attention stay in the runner's precision). Each field is ``"bfloat16"`` or ``"float32"`` (the
+    runner's own weights: the reference path). bfloat16 applies to a float32 runner with fused fast
+    layers only; any other runner computes in its own precision. System and question rows always
+    keep the runner's precision. Measured trade-offs: docs/fidelity.md.
+
+      question: the question pre-pass that ranks reused tokens (question token choices). It only
+        ranks; a request whose fresh chunks lead every reused one runs it in the runner's precision,
+        because the prefill takes those rows over and they must be exact.
+      recompute: the rows recomputed (and probed) for reused chunks: they only repair approximate
+        cached K/V.
+      fresh: fresh rows after the first reused chunk: they attend to approximate K/V already.
+        Reported as the approximation ``fresh_bfloat16``.
+      leading_fresh: fresh chunk rows before the first reused chunk, in the question pre-pass and
+        the prefill. In float32 they are exact and stored as a tree path (the tie guard's exact
+        prefill takes them over); in bfloat16 they are approximate, stored as chunk variants, and an
+        exact prefill computes them again. Applies only where every fresh segment before the first
+        reused one is a chunk. Reported as ``fresh_bfloat16``.
+    """
+
+    question: str = "bfloat16"
+    recompute: str = "bfloat16"
+    fresh: str = "bfloat16"
+    leading_fresh: str = "float32"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_choice(f"precision.{f.name}", getattr(self, f.name), ROW_DTYPES)
+
+
+@dataclass(frozen=True)
+class ExactFallback:
+    """When a request runs the exact prefix plan (tree prefix, the rest fresh, its path stored, as
+    prefix caching does) instead of an approximate one. All apply to the ``cachedrag`` mode.
+
+      tie_guard: 0 = off. > 0: an approximate prefill whose first token's top-2 logits are closer
+        than this many nats is prefilled again exactly, so the answer is full prefill's; that
+        request's TTFT pays both prefills. Missed chunks computed before the first reused one are
+        exact already: they are stored first and the exact prefill takes them from the tree.
+      tie_guard_decode: 0 = off. > 0: while an answer decodes on an approximate prefill's KV, the
+        first later token whose top-2 logits are closer than this many nats is not chosen from
+        them: the prompt and the answer so far are prefilled exactly and decoding goes on from
+        that KV (once per answer; ``EngineResult.tie_guard_switch`` says at which token).
+        ``math.inf``: every approximate answer switches before its second token. Independent of
+        ``tie_guard``.
+      repeats: 0 = off. n >= 1: the n-th time one chunk sequence (system + chunk segments, in
+        prompt order) is served from reuse, its exact tree path is computed and stored, so later
+        sightings are exact prefix hits (``repeats.py``).
+      repeats_when: ``EXACT_REPEAT_TIMINGS``. "after_response": the n-th sighting is still served
+        from reuse and the path is computed once its answer is out (``generate`` runs it before
+        returning; ``prefill`` hands it over as ``Prefilled.promote``). "inline": the n-th sighting
+        itself is prefilled exactly. "after_response_else_inline" (``cachedrag serve``'s default):
+        as "after_response", and a later sighting whose promotion never ran is prefilled exactly
+        inline.
+      repeat_memory: chunk-sequence fingerprints remembered (least recently seen forgotten
+        first). >= 1.
+    """
+
+    tie_guard: float = 0.0
+    tie_guard_decode: float = 0.0
+    repeats: int = 2
+    repeats_when: str = "after_response"
+    repeat_memory: int = 10_000
+
+    def __post_init__(self) -> None:
+        _check_number("exact.tie_guard", self.tie_guard, 0.0, math.inf, hi_open=True)
+        if self.tie_guard_decode != math.inf:  # inf: every approximate answer switches before its second token
+            _check_number("exact.tie_guard_decode", self.tie_guard_decode, 0.0, math.inf, hi_open=True)
+        _check_int("exact.repeats", self.repeats, 0)
+        _check_choice("exact.repeats_when", self.repeats_when, EXACT_REPEAT_TIMINGS)
+        _check_int("exact.repeat_memory", self.repeat_memory, 1)
+
+
+@dataclass(frozen=True)
+class FocusConfig:
+    """Focused-chunk early termination (``focus.py``, Cache-Craft Algorithm 1).
+
+      window (w): the focused set must stay the same for w consecutive layer updates. >= 1.
+      min_layers: never decide before this many layers have been fed. >= 1.
+      mass_threshold: the focused set is the smallest set of chunks, by cumulative question
+        attention, holding at least this share of the total. In (0, 1].
+    """
+
+    window: int = 3
+    min_layers: int = 4
+    mass_threshold: float = 0.8
+
+    def __post_init__(self) -> None:
+        _check_int("focus.window", self.window, 1)
+        _check_int("focus.min_layers", self.min_layers, 1)
+        _check_number("focus.mass_threshold", self.mass_threshold, 0.0, 1.0, lo_open=True)
+
+
+#: the settings groups of ``CacheConfig``: field name -> group class
+GROUPS = {"precision": RowPrecision, "exact": ExactFallback, "focus": FocusConfig}
+#: former flat ``CacheConfig`` fields -> where they live now (a config naming one gets one clear line)
+MOVED = {"question_dtype": "precision.question", "recompute_dtype": "precision.recompute",
+         "fresh_dtype": "precision.fresh", "leading_fresh_dtype": "precision.leading_fresh",
+         "tie_guard": "exact.tie_guard", "tie_guard_decode": "exact.tie_guard_decode",
+         "exact_repeats": "exact.repeats", "exact_repeats_when": "exact.repeats_when",
+         "repeat_memory": "exact.repeat_memory", "focus_window": "focus.window",
+         "focus_min_layers": "focus.min_layers", "focus_mass_threshold": "focus.mass_threshold"}
+
+
+def moved_setting(name: str, prefix: str = "CacheConfig.") -> str:
+    """The one-line error for a former flat setting ``name`` (a key of ``MOVED``)."""
+    group, field_name = MOVED[name].split(".")
+    return (f"{prefix}{name} is now {prefix}{MOVED[name]} (nested: "
+            f"{{\"{group}\": {{\"{field_name}\": ...}}}})")
 
 
 @dataclass(frozen=True)
@@ -104,49 +238,8 @@ class CacheConfig:
         or "kv" (both). On SmolLM2-135M V ranked best (KL 0.087 at 15% vs 0.102 for K and K+V).
       question_layers: layers whose question attention ranks reused tokens (question choices),
         each >= 0; summed after normalising each layer's mass over the reused tokens.
-      question_dtype: precision of the question pre-pass's projections: "bfloat16" (default) runs
-        its matmuls on bfloat16 copies of those layers' weights (``model/scoring.py``; a float32
-        runner with fused fast layers only, else its own precision), "float32" on the runner's own
-        (the reference path). The pass only ranks tokens; on ``bench ttft``'s stream at 27% the two
-        chose the same tokens but 1 in 350, and bfloat16 made the pass 52 -> 38 ms. A request whose
-        fresh chunks lead every reused one runs the pass in the runner's precision: the prefill
-        takes those rows over (``engine._Lead``), so they must be computed exactly.
-      recompute_dtype: precision of the projections (q/k/v, output, MLP) of the rows a prefill
-        computes for reused chunks (the recomputed tokens; also probed and dense rows):
-        "bfloat16" (default: ``model/scoring.py``'s bfloat16 copies of every layer, fp32
-        accumulation; the residual stream, norms, RoPE and attention stay in the runner's
-        precision; a float32 runner with fused fast layers only, else its own precision) or
-        "float32" (the runner's own weights, the reference). Those rows only repair approximate
-        cached K/V, so their precision is a fidelity/speed setting like the ratio; question, system
-        and fresh rows keep the runner's precision (fresh rows after a reused chunk: ``fresh_dtype``).
-        On the frontier (8 requests, 2 seeds) the teacher-forced KL at 27 / 35 / 45% is the
-        float32 setting's to 3 decimals, x full 2.95 -> 3.80 at 27%; on ``bench ttft``'s streams
-        the same fidelity figures and x prefix 1.99 -> 2.51 (seed 0), 1.80 -> 1.96 (seed 1)
-        (docs/fidelity.md, round 10). Costs a bfloat16 copy of every layer (SmolLM2-135M: 212 MB).
-      fresh_dtype: precision of the projections of the fresh rows a reuse prefill computes after
-        its first reused chunk (missed chunks placed behind a reused one): "bfloat16" (default: the
-        bfloat16 copies the recomputed rows run on, fp32 accumulation; a float32 runner with fused
-        fast layers only, else its own precision) or "float32" (the runner's own weights, the
-        reference). Those rows attend to the reused chunks' approximate K/V, so they are
-        approximate already; their precision is a speed setting like ``recompute_dtype``. Fresh
-        rows before every reused chunk (exact there), system and question rows keep the runner's
-        precision. Reported as the approximation ``fresh_bfloat16``. On ``bench ttft``'s six
-        streams (stdlib and info, seeds 0-2): the same fidelity figures (first token equal, KL
-        within 2%, top-1 within 0.001), x prefix 2.73 -> 2.89, 1.98 -> 2.40 (stdlib seeds 0-1),
-        1.62 -> 2.00, 1.52 -> 1.87 (info seeds 0-1) (docs/fidelity.md, round 20).
-      leading_fresh_dtype: precision of the projections of the fresh chunk rows a reuse prefill
-        computes before its first reused chunk (missed chunks behind the tree prefix), in the
-        question pre-pass and the prefill: "float32" (default: the runner's own weights; those rows
-        are then exact, stored as a tree path and taken over by the tie guard's exact prefill) or
-        "bfloat16" (``fresh_dtype``'s bfloat16 copies; a float32 runner with fused fast layers
-        only, else its own precision). In bfloat16 they are approximate like the rows behind a
-        reused chunk: stored as chunk variants, not tree nodes, and an exact prefill computes them
-        again. Applies only where every fresh segment before the first reused one is a chunk (a
-        fresh system prompt keeps the runner's precision, and so do the chunks after it). Made for
-        ``fidelity="faithful"``, whose answers move onto an exact prefill after their (guarded)
-        first token anyway, so only that token reads these rows: on ``bench ttft``'s four streams
-        the same first tokens and answers, x prefix 1.61 -> 2.09 on info seed 1 (docs/fidelity.md,
-        round 26). Reported as ``fresh_bfloat16``.
+      precision: which rows run their projections on bfloat16 copies of the weights
+        (``RowPrecision``).
       question_pass_fresh: which fresh (missed) rows the question pre-pass computes besides the
         question: "leading" (default) only those before every reused chunk (the prefill takes them
         over, ``engine._Lead``: computed once); fresh chunks after a reused one are left out of
@@ -160,64 +253,14 @@ class CacheConfig:
       question_weight: weight of the question ranking in ``question+deviation`` and
         ``question+inter``. In [0, 1].
 
-    Exact repeats (``repeats.py``): a request served partly from reused chunk variants stores no
-    exact knowledge-tree path (its KV is approximate), so a recurring chunk sequence would be
-    approximated again at every sighting.
-      exact_repeats: 0 = off (the reference behaviour). n >= 1: the n-th time one chunk sequence
-        (system + chunk segments, in prompt order) is served from reuse, its exact tree path is
-        computed (a prefill of the part not on the tree, as prefix caching does on a miss) and
-        stored, so later sightings are exact prefix hits whose answers equal full prefill. Default 2
-        (measured on ``bench ttft``'s stream, docs/fidelity.md: 5 of its 8 exact repeats become exact
-        hits, ROUGE-L vs full 0.908 -> 0.924, teacher-forced top-1 0.981 -> 0.985, mean TTFT -7%, x_prefix
-        unchanged; 5.5 s of exact prefills after responses over the 36 requests).
-      exact_repeats_when: "after_response" (default): the n-th sighting is still served from
-        reuse; the exact path is computed once its answer is out (``CachedEngine.generate`` runs
-        it before returning; ``prefill`` hands it to the caller as ``Prefilled.promote``, e.g. for
-        a server's idle time), so no TTFT pays for it (an in-process caller of ``generate`` waits
-        for it). "inline": the n-th sighting itself is prefilled exactly (its answer exact, its TTFT a miss's: x_prefix 2.05 -> 1.62 on that stream).
-        "after_response_else_inline" (``cachedrag serve``'s default): as "after_response", and a later
-        sighting still served from reuse (the caller never found time to compute the path: a
-        server under load has no idle time) is prefilled exactly inline, so a recurring sequence
-        is approximated at most once past the n-th sighting.
-      repeat_memory: how many chunk-sequence fingerprints are remembered (least recently seen
-        forgotten first). >= 1.
-
-    Tie guard (``CachedEngine``): an approximate prefill whose first token is a near tie lets the
-    approximation pick the answer's first token, and with it the answer (on ``bench ttft``'s two
-    streams 9 of 29 approximate requests had a first-token gap below 0.3 nats; docs/fidelity.md,
-    lever 4).
-      tie_guard: 0 = off. > 0: when a prefill that reused chunk variants ends with a first token
-        whose top-2 logits are closer than this many nats, the request is prefilled again
-        exactly (as prefix caching would: tree prefix, the rest fresh, its path stored), so
-        its answer is full prefill's; the TTFT of that request pays both prefills. Missed
-        chunks the first prefill computed before its first reused one are exact already: they
-        are stored before the exact prefill, which takes them from the tree instead of computing
-        them again (on ``bench ttft``'s info seed-1 stream the exact prefills of 4 of its 6 guarded
-        requests took 0.76-1.34 s instead of 1.66-2.25 s, docs/fidelity.md). Applies
-        to the ``cachedrag`` mode (not the ``naive`` / ``random`` ablations).
-      tie_guard_decode: 0 = off. > 0: the guard during decoding. While an answer decodes on the KV
-        of an approximate prefill (one that reused chunk variants and was not prefilled again
-        for its first token), each later answer token whose top-2 logits are closer than this
-        many nats is not chosen from them: the prompt and the answer so far are prefilled
-        exactly (as prefix caching would: tree prefix, the rest fresh, its path stored) and
-        decoding goes on from that KV, so the rest of the answer is full prefill's answer to
-        the same prefix. The answer pauses for that prefill (once per answer; its TTFT does not
-        change); the result says at which token (``EngineResult.tie_guard_switch``) and whether
-        the tokens before it were full prefill's greedy choices too (``tie_guard_agreed``).
-        ``math.inf``: every approximate answer switches before its second token, so the whole
-        answer is full prefill's whenever its first token is.
-        Independent of ``tie_guard`` (which watches the first token). Applies to the
-        ``cachedrag`` mode.
+    Exact fallbacks (``ExactFallback``): when a request runs the exact prefix plan instead of an
+    approximate one (the first-token and decode tie guards, exact repeats).
 
     Variant registry (``index.py``):
       max_chunks (N), max_variants_per_chunk (M): at most M variants per chunk and N x M in all.
       cfo_floor: each reuse adds 1 / max(CFO, cfo_floor) to the variant's f_r (CFO may be 0).
 
-    Focused-chunk early termination (``focus.py``):
-      focus_window (w): the focused set must stay the same for w consecutive layer updates.
-      focus_min_layers: never decide before this many layers have been fed.
-      focus_mass_threshold: the focused set is the smallest set of chunks, by cumulative
-        question attention, holding at least this share of the total. In (0, 1].
+    Focused-chunk early termination (``FocusConfig``, ``focus.py``).
 
     Knowledge tree (``tree.py``): policy, one of ``policy.POLICY_NAMES``.
     seed: seeds the ``random`` planning mode and the simulator's defaults.
@@ -232,23 +275,14 @@ class CacheConfig:
     check_layer: int = 1
     deviation_on: str = "v"
     question_layers: tuple[int, ...] = (4, 8, 12, 16)
-    question_dtype: str = "bfloat16"
     question_pass_fresh: str = "leading"
-    recompute_dtype: str = "bfloat16"
-    fresh_dtype: str = "bfloat16"
-    leading_fresh_dtype: str = "float32"
     question_weight: float = 0.5
-    exact_repeats: int = 2
-    exact_repeats_when: str = "after_response"
-    repeat_memory: int = 10_000
-    tie_guard: float = 0.0
-    tie_guard_decode: float = 0.0
+    precision: RowPrecision = field(default_factory=RowPrecision)
+    exact: ExactFallback = field(default_factory=ExactFallback)
     max_chunks: int = 10_000
     max_variants_per_chunk: int = 4
     cfo_floor: float = 0.05
-    focus_window: int = 3
-    focus_min_layers: int = 4
-    focus_mass_threshold: float = 0.8
+    focus: FocusConfig = field(default_factory=FocusConfig)
     policy: str = "pgdsf"
     seed: int = 0
 
@@ -273,36 +307,15 @@ class CacheConfig:
         for layer in layers:
             _check_int("question_layers", layer, 0)
         object.__setattr__(self, "question_layers", tuple(sorted(set(layers))))
-        if self.question_dtype not in QUESTION_DTYPES:
-            raise ConfigError(f"CacheConfig.question_dtype must be one of {list(QUESTION_DTYPES)}, "
-                              f"got {self.question_dtype!r}")
-        if self.recompute_dtype not in RECOMPUTE_DTYPES:
-            raise ConfigError(f"CacheConfig.recompute_dtype must be one of {list(RECOMPUTE_DTYPES)}, "
-                              f"got {self.recompute_dtype!r}")
-        if self.fresh_dtype not in RECOMPUTE_DTYPES:
-            raise ConfigError(f"CacheConfig.fresh_dtype must be one of {list(RECOMPUTE_DTYPES)}, "
-                              f"got {self.fresh_dtype!r}")
-        if self.leading_fresh_dtype not in RECOMPUTE_DTYPES:
-            raise ConfigError(f"CacheConfig.leading_fresh_dtype must be one of {list(RECOMPUTE_DTYPES)}, "
-                              f"got {self.leading_fresh_dtype!r}")
         if self.question_pass_fresh not in QUESTION_PASS_FRESH:
             raise ConfigError(f"CacheConfig.question_pass_fresh must be one of {list(QUESTION_PASS_FRESH)}, "
                               f"got {self.question_pass_fresh!r}")
         _check_number("question_weight", self.question_weight, 0.0, 1.0)
-        _check_int("exact_repeats", self.exact_repeats, 0)
-        if self.exact_repeats_when not in EXACT_REPEAT_TIMINGS:
-            raise ConfigError(f"CacheConfig.exact_repeats_when must be one of {list(EXACT_REPEAT_TIMINGS)}, "
-                              f"got {self.exact_repeats_when!r}")
-        _check_int("repeat_memory", self.repeat_memory, 1)
-        _check_number("tie_guard", self.tie_guard, 0.0, math.inf, hi_open=True)
-        if self.tie_guard_decode != math.inf:  # inf: every approximate answer switches before its second token
-            _check_number("tie_guard_decode", self.tie_guard_decode, 0.0, math.inf, hi_open=True)
+        for name, cls in GROUPS.items():
+            object.__setattr__(self, name, _group_from_dict(cls, name, getattr(self, name)))
         _check_int("max_chunks", self.max_chunks, 1)
         _check_int("max_variants_per_chunk", self.max_variants_per_chunk, 1)
         _check_number("cfo_floor", self.cfo_floor, 0.0, 1.0, lo_open=True)
-        _check_int("focus_window", self.focus_window, 1)
-        _check_int("focus_min_layers", self.focus_min_layers, 1)
-        _check_number("focus_mass_threshold", self.focus_mass_threshold, 0.0, 1.0, lo_open=True)
         if not isinstance(self.policy, str):
             raise ConfigError(f"CacheConfig.policy must be a string, got {self.policy!r}")
         try:
@@ -323,9 +336,21 @@ class CacheConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheConfig:
-        """Build from a mapping; unknown keys are an error (a typo must not be ignored)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        """Build from a mapping, groups nested (``{"exact": {"tie_guard": 0.25}}``); unknown keys
+        are an error (a typo must not be ignored), a former flat name one naming its new place."""
+        return cls().replace(**data)
+
+    def replace(self, **changes: Any) -> CacheConfig:
+        """A copy with ``changes``; a mapping given for a group (``precision``, ``exact``, ``focus``)
+        updates only the fields it names: ``cfg.replace(exact={"tie_guard": 0.25})``."""
+        known = {f.name for f in fields(self)}
+        for name in changes:
+            if name in MOVED:
+                raise ConfigError(moved_setting(name))
+        unknown = sorted(set(changes) - known)
         if unknown:
             raise ConfigError(f"CacheConfig: unknown setting(s) {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        for name, cls in GROUPS.items():
+            if isinstance(changes.get(name), dict):
+                changes[name] = _group_from_dict(cls, name, {**asdict(getattr(self, name)), **changes[name]})
+        return replace(self, **changes)

@@ -90,9 +90,9 @@ class FocusTracker:
         """From a ``CacheConfig`` (``focus_window``, ``focus_min_layers``, ``focus_mass_threshold``)."""
         return cls(
             n_chunks,
-            window=config.focus_window,
-            min_layers=config.focus_min_layers,
-            mass_threshold=config.focus_mass_threshold,
+            window=config.focus.window,
+            min_layers=config.focus.min_layers,
+            mass_threshold=config.focus.mass_threshold,
         )
 
     @property

@@ -18,7 +18,7 @@ same sequence: a variant only). The manager remembers which referenced handles a
 exact entry replaces an approximate one under the same handle (``exact_repeats`` promotions
 compute exactly such paths), and approximate KV never restores a lost exact entry, so no tree
 node ever references approximate KV. ``plan`` also counts, per chunk sequence, the requests
-served from reuse (``repeats.RepeatTracker``, ``Plan.repeat``) for ``CacheConfig.exact_repeats``.
+served from reuse (``repeats.RepeatTracker``, ``Plan.repeat``) for ``CacheConfig.exact.repeats``.
 Pure Python: entries and tensors are opaque objects; never imports torch.
 
 Does not own: tensors (the engine makes entries), tier placement and byte budgets of tiers
@@ -161,7 +161,7 @@ class ChunkCacheManager:
         self._variants: dict[str, Variant] = {}  # handle -> its (attached) variant
         self._ignored: set[str] = set()  # read by refresh, nothing could reference them
         self._exact: set[str] = set()  # referenced handles whose KV equals full prefill of their path
-        self._repeats = RepeatTracker(self.config.repeat_memory)  # reuse-served sightings per chunk sequence
+        self._repeats = RepeatTracker(self.config.exact.repeat_memory)  # reuse-served sightings per chunk sequence
         self._drop_cursor = 0
         self._lock = threading.RLock()
         self.counters = {"stored": 0, "restored": 0, "lost": 0, "invalidated": 0, "store_drops": 0, "adopted": 0,
@@ -172,13 +172,13 @@ class ChunkCacheManager:
 
     # ---------------------------------------------------------------- planning
     def plan(self, request: PlanRequest, mode: str | Mode) -> Plan:
-        """The planner's plan; with ``CacheConfig.exact_repeats`` on, a plan that reuses chunk
+        """The planner's plan; with ``CacheConfig.exact.repeats`` on, a plan that reuses chunk
         variants also counts one sighting of its chunk sequence (``Plan.repeat``, ``repeats.py``)."""
         if self.features.drops:
             with self._lock:
                 self._sync_drops()
         plan = self.planner.plan(request, mode)
-        if self.config.exact_repeats and any(s.action is Action.REUSE for s in plan.segments):
+        if self.config.exact.repeats and any(s.action is Action.REUSE for s in plan.segments):
             fingerprint = path_key([s.key for s in request.system + request.chunks])
             with self._lock:
                 plan.repeat = self._repeats.sight(fingerprint)

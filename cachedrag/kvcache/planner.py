@@ -167,7 +167,7 @@ class Plan:
     prefix_hit_tokens: int
     notes: tuple[str, ...] = ()
     repeat: int = 0  # times this chunk sequence has been served from reuse, this plan included (set by
-    #                  ``ChunkCacheManager.plan`` with ``CacheConfig.exact_repeats``; 0: no reused variant, or off)
+    #                  ``ChunkCacheManager.plan`` with ``CacheConfig.exact.repeats``; 0: no reused variant, or off)
     _nodes: tuple[TreeNode, ...] = field(default=(), repr=False)
     _pinned_nodes: bool = field(default=False, repr=False)
     _pinned_variants: tuple[Variant, ...] = field(default=(), repr=False)

@@ -4,7 +4,7 @@ Owns: ``RepeatTracker``, a bounded LRU map from a chunk-sequence fingerprint (``
 the system and chunk segment keys, in prompt order) to the number of times a request with that
 sequence was served partly from reused chunk variants. The manager consults it at planning
 (``ChunkCacheManager.plan`` sets ``Plan.repeat``); the engine decides from that count whether
-to compute the sequence's exact knowledge-tree path (``CacheConfig.exact_repeats``).
+to compute the sequence's exact knowledge-tree path (``CacheConfig.exact.repeats``).
 
 Why: a request served from reuse stores no exact tree path (its KV is approximate, and an
 approximate entry must never be labelled exact), so a sequence that recurs is approximated

@@ -2,8 +2,8 @@
 
 Owns the near-tie rule (``near_tie``: a top-2 gap below the threshold, allowing for the rounding
 of the logits' dtype); torch-free policy, the engine measures the logits it reads. The tie guard
-(``CacheConfig.tie_guard``) re-prefills exactly a request whose approximate first token is a near
-tie; ``CacheConfig.tie_guard_decode`` does the same for the answer's later tokens.
+(``CacheConfig.exact.tie_guard``) re-prefills exactly a request whose approximate first token is a near
+tie; ``CacheConfig.exact.tie_guard_decode`` does the same for the answer's later tokens.
 """
 
 from __future__ import annotations

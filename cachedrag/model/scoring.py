@@ -6,7 +6,7 @@ Owns: ``ScoringLayer`` (one decoder layer's fused projections in bfloat16 behind
 runner's dtype), ``scoring_layers(runner, n)``, the first ``n`` of them, built
 once per runner (by the engine at construction, or on first use) and shared by every engine on it,
 and ``RowSplitLayer``: one layer's projections with some rows through the bfloat16 copy and the
-others through the runner's own weights (``CacheConfig.recompute_dtype="bfloat16"``: a prefill's
+others through the runner's own weights (``CacheConfig.precision.recompute="bfloat16"``: a prefill's
 recomputed reused-chunk rows in bfloat16, its question and fresh rows in the runner's precision).
 
 Why: the engine's question pre-pass (``CachedEngine._question_scores``) runs the question's

@@ -168,18 +168,18 @@ def _add_advanced_arguments(group) -> None:
                             "for these messages, cut at chunk boundaries; parts: each chunk and text part alone")
     group.add_argument("--exact-repeats", type=int, default=None,
                        help="reuse-served sightings of a chunk sequence before its exact tree path is computed "
-                            "(CacheConfig.exact_repeats; 0 = never; default the engine's)")
+                            "(CacheConfig.exact.repeats; 0 = never; default the engine's)")
     group.add_argument("--exact-repeats-when", default=None, choices=EXACT_REPEAT_TIMINGS,
-                       help="when a recurring chunk sequence gets its exact tree path (CacheConfig.exact_repeats_when; "
+                       help="when a recurring chunk sequence gets its exact tree path (CacheConfig.exact.repeats_when; "
                             f"default {SERVER_EXACT_REPEATS_WHEN}: in idle time, else inline at its next sighting)")
     group.add_argument("--tie-guard", type=float, default=None,
                        help="prefill a request again exactly when its approximate prefill's first token is a near "
-                            "tie: top-2 logits closer than this many nats (CacheConfig.tie_guard; default 0 = off; "
+                            "tie: top-2 logits closer than this many nats (CacheConfig.exact.tie_guard; default 0 = off; "
                             "docs/fidelity.md, lever 4)")
     group.add_argument("--tie-guard-decode", type=float, default=None,
                        help="while an answer decodes on approximate KV, a token whose top-2 logits are closer than "
                             "this many nats moves it onto an exact prefill of the prompt and the answer so far "
-                            "(CacheConfig.tie_guard_decode; default 0 = off; docs/fidelity.md)")
+                            "(CacheConfig.exact.tie_guard_decode; default 0 = off; docs/fidelity.md)")
     group.add_argument("--exact-when-waiting", type=int, default=1,
                        help="with --tie-guard-decode inf (--fidelity faithful): admit a request with an exact "
                             "(prefix caching) prefill while at least this many requests wait behind it, since its "

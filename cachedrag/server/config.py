@@ -6,8 +6,8 @@ mode, the scheduler and the automatic chunk detection's ``PassageConfig``, which
 (what a server's engine is built from: model, numerics, fidelity level and the fields beside it,
 chunk-cache tiers), ``ServeSettings`` (what ``cachedrag serve --config FILE`` holds: a
 ``ServerConfig`` and an ``EngineSettings``), how a server's engine settings become its
-``EngineConfig`` (``server_mode``, ``server_cache_config``, ``server_engine_config``: a fidelity
-level's preset, then the fields given beside it), and the mapping between ``cachedrag serve``'s
+``EngineConfig`` (``server_mode``, ``server_engine_config``: a fidelity level's preset, then the
+exact-fallback settings given beside it, ``ExactSettings``), and the mapping between ``cachedrag serve``'s
 parsed arguments and these models (``scheduler_config``, ``passage_config``, ``engine_settings``,
 ``server_config`` one way, ``flag_values`` of a config file the other). Replicas of a cluster are
 built from the same models (``cachedrag.cluster.replica.ReplicaSettings``).
@@ -88,22 +88,31 @@ class SchedulerConfig(BaseModel):
                                  "(glibc malloc_trim, ~40 ms per 0.5 GB; cachedrag.heap); None = never")
 
 
-#: ``CacheConfig.exact_repeats_when`` of a server's engine: the loop computes exact-repeat promotions
+#: ``CacheConfig.exact.repeats_when`` of a server's engine: the loop computes exact-repeat promotions
 #: only in idle time, which a loaded server lacks, so a sequence whose promotion has not landed is
 #: prefilled exactly at its next sighting (docs/serving.md, "Exact repeats under load")
 SERVER_EXACT_REPEATS_WHEN = "after_response_else_inline"
 
 
-def server_cache_config(exact_repeats: int | None = None, exact_repeats_when: str | None = None,
-                        tie_guard: float | None = None, tie_guard_decode: float | None = None):
-    """The ``CacheConfig`` of a server's engine (one process or each replica): ``exact_repeats``,
-    ``tie_guard`` and ``tie_guard_decode`` None = the engine's defaults, ``exact_repeats_when`` None =
-    ``SERVER_EXACT_REPEATS_WHEN``."""
-    from cachedrag.kvcache.config import CacheConfig
+class ExactSettings(BaseModel):
+    """The exact fallbacks of a server's engine (``CacheConfig.exact``, same field names); None = the
+    engine's default (or the fidelity level's, for the tie guards)."""
 
-    given = {"exact_repeats": exact_repeats, "tie_guard": tie_guard, "tie_guard_decode": tie_guard_decode}
-    return CacheConfig(exact_repeats_when=exact_repeats_when or SERVER_EXACT_REPEATS_WHEN,
-                       **{k: v for k, v in given.items() if v is not None})
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    repeats: int | None = Field(None, ge=0, description="CacheConfig.exact.repeats (None = the engine's default)")
+    repeats_when: Literal[EXACT_REPEAT_TIMINGS] = Field(  # type: ignore[valid-type]
+        SERVER_EXACT_REPEATS_WHEN, description="CacheConfig.exact.repeats_when (a server's default: in idle time, "
+                                               "else inline at the next sighting)")
+    tie_guard: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                    description="CacheConfig.exact.tie_guard (None = the engine's default, off)")
+    tie_guard_decode: float | None = Field(None, ge=0, allow_inf_nan=True,  # inf: switch before every 2nd token
+                                           description="CacheConfig.exact.tie_guard_decode (None = the engine's "
+                                                       "default, off)")
+
+    def given(self) -> dict:
+        """The fields set to a value (``CacheConfig.exact`` updates)."""
+        return {name: value for name, value in self.model_dump().items() if value is not None}
 
 
 #: ``cachedrag.config.FIDELITY_PRESETS``' levels, named here because importing that module loads torch
@@ -126,29 +135,22 @@ def server_mode(fidelity: str | None, mode: str | None) -> str:
     return preset
 
 
-#: the tie-guard fields of ``EngineSettings`` (``CacheConfig`` fields, same names)
-TIE_GUARD_FIELDS = ("tie_guard", "tie_guard_decode")
-
-
 def server_engine_config(fidelity: str | None, mode: str | None, cache_bytes: int,
-                         exact_repeats: int | None = None, exact_repeats_when: str | None = None,
-                         guards: dict | None = None, cache=None, **overrides):
-    """The ``EngineConfig`` of a server's engine (one process or each replica): ``cache`` (default
-    ``server_cache_config`` of the exact-repeat settings and ``guards``, the tie-guard settings given) under
-    the fidelity level's preset, then ``guards`` again, which win over the preset's. ``ConfigError`` if bad."""
-    import dataclasses
-
+                         exact: ExactSettings | None = None, cache=None, **overrides):
+    """The ``EngineConfig`` of a server's engine (one process or each replica): ``cache`` (default: the
+    engine's ``CacheConfig`` with the ``exact`` settings given) under the fidelity level's preset, then the
+    ``exact`` settings again, which win over the preset's. ``ConfigError`` if bad."""
     from cachedrag.config import EngineConfig
+    from cachedrag.kvcache.config import CacheConfig
 
-    guards = guards or {}
-    if cache is None:
-        cache = server_cache_config(exact_repeats, exact_repeats_when, **guards)
+    given = (exact or ExactSettings()).given()
     try:
+        if cache is None:
+            cache = CacheConfig().replace(exact=given)
         config = EngineConfig(fidelity=fidelity, mode=server_mode(fidelity, mode), cache_bytes=cache_bytes,
                               cache=cache, **overrides)
-        given = {k: v for k, v in guards.items() if v is not None}
-        if given and fidelity is not None:
-            config = config.model_copy(update={"cache": dataclasses.replace(config.cache, **given)})
+        if fidelity is not None:
+            config = config.model_copy(update={"cache": config.cache.replace(exact=given)})
     except ValueError as exc:
         raise ConfigError(f"bad engine setting: {exc}") from None
     return config
@@ -178,6 +180,12 @@ SINGLE_PROCESS_ONLY = {"device": "auto", "dtype": None, "weights": "dense", "pre
                        "disk_dir": None}
 
 
+#: former flat ``EngineSettings`` fields -> their ``ExactSettings`` names (and ``cachedrag serve``'s
+#: argument destinations of those)
+FLAT_EXACT_NAMES = {"exact_repeats": "repeats", "exact_repeats_when": "repeats_when", "tie_guard": "tie_guard",
+                    "tie_guard_decode": "tie_guard_decode"}
+
+
 class EngineSettings(BaseModel):
     """What a server's engine is built from (one process, or each replica of a cluster): the model
     and its numerics, the reuse policy (a fidelity level, then the fields given beside it, which win
@@ -191,7 +199,7 @@ class EngineSettings(BaseModel):
         None, description="chunk reuse mode (None: cachedrag, or the fidelity level's)")
     fidelity: Literal[FIDELITY_LEVELS] | None = Field(  # type: ignore[valid-type]
         None, description="a fidelity level (cachedrag.config.FIDELITY_PRESETS): the mode and recompute policy; "
-                          "the tie_guard* fields given beside it win over its values")
+                          "the exact.tie_guard* fields given beside it win over its values")
     device: str = Field("auto", description="auto (CUDA where present), cpu, cuda or cuda:N")
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="activations, working KV and dense weights (None: float32; bfloat16 with int8/int4)")
@@ -205,16 +213,18 @@ class EngineSettings(BaseModel):
     redis_url: str | None = Field(None, description="a shared Redis tier (redis://host:port/db)")
     redis_gb: float = Field(4.0, gt=0, allow_inf_nan=False, description="Redis tier budget (GB), one for all "
                                                                          "processes sharing it")
-    exact_repeats: int | None = Field(None, ge=0, description="CacheConfig.exact_repeats (None = the engine's "
-                                                              "default)")
-    exact_repeats_when: Literal[EXACT_REPEAT_TIMINGS] = Field(  # type: ignore[valid-type]
-        SERVER_EXACT_REPEATS_WHEN, description="CacheConfig.exact_repeats_when (a server's default: in idle time, "
-                                               "else inline at the next sighting)")
-    tie_guard: float | None = Field(None, ge=0, allow_inf_nan=False,
-                                    description="CacheConfig.tie_guard (None = the engine's default, off)")
-    tie_guard_decode: float | None = Field(None, ge=0, allow_inf_nan=True,  # inf: switch before every 2nd token
-                                           description="CacheConfig.tie_guard_decode (None = the engine's default, "
-                                                       "off)")
+    exact: ExactSettings = Field(default_factory=ExactSettings,
+                                 description="exact fallbacks: tie guards and exact repeats (CacheConfig.exact)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flat_exact_names(cls, data):
+        if isinstance(data, dict):
+            for name, new in FLAT_EXACT_NAMES.items():
+                if name in data:
+                    raise ValueError(f"{name} is now exact.{new} (nested: {{\"exact\": {{\"{new}\": ...}}}}; "
+                                     "in TOML an [engine.exact] table)")
+        return data
 
     @model_validator(mode="after")
     def _mode_fits_fidelity(self):
@@ -236,9 +246,8 @@ class EngineSettings(BaseModel):
 
     def engine_config(self, **overrides):
         """The ``EngineConfig`` (``server_engine_config``); ``overrides``: extra ``EngineConfig`` fields."""
-        guards = {name: getattr(self, name) for name in TIE_GUARD_FIELDS}
-        return server_engine_config(self.fidelity, self.mode, int(self.cache_gb * (1 << 30)), self.exact_repeats,
-                                    self.exact_repeats_when, guards, **overrides)
+        return server_engine_config(self.fidelity, self.mode, int(self.cache_gb * (1 << 30)), self.exact,
+                                    **overrides)
 
 
 class ServeSettings(BaseModel):
@@ -285,10 +294,11 @@ def passage_config(args: argparse.Namespace) -> PassageConfig:
 def engine_settings(args: argparse.Namespace, **update) -> EngineSettings:
     """The ``EngineSettings`` of ``cachedrag serve``'s arguments; ``update``: fields set otherwise
     (a cluster's Redis URL)."""
-    values = {name: getattr(args, name) for name in EngineSettings.model_fields}
-    if values["exact_repeats_when"] is None:
-        values["exact_repeats_when"] = SERVER_EXACT_REPEATS_WHEN
-    return EngineSettings(**{**values, **update})
+    values = {name: getattr(args, name) for name in EngineSettings.model_fields if name != "exact"}
+    exact = {new: getattr(args, dest) for dest, new in FLAT_EXACT_NAMES.items()}
+    if exact["repeats_when"] is None:
+        exact["repeats_when"] = SERVER_EXACT_REPEATS_WHEN
+    return EngineSettings(**{**values, "exact": ExactSettings(**exact), **update})
 
 
 def server_config(args: argparse.Namespace, engine: EngineSettings) -> ServerConfig:
@@ -311,6 +321,8 @@ def flag_values(settings: ServeSettings) -> dict:
     data = settings.model_dump(exclude_unset=True)
     server = data.get("server", {})
     out = dict(data.get("engine", {}))
+    exact = {new: dest for dest, new in FLAT_EXACT_NAMES.items()}
+    out.update({exact[name]: value for name, value in out.pop("exact", {}).items()})
     for name, value in server.get("scheduler", {}).items():
         out[name] = math.inf if value is None and name in ("max_delay_s", "trim_heap_idle_s") else value
     for name, value in server.get("passages", {}).items():

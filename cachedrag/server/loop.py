@@ -19,13 +19,13 @@ logits, each with its own sampling state, and each decodes in its own rows (a
 copy of the prefill's buffer), so they take ``n`` batch slots once admitted (admission counts the
 request as one: the batch may run ``n - 1`` over ``max_batch`` until they finish; the app refuses
 ``n`` above ``max_batch``). Events carry their choice's ``index``. The tie guard during decoding
-(``CacheConfig.tie_guard_decode``): a request decoding on an approximate prefill's KV whose next
+(``CacheConfig.exact.tie_guard_decode``): a request decoding on an approximate prefill's KV whose next
 token would come from near-tied logits leaves the batch for one step; at the start of the next, its
 prompt and answer so far are prefilled exactly (``DecodeTieGuard.switch``, chunked like an
 admitted prefill, so the others keep decoding) and it goes on from that KV, holding its batch slot
 meanwhile. Idle time (nothing waiting or
 running) computes the exact knowledge-tree paths of recurring chunk sequences that prefills
-handed over (``Prefilled.promote``, ``CacheConfig.exact_repeats``), one per idle turn; a request
+handed over (``Prefilled.promote``, ``CacheConfig.exact.repeats``), one per idle turn; a request
 that arrives meanwhile makes it yield after the current layer (abandoned, nothing stored; it
 starts over at the next idle turn). After ``trim_heap_idle_s`` with nothing at all to do, the loop
 returns the C heap's freed memory to the OS (``cachedrag.heap``: glibc otherwise keeps a burst's
@@ -161,7 +161,7 @@ class _Running:
     ttft_s: float = 0.0
     last: int | None = None  # the token to feed next
     logprobs: list[TokenLogprob] = field(default_factory=list)  # chosen, not yet sent with a text delta
-    guard: DecodeTieGuard | None = None  # CacheConfig.tie_guard_decode (None: off, or the prefill was exact)
+    guard: DecodeTieGuard | None = None  # CacheConfig.exact.tie_guard_decode (None: off, or the prefill was exact)
     near_tie: torch.Tensor | None = None  # [V] the near-tied logits while the request waits for its exact prefill
     held: bool = False  # its text is sent whole when it finishes (the guard may rewind it; nobody sees a delta)
 
@@ -449,7 +449,7 @@ class EngineLoop:
                 run.kv = KVBuffer(k=pre.kv.k.clone(), v=pre.kv.v.clone(), length=pre.kv.length)  # [L, H_kv, C, D] each
         if pre.promote is not None:  # computed when the loop is idle
             self._promotions.append(pre.promote)
-            while len(self._promotions) > engine.config.cache.repeat_memory:
+            while len(self._promotions) > engine.config.cache.exact.repeat_memory:
                 self._promotions.popleft()
 
     def _start(self, request: ServeRequest, pre, index: int) -> _Running:
@@ -473,7 +473,7 @@ class EngineLoop:
         every one of them by a second prefill) or when the answer is sent whole (``exact_whole_answers``:
         nobody sees the first token early). Counted in ``exact_admissions``."""
         mode = request.mode or self.engine.config.mode
-        if mode != Mode.CACHEDRAG.value or not math.isinf(self.engine.config.cache.tie_guard_decode):
+        if mode != Mode.CACHEDRAG.value or not math.isinf(self.engine.config.cache.exact.tie_guard_decode):
             return False
         n = self.config.exact_when_waiting
         if (n > 0 and len(self.policy) >= n) or (self.config.exact_whole_answers and request.whole_answer):

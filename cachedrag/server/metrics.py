@@ -80,7 +80,7 @@ class _LoopCollector:
             ("cachedrag_preempted_prefills", policy.preempted,
              "admissions prefilled between the layers of a running prefill, ahead of it (SchedulerConfig.preempt_ratio)"),
             ("cachedrag_exact_promotions", loop.promotions,
-             "exact tree paths of recurring chunk sequences computed and stored (CacheConfig.exact_repeats)"),
+             "exact tree paths of recurring chunk sequences computed and stored (CacheConfig.exact.repeats)"),
             ("cachedrag_exact_promotions_yielded", loop.promotions_yielded,
              "exact-path computations abandoned for an arriving request (started over later)"),
             ("cachedrag_exact_admissions", loop.exact_admissions,
@@ -125,10 +125,10 @@ class ServerMetrics:
                                   "no approximation (an exact knowledge-tree path)", registry=r)
         self.tie_guarded = Counter("cachedrag_tie_guarded_requests", "finished requests whose approximate prefill "
                                    "ended in a near-tied first token and were prefilled again exactly "
-                                   "(CacheConfig.tie_guard)", registry=r)
+                                   "(CacheConfig.exact.tie_guard)", registry=r)
         self.tie_switched = Counter("cachedrag_tie_guard_switches", "finished requests whose answer met a near tie "
                                     "while decoding on approximate KV and went on from an exact prefill of the prompt "
-                                    "and the answer so far (CacheConfig.tie_guard_decode)", registry=r)
+                                    "and the answer so far (CacheConfig.exact.tie_guard_decode)", registry=r)
         self.disconnects = Counter("cachedrag_client_disconnects", "requests whose client went away", registry=r)
         self.queue = Gauge("cachedrag_queue_length", "requests waiting for prefill", registry=r)
         self.running = Gauge("cachedrag_running_requests", "requests decoding", registry=r)

@@ -24,8 +24,8 @@ def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir,
     rows = data["rows"]
     assert set(rows) == {"full", "prefix", "order_aware", "naive", "question@0.2", "deviation@0.2", "oracle@0.2",
                          "question/et@0.2", "question/fp32@0.2", "question/decode25@0.2"}
-    assert data["config"]["variants"] == {"question/fp32": {"recompute_dtype": "float32"},
-                                          "question/decode25": {"tie_guard": 0.25, "tie_guard_decode": 0.25}}
+    assert data["config"]["variants"] == {"question/fp32": {"precision": {"recompute": "float32"}},
+                                          "question/decode25": {"exact": {"tie_guard": 0.25, "tie_guard_decode": 0.25}}}
     # the guard during decoding (last row: its exact prefills store paths): where an answer switched and
     # how long whole answers took
     switched = [r["rows"]["question/decode25@0.2"]["switch"] for r in data["requests"]]

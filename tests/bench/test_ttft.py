@@ -122,7 +122,7 @@ def test_bench_ttft_exact_repeat_rows(tiny_model_dir, tiny_corpus, tmp_path):
 
 
 def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
-    """``--tie-guards``: rows with CacheConfig.tie_guard beside the default. A guard larger than any
+    """``--tie-guards``: rows with CacheConfig.exact.tie_guard beside the default. A guard larger than any
     logit gap re-prefills every approximate request exactly (the first one stores the exact path, so
     the repeats after it are exact prefix hits): no reuse approximation is left, and its answers
     equal full prefill's."""
@@ -146,16 +146,17 @@ def test_bench_ttft_tie_guard_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys
 
 
 def test_bench_ttft_cache_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
-    """``--cache-rows``: rows with any scalar CacheConfig fields beside the default, named
+    """``--cache-rows``: rows with any scalar CacheConfig fields (GROUP.FIELD in a group) beside the default, named
     ``cachedrag:SPEC``. Each row really runs its settings: every reused token recomputed in float32
     gives full prefill's answers, a guard above any logit gap prefills the approximate request again,
     and one during decoding moves the approximate answer onto exact KV before its second token."""
     modes = _repeated_question_rows(tiny_model_dir, tiny_corpus, tmp_path, 3, "--max-new-tokens", "3",
                                     "--modes", "full,cachedrag", "--cache-rows",
-                                    "recompute_ratio=1+recompute_dtype=float32+exact_repeats=0,tie_guard=1e9,"
-                                    "tie_guard_decode=1e9")
-    plain, every = modes["cachedrag"], modes["cachedrag:recompute_ratio=1+recompute_dtype=float32+exact_repeats=0"]
-    guarded = modes["cachedrag:tie_guard=1e9"]
+                                    "recompute_ratio=1+precision.recompute=float32+exact.repeats=0,exact.tie_guard=1e9,"
+                                    "exact.tie_guard_decode=1e9")
+    plain = modes["cachedrag"]
+    every = modes["cachedrag:recompute_ratio=1+precision.recompute=float32+exact.repeats=0"]
+    guarded = modes["cachedrag:exact.tie_guard=1e9"]
     assert plain["approximations"].get("chunk_reuse", 0) >= 1 and plain["tie_guarded"] == 0
     assert every["approximations"].get("chunk_reuse", 0) >= 1
     assert "recompute_bfloat16" not in every["approximations"] and "recompute_bfloat16" in plain["approximations"]
@@ -164,7 +165,7 @@ def test_bench_ttft_cache_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     # the guard during decoding: the first (approximate) answer switches before its second token and
     # stores the exact path, so the repeats are exact hits; after the switch the answer is full prefill's
     # continuation of its first token, so it equals full's whole answer exactly when that token does
-    decoding = modes["cachedrag:tie_guard_decode=1e9"]
+    decoding = modes["cachedrag:exact.tie_guard_decode=1e9"]
     assert plain["tie_guard_switches"] == 0 and all(q["switch"] is None for q in plain["requests"])
     assert decoding["tie_guard_switches"] == 1 and decoding["tie_guard_switch_s"] > 0
     first = decoding["requests"][0]
@@ -172,9 +173,9 @@ def test_bench_ttft_cache_rows(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     assert all(set(q["plan"]) == {"T"} and q["answer_match"] for q in decoding["requests"][1:])
     assert decoding["total_median_s"] >= decoding["ttft_median_s"] > 0
     out = capsys.readouterr().out  # the run's own output
-    assert "tie guard during decoding, cachedrag:tie_guard_decode=1e9: 1 answers moved onto exact KV" in out
-    for bad in ("tie_guard", "no_such_field=1", "tie_guard=-1", "fresh_dtype=float16", "tie_guard=1+tie_guard=2",
-                "question_layers=4"):
+    assert "tie guard during decoding, cachedrag:exact.tie_guard_decode=1e9: 1 answers moved onto exact KV" in out
+    for bad in ("exact.tie_guard", "no_such_field=1", "exact.tie_guard=-1", "precision.fresh=float16",
+                "exact.tie_guard=1+exact.tie_guard=2", "question_layers=4", "tie_guard=0.25", "nogroup.x=1"):
         assert main(["bench", "ttft", "--cache-rows", bad]) == 2  # refused before any model loads
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "--cache-rows" in err

@@ -73,10 +73,10 @@ def test_a_replicas_engine_runs_its_fidelity_level_and_the_flags_beside_it():
     from cachedrag.cluster.replica import ReplicaSettings, build_replica_engine
     from cachedrag.server.config import EngineSettings
 
-    engine = EngineSettings(tiny=True, fidelity="faithful", tie_guard_decode=0.5)
+    engine = EngineSettings(tiny=True, fidelity="faithful", exact={"tie_guard_decode": 0.5})
     config = build_replica_engine(ReplicaSettings(engine=engine)).config
-    assert config.fidelity == "faithful" and config.mode == "cachedrag" and config.cache.tie_guard == 0.25
-    assert config.cache.tie_guard_decode == 0.5  # the field given beside the level wins
+    assert config.fidelity == "faithful" and config.mode == "cachedrag" and config.cache.exact.tie_guard == 0.25
+    assert config.cache.exact.tie_guard_decode == 0.5  # the field given beside the level wins
     exact = ReplicaSettings(engine=EngineSettings(tiny=True, fidelity="exact"))
     assert build_replica_engine(exact).config.mode == "prefix" == exact.server_config.mode
     assert exact.server_config.model_name == "tiny-random"
@@ -170,7 +170,7 @@ def test_scheduler_settings_reach_the_replica_app():
 
     tiny = config.replica.engine.model_copy(update={"tiny": True})
     engine = build_replica_engine(config.replica.model_copy(update={"engine": tiny}))
-    assert engine.config.cache.exact_repeats == 1
-    assert engine.config.cache.exact_repeats_when == config.replica.engine.exact_repeats_when
+    assert engine.config.cache.exact.repeats == 1
+    assert engine.config.cache.exact.repeats_when == config.replica.engine.exact.repeats_when
     with pytest.raises(ValueError):  # the old flat fields are gone, not silently ignored
         ClusterConfig.model_validate({"replica": {"max_batch": 4}})

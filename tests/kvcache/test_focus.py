@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.config import CacheConfig, FocusConfig
 from cachedrag.kvcache.focus import FocusTracker, detect_focus, focused_set
 
 
@@ -75,7 +75,7 @@ def test_all_zero_mass_keeps_every_chunk():
 
 
 def test_from_config_and_validation():
-    cfg = CacheConfig(focus_window=2, focus_min_layers=5, focus_mass_threshold=0.9)
+    cfg = CacheConfig(focus=FocusConfig(window=2, min_layers=5, mass_threshold=0.9))
     t = FocusTracker.from_config(4, cfg)
     assert (t.window, t.min_layers, t.mass_threshold) == (2, 5, 0.9)
     with pytest.raises(ValueError):

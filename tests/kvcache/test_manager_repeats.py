@@ -28,7 +28,7 @@ def test_plan_counts_only_reuse_served_sightings():
     assert run(m, request("B", "A"))[0].repeat == 0  # an exact hit is not served from reuse
     assert [run(m, request("A", "B"))[0].repeat for _ in range(3)] == [1, 2, 3]  # stores no exact path
     assert run(m, request("A", "B"), mode="prefix")[0].repeat == 0
-    off = ChunkCacheManager(FakeStore(persistent=False), CacheConfig(exact_repeats=0))
+    off = ChunkCacheManager(FakeStore(persistent=False), CacheConfig(exact={"repeats": 0}))
     run(off, request("B", "A"))
     assert run(off, request("A", "B"))[0].repeat == 0 and off.stats()["repeat_fingerprints"] == 0
 

@@ -30,7 +30,7 @@ def _engine(question_pass: str, device: str = "cpu", dtype: str = "float32", fil
             arch: str = "llama"):
     runner = tiny_runner(arch, seed=5, device=device, dtype=dtype)
     cache = CacheConfig(recompute_ratio=0.27, token_choice="question+inter", question_pass_fresh=fresh,
-                        exact_repeats=0)  # a repeated sequence would be served exactly: no pre-pass to compare
+                        exact={"repeats": 0})  # a repeated sequence would be served exactly: no pre-pass to compare
     engine = CachedEngine(runner, config=EngineConfig(cache=cache))
     engine.question_pass = question_pass
     engine.buffer_fill = fill

@@ -193,7 +193,7 @@ def test_reuse_requests_with_the_prefill_kernel_match_sdpa(choice):
         runner.model.generation_config.eos_token_id = tok.eos_token_id
         assert runner.prefill_attention == c
         engines[c] = CachedEngine(runner, config=EngineConfig(cache=CacheConfig(
-            recompute_ratio=0.3, token_choice=choice, recompute_dtype="float32")))
+            recompute_ratio=0.3, token_choice=choice, precision={"recompute": "float32"})))
     chunks = [f"Chunk {i}: the quick brown fox jumps over the lazy dog {i} times; pack my box." for i in range(5)]
     for order in [(0, 1, 2), (2, 0, 1), (3, 1, 0, 4), (4, 2, 3)]:
         segs = {c: e.prompts.chat([chunks[i] for i in order], "which chunk?", "sys") for c, e in engines.items()}

@@ -124,7 +124,7 @@ def test_automatic_detection_keeps_the_context_after_the_last_passage_cached():
     from cachedrag.config import EngineConfig
     from cachedrag.testing import tiny_runner
 
-    engine = CachedEngine(tiny_runner(), config=EngineConfig(cache=CacheConfig(exact_repeats=0)))
+    engine = CachedEngine(tiny_runner(), config=EngineConfig(cache=CacheConfig(exact={"repeats": 0})))
     planner = PromptPlanner(engine, PassageConfig(min_chars=100))
     passage, rest = TINY_DOCS[1].text, TINY_DOCS[2].text[:60]  # 60 characters: below min_chars, no passage
 

@@ -71,7 +71,7 @@ def test_bad_setting_exits_2_with_one_line():
     (["--device", "tpu7"], "unknown device"),
     (["--port", "99999"], "port"),  # refused before the model loads
     (["--max-tokens", "0"], "default_max_tokens"),
-    (["--tie-guard-decode", "-1"], "tie_guard_decode"),
+    (["--tie-guard-decode", "-1"], "exact.tie_guard_decode"),
 ])
 def test_bad_numerics_exit_2_with_one_line(args, says):
     port = [] if "--port" in args else ["--port", "0"]
@@ -124,16 +124,16 @@ def test_build_engine_uses_the_requested_numerics():
     assert engine.runner.prefill_pairs == "scores+values"
     assert engine.namespace.dtype == "bfloat16+int8w"  # its caches never serve a float32 engine
     # a loaded server has no idle time for exact-repeat promotions: overdue ones go inline
-    assert engine.config.cache.exact_repeats_when == "after_response_else_inline"
+    assert engine.config.cache.exact.repeats_when == "after_response_else_inline"
     other = build_engine(build_parser().parse_args(["serve", "--tiny", "--exact-repeats-when", "after_response",
                                                     "--exact-repeats", "3"])).config.cache
-    assert other.exact_repeats_when == "after_response" and other.exact_repeats == 3
+    assert other.exact.repeats_when == "after_response" and other.exact.repeats == 3
     text = engine.generate(["heapq pushes items onto a heap."], "What does heapq do?", max_new_tokens=3).text
     assert isinstance(text, str)
     guard = build_engine(build_parser().parse_args(["serve", "--tiny", "--tie-guard", "1"])).config.cache
-    assert guard.tie_guard == 1.0
+    assert guard.exact.tie_guard == 1.0
     decoding = build_engine(build_parser().parse_args(["serve", "--tiny", "--tie-guard-decode", "0.25"])).config.cache
-    assert decoding.tie_guard_decode == 0.25 and decoding.tie_guard == 0.0
+    assert decoding.exact.tie_guard_decode == 0.25 and decoding.exact.tie_guard == 0.0
 
 
 def test_a_fidelity_level_sets_the_servers_mode_and_policy(capsys):
@@ -149,18 +149,18 @@ def test_a_fidelity_level_sets_the_servers_mode_and_policy(capsys):
     assert set(FIDELITY_LEVELS) == set(FIDELITY_PRESETS)
     faithful = build_engine(build_parser().parse_args(["serve", "--tiny", "--fidelity", "faithful"])).config
     assert faithful.fidelity == "faithful" and faithful.mode == "cachedrag"
-    assert faithful.cache.tie_guard == 0.25 and math.isinf(faithful.cache.tie_guard_decode)
+    assert faithful.cache.exact.tie_guard == 0.25 and math.isinf(faithful.cache.exact.tie_guard_decode)
     assert faithful.cache.recompute_ratio == FIDELITY_PRESETS["faithful"]["cache"]["recompute_ratio"]
-    assert faithful.cache.exact_repeats_when == "after_response_else_inline"  # the server's own setting stays
+    assert faithful.cache.exact.repeats_when == "after_response_else_inline"  # the server's own setting stays
     softer = build_engine(build_parser().parse_args(["serve", "--tiny", "--fidelity", "faithful",
                                                      "--tie-guard-decode", "0.25"])).config.cache
-    assert softer.tie_guard_decode == 0.25 and softer.tie_guard == 0.25
+    assert softer.exact.tie_guard_decode == 0.25 and softer.exact.tie_guard == 0.25
     exact = build_engine(build_parser().parse_args(["serve", "--tiny", "--fidelity", "exact"])).config
     assert exact.mode == "prefix" and exact.order_aware is False
     fast = build_engine(build_parser().parse_args(["serve", "--tiny", "--fidelity", "fast"])).config
     assert fast.order_aware is True and fast.cache.recompute_ratio == 0.1
     plain = build_engine(build_parser().parse_args(["serve", "--tiny"])).config
-    assert plain.fidelity is None and plain.mode == "cachedrag" and plain.cache.tie_guard_decode == 0
+    assert plain.fidelity is None and plain.mode == "cachedrag" and plain.cache.exact.tie_guard_decode == 0
     assert main(["serve", "--tiny", "--fidelity", "exact", "--mode", "cachedrag"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--fidelity exact runs mode prefix" in err and len(err.splitlines()) == 1

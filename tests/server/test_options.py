@@ -55,7 +55,7 @@ def test_a_json_config_file_fills_what_the_flags_leave_out(tmp_path):
         "server": {"port": 9123, "model_name": "house-model", "default_max_tokens": 64,
                    "scheduler": {"max_batch": 3, "max_delay_s": None},
                    "passages": {"enabled": False, "min_chars": 80, "capacity": 500}},
-        "engine": {"fidelity": "guarded", "cache_gb": 0.5, "tie_guard_decode": 1.5}}))
+        "engine": {"fidelity": "guarded", "cache_gb": 0.5, "exact": {"tie_guard_decode": 1.5}}}))
     args = build_parser().parse_args(["serve", "--config", path, "--max-batch", "5"])
     assert (args.port, args.served_model_name, args.max_tokens) == (9123, "house-model", 64)
     assert args.max_batch == 5  # the flag wins over the file
@@ -78,9 +78,14 @@ def test_a_flag_repeating_its_default_still_wins_over_the_file(tmp_path):
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib: Python 3.11+")
 def test_a_toml_config_file(tmp_path):
-    path = _write(tmp_path, "serve.toml", '[engine]\nfidelity = "fast"\n\n[server.scheduler]\norder = "fifo"\n')
+    path = _write(tmp_path, "serve.toml", '[engine]\nfidelity = "fast"\n\n[engine.exact]\ntie_guard = 0.3\n'
+                                          'repeats = 0\n\n[server.scheduler]\norder = "fifo"\n')
     args = build_parser().parse_args(["serve", "--config", path])
-    assert (args.fidelity, args.order) == ("fast", "fifo")
+    assert (args.fidelity, args.order, args.tie_guard, args.exact_repeats) == ("fast", "fifo", 0.3, 0)
+    from cachedrag.server.config import engine_settings
+
+    exact = engine_settings(args).engine_config().cache.exact
+    assert (exact.tie_guard, exact.repeats, exact.repeats_when) == (0.3, 0, "after_response_else_inline")
 
 
 @pytest.mark.parametrize("name, text, says", [
@@ -89,6 +94,9 @@ def test_a_toml_config_file(tmp_path):
     ("range.json", json.dumps({"server": {"scheduler": {"max_batch": 0}}}), "server.scheduler.max_batch"),
     ("mode.json", json.dumps({"server": {"mode": "prefix"}}), "server.mode"),
     ("list.json", "[1, 2]", "a table of settings"),
+    ("flat.json", json.dumps({"engine": {"tie_guard": 0.25}}), "engine: tie_guard is now exact.tie_guard"),
+    ("flat2.json", json.dumps({"engine": {"exact_repeats_when": "inline"}}), "exact_repeats_when is now exact.repeats_when"),
+    ("nested.json", json.dumps({"engine": {"exact": {"repeats_when": "idle"}}}), "engine.exact.repeats_when"),
     ("missing.json", None, "missing.json"),
 ])
 def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, name, text, says):

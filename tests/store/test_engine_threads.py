@@ -148,8 +148,8 @@ def test_prefix_mode_concurrent_answers_equal_full_prefill(tmp_path, runner):
 
 
 def test_cachedrag_mode_concurrent_answers_equal_single_threaded(tmp_path, runner):
-    # exact_repeats=0: a promotion would store exact paths on the second pass (the state must stay frozen)
-    engine, store = build(runner, tmp_path, "cachedrag", CacheConfig(max_variants_per_chunk=1, exact_repeats=0))
+    # exact.repeats=0: a promotion would store exact paths on the second pass (the state must stay frozen)
+    engine, store = build(runner, tmp_path, "cachedrag", CacheConfig(max_variants_per_chunk=1, exact={"repeats": 0}))
     for i in range(len(REQUESTS)):  # warm: every chunk gets its (only) variant
         ask(engine, i)
     stored = engine.manager.counters["stored"]
@@ -178,7 +178,7 @@ def test_cachedrag_mode_concurrent_exact_repeats_label_only_full_prefill_answers
     would move the log-probs by ~1e-3, 50x the tolerance), and the cache stays consistent."""
     full = CachedEngine(runner, config=engine_config("full"))
     reference = {i: ask(full, i) for i in range(len(REQUESTS))}
-    engine, store = build(runner, tmp_path, "cachedrag", CacheConfig(exact_repeats=1))
+    engine, store = build(runner, tmp_path, "cachedrag", CacheConfig(exact={"repeats": 1}))
 
     def check(i, r):
         if not r.approximations:
