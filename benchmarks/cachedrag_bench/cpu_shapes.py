@@ -124,6 +124,19 @@ def llama_cpp_source() -> Path:
     return tree
 
 
+# llama.cpp's converter names a BPE tokenizer's pre-tokenizer by a checksum of how it splits a probe
+# text; the default model's tokenizer as transformers rebuilds it from its GGUF does not match
+# SmolLM's reference checksum, though it is SmolLM2's, so the converter is told its name ("smollm")
+_CONVERT = """
+import sys
+import convert_hf_to_gguf
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+sys.argv[0] = convert_hf_to_gguf.__file__
+convert_hf_to_gguf.main()
+"""
+
+
 def gguf_path(shape: str, kind: str, threads: int = 2) -> Path:
     """``shape``'s weights as a GGUF of ``kind`` (``GGUF_TYPES``): F16 from llama.cpp's converter,
     the others quantised from it by llama.cpp (each made once, written atomically)."""
@@ -135,9 +148,9 @@ def gguf_path(shape: str, kind: str, threads: int = 2) -> Path:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     if GGUF_TYPES[kind] is None:
         src = llama_cpp_source()
-        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), NO_LOCAL_GGUF="")
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir(shape)), "--outfile", str(tmp),
-                        "--outtype", "f16"], check=True, env=env, cwd=src)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(src / "gguf-py")]))
+        subprocess.run([sys.executable, "-c", _CONVERT, str(hf_dir(shape)), "--outfile", str(tmp), "--outtype", "f16"],
+                       check=True, env=env, cwd=src)
     else:
         import llama_cpp
 
