@@ -1,7 +1,9 @@
 """The runnable ```python blocks of Markdown documentation: extraction and a page runner.
 
-Owns ``blocks_of`` (a page's python blocks with their ``<!-- doc-test: skip (reason) -->``
-markers) and ``run_page`` (a page's blocks in order in one namespace, as a reader follows it).
+Owns ``blocks_of`` (a page's python blocks with their markers: ``<!-- doc-test: skip (reason) -->``,
+or ``<!-- doc-test: server -->`` for a block that talks to a running ``cachedrag serve`` at
+``SERVER_URL``, run by the tests against a live tiny server whose address replaces it) and
+``run_page`` (a page's blocks in order in one namespace, as a reader follows it).
 The test suite runs every page on the tiny model (tests/test_docs.py); ``make wheel-check`` runs
 the integration tutorials with ``python -m cachedrag.docblocks PAGE...`` in a venv holding only
 the built wheel, on the real default model. Also ``generated_page``, the write-or-``--check``
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SKIP = re.compile(r"^<!--\s*doc-test:\s*skip\s*\((?P<reason>.+)\)\s*-->\s*$")
+SERVER = re.compile(r"^<!--\s*doc-test:\s*server\s*-->\s*$")
+SERVER_URL = "http://127.0.0.1:8000"  # `cachedrag serve`'s default address, as the pages write it
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,})(?P<info>.*)$")
 
 
@@ -27,6 +31,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     code: str
     skip: str | None  # the skip reason, or None
+    server: bool = False  # talks to a running server at SERVER_URL
 
 
 def blocks_of(path: Path) -> list[Block]:
@@ -47,25 +52,28 @@ def blocks_of(path: Path) -> list[Block]:
             prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             skip = SKIP.match(prev.strip())
             code = "\n".join(line[indent:] for line in lines[i + 1:end])
-            out.append(Block(Path(path).name, i + 1, code, skip["reason"].strip() if skip else None))
+            out.append(Block(Path(path).name, i + 1, code, skip["reason"].strip() if skip else None,
+                             SERVER.match(prev.strip()) is not None))
         i = end + 1
     return out
 
 
-def run_block(block: Block, namespace: dict) -> None:
-    """Execute one block in ``namespace`` (the page's), in the current directory."""
-    code = compile(block.code, f"{block.page}:{block.line}", "exec", dont_inherit=True)
+def run_block(block: Block, namespace: dict, server_url: str | None = None) -> None:
+    """Execute one block in ``namespace`` (the page's), in the current directory; a server block
+    talks to ``server_url`` instead of ``SERVER_URL``."""
+    source = block.code.replace(SERVER_URL, server_url) if block.server and server_url else block.code
+    code = compile(source, f"{block.page}:{block.line}", "exec", dont_inherit=True)
     exec(code, namespace)  # noqa: S102 - executing our own documentation is the point
 
 
 def run_page(path: Path, log=print) -> int:
-    """Run a page's non-skipped blocks in order in one namespace; the number of blocks run.
-    The first failing block's exception propagates."""
+    """Run a page's non-skipped blocks in order in one namespace; the number of blocks run. Server
+    blocks are skipped (no server here). The first failing block's exception propagates."""
     namespace: dict = {"__name__": "__docs__"}
     ran = 0
     for block in blocks_of(path):
-        if block.skip is not None:
-            log(f"{block.page}:{block.line}: skipped ({block.skip})")
+        if block.skip is not None or block.server:
+            log(f"{block.page}:{block.line}: skipped ({block.skip or 'needs a running server'})")
             continue
         start = time.perf_counter()
         run_block(block, namespace)

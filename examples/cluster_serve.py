@@ -19,6 +19,7 @@ from ray import serve
 
 from cachedrag.cluster.deployment import ClusterConfig, build_app
 from cachedrag.cluster.replica import ReplicaSettings
+from cachedrag.server.config import EngineSettings, ServerConfig
 from cachedrag.store.redis_server import start_redis_server
 
 tiny = "--model" not in sys.argv
@@ -31,9 +32,9 @@ with start_redis_server() as redis:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    engine = EngineSettings(tiny=tiny, redis_url=redis.url, redis_gb=1.0, cache_gb=0.5)
     config = ClusterConfig(replicas=2, router="affinity", replica_cpus=1.0,
-                           replica=ReplicaSettings(tiny=tiny, redis_url=redis.url, redis_gb=1.0, cache_gb=0.5,
-                                                   max_tokens=16))
+                           replica=ReplicaSettings(engine=engine, server=ServerConfig(default_max_tokens=16)))
     serve.run(build_app(config), name="cachedrag", route_prefix="/")
     model = "tiny-random" if tiny else "SmolLM2-135M-Instruct"
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:

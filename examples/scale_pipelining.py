@@ -6,6 +6,9 @@ embeddings plus synthetic distractors (``--vectors``, default 200,000; the bench
 RAGCache's dynamic speculative pipelining (prefill on the intermediate top-k of a staged search).
 
     python examples/scale_pipelining.py --vectors 200000 --question "How do I pretty-print JSON?"
+
+``--index DIR`` takes the real chunks from another index (`cachedrag index build`) instead of the
+stdlib one; the scale index is then built beside it, in ``DIR-scale-N``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import argparse
 
 from cachedrag.engine import CachedEngine
 from cachedrag.pipelining import SpeculativePipeline, rows_stages
-from cachedrag.retrieval import DiskIndexConfig
+from cachedrag.retrieval import DiskIndexConfig, load_index
 from cachedrag.retrieval.scale import DistractorConfig, build_scale_index, scale_index_dir, stdlib_base_index
 
 
@@ -24,10 +27,12 @@ def main() -> None:
     parser.add_argument("--nlist", type=int, default=512)
     parser.add_argument("--nprobe", type=int, default=64)
     parser.add_argument("--question", default="How do I pretty-print JSON?")
+    parser.add_argument("--index", help="the index of the real chunks (default: the stdlib index under the cache home)")
     args = parser.parse_args()
 
-    base = stdlib_base_index()
-    index = build_scale_index(base, scale_index_dir(args.vectors), DistractorConfig(ntotal=args.vectors),
+    base = load_index(args.index) if args.index else stdlib_base_index()
+    out = f"{args.index.rstrip('/')}-scale-{args.vectors}" if args.index else scale_index_dir(args.vectors)
+    index = build_scale_index(base, out, DistractorConfig(ntotal=args.vectors),
                               DiskIndexConfig(nlist=args.nlist))
     q = index.embed(args.question)  # [1, d]
     search = rows_stages(lambda n: index.ivf.search_stages(q, 10, args.nprobe, n), index.texts)

@@ -99,6 +99,9 @@ def main() -> None:
                                            response_format={"type": "json_schema",
                                                             "json_schema": {"name": "pick", "schema": pick}})
         print("response_format json_schema:", r.choices[0].message.content)
+        if args.tiny:  # the offered tool's schema alone is longer than the tiny model's window
+            print("tool call: not asked (the tiny model's 512-token window cannot hold the offered tool)")
+            return
         tool = {"type": "function", "function": {"name": "open_docs", "parameters": pick}}
         r = client.chat.completions.create(model=model, max_tokens=40, temperature=0, messages=ask_pick,
                                            tools=[tool], tool_choice="required")

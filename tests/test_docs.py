@@ -9,8 +9,10 @@ tiny index of ``cachedrag.testing.TINY_DOCS``: the pages build it with the shell
 ``cachedrag index build ... --out my-index`` (shell blocks are not executed here; the CLI's
 own tests cover that command).
 
-A block preceded by the line ``<!-- doc-test: skip (reason) -->`` (needs a live server, a GPU,
-a long benchmark...) is reported as skipped with that reason. When a block fails, the page's
+A block preceded by the line ``<!-- doc-test: server -->`` talks to a running ``cachedrag serve``
+at http://127.0.0.1:8000: it runs against a live server on the tiny model (uvicorn in a thread,
+a free port) whose address replaces that one. A block preceded by the line
+``<!-- doc-test: skip (reason) -->`` (a GPU, a long benchmark...) is reported as skipped with that reason. When a block fails, the page's
 later blocks are skipped (they would fail for the same reason).
 """
 
@@ -18,7 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import shutil
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,10 +39,15 @@ CASES = [(b, n) for page in PAGES if page.is_file() for n, b in enumerate(blocks
 def test_the_harness_finds_blocks_and_skip_markers(tmp_path):
     page = tmp_path / "p.md"
     page.write_text("text\n\n```python\nx = 1\n```\n\n<!-- doc-test: skip (needs a GPU) -->\n```python\ny = 2\n```\n"
-                    "```bash\nls\n```\n- item:\n\n    ```python\n    z = 3\n    ```\n")
+                    "```bash\nls\n```\n- item:\n\n    ```python\n    z = 3\n    ```\n"
+                    "<!-- doc-test: server -->\n```python\nu = 'http://127.0.0.1:8000/v1'\n```\n")
     got = blocks_of(page)
-    assert [(b.line, b.code, b.skip) for b in got] == [(3, "x = 1", None), (8, "y = 2", "needs a GPU"),
-                                                       (16, "z = 3", None)]
+    assert [(b.line, b.code, b.skip, b.server) for b in got] == [
+        (3, "x = 1", None, False), (8, "y = 2", "needs a GPU", False), (16, "z = 3", None, False),
+        (20, "u = 'http://127.0.0.1:8000/v1'", None, True)]
+    namespace: dict = {}
+    run_block(got[3], namespace, server_url="http://127.0.0.1:4321")
+    assert namespace["u"] == "http://127.0.0.1:4321/v1"
     assert len(CASES) >= 10  # the docs do have code
 
 
@@ -74,8 +85,8 @@ def test_examples_readme_lists_every_example():
 def test_user_pages_stay_short_and_link_their_notes():
     """User pages stay readable (measurement logs go to docs/notes/); each note is linked from its page."""
     docs = ROOT / "docs"
-    long = [p.name for p in PAGES[1:] if p.name != "cli.md" and len(p.read_text().splitlines()) > 400]
-    assert not long, f"user pages over 400 lines: {long}"
+    long = [p.name for p in PAGES[1:] if p.name != "cli.md" and len(p.read_text().splitlines()) > 300]
+    assert not long, f"user pages over 300 lines: {long}"
     for note in (docs / "notes").glob("*.md"):
         page = docs / note.name
         if page.is_file():
@@ -83,19 +94,30 @@ def test_user_pages_stay_short_and_link_their_notes():
 
 
 @pytest.fixture(scope="session")
-def docs_env(tmp_path_factory):
-    """The tiny default model's directory and a tiny ``my-index`` to copy into each page's cwd."""
-    from cachedrag.retrieval.config import ChunkConfig, IndexConfig, RetrievalConfig
-    from cachedrag.retrieval.embedder import Embedder
-    from cachedrag.retrieval.index import build_index
-    from cachedrag.testing import TINY_DOCS, byte_tokenizer, save_tiny_model
+def doc_server(docs_env):
+    """The URL of a live ``cachedrag serve`` app (default settings) on the tiny default model."""
+    pytest.importorskip("fastapi")
+    uvicorn = pytest.importorskip("uvicorn")
+    from cachedrag.engine import CachedEngine
+    from cachedrag.server.app import create_app
+    from cachedrag.server.config import ServerConfig
+    from cachedrag.testing import tiny_default_model
 
-    base = tmp_path_factory.mktemp("docs-env")
-    model_dir = save_tiny_model(base / "tiny-default")
-    index_dir = base / "my-index"
-    config = RetrievalConfig(chunk=ChunkConfig(chunk_tokens=96, overlap=8), index=IndexConfig(nlist=2))
-    build_index(TINY_DOCS, byte_tokenizer(), Embedder(), config, out=index_dir, progress=False)
-    return model_dir, index_dir
+    with tiny_default_model(docs_env[0]):
+        engine = CachedEngine()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerConfig()), log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the docs' server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(30)
 
 
 class _Page:
@@ -119,7 +141,7 @@ def _page(name: str, docs_env, tmp_path_factory) -> _Page:
 
 
 @pytest.mark.parametrize("block, n", CASES, ids=[f"{b.page}:{b.line}" for b, _ in CASES])
-def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch):
+def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch, request):
     from cachedrag.testing import tiny_default_model
 
     if block.skip is not None:
@@ -130,6 +152,40 @@ def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch
     monkeypatch.chdir(page.cwd)
     monkeypatch.setenv("CACHEDRAG_HOME", str(page.cwd / ".cachedrag"))
     page.failed = f"line {block.line}"
+    server_url = request.getfixturevalue("doc_server") if block.server else None
     with tiny_default_model(docs_env[0]), contextlib.redirect_stdout(io.StringIO()):
-        run_block(block, page.namespace)
+        run_block(block, page.namespace, server_url=server_url)
     page.failed = None
+
+
+FIGURE = re.compile(r"(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?(?:x\b| s\b|%)")
+BENCH_LINK = re.compile(r"\]\(docs/benchmarks\.md#([\w-]+)\)")
+
+
+def _matches(number: str, row_numbers: list[str]) -> bool:
+    """``number`` as written (e.g. 2.4) is one of the row's numbers (e.g. 2.43) rounded to its decimals."""
+    decimals = len(number.partition(".")[2])
+    return any(round(float(r), decimals) == float(number) for r in row_numbers if len(r.partition(".")[2]) >= decimals)
+
+
+def test_readme_figures_link_the_benchmarks_row_that_reproduces_them():
+    """Each README line quoting a figure (a ratio, seconds, a share) links a row of docs/benchmarks.md
+    by its anchor, and every figure on the line is that row's (rounded as the README writes it)."""
+    bench = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    rows = {m[1]: line for line in bench for m in [re.search(r'<a id="([\w-]+)"></a>', line)] if m}
+    text = (ROOT / "README.md").read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
+    checked = 0
+    for line in prose:
+        figures = [n for m in FIGURE.finditer(line) for n in m.groups() if n]
+        if not figures:
+            continue
+        anchors = BENCH_LINK.findall(line)
+        assert anchors, f"README figure without a link to its Benchmarks row: {line!r}"
+        missing = [a for a in anchors if a not in rows]
+        assert not missing, f"README links Benchmarks rows that do not exist: {missing}"
+        row_numbers = re.findall(r"\d+(?:\.\d+)?", " ".join(rows[a] for a in anchors))
+        wrong = [n for n in figures if not _matches(n, row_numbers)]
+        assert not wrong, f"README figures {wrong} are not in the Benchmarks row(s) {anchors} it links: {line!r}"
+        checked += 1
+    assert checked >= 4  # the headline table

@@ -15,23 +15,19 @@ f_r of a variant, on one scale) and the tree parent, when the store takes them (
 Exactness. A handle is ``path_key(path)`` whether its KV is exact (computed on an exact prefix:
 a tree node may reference it) or approximate (a chunk computed fresh behind reused chunks of the
 same sequence: a variant only). The manager remembers which referenced handles are exact: an
-exact entry replaces an approximate one under the same handle (``exact_repeats`` promotions
+exact entry replaces an approximate one under the same handle (``CacheConfig.exact.repeats`` promotions
 compute exactly such paths), and approximate KV never restores a lost exact entry, so no tree
 node ever references approximate KV. ``plan`` also counts, per chunk sequence, the requests
 served from reuse (``repeats.RepeatTracker``, ``Plan.repeat``) for ``CacheConfig.exact.repeats``.
 Pure Python: entries and tensors are opaque objects; never imports torch.
 
 Does not own: tensors (the engine makes entries), tier placement and byte budgets of tiers
-(the store), parsing entry metadata (``catalog``), or the thresholds (``CacheConfig``).
+(the store), parsing entry metadata (``catalog``), reading what a store already holds
+(``adoption``, a base of the manager), what a store offers (``features``), or the thresholds
+(``CacheConfig``).
 
-Persistence. With a store that has a persistent tier (disk, Redis) the constructor calls
-``rebuild()``: every entry the store lists (local tiers, plus this namespace's keys in shared
-tiers) is described from its header alone (``store.info``; a chunk variant also reads its small
-``token_inter`` tensor through ``store.extras``, never its K/V). Exact entries become tree nodes
-when their whole ancestor chain is present; variants re-enter the index (N x M caps apply).
-Entries nothing can reach (an ancestor is gone, a duplicate variant) stay in the store
-unreferenced (the store evicts them first: they have no priority) and are not re-read by
-``refresh``. A restarted process's first request therefore hits what the last one stored;
+Persistence: with a store that has a persistent tier (disk, Redis) the constructor adopts what
+the store holds (``rebuild``; ``adoption`` describes entries from their headers), and
 ``refresh()`` picks up entries other processes wrote since (shared Redis).
 
 Budgets. ``capacity_bytes`` caps the bytes the manager references (tensor bytes, as the
@@ -51,15 +47,14 @@ both takes the larger. Updated in the store on admission and on every hit.
 
 from __future__ import annotations
 
-import inspect
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from cachedrag.kvcache.catalog import CatalogError, StoredSegment, tree_order, variant_metadata
+from cachedrag.kvcache.adoption import RefreshReport, StoreAdoption
 from cachedrag.kvcache.config import CacheConfig
+from cachedrag.kvcache.features import StoreFeatures
 from cachedrag.kvcache.index import Variant, VariantIndex
 from cachedrag.kvcache.keys import path_key
 from cachedrag.kvcache.planner import Action, Mode, Plan, Planner, PlanRequest, cached_order
@@ -83,62 +78,7 @@ class NewEntry:
     meta: AttentionMetadata | None  # None for system segments (never variants)
 
 
-@dataclass
-class RefreshReport:
-    """What one ``refresh`` / ``rebuild`` found in the store."""
-
-    listed: int = 0  # keys the store listed
-    read: int = 0  # headers read (keys not referenced yet)
-    tree_nodes: int = 0  # adopted as knowledge-tree nodes
-    variants: int = 0  # adopted as chunk variants
-    unreferenced: int = 0  # readable engine entries nothing can reach (missing ancestor, duplicate)
-    unreadable: int = 0  # listed but gone, damaged or foreign when read (the store counted them)
-    not_engine: int = 0  # entries without (consistent) engine metadata: left alone
-    pruned: int = 0  # referenced handles the store no longer holds, forgotten
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class _Features:
-    """What the store offers beyond the narrow tier interface (duck-typed once)."""
-
-    placement: bool  # put(..., priority=, parent=) and set_priority(key, p, parent=)
-    info: bool  # info(key) / extras(key): header-only reads
-    shared_keys: bool  # keys(shared=True)
-    drops: bool  # drops_since(cursor)
-    hold: bool  # hold(keys): entries to evict last
-    persistent: bool  # some tier survives a restart (disk, Redis)
-    shared: bool  # some tier is shared with other processes (Redis)
-
-    @classmethod
-    def of(cls, store: Any) -> _Features:
-        tiers = list(getattr(store, "tiers", None) or [store])
-
-        def takes(name: str, *params: str) -> bool:
-            fn = getattr(store, name, None)
-            if fn is None:
-                return False
-            try:
-                sig = inspect.signature(fn).parameters
-            except (TypeError, ValueError):
-                return False
-            return all(p in sig for p in params)
-
-        return cls(
-            placement=takes("put", "priority", "parent") and takes("set_priority", "parent"),
-            info=callable(getattr(store, "info", None)) and callable(getattr(store, "extras", None)),
-            shared_keys=takes("keys", "shared"),
-            drops=callable(getattr(store, "drops_since", None)),
-            hold=callable(getattr(store, "hold", None)),
-            persistent=any(getattr(t, "persistent", False) for t in tiers),
-            shared=any(getattr(t, "shared", False) for t in tiers),
-        )
-
-
-class ChunkCacheManager:
+class ChunkCacheManager(StoreAdoption):
     """Tree + variants + refcounted store handles, safe for concurrent requests.
 
     ``rebuild``: adopt what the store already holds at construction; None (default) = when
@@ -153,7 +93,7 @@ class ChunkCacheManager:
         self.tree = KnowledgeTree(self.config.policy, profile=profile, cfo_floor=self.config.cfo_floor)
         self.index = VariantIndex.from_config(self.config)
         self.planner = Planner(self.tree, self.index, self.config)
-        self.features = _Features.of(store)
+        self.features = StoreFeatures.of(store)
         self._sizes: dict[str, int] = {}  # referenced handles -> entry bytes
         self._bytes = 0
         self._held: frozenset[str] = frozenset()  # chunk keys waiting requests need (``hold``)
@@ -323,107 +263,6 @@ class ChunkCacheManager:
                 self._track(n.handle, n.nbytes, exact=in_tree)
                 stored += 1
         return stored
-
-    # ---------------------------------------------------------------- store contents
-    def rebuild(self) -> RefreshReport:
-        """Adopt every engine entry the store holds (see the module docstring); also forgets
-        referenced handles the store no longer has. Called by the constructor on persistent
-        stores."""
-        with self._lock:
-            self._ignored.clear()
-        return self.refresh(prune=True)
-
-    def refresh(self, *, prune: bool = False) -> RefreshReport:
-        """Adopt entries written since the last scan (by other processes sharing a Redis tier,
-        or by this one before a restart). ``prune`` also checks that every referenced handle
-        is still in the store (one ``contains`` each) and forgets the missing ones."""
-        t0 = time.perf_counter()
-        report = RefreshReport()
-        if not self.features.info:
-            report.seconds = time.perf_counter() - t0
-            self.last_refresh = report
-            return report
-        keys = self.store.keys(shared=True) if self.features.shared_keys else self.store.keys()
-        report.listed = len(keys)
-        with self._lock:
-            self._sync_drops()
-            todo = [k for k in keys if k not in self._sizes and k not in self._ignored]
-        segments, token_inter = self._describe(todo, report)  # store reads, outside the lock
-        with self._lock:
-            self._adopt(segments, token_inter, report)
-            if prune:
-                report.pruned = self._prune()
-            self._enforce_capacity()
-            self.counters["refreshes"] += 1
-            self.counters["adopted"] += report.tree_nodes + report.variants
-        report.seconds = time.perf_counter() - t0
-        self.last_refresh = report
-        return report
-
-    def _describe(self, keys: Sequence[str], report: RefreshReport) -> tuple[list[StoredSegment], dict[str, list[float]]]:
-        segments: list[StoredSegment] = []
-        token_inter: dict[str, list[float]] = {}
-        for key in keys:
-            info = self.store.info(key)
-            report.read += 1
-            if info is None:
-                report.unreadable += 1
-                continue
-            try:
-                seg = StoredSegment.parse(key, info.meta, info.nbytes, info.n_tokens)
-            except CatalogError:
-                report.not_engine += 1
-                with self._lock:
-                    self._ignored.add(key)
-                continue
-            if seg.variant is not None and seg.role == "chunk":
-                extras = self.store.extras(key)
-                values = None if extras is None else extras.get("token_inter")
-                if values is not None:
-                    token_inter[key] = [float(x) for x in values.tolist()]  # [T] floats
-            segments.append(seg)
-        return segments, token_inter
-
-    def _adopt(self, segments: list[StoredSegment], token_inter: dict[str, list[float]], report: RefreshReport) -> None:
-        """Under the lock: tree paths first (parents before children), then variants."""
-        fresh = [s for s in segments if s.handle not in self._sizes]
-        insertable, _orphans = tree_order(fresh, lambda path: self.tree.find(list(path)) is not None)
-        adopted: dict[str, str | None] = {}  # handle -> tree parent handle
-        for seg in insertable:
-            parents = self.tree.match_prefix(seg.path[:-1])
-            if len(parents) != len(seg.path) - 1 or self.tree.find(list(seg.path)) is not None:
-                continue  # an ancestor went meanwhile, or a request inserted this path first
-            result = self.tree.insert(
-                list(seg.path), [n.handle for n in parents] + [seg.handle],
-                [n.n_tokens for n in parents] + [seg.n_tokens], [n.nbytes for n in parents] + [seg.nbytes],
-            )
-            self._track(seg.handle, seg.nbytes, exact=True)
-            self._nodes[seg.handle] = result.nodes[-1]
-            adopted[seg.handle] = seg.parent_handle
-            report.tree_nodes += 1
-        for seg in fresh:
-            values = token_inter.get(seg.handle)
-            if values is None or seg.handle in self._variants:
-                continue
-            try:
-                meta = variant_metadata(seg, values)
-            except CatalogError:
-                continue
-            added = self.index.add(seg.segment_key, seg.handle, meta)
-            if added.admitted:
-                self._track(seg.handle, seg.nbytes, exact=seg.exact)
-                self._variants[seg.handle] = added.variant
-                adopted.setdefault(seg.handle, None)
-                report.variants += 1
-            self._unref(added.evicted)
-        for seg in fresh:
-            if seg.handle not in self._sizes:
-                report.unreferenced += 1
-                self._ignored.add(seg.handle)
-        if self.features.placement:
-            for h, parent in adopted.items():
-                if h in self._sizes:
-                    self.store.set_priority(h, self._priority(h), parent=parent)
 
     # ---------------------------------------------------------------- references (lock held)
     def _track(self, handle: str, nbytes: int, exact: bool) -> None:

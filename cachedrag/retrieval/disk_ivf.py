@@ -49,7 +49,7 @@ from cachedrag.errors import ConfigError, CorruptCacheError
 from cachedrag.retrieval.cluster_store import OffsetClusterStore
 from cachedrag.retrieval.config import DiskIndexConfig, Metric
 from cachedrag.retrieval.ivf import ClusterBlock, Quantizer, Stage, check_nprobe, merge_topk, search_blocks
-from cachedrag.retrieval.index import file_sha256
+from cachedrag.retrieval.index_files import file_sha256
 from cachedrag.retrieval.ivf import similarity, staged_search, topk
 
 MANIFEST = "disk_ivf.json"

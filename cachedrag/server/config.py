@@ -298,7 +298,7 @@ def engine_settings(args: argparse.Namespace, **update) -> EngineSettings:
     exact = {new: getattr(args, dest) for dest, new in FLAT_EXACT_NAMES.items()}
     if exact["repeats_when"] is None:
         exact["repeats_when"] = SERVER_EXACT_REPEATS_WHEN
-    return EngineSettings(**{**values, "exact": ExactSettings(**exact), **update})
+    return EngineSettings(**{**values, "exact": exact, **update})  # validated there: errors name exact.<field>
 
 
 def server_config(args: argparse.Namespace, engine: EngineSettings) -> ServerConfig:

@@ -1,6 +1,6 @@
 """``/v1/embeddings``: the server's embedder behind OpenAI's embeddings API.
 
-Owns: ``EmbeddingService``, which holds the embedder a server embeds with (given to
+Owns: the route (``router``) and ``EmbeddingService``, which holds the embedder a server embeds with (given to
 ``create_app``, or the embedder of the index named by ``ServerConfig.index``, loaded on the first
 embeddings request) and runs it on a transient worker thread (``TransientThreadExecutor``: the
 embedder runs torch ops, which must stay off the event loop thread, and a worker that lives on
@@ -17,8 +17,22 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
 from cachedrag.executor import TransientThreadExecutor
 from cachedrag.server import protocol as P
+
+
+def router(service: EmbeddingService) -> APIRouter:
+    """``POST /v1/embeddings`` over ``service``."""
+    routes = APIRouter()
+
+    @routes.post("/v1/embeddings")
+    async def embed(body: P.EmbeddingRequest):
+        return JSONResponse(await service.embed(body))
+
+    return routes
 
 
 class EmbeddingService:

@@ -36,7 +36,7 @@ _EXPORTS = {
     "RedisUnavailableError": "cachedrag.store.redis_server",
     "StoreConfig": "cachedrag.store.config",
     "TieredStore": "cachedrag.store.tiered",
-    "StoreStats": "cachedrag.store.tiered",
+    "StoreStats": "cachedrag.store.placement",
     "PlacementPolicy": "cachedrag.store.policy",
     "LayerLoader": "cachedrag.store.preload",
     "PrefetchHandle": "cachedrag.store.preload",

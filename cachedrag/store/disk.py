@@ -1,22 +1,10 @@
 """The disk tier: one safetensors file per entry in a local (SSD) directory.
 
-Owns: the directory layout, atomic writes, the byte budget in real allocated bytes, the
-index rebuilt at start (caches survive restarts), the directory lock and disk-error
-handling. Does not own: the byte format (``codec``) or cross-tier placement.
-
-Layout: ``<dir>/<key[:2]>/<key>.safetensors`` (256 shard directories at most, created on
-demand). Writes go to ``<dir>/<key[:2]>/.<key>.cachedrag-<pid>-<random>.tmp`` in the same
-shard, are flushed and fsynced, then ``os.replace``d over the final name: a reader sees the
-old file, the new file or nothing, never a partial one. Temp files left by a crash (that name
-pattern only) are deleted at start.
-
-What is ours: only regular files with our names in real (not symlinked) two-hex-character
-shard directories. Anything else (foreign names, foreign ``*.tmp``, symlinks, FIFOs, devices,
-whatever sits behind a symlinked shard) is never opened, charged or deleted. Files are opened
-with ``O_NOFOLLOW | O_NONBLOCK`` and checked to be regular before any read, and their size is
-checked before reading: a file larger than what it was charged (or than the budget) is never
-read into memory. A regular file at an entry's path that fails its checks is treated as a
-damaged entry of ours: counted, removed, a miss.
+Owns: atomic writes, the byte budget in real allocated bytes, the index rebuilt at start
+(caches survive restarts), holding the directory lock, and disk-error handling (bad files,
+failed writes). Does not own: the directory's layout, what in it is ours and the file
+operations that keep to both (``disk_files``), the byte format (``codec``) or cross-tier
+placement.
 
 Budget: each file is charged ``max(size rounded up to the filesystem block, st_blocks *
 512)`` — what it occupies. Room (and the bytes of the temp file being written) is reserved
@@ -44,11 +32,8 @@ Redis tier. ``flock`` needs a local filesystem (it is advisory and not reliable 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
-import re
-import secrets
 import stat
 import time
 import warnings
@@ -58,7 +43,7 @@ from typing import Literal
 
 import torch
 
-from cachedrag.errors import CorruptCacheError, DirectoryInUseError
+from cachedrag.errors import CorruptCacheError
 from cachedrag.store.base import EntryInfo, HeaderTier, Prepared, check_key
 from cachedrag.store.codec import (
     ForeignEntryError,
@@ -69,23 +54,23 @@ from cachedrag.store.codec import (
     encode,
     read_header,
 )
+from cachedrag.store.disk_files import (
+    NotOurFileError,
+    check_target,
+    entry_path,
+    fsync_dir,
+    lock_directory,
+    open_regular,
+    open_temp,
+    reader,
+    scan,
+    shard_dir,
+    temp_name,
+)
 from cachedrag.store.entry import KVEntry
 from cachedrag.store.source import BlobSource, LayerSource
 
-SUFFIX = ".safetensors"
-TMP_SUFFIX = ".tmp"
-_SHARD = re.compile(r"[0-9a-f]{2}")
-_TEMP = re.compile(r"\.([0-9a-f]{2,128})\.cachedrag-[0-9]+-[0-9a-f]{16}\.tmp")
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
-
-def temp_name(key: str) -> str:
-    """A fresh temp file name for a write of ``key`` (a pattern no one else would use)."""
-    return f".{key}.cachedrag-{os.getpid()}-{secrets.token_hex(8)}{TMP_SUFFIX}"
-
-
-class NotOurFileError(OSError):
-    """The path of an entry holds something we did not write (symlink, FIFO, directory)."""
 Validate = Literal["lazy", "header", "full"]
 logger = logging.getLogger(__name__)
 
@@ -119,7 +104,7 @@ class DiskTier(HeaderTier):
         self._used = 0
         self._reserved = 0  # bytes of writes in flight (their temp files)
         self._lock_fd: int | None = None
-        self._take_directory()
+        self._lock_fd = lock_directory(self.directory)
         try:
             self._rebuild()
         except BaseException:
@@ -127,23 +112,6 @@ class DiskTier(HeaderTier):
             raise
 
     # ---- the directory lock ---------------------------------------------------------------
-    def _take_directory(self) -> None:
-        """Exclusive ``flock`` on the directory itself (no lock file to leave behind or to charge),
-        else ``DirectoryInUseError``."""
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise DirectoryInUseError(
-                f"{self.directory} is in use by another disk tier (another process, or an open store in this "
-                "one): one owner per cache directory, whose budget it accounts; close the other store, give "
-                "each process its own directory, or share caches through the Redis tier"
-            ) from None
-        self._lock_fd = fd
-
     def close(self) -> None:
         """Release the directory (another ``DiskTier`` may open it afterwards)."""
         with self._lock:
@@ -158,7 +126,7 @@ class DiskTier(HeaderTier):
 
     # ---- paths and sizes -----------------------------------------------------------------
     def path(self, key: str) -> Path:
-        return self.directory / key[:2] / (key + SUFFIX)
+        return entry_path(self.directory, key)
 
     def _alloc(self, nbytes: int) -> int:
         return -(-nbytes // self._block) * self._block
@@ -189,32 +157,12 @@ class DiskTier(HeaderTier):
     def _rebuild(self) -> None:
         """Index the directory: drop our temp files, charge real sizes, validate per ``validate``.
         Only regular files with our names in real shard directories are looked at."""
-        found: list[tuple[int, str, int, int]] = []  # (mtime_ns, key, charge, inode)
-        with os.scandir(self.directory) as top:
-            shards = sorted((e for e in top if _SHARD.fullmatch(e.name) and e.is_dir(follow_symlinks=False)),
-                            key=lambda e: e.name)
-        for shard in shards:
-            with os.scandir(shard.path) as it:
-                files = list(it)
-            for f in files:
-                if not f.is_file(follow_symlinks=False):
-                    continue  # symlinks, FIFOs, sockets, devices, directories: not ours
-                temp = _TEMP.fullmatch(f.name)
-                if temp is not None:
-                    if temp.group(1)[:2] == shard.name:
-                        self._unlink_quiet(Path(f.path), "leftover temp file")
-                        self.stats.temp_cleaned += 1
-                    continue
-                key = f.name[: -len(SUFFIX)] if f.name.endswith(SUFFIX) else ""
-                try:
-                    check_key(key)
-                except ValueError:
-                    continue  # not ours: leave it alone, not charged
-                if key[:2] != shard.name:
-                    continue
-                st = f.stat(follow_symlinks=False)
-                found.append((st.st_mtime_ns, key, self._charge(st), st.st_ino))
-        for _, key, charge, ino in sorted(found):
+        temps, files = scan(self.directory)
+        for tmp in temps:
+            self._unlink_quiet(tmp, "leftover temp file")
+            self.stats.temp_cleaned += 1
+        found = sorted((st.st_mtime_ns, key, self._charge(st), st.st_ino) for key, st in files)
+        for _, key, charge, ino in found:
             if charge > self._budget:  # never written at this budget: ours only if its header proves it
                 if not self._valid_at_start(key, ino, "header", discard=False):
                     warnings.warn(f"{self.name}: {self.path(key)} is larger than the budget and not a valid "
@@ -231,10 +179,10 @@ class DiskTier(HeaderTier):
 
     def _valid_at_start(self, key: str, ino: int, check: str, *, discard: bool = True) -> bool:
         try:
-            fd = self._open_regular(key)
+            fd = open_regular(self.path(key))
             try:
                 size = os.fstat(fd).st_size
-                read_at = _reader(fd)
+                read_at = reader(fd)
                 header = read_header(read_at, size, key, self.namespace)
                 if check == "full":
                     decode(read_at(0, header.total_size), key, self.namespace)
@@ -248,16 +196,6 @@ class DiskTier(HeaderTier):
             warnings.warn(f"{self.name}: cannot read {self.path(key)} at start ({exc}); not indexed", RuntimeWarning, stacklevel=3)
             return False
         return True
-
-    def _open_regular(self, key: str) -> int:
-        """A read-only descriptor of ``key``'s file: never follows a symlink, never blocks on a
-        FIFO, and refuses anything but a regular file (``NotOurFileError``)."""
-        fd = os.open(self.path(key), _READ_FLAGS)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise NotOurFileError(errno.EINVAL, f"{self.path(key)} is not a regular file; left alone")
-        return fd
 
     def _not_ours(self, key: str, exc: OSError) -> None:
         """The entry's path holds something we did not write (a symlink gives ELOOP): uncharge
@@ -292,7 +230,7 @@ class DiskTier(HeaderTier):
             st = os.fstat(fd)
             if not self._size_ok(key, st):
                 return None
-            blob = _reader(fd)(0, st.st_size)
+            blob = reader(fd)(0, st.st_size)
             entry = decode(blob, key, self.namespace)
         except CorruptCacheError as exc:
             self._discard_bad(key, st.st_ino, exc)
@@ -340,7 +278,7 @@ class DiskTier(HeaderTier):
         if not self.contains(key):
             return None
         try:
-            return self._open_regular(key)
+            return open_regular(self.path(key))
         except FileNotFoundError:
             self._forget(key)
             return None
@@ -364,7 +302,7 @@ class DiskTier(HeaderTier):
             return None
         try:
             st = os.fstat(fd)
-            read_at = _reader(fd)
+            read_at = reader(fd)
             header = read_header(read_at, st.st_size, key, self.namespace)
             tensors = decode_extras(header, read_at) if extras else {}
         except CorruptCacheError as exc:
@@ -386,7 +324,7 @@ class DiskTier(HeaderTier):
         if fd is None:
             return None
         st = os.fstat(fd)
-        read_at = _reader(fd)
+        read_at = reader(fd)
         if not self._size_ok(key, st):
             os.close(fd)
             return None
@@ -430,7 +368,7 @@ class DiskTier(HeaderTier):
         t0 = time.perf_counter()
         tmp: Path | None = None
         try:
-            shard = self._shard_dir(key)
+            shard = shard_dir(self.directory, key)
             tmp = shard / temp_name(key)
             fd = self._open_temp(tmp)
             with os.fdopen(fd, "wb") as f:
@@ -444,7 +382,7 @@ class DiskTier(HeaderTier):
                     if not self._reserve(charge - reserve, key):
                         raise OSError(f"file took {charge} bytes, {reserve} reserved and no room for the rest")
                     reserve = charge
-                self._check_target(key)
+                check_target(self.path(key))
                 os.replace(tmp, self.path(key))
                 tmp = None
                 self._used += charge - self._index.pop(key, 0)
@@ -455,7 +393,7 @@ class DiskTier(HeaderTier):
                 self.stats.put_bytes += charge
                 self.stats.store_seconds += time.perf_counter() - t0
             if self.fsync:
-                self._fsync_dir(shard)
+                fsync_dir(shard, self.name)
             return True
         except OSError as exc:
             warnings.warn(f"{self.name}: write of {key} skipped ({exc}); serving continues", RuntimeWarning, stacklevel=3)
@@ -466,31 +404,9 @@ class DiskTier(HeaderTier):
                 self._unlink_quiet(tmp, "temp file of a failed write")
             return False
 
-    def _shard_dir(self, key: str) -> Path:
-        """``key``'s shard directory, created if missing; ``NotOurFileError`` if something else
-        (a symlink to elsewhere, a file) sits at its name: we never write through it."""
-        shard = self.directory / key[:2]
-        try:
-            shard.mkdir()
-        except FileExistsError:
-            pass
-        if not stat.S_ISDIR(os.lstat(shard).st_mode):
-            raise NotOurFileError(errno.ENOTDIR, f"{shard} is not a real directory; not written through")
-        return shard
-
     def _open_temp(self, tmp: Path) -> int:
-        """Create the temp file (exclusively: never an existing file, never through a symlink)."""
-        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-
-    def _check_target(self, key: str) -> None:
-        """Under the lock, before the rename: the final name is ours to replace (absent or a
-        regular file), never a symlink, FIFO or directory someone put there."""
-        try:
-            st = os.lstat(self.path(key))
-        except FileNotFoundError:
-            return
-        if not stat.S_ISREG(st.st_mode):
-            raise NotOurFileError(errno.EEXIST, f"{self.path(key)} is not a regular file; not replaced")
+        """Create the temp file of a write (a seam: fault tests make it fail)."""
+        return open_temp(tmp)
 
     def _reserve(self, nbytes: int, key: str) -> bool:
         """Under the lock: make ``nbytes`` free (LRU self-eviction if allowed) and reserve them."""
@@ -581,33 +497,3 @@ class DiskTier(HeaderTier):
             path.unlink(missing_ok=True)
         except OSError as exc:
             warnings.warn(f"{self.name}: cannot remove {what} {path} ({exc})", RuntimeWarning, stacklevel=3)
-
-    def _fsync_dir(self, directory: Path) -> None:
-        try:
-            fd = os.open(directory, os.O_RDONLY)
-        except OSError as exc:
-            warnings.warn(f"{self.name}: cannot open {directory} to fsync it ({exc})", RuntimeWarning, stacklevel=3)
-            return
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            warnings.warn(f"{self.name}: fsync of {directory} failed ({exc})", RuntimeWarning, stacklevel=3)
-        finally:
-            os.close(fd)
-
-
-def _reader(fd: int):
-    """``read_at(offset, length)`` over ``fd`` (short only at end of file)."""
-
-    def read_at(offset: int, length: int) -> bytes:
-        parts = []
-        while length > 0:
-            got = os.pread(fd, min(length, 1 << 30), offset)
-            if not got:
-                break
-            parts.append(got)
-            offset += len(got)
-            length -= len(got)
-        return b"".join(parts)
-
-    return read_at

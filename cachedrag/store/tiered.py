@@ -1,9 +1,9 @@
 """The tiered chunk-cache store: ordered tiers (fastest first) behind one get/put API.
 
-Owns: composing tiers, executing the placement policy's decisions (place, promote on
-reuse, demote before delete, swap-out-only-once, tree-consistent moves), probing shared
-tiers, store-level statistics, and the entry points for preloading (``prefetch``,
-``open_layers``). Does not own: the decisions themselves (``policy``), bytes and media
+Owns: composing tiers behind the one tier interface (``base.Tier``), the get/put/remove API
+and when it places, promotes or removes, probing shared tiers, and the entry points for
+preloading (``prefetch``, ``open_layers``). Does not own: the decisions themselves
+(``policy``), executing the moves and the store's counters (``placement``), bytes and media
 (tiers), threads that load ahead (``preload``).
 
 Placement, in short (details in ``docs/store.md``):
@@ -35,41 +35,19 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 
 from cachedrag.errors import ConfigError
 from cachedrag.store.base import EntryInfo, Tier, check_key
-from cachedrag.store.codec import check_namespace, encode
+from cachedrag.store.codec import check_namespace
 from cachedrag.store.config import StoreConfig
-from cachedrag.store.cpu import CPUTier, MemoryTier
+from cachedrag.store.cpu import CPUTier
 from cachedrag.store.entry import KVEntry
+from cachedrag.store.placement import Placement, StoreStats
 from cachedrag.store.policy import PlacementPolicy, SortKey, priority_then_recency
 from cachedrag.store.preload import LayerLoader, PrefetchHandle, Prefetcher
-
-
-@dataclass
-class StoreStats:
-    """Store-level counters (per-tier counters live in each tier's ``TierStats``)."""
-
-    puts: int = 0
-    puts_existing: int = 0  # put of a key already cached: priority/parent updated, no rewrite
-    puts_refused: int = 0  # no tier would take the entry
-    hits: int = 0
-    misses: int = 0
-    promotions: int = 0  # copies made into a faster tier on reuse / prefetch
-    demotions: int = 0  # entries moved (or, if already there, handed) to a slower tier
-    demotion_writes_saved: int = 0  # demotions where the slower tier already held the copy
-    drops: int = 0  # entries deleted from the store for lack of room anywhere
-    stale_index: int = 0  # a tier no longer held what the index said (removed as corrupt, TTL, other process)
-    prefetches: int = 0
-    load_seconds: float = 0.0  # time in get() reading hits
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 class TieredStore:
@@ -101,10 +79,9 @@ class TieredStore:
         self.stats = StoreStats()
         self._policy = PlacementPolicy(len(self.tiers), sort_key)
         self._lock = threading.RLock()
+        self._placement = Placement(self.tiers, namespace, self._policy, self.stats, self._lock, drop_log_size)
         self._prefetcher = Prefetcher(self._fetch_up, prefetch_workers)
         self._loaders: weakref.WeakSet[LayerLoader] = weakref.WeakSet()
-        self._drop_log: deque[str] = deque(maxlen=drop_log_size)  # keys deleted for lack of room
-        self._drop_seq = 0  # drops logged since start (the log keeps the last ``maxlen``)
         for i, tier in enumerate(self.tiers):  # adopt what local tiers already hold (disk after a restart)
             if not tier.shared:
                 for key in tier.keys():
@@ -154,7 +131,7 @@ class TieredStore:
         for i in copies:
             if self.tiers[i].contains(key):
                 return True
-            self._lost(key, i)
+            self._placement.lost(key, i)
         return any(t.contains(key) for i, t in enumerate(self.tiers) if t.shared and i not in copies)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
@@ -214,7 +191,7 @@ class TieredStore:
             if got is not None:
                 return got
             if not self.tiers[i].shared:
-                self._lost(key, i)
+                self._placement.lost(key, i)
         return None
 
     # ---- get -----------------------------------------------------------------------------
@@ -234,7 +211,7 @@ class TieredStore:
             self.stats.hits += 1
             self.stats.load_seconds += time.perf_counter() - t0
         if promote and found_at > 0:
-            lifted = self._promote_after_read(key, entry, found_at, version)
+            lifted = self._placement.promote_after_read(key, entry, found_at, version)
             if lifted is not None:
                 entry = lifted
         return entry
@@ -253,7 +230,7 @@ class TieredStore:
             entry = self.tiers[i].get(key)
             if entry is not None:
                 return entry, i, version
-            self._lost(key, i)
+            self._placement.lost(key, i)
         for i, tier in enumerate(self.tiers):
             if tier.shared and i not in order:
                 entry = tier.get(key)
@@ -262,43 +239,9 @@ class TieredStore:
                         node = self._policy.ensure(key)
                         self._policy.add_copy(key, i)
                         self._policy.touch(key)
-                        self._heal_links(key)
+                        self._placement.heal_links(key)
                         return entry, i, node.version
         return None, -1, -1
-
-    def _lost(self, key: str, tier: int) -> None:
-        """The index said ``tier`` holds ``key`` and it did not: fix the index."""
-        with self._lock:
-            node = self._policy.node(key)
-            if node is None or tier not in node.copies or self.tiers[tier].contains(key):
-                return
-            self.stats.stale_index += 1
-            self._policy.drop_copy(key, tier)
-            if not node.copies:
-                self._policy.forget(key)
-                return
-            self._heal_links(key)
-
-    def _heal_links(self, key: str) -> None:
-        """Store lock held. ``key`` lost a fast copy (or came back from a shared tier) and may now
-        sit slower than its cached children: drop those links (they only order evictions, so no
-        I/O is needed and nothing is served differently)."""
-        node = self._policy.cached(key)
-        if node is None:
-            return
-        for child in self._policy.children_of(key):
-            if child.level < node.level:
-                self._policy.unlink(child.key)
-
-    def _promote_after_read(self, key: str, entry: KVEntry, found_at: int, version: int) -> KVEntry | None:
-        with self._lock:
-            node = self._policy.node(key)
-            if node is None or node.version != version or node.level is None or node.level < found_at:
-                return None  # replaced, removed or promoted meanwhile
-            placed = self._lift(key, entry, found_at, 0, {key}, {})
-            if placed is None:
-                return None
-            return self._peek(placed, key)
 
     # ---- put -----------------------------------------------------------------------------
     def put(
@@ -329,11 +272,11 @@ class TieredStore:
                 self._policy.ensure(key, priority, parent)
                 self._policy.touch(key)
                 if node.parent != old_parent:
-                    self._repair_parent(key)
+                    self._placement.repair_parent(key)
                 self.stats.puts_existing += 1
                 return True
             if node is not None:
-                self._remove_copies(key)
+                self._placement.remove_copies(key)
             node = self._policy.ensure(key, priority, parent)
             node.version += 1
             self._policy.touch(key)
@@ -341,10 +284,10 @@ class TieredStore:
             blobs: dict[str, bytes] = {}
             parent_node = self._policy.parent_of(key)
             if parent_node is not None and parent_node.level > 0:
-                self._lift_cached(parent_node.key, 0, protect, blobs)
+                self._placement.lift_cached(parent_node.key, 0, protect, blobs)
             placed = None
             for j in self._policy.allowed_levels(key):
-                if self._place(key, entry, j, protect, blobs, copy=True):
+                if self._placement.place(key, entry, j, protect, blobs, copy=True):
                     placed = j
                     break
             if placed is None:
@@ -354,20 +297,9 @@ class TieredStore:
             if self.write_through:
                 for k in range(placed + 1, len(self.tiers)):
                     if self.tiers[k].persistent:
-                        self._place(key, entry, k, protect, blobs, copy=True, evict="duplicates")
+                        self._placement.place(key, entry, k, protect, blobs, copy=True, evict="duplicates")
             self.stats.puts += 1
             return True
-
-    def _repair_parent(self, key: str) -> None:
-        """After a new parent link: lift the parent to the child's tier, else drop the link."""
-        node = self._policy.nodes[key]
-        parent = self._policy.parent_of(key)
-        if parent is None or parent.level <= node.level:
-            return
-        self._lift_cached(parent.key, node.level, {key, *self._policy.ancestors(key)}, {})
-        parent = self._policy.parent_of(key)
-        if parent is not None and parent.level > node.level:
-            self._policy.unlink(key)
 
     def put_many(self, items: Iterable[tuple[str, KVEntry]], *, priority: float = 0.0) -> list[bool]:
         return [self.put(k, e, priority=priority) for k, e in items]
@@ -388,7 +320,7 @@ class TieredStore:
                     self._policy.link(key, parent)
                 except ValueError:
                     return True  # would make a cycle: keep the old link
-                self._repair_parent(key)
+                self._placement.repair_parent(key)
             return True
 
     def hold(self, keys) -> None:
@@ -407,169 +339,20 @@ class TieredStore:
         check_key(key)
         with self._lock:
             had = self._policy.cached(key) is not None
-            gone = self._remove_copies(key)
+            gone = self._placement.remove_copies(key)
             if gone:
                 self._policy.forget(key)
                 self._policy.unlink(key)
             else:
-                self._heal_links(key)
+                self._placement.heal_links(key)
         for tier in self.tiers:
             if tier.shared:
                 had = tier.remove(key) or had
         return had and gone
 
-    def _remove_copies(self, key: str) -> bool:
-        """Remove every local copy of ``key``; ``False`` if a tier kept one (it stays indexed)."""
-        node = self._policy.node(key)
-        if node is None:
-            return True
-        return all([self._remove_copy(key, t) for t in sorted(node.copies)])
-
-    def _remove_copy(self, key: str, t: int) -> bool:
-        """Remove ``key`` from tier ``t`` and the index; a copy the tier could not delete stays
-        in the index (the tier still holds and charges it)."""
-        if self.tiers[t].remove(key) or not self.tiers[t].contains(key):
-            self._policy.drop_copy(key, t)
-            return True
-        return False
-
-    # ---- placement (store lock held) -----------------------------------------------------
-    def _place(
-        self,
-        key: str,
-        entry: KVEntry,
-        j: int,
-        protect: set[str],
-        blobs: dict[str, bytes],
-        *,
-        copy: bool,
-        evict: str = "all",
-    ) -> bool:
-        """Store ``key`` in tier ``j``, moving lower-ordered entries out first.
-
-        ``evict``: ``"all"`` (duplicates, then lower-ordered primaries), ``"duplicates"``
-        (only copies that also live in a faster tier) or ``"none"`` (free room only).
-        """
-        node = self._policy.nodes[key]
-        if j in node.copies:
-            return True  # already there (swap-out-only-once)
-        tier = self.tiers[j]
-        blob = None
-        if tier.serialized:
-            blob = blobs.get(key)
-            if blob is None:
-                blob = blobs[key] = encode(key, entry, self.namespace)
-        prepared = tier.prepare(key, entry, blob=blob, copy=copy)
-        if not tier.shared:
-            if prepared.nbytes > tier.budget_bytes:
-                return False
-            need = tier.used_bytes + prepared.nbytes - tier.budget_bytes
-            if need > 0:
-                if evict == "none":
-                    return False
-                victims = self._policy.victims(j, need, tier.entry_bytes, key, protect, primaries=evict == "all")
-                if victims is None:
-                    return False
-                for victim in victims:
-                    self._evict(victim, j, protect, blobs)
-                if tier.used_bytes + prepared.nbytes > tier.budget_bytes:
-                    return False
-        if not tier.commit(prepared):
-            return False
-        self._policy.add_copy(key, j)
-        return True
-
-    def _evict(self, key: str, j: int, protect: set[str], blobs: dict[str, bytes]) -> None:
-        """Move ``key`` out of tier ``j``: drop a duplicate, else demote, else delete."""
-        node = self._policy.node(key)
-        if node is None or j not in node.copies:
-            return
-        if node.level < j or any(c > j for c in node.copies):
-            if not self._remove_copy(key, j):
-                return
-            self._heal_links(key)  # its children may now sit faster than its remaining (shared) copy
-            if node.level is not None and node.level > j:
-                self.stats.demotions += 1
-                self.stats.demotion_writes_saved += 1
-            return
-        entry = self._peek(j, key)
-        demoted = False
-        if entry is not None:
-            children = [c.level for c in self._policy.children_of(key)]
-            deepest = min(children) if children else len(self.tiers) - 1
-            inner = protect | {key, *self._policy.ancestors(key)}
-            for k in range(j + 1, deepest + 1):
-                if self._place(key, entry, k, inner, blobs, copy=False):
-                    demoted = True
-                    break
-        if not self._remove_copy(key, j):
-            return  # undeletable here (read-only disk): it stays, and the caller finds no room
-        if demoted:
-            self.stats.demotions += 1
-        else:
-            self._drop(key)
-
-    def _drop(self, key: str) -> None:
-        """Delete ``key`` and its cached descendants from every tier (logged for ``drops_since``)."""
-        for k in [*self._policy.descendants(key), key]:
-            if not self._remove_copies(k):
-                self._heal_links(k)
-                continue  # a tier could not delete it: it stays indexed where it is
-            self._policy.forget(k)
-            self._policy.unlink(k)
-            self.stats.drops += 1
-            self._drop_log.append(k)
-            self._drop_seq += 1
-
     def drops_since(self, cursor: int) -> tuple[list[str], int, bool]:
-        """Keys the store deleted for lack of room since ``cursor`` (0 at start).
-
-        Returns ``(keys, new_cursor, complete)``; ``complete`` is False when more drops
-        happened than the log keeps (the caller should then check what it references with
-        ``contains``). Explicit ``remove`` calls are not logged.
-        """
-        with self._lock:
-            behind = self._drop_seq - cursor
-            if behind <= 0:
-                return [], self._drop_seq, True
-            log = list(self._drop_log)
-            complete = behind <= len(log)
-            return log[len(log) - min(behind, len(log)):], self._drop_seq, complete
-
-    def _lift(self, key: str, entry: KVEntry, found_at: int, target: int, protect: set[str], blobs: dict[str, bytes]) -> int | None:
-        """Copy ``key`` (read from ``found_at``) into the fastest tier in ``[target, found_at)`` taking it."""
-        protect = protect | {key, *self._policy.ancestors(key)}
-        parent = self._policy.parent_of(key)
-        if parent is not None and parent.level > target:
-            self._lift_cached(parent.key, target, protect, blobs)
-            parent = self._policy.parent_of(key)
-        start = max(target, parent.level if parent is not None else 0)
-        for j in range(start, found_at):
-            if self._place(key, entry, j, protect, blobs, copy=False):
-                self.stats.promotions += 1
-                return j
-        return None
-
-    def _lift_cached(self, key: str, target: int, protect: set[str], blobs: dict[str, bytes]) -> None:
-        """Promote an already cached ``key`` (e.g. a parent) toward ``target``."""
-        node = self._policy.cached(key)
-        if node is None or node.level <= target:
-            return
-        level = node.level
-        entry = self._peek(level, key)
-        if entry is None:
-            return
-        self._lift(key, entry, level, target, protect, blobs)
-
-    def _peek(self, j: int, key: str) -> KVEntry | None:
-        """Read ``key`` from tier ``j`` for a move (memory tiers: no copy, no stats)."""
-        tier = self.tiers[j]
-        if isinstance(tier, MemoryTier):
-            return tier.peek(key)
-        entry = tier.get(key)
-        if entry is None:
-            self._lost(key, j)
-        return entry
+        """Keys the store deleted for lack of room since ``cursor`` (``Placement.drops_since``)."""
+        return self._placement.drops_since(cursor)
 
     # ---- preloading ----------------------------------------------------------------------
     def prefetch(self, keys: Iterable[str]) -> PrefetchHandle:
@@ -595,7 +378,7 @@ class TieredStore:
         if entry is None:
             return False
         if found_at > 0:
-            self._promote_after_read(key, entry, found_at, version)
+            self._placement.promote_after_read(key, entry, found_at, version)
         with self._lock:
             node = self._policy.cached(key)
             return node is not None and node.level == 0
@@ -622,7 +405,7 @@ class TieredStore:
                     self.stats.hits += 1
                     self._loaders.add(loader)
                 return loader
-            self._lost(key, i)
+            self._placement.lost(key, i)
         with self._lock:
             self.stats.misses += 1
         return None
@@ -639,12 +422,12 @@ class TieredStore:
             for key, node in list(self._policy.nodes.items()):
                 if not node.copies or any(c in persistent for c in node.copies):
                     continue
-                entry = self._peek(node.level, key)
+                entry = self._placement.peek(node.level, key)
                 if entry is None:
                     continue
                 protect = {key, *self._policy.ancestors(key)}
                 for k in persistent:
-                    if self._place(key, entry, k, protect, {}, copy=False, evict="none"):
+                    if self._placement.place(key, entry, k, protect, {}, copy=False, evict="none"):
                         copied += 1
                         break
         return copied

@@ -11,6 +11,7 @@ from cachedrag.cli import main
 from cachedrag.corpus import stdlib_corpus
 
 
+@pytest.mark.slow  # the fidelity suite end to end (~20 s)
 def test_bench_fidelity_reports_the_frontier_and_the_noise_floor(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     corpus, questions = tiny_corpus
     out, png = tmp_path / "fidelity.json", tmp_path / "frontier.png"

@@ -168,6 +168,7 @@ def test_bench_serve_runs_a_fidelity_level_beside_full_prefill(tmp_path):
     assert 0.0 <= data["answers"]["f"]["exact_match_vs_b"] <= 1.0
 
 
+@pytest.mark.slow  # several tiny servers for a benchmark option (~15-20 s)
 @pytest.mark.timeout(300)
 def test_bench_serve_can_ask_for_whole_answers(tmp_path):
     """--no-stream: every answer comes whole (its latency is its TTFT, no TPOT), and still compares with b's."""
@@ -184,6 +185,7 @@ def test_bench_serve_can_ask_for_whole_answers(tmp_path):
     assert data["answers"]["f"]["exact_match_vs_b"] == 1.0  # faithful, whole answers: full prefill's
 
 
+@pytest.mark.slow  # several tiny servers for a benchmark option (~15-20 s)
 @pytest.mark.timeout(300)
 def test_soak_rounds_read_memory_at_rest(tmp_path):
     out = tmp_path / "serve.json"
@@ -265,6 +267,7 @@ def test_a_level_pools_its_rounds():
     assert serve._level_stats([first], level=1)["chunk_hit_rate"] == 3 / 4
 
 
+@pytest.mark.slow  # several tiny servers for a benchmark option (~15-20 s)
 @pytest.mark.timeout(300)
 def test_bench_serve_interleaved_rounds(tmp_path):
     """--interleave --rounds 2: both servers alive, each level replayed twice on fresh requests and

@@ -245,6 +245,7 @@ _INFO = pytest.mark.skipif(not list(Path("/usr/share/info").glob("grep.info*")),
                            reason="needs the GNU info manuals under /usr/share/info")
 
 
+@pytest.mark.slow  # embeds the whole info-manual corpus (~70 s)
 @_INFO
 def test_the_info_stream_is_built_from_the_info_manuals_and_its_topics(tiny_model_dir, tmp_path, monkeypatch):
     from cachedrag.corpus import INFO_TOPICS

@@ -530,7 +530,8 @@ class Campaign:
         return self._index_pair
 
     def _check_index(self, allowed) -> None:
-        from cachedrag.retrieval.index import BUILD_TAG, load_index
+        from cachedrag.retrieval.index import load_index
+        from cachedrag.retrieval.index_files import BUILD_TAG
 
         try:
             with warnings.catch_warnings():
@@ -573,7 +574,7 @@ class Campaign:
     def _fault_rename_failure(self) -> None:
         import copy
 
-        from cachedrag.retrieval import index as index_mod
+        from cachedrag.retrieval import index_files as index_mod
 
         a, b = self._indexes()
         real_exchange, real_rename = index_mod._exchange, index_mod._rename

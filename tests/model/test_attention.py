@@ -241,6 +241,7 @@ def test_the_sources_are_package_files_and_every_one_includes_the_shared_header(
         assert helper in header and not any(helper in text for text in native.sources()), helper
 
 
+@pytest.mark.slow  # compiles the native library twice more (~30 s)
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 def test_native_source_compiles_for_cpus_without_avx512_or_its_bf16(tmp_path):
     """The library is built with -march=native, so CI compiles only this CPU's branches of the source;

@@ -33,6 +33,7 @@ def _steps(eager, compiled, n_prompt=30, tokens=(5, 17, 99, 3, 250, 41)):
         yield eager.decode_step(token, pos, kv_e), compiled.decode_step(token, pos, kv_c), kv_e, kv_c
 
 
+@pytest.mark.slow  # AOTInductor builds (~20-45 s each); `make test-slow`
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # mistral: a sliding window shorter than the
 def test_compiled_fp32_decode_equals_the_eager_step(cache, arch):  # context (llama's packages); qwen2: q/k/v biases
     eager, compiled = _pair(cache, arch)
@@ -45,6 +46,7 @@ def test_compiled_fp32_decode_equals_the_eager_step(cache, arch):  # context (ll
     torch.testing.assert_close(kv_c.v[:, :, :n], kv_e.v[:, :, :n], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # AOTInductor builds (~20-45 s each); `make test-slow`
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_compiled_low_bit_decode_tracks_the_eager_step(cache, weights):
     """Same kernels on the same weights; norms and RoPE round once in float32 inside the fused kernels
@@ -54,6 +56,7 @@ def test_compiled_low_bit_decode_tracks_the_eager_step(cache, weights):
         assert (got - want).abs().max() < 0.05 * want.std() + 0.02
 
 
+@pytest.mark.slow  # AOTInductor builds (~20-45 s each); `make test-slow`
 def test_packages_are_cached_and_a_damaged_one_is_rebuilt(cache, tmp_path):
     import shutil
 

@@ -10,9 +10,8 @@ from cachedrag.errors import ModelNotFoundError
 from cachedrag.model.generation import SamplingParams
 from cachedrag.model.textgen import TextGenerator, chat_ids, chat_messages
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow  # the real model end to end
 def test_default_model_matches_hf_and_answers(default_runner):
     runner = default_runner
     assert runner.architecture == "LlamaForCausalLM"

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from cachedrag.errors import CorruptCacheError
-from cachedrag.retrieval import index as index_mod
-from cachedrag.retrieval.index import BUILD_TAG, IndexManifest, load_index
+from cachedrag.retrieval import index_files as index_mod
+from cachedrag.retrieval.index import IndexManifest, load_index
+from cachedrag.retrieval.index_files import BUILD_TAG
 
 
 def dead_pid() -> int:

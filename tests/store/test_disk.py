@@ -11,7 +11,8 @@ import warnings
 import pytest
 
 from cachedrag.store.codec import encode
-from cachedrag.store.disk import DiskTier, temp_name
+from cachedrag.store.disk import DiskTier
+from cachedrag.store.disk_files import temp_name
 from tests.store.helpers import NS, disk_bytes_on_disk, key_of, make_entry
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from cachedrag.errors import DirectoryInUseError
 from cachedrag.store.config import StoreConfig
-from cachedrag.store.disk import DiskTier, temp_name
+from cachedrag.store.disk import DiskTier
+from cachedrag.store.disk_files import temp_name
 from cachedrag.store.tiered import TieredStore
 from tests.faults.helpers import tree
 from tests.store.helpers import NS, disk_bytes_on_disk, key_of, make_entry

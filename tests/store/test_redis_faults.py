@@ -13,7 +13,8 @@ import pytest
 
 from cachedrag.errors import CorruptCacheError
 from cachedrag.store.config import StoreConfig
-from cachedrag.store.redis_tier import _PUT, RedisTier
+from cachedrag.store.redis_scripts import PUT
+from cachedrag.store.redis_tier import RedisTier
 from cachedrag.store.tiered import TieredStore
 from tests.store.helpers import NS, key_of, make_entry
 
@@ -192,7 +193,7 @@ def test_write_script_validates_before_writing(redis_server, redis_prefix):
     """The raw script, on malformed accounting, answers "malformed" and stores nothing."""
     client = redis_server.client()
     client.set(f"{redis_prefix}:__clock", "tick")
-    script = client.register_script(_PUT)
+    script = client.register_script(PUT)
     vkey = f"{redis_prefix}:{NS}:{key_of(1)}"
     keys = [vkey, *(f"{redis_prefix}:__{n}" for n in ("sizes", "lru", "used", "clock"))]
     out = script(keys=keys, args=[b"blob", 1 << 20, 0, 256, "1"])
