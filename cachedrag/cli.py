@@ -44,7 +44,8 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "integrations": ("cachedrag_bench.integrations", "LlamaIndex RetrieverQueryEngine: CachedRAGLLM vs plain transformers"),
     "shapes": ("cachedrag_bench.shapes", "end to end at Llama-3.1-8B / Qwen2.5-7B shapes (random weights; GPU)"),
     "agent": ("cachedrag_bench.agent", "agent steps (K retrieval calls, then the answer) per mode: full, prefix, default"),
-    "speed": ("cachedrag_bench.speed", "prefill/decode speed per dtype vs transformers and llama.cpp; first-request and miss cost"),
+    "speed": ("cachedrag_bench.speed", "prefill/decode speed per dtype vs transformers and llama.cpp; first-request "
+              "and miss cost; --shape: 0.5B-3B shapes vs llama.cpp GGUFs of the same weights"),
 }
 
 #: the import name of the distribution that holds the suites, and what to say where it is missing

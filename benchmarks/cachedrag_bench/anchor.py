@@ -74,7 +74,9 @@ def dequantize_gguf(source: Path, target: Path) -> None:
 class LlamaCppTimer:
     """One GGUF loaded in llama.cpp at ``threads`` threads; times prefill and decode on token ids."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int = 2048):
+    def __init__(self, path: Path, threads: int, n_ctx: int = 2048, extra_buffers: bool = False):
+        """``extra_buffers``: let llama.cpp repack weights into its extra CPU buffer types (its default;
+        off here unless asked: the crash below)."""
         import llama_cpp
         import llama_cpp.llama as llama_module
 
@@ -86,7 +88,7 @@ class LlamaCppTimer:
 
         def no_extra_buffers():
             params = defaults()
-            params.use_extra_bufts = False
+            params.use_extra_bufts = extra_buffers
             return params
 
         llama_module.llama_cpp.llama_model_default_params = no_extra_buffers

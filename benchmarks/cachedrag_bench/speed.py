@@ -34,7 +34,8 @@ import subprocess
 import sys
 import time
 
-from cachedrag_bench import write_json
+from cachedrag_bench import speed_shapes, write_json
+from cachedrag_bench.cpu_shapes import CPU_SHAPES
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the Python documentation excerpts "
@@ -70,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fidelity-tokens", type=int, default=32, help="teacher-forced tokens per fidelity prompt")
     parser.add_argument("--skip-first-request", action="store_true", help="skip the fresh-process first-request probe")
     parser.add_argument("--json", dest="json_out", help="write results as JSON to this path")
+    parser.add_argument("--shape", default=None, choices=tuple(CPU_SHAPES),
+                        help="time a random-weight model of this real shape against llama.cpp instead of the default "
+                        "model (speed_shapes.py; artifacts cached under the cache home)")
+    speed_shapes.add_arguments(parser)
 
 
 def _bad_arguments(args) -> str | None:
@@ -138,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     from cachedrag.model.runner import ModelRunner, default_threads, set_threads
     from cachedrag.model.weights import vnni_available
 
+    if args.shape:
+        return speed_shapes.run(args)
     bad = _bad_arguments(args)
     if bad:
         print(f"cachedrag: error: {bad}", file=sys.stderr)

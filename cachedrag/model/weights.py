@@ -279,9 +279,10 @@ def _prepack_dynamic(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
 
 
 def _share(packed: PackedLinear, modules) -> None:
-    """Point the HF modules' weights at rows of a dense fused weight, so fusing copies nothing
-    (same values; the reference path and the fingerprint keep reading them)."""
-    if packed.kind != "dense" or packed.weight.dtype != modules[0].weight.dtype:
+    """Point the HF modules' weights at rows of a fused weight that holds their values as they are
+    (dense, or bf16 beside its oneDNN-packed copy), so fusing copies nothing (same values; the
+    reference path and the fingerprint keep reading them): a bf16 1.5B model is 2.6 GB lighter."""
+    if packed.kind not in ("dense", "mkldnn") or packed.weight.dtype != modules[0].weight.dtype:
         return
     row = 0
     for m in modules:

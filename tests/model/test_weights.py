@@ -177,6 +177,19 @@ def test_fused_dense_weights_share_storage_with_the_hf_modules():
     assert attn.q_proj.weight.data_ptr() == fast.fast_layers[0].qkv.weight.data_ptr()
 
 
+def test_bf16_fused_weights_beside_their_onednn_copy_share_storage_with_the_hf_modules():
+    """bf16 projections keep a row-major weight (the fused decode step reads it) beside the oneDNN-packed
+    one (prefill): the HF modules read that row-major weight, not a copy of their own."""
+    tok = byte_tokenizer()
+    runner = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, dtype="bfloat16")
+    lw, attn, mlp = runner.fast_layers[0], runner.layers[0].self_attn, runner.layers[0].mlp
+    if lw.qkv.kind != "mkldnn":
+        pytest.skip("no oneDNN bf16 packing on this CPU")
+    assert attn.k_proj.weight.data_ptr() == lw.qkv.weight[lw.q_out:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == lw.gate_up.weight[lw.ff:].data_ptr()
+    assert torch.equal(attn.v_proj.weight, lw.qkv.weight[lw.q_out + lw.kv_out:])
+
+
 @pytest.mark.parametrize("weights", FORMATS)
 def test_bf16_and_int8_runners_track_the_fp32_reference(weights):
     """Same random model in bf16 (and int8 weights): logits close to fp32's, relative to their spread."""
