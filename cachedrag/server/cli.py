@@ -107,7 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: the cores this process may use)")
     parser.add_argument("--max-batch", type=int, default=8, help="most requests decoding together (1 = no batching)")
-    parser.add_argument("--max-waiting", type=int, default=256, help="waiting-queue limit; beyond it requests get 503")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     parser.add_argument("--index", default=None, metavar="DIR",
                         help="an index directory (`cachedrag index build`): /v1/embeddings embeds with its embedder")
@@ -128,6 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_advanced_arguments(group) -> None:
+    group.add_argument("--max-waiting", type=int, default=256, help="waiting-queue limit; beyond it requests get 503")
     group.add_argument("--tiny", action="store_true", help="serve a tiny random-weight model (tests, smoke checks)")
     group.add_argument("--prefill-pairs", default="scores", choices=("scores", "scores+values", "none"),
                        help="bf16 prefill attention on AVX512-BF16 CPUs: bf16 pairs for the scores (default; the "

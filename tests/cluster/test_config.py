@@ -119,7 +119,8 @@ _CLUSTER_OWN = {"replicas", "backend", "router", "ray_address", "replica_cpus", 
 
 
 #: options whose range leaves no room for ``default + 3``: a valid value other than the default
-_BOUNDED = {"preempt_ratio": "0.25"}
+_BOUNDED = {"preempt_ratio": "0.25",
+            "index": str(Path(__file__).parent)}  # --index takes an existing directory (checked before the build)
 
 
 def _non_default(action: argparse.Action) -> list[str]:

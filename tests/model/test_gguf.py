@@ -172,6 +172,7 @@ def _gemma_path() -> Path:
     return gemma_gguf_path()
 
 
+@pytest.mark.slow  # ~70 s on 2 cores (transformers' own GGUF load of a 262k vocabulary); tiny Gemma 3 configs run in make test
 def test_gemma3_q4_k_m_full_prefill_equals_transformers():
     """Real weights: the runner's full prefill (sliding-window local layers, global layers with their own
     RoPE base, QK-norm, (1 + w) norms, scaled embedding, GELU-tanh MLP, sandwich norms) equals

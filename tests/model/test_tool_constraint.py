@@ -61,8 +61,9 @@ def test_required_is_always_a_valid_call(runner, fmt, temperature, seed):
                                      fmt)
         out = _generate(runner, constraint, temperature=temperature, seed=seed, max_new_tokens=300)
         content, calls = parse_tool_calls(out.text, fmt)
-        if not constraint.complete:  # several calls may run past the cap: those finished are valid
-            assert parallel and out.finish_reason == "length"
+        if not constraint.complete:  # several calls ran past the cap, or a repeated call ended the answer
+            # (RepeatWatch: ``done`` without ``complete``); the calls finished before are valid
+            assert parallel and (out.finish_reason == "length" or (constraint.done and out.finish_reason == "stop"))
             calls = calls[:-1] or calls
         else:
             assert content.strip() == ""
