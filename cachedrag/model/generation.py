@@ -5,7 +5,9 @@ temperature + top-k + top-p with a seeded generator; repetition (Hugging Face's 
 frequency / presence (OpenAI's) penalties over the tokens generated so far; an optional
 ``constraint`` that masks the logits, e.g. grammar-constrained JSON from
 ``cachedrag.model.constraint``), and ``TextStream``, which turns generated token
-ids into text deltas that never expose a partial stop string or a half-decoded character.
+ids into text deltas that never expose a partial stop string or a half-decoded character;
+``SequenceDecoder``, one sequence's per-token decode state, which both ``generate`` (``decode_steps``)
+and the server's batched loop decode through.
 Does not own: the forward pass (``runner.py``) or prompt assembly (the engine).
 """
 
@@ -192,7 +194,7 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generated: Sequen
                  generator: torch.Generator | None, eos_ids: set[int]) -> int:
     """The next token from ``logits`` ``[V]``: penalties over ``generated`` and the request's
     constraint applied (``process_logits``), then greedy or sampled; the constraint advances past
-    it unless it is EOS. ``decode_loop`` and the server's batched loop choose through this."""
+    it unless it is EOS. ``SequenceDecoder.choose`` (``generate`` and the server's loop) chooses through this."""
     token = next_token(process_logits(logits, params, generated), params, generator)
     if params.constraint is not None and token not in eos_ids:
         params.constraint.advance(token)
