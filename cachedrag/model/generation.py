@@ -5,7 +5,9 @@ temperature + top-k + top-p with a seeded generator; repetition (Hugging Face's 
 frequency / presence (OpenAI's) penalties over the tokens generated so far; an optional
 ``constraint`` that masks the logits, e.g. grammar-constrained JSON from
 ``cachedrag.model.constraint``), and ``TextStream``, which turns generated token
-ids into text deltas that never expose a partial stop string or a half-decoded character.
+ids into text deltas that never expose a partial stop string or a half-decoded character;
+``SequenceDecoder``, one sequence's per-token decode state, which both ``generate`` (``decode_steps``)
+and the server's batched loop decode through.
 Does not own: the forward pass (``runner.py``) or prompt assembly (the engine).
 """
 
@@ -192,7 +194,7 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generated: Sequen
                  generator: torch.Generator | None, eos_ids: set[int]) -> int:
     """The next token from ``logits`` ``[V]``: penalties over ``generated`` and the request's
     constraint applied (``process_logits``), then greedy or sampled; the constraint advances past
-    it unless it is EOS. ``decode_loop`` and the server's batched loop choose through this."""
+    it unless it is EOS. ``SequenceDecoder.choose`` (``generate`` and the server's loop) chooses through this."""
     token = next_token(process_logits(logits, params, generated), params, generator)
     if params.constraint is not None and token not in eos_ids:
         params.constraint.advance(token)
@@ -225,55 +227,117 @@ def rewind_allowed(params: SamplingParams) -> bool:
     return params.temperature == 0.0 and not uses_history(params)
 
 
+class SequenceDecoder:
+    """One sequence's decode state, shared by ``decode_loop`` (``generate``) and the server's batched
+    loop: the sampling parameters, the tokens generated so far, the seeded generator, the EOS ids and the
+    ``TextStream`` (stop strings, whole characters). The forward step is the caller's (``runner.decode_step``
+    for one sequence, ``runner.decode_batch`` for B); per token the caller calls ``choose`` on the logits,
+    then ``accept`` on a token that is not EOS, and stops once ``finished``."""
+
+    def __init__(self, params: SamplingParams, eos_ids: set[int], stream: TextStream,
+                 generator: torch.Generator | None = None):
+        self.params, self.eos_ids, self.stream, self.generator = params, eos_ids, stream, generator
+        self.tokens: list[int] = []
+        self.eos = False  # EOS was chosen
+
+    @classmethod
+    def start(cls, runner, params: SamplingParams, eos_ids: set[int]) -> "SequenceDecoder":
+        """A fresh decoder over ``runner``'s tokenizer, its generator on ``runner``'s device."""
+        return cls(params, eos_ids, TextStream(runner.tokenizer, params.stop), make_generator(params, runner.device))
+
+    def choose(self, logits: torch.Tensor) -> int | None:
+        """The next token from ``logits`` ``[V]`` (``choose_token``), or None when it is EOS."""
+        token = choose_token(logits, self.params, self.tokens, self.generator, self.eos_ids)
+        if token in self.eos_ids:
+            self.eos = True
+            return None
+        return token
+
+    def accept(self, token: int) -> str:
+        """Append ``token`` (not EOS); returns the text it makes safe to show (may be empty)."""
+        self.tokens.append(token)
+        return self.stream.push(token)
+
+    @property
+    def complete(self) -> bool:
+        """A stop string was met or the constraint's document is complete: nothing may follow."""
+        constraint = self.params.constraint
+        return self.stream.stopped or (constraint is not None and constraint.done)
+
+    @property
+    def finished(self) -> bool:
+        return self.eos or self.complete or len(self.tokens) >= self.params.max_new_tokens
+
+    @property
+    def finish_reason(self) -> str:
+        """"length" when ``max_new_tokens`` cut the answer, else "stop" (EOS, stop string, complete grammar)."""
+        return "length" if len(self.tokens) >= self.params.max_new_tokens and not self.complete else "stop"
+
+    def rewind(self, keep: int) -> None:
+        """Back to the first ``keep`` tokens (a ``Rewind``; greedy with no history, so nothing else to take back)."""
+        del self.tokens[keep:]
+        self.stream = self.stream.rewound(keep)
+        self.eos = False
+
+
 def decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
                 eos_ids: set[int], stream: TextStream | None = None,
                 logprobs: list[float] | None = None, lookup=None, switch: Switch | None = None) -> Iterator[int]:
-    """Yield generated token ids until EOS, a stop string, or ``max_new_tokens``.
+    """Yield generated token ids until EOS, a stop string, or ``max_new_tokens`` (``decode_steps`` over
+    a fresh ``SequenceDecoder``; ``stream``, when given, is the one it pushes each token to)."""
+    decoder = SequenceDecoder.start(runner, params, eos_ids)
+    if stream is not None:
+        decoder.stream = stream
+    for token, _ in decode_steps(runner, kv, first_logits, start_position, decoder, logprobs, lookup, switch):
+        yield token
+
+
+def decode_steps(runner, kv, first_logits: torch.Tensor, start_position: int, decoder: SequenceDecoder,
+                 logprobs: list[float] | None = None, lookup=None,
+                 switch: Switch | None = None) -> Iterator[tuple[int, str]]:
+    """Yield ``(token, text delta)`` for each token ``decoder`` accepts until it is ``finished``.
 
     ``first_logits`` are the prefill's last-position logits; the token chosen from them sits
     at ``start_position``. EOS tokens are not yielded. With ``logprobs``, the model's log
     probability of each yielded token (under the unscaled distribution) is appended to it.
+    ``decoder`` may already hold tokens (after a ``Rewind``): ``start_position`` is then where the
+    next one goes.
 
     ``lookup`` (a ``PromptLookup`` over the prompt's token ids) turns on speculative greedy
     decoding when ``temperature == 0``: see :func:`speculative_decode_loop`. ``switch`` (see
     ``Switch``) may move decoding onto another KV buffer before any token after the first.
     """
+    params = decoder.params
     if lookup is not None and params.temperature == 0.0 and not uses_history(params):
-        yield from speculative_decode_loop(runner, kv, first_logits, start_position, params, eos_ids, lookup,
-                                           stream, logprobs, switch)
+        yield from speculative_decode_loop(runner, kv, first_logits, start_position, decoder, lookup, logprobs,
+                                           switch)
         return
-    generator = make_generator(params, runner.device)
     logits = first_logits
     position = start_position
-    generated: list[int] = []
-    constraint = params.constraint
-    for step in range(params.max_new_tokens):
+    step = 0
+    while not decoder.finished:
         if switch is not None and step:
-            moved = switch(logits, generated)
+            moved = switch(logits, decoder.tokens)
             if moved is not None:
                 kv, logits = moved
-        token = choose_token(logits, params, generated, generator, eos_ids)
-        if token in eos_ids:
+        token = decoder.choose(logits)
+        if token is None:
             return
         if logprobs is not None:  # the model's own distribution (before penalty / constraint / temperature)
             logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
-        generated.append(token)
-        yield token
-        if stream is not None and stream.stopped:
-            return
-        if constraint is not None and constraint.done:  # the grammar is complete: nothing may follow
-            return
-        if step + 1 == params.max_new_tokens:
+        yield token, decoder.accept(token)
+        if decoder.finished:
             return
         logits = runner.decode_step(token, position, kv)
         position += 1
+        step += 1
 
 
-def speculative_decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, params: SamplingParams,
-                            eos_ids: set[int], lookup, stream: TextStream | None = None,
-                            logprobs: list[float] | None = None, switch: Switch | None = None) -> Iterator[int]:
-    """Greedy decoding that verifies prompt-lookup drafts (the same tokens as greedy ``decode_loop``
-    up to float rounding of multi-row passes).
+def speculative_decode_loop(runner, kv, first_logits: torch.Tensor, start_position: int, decoder: SequenceDecoder,
+                            lookup, logprobs: list[float] | None = None,
+                            switch: Switch | None = None) -> Iterator[tuple[int, str]]:
+    """Greedy decoding that verifies prompt-lookup drafts (the same tokens as greedy ``decode_steps``
+    up to float rounding of multi-row passes); yields ``(token, text delta)`` like it.
 
     After each chosen token, ``lookup`` proposes what follows it (``model/lookup.py``); one
     forward pass computes the token and the draft at their positions, and every draft token
@@ -284,31 +348,32 @@ def speculative_decode_loop(runner, kv, first_logits: torch.Tensor, start_positi
     the first; when it moves decoding, the pass's later choices are dropped and the token comes
     from the logits it returned.
     """
+    max_new_tokens = decoder.params.max_new_tokens
     choices = [(int(torch.argmax(first_logits)), first_logits)]  # (token, the logits row that chose it)
-    tokens: list[int] = []
+    fed = 0  # tokens yielded by this loop
     while True:
         j = 0
         while j < len(choices):
             token, row = choices[j]
-            if switch is not None and tokens:
-                moved = switch(row, tokens)
+            if switch is not None and fed:
+                moved = switch(row, decoder.tokens)
                 if moved is not None:
                     kv, row = moved
                     choices = [(int(torch.argmax(row)), row)]
                     token, j = choices[0][0], 0
             j += 1
-            if token in eos_ids:
+            if token in decoder.eos_ids:
+                decoder.eos = True
                 return
             if logprobs is not None:
                 logprobs.append(float(torch.log_softmax(row.float(), dim=-1)[token]))
-            yield token
-            tokens.append(token)
-            if (stream is not None and stream.stopped) or len(tokens) == params.max_new_tokens:
+            yield token, decoder.accept(token)
+            fed += 1
+            if decoder.finished:
                 return
             lookup.extend((token,))
-        generated = len(tokens)
-        position = start_position + generated - 1  # where the last yielded token sits
-        draft = lookup.draft(params.max_new_tokens - generated - 1)
+        position = start_position + fed - 1  # where the last yielded token sits
+        draft = lookup.draft(max_new_tokens - len(decoder.tokens) - 1)
         if not draft:
             logits = runner.decode_step(token, position, kv)  # [V]
             choices = [(int(torch.argmax(logits)), logits)]

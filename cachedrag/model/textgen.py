@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cachedrag.errors import ContextWindowError, EmptyInputError
-from cachedrag.model.generation import Rewind, SamplingParams, Switch, TextStream, decode_loop, eos_token_ids
+from cachedrag.model.generation import Rewind, SamplingParams, SequenceDecoder, Switch, decode_steps, eos_token_ids
 from cachedrag.model.lookup import LookupConfig, PromptLookup, prompt_lookup
 from cachedrag.model.runner import ModelRunner
 
@@ -101,52 +101,46 @@ def stream_tokens(runner, kv, logits, prompt_tokens: int, params: SamplingParams
     (over the prompt ids) turns on speculative greedy decoding. ``after_first`` runs once, after
     the first token's text went out and before the first decode step (or when the stream ends
     or is closed first): work the first token need not wait for (the engine's store hand-off).
-    ``switch``: ``decode_loop``'s hook (the engine's tie guard during decoding). When it raises ``Rewind``
+    ``switch``: ``decode_steps``'s hook (the engine's tie guard during decoding). When it raises ``Rewind``
     (a caller that shows no text before the end asked for it), the answer goes back to its first ``keep``
     tokens and decoding continues from the hook's KV; deltas yielded before are void (the result's text
     is the answer's), and TTFT is when the answer's first token was chosen, after the rewind if it was
     dropped. At most one rewind per answer (the hook switches once).
     """
-    text_stream = TextStream(runner.tokenizer, params.stop)
+    decoder = SequenceDecoder.start(runner, params, eos_ids)
     ttft = None
-    tokens: list[int] = []
     logprobs: list[float] = []
     pending = [after_first] if after_first is not None else []
-    position, loop_params = prompt_tokens, params
+    position = prompt_tokens
     try:
         with torch.inference_mode():
             while True:
                 try:
-                    for token in decode_loop(runner, kv, logits, position, loop_params, eos_ids, text_stream,
-                                             logprobs, lookup, switch):
+                    for _, delta in decode_steps(runner, kv, logits, position, decoder, logprobs, lookup, switch):
                         if ttft is None:
                             ttft = time.perf_counter() - start
-                        tokens.append(token)
-                        delta = text_stream.push(token)
                         if delta:
                             yield delta
                         while pending:
                             pending.pop()()
                     break
                 except Rewind as back:  # keep the answer's first back.keep tokens and decode on from the hook's KV
-                    del tokens[back.keep:], logprobs[back.keep:]
-                    text_stream = text_stream.rewound(back.keep)
-                    ttft = ttft if tokens else None
+                    decoder.rewind(back.keep)
+                    del logprobs[back.keep:]
+                    ttft = ttft if decoder.tokens else None
                     kv, logits, position = back.kv, back.logits, prompt_tokens + back.keep
-                    loop_params = params.model_copy(update={"max_new_tokens": params.max_new_tokens - back.keep})
                     if lookup is not None:  # its context: the prompt and the tokens kept
                         lookup.truncate(position)
     finally:
         while pending:  # no token (EOS first), or the consumer closed the stream early
             with torch.inference_mode():
                 pending.pop()()
-    tail = text_stream.flush()
+    tail = decoder.stream.flush()
     if tail:
         yield tail
     if ttft is None:
         ttft = time.perf_counter() - start
-    finish = "length" if len(tokens) >= params.max_new_tokens and not text_stream.stopped else "stop"
     owner.last_result = GenerationResult(
-        text=text_stream.text, token_ids=tokens, prompt_tokens=prompt_tokens, ttft_s=ttft,
-        total_s=time.perf_counter() - start, finish_reason=finish, token_logprobs=logprobs,
+        text=decoder.stream.text, token_ids=decoder.tokens, prompt_tokens=prompt_tokens, ttft_s=ttft,
+        total_s=time.perf_counter() - start, finish_reason=decoder.finish_reason, token_logprobs=logprobs,
     )

@@ -35,10 +35,10 @@ between layers, after every ``prefill_chunk_tokens`` tokens' worth of prefill co
 requests get a decode step (chunked prefill: a long prefill delays their next token by one piece,
 not by the whole prefill), and a short waiting request may preempt (its prefill runs to its end
 first). Sampling is per request (its own seeded generator; frequency / presence penalties and a
-structured-output grammar through ``choose_token``, as in ``generate``), and text deltas go through
-``TextStream`` (stop strings, whole characters), the same as ``CachedEngine.generate``; decoding here
-is plain one-token-per-step (no prompt-lookup drafts), and greedy output equals ``generate`` with
-``lookup.max_draft=0`` token for token.
+structured-output grammar), text deltas (``TextStream``: stop strings, whole characters) and the finish
+reason come from each choice's ``SequenceDecoder``, the per-token tail ``CachedEngine.generate`` decodes
+through too; decoding here is plain one-token-per-step (no prompt-lookup drafts), and greedy output
+equals ``generate`` with ``lookup.max_draft=0`` token for token.
 
 Threads: all torch work runs on this one long-lived thread. ``start`` frees the calling
 thread's idle OpenMP team first (``release_openmp_threads``: model loading ran torch ops on
@@ -63,7 +63,7 @@ from cachedrag.engine import DecodeTieGuard
 from cachedrag.executor import release_openmp_threads
 from cachedrag.heap import trim_heap
 from cachedrag.kvcache.planner import Mode
-from cachedrag.model.generation import TextStream, choose_token, make_generator, rewind_allowed
+from cachedrag.model.generation import SequenceDecoder, rewind_allowed
 from cachedrag.server.batch import batched_decode_step, prepare
 from cachedrag.server.config import SchedulerConfig
 from cachedrag.server.policy import Forecast, PrefillModel, QueueFullError, SchedulerPolicy, Ticket
@@ -260,8 +260,8 @@ class EngineLoop(PrefillJobs):
         rewind = request.whole_answer and request.logprobs is None and rewind_allowed(params)
         guard = DecodeTieGuard.for_request(engine, pre.segments, info, request.mode or engine.config.mode,
                                            params.max_new_tokens, rewind=rewind)
-        return _Running(request=request, kv=pre.kv, stream=TextStream(engine.runner.tokenizer, params.stop),
-                        generator=make_generator(params, engine.runner.device), stats=info,
+        decoder = SequenceDecoder.start(engine.runner, params, engine.eos_ids)
+        return _Running(request=request, kv=pre.kv, decoder=decoder, stats=info,
                         position=info["prompt_tokens"], params=params, index=index, guard=guard,
                         held=guard is not None and guard.rewind)
 
@@ -303,14 +303,12 @@ class EngineLoop(PrefillJobs):
         """Choose the next token from ``logits`` ``[V]`` (penalties and the request's constraint
         applied); emit its text; finish or keep running. A choice that fails (a grammar that allows
         no token) fails this request alone."""
-        params = run.params
-        constraint = params.constraint
         if not first and run.guard is not None and run.guard.due(logits, len(run.tokens)):
             run.near_tie, run.last = logits, None  # leaves the batch; ``step`` runs its exact prefill next
             self._switching.append(run)
             return
         try:
-            token = choose_token(logits, params, run.tokens, run.generator, self.engine.eos_ids)
+            token = run.decoder.choose(logits)
         except Exception as exc:
             log.exception("choosing the next token of request %d failed", run.request.id)
             run.last = None
@@ -320,16 +318,14 @@ class EngineLoop(PrefillJobs):
             run.ttft_s = time.perf_counter() - run.request.arrival
             if self.observer is not None:
                 self.observer.on_first_token(run.ttft_s)
-        if token in self.engine.eos_ids:
+        if token is None:  # EOS
             return self._finish(run)
-        run.tokens.append(token)
         if run.request.logprobs is not None:
             run.logprobs.append(token_logprob(logits, token, run.request.logprobs))
-        delta = run.stream.push(token)
+        delta = run.decoder.accept(token)
         if delta and not run.held:
             run.request.emit(Delta(delta, run.take_logprobs(), run.index))
-        grammar_done = constraint is not None and constraint.done  # a complete document: nothing may follow
-        if run.stream.stopped or len(run.tokens) >= params.max_new_tokens or grammar_done:
+        if run.decoder.finished:
             return self._finish(run)
         run.last = token
 
@@ -341,14 +337,11 @@ class EngineLoop(PrefillJobs):
         pending = run.take_logprobs()
         if tail or pending:
             run.request.emit(Delta(tail, pending, run.index))
-        params = run.params
-        complete = run.stream.stopped or (params.constraint is not None and params.constraint.done)
-        reason = "length" if len(run.tokens) >= params.max_new_tokens and not complete else "stop"
         info = run.stats
         prompt = info["prompt_tokens"]
         cached = info.get("cached_tokens", prompt - info["computed_tokens"])
-        done = Finished(finish_reason=reason, prompt_tokens=prompt, completion_tokens=len(run.tokens),
-                        cached_tokens=int(cached), ttft_s=run.ttft_s,
+        done = Finished(finish_reason=run.decoder.finish_reason, prompt_tokens=prompt,
+                        completion_tokens=len(run.tokens), cached_tokens=int(cached), ttft_s=run.ttft_s,
                         total_s=time.perf_counter() - run.request.arrival, text=run.stream.text,
                         token_ids=list(run.tokens), stats=info, index=run.index)
         run.kv = None  # free the buffer now, not when the list is rebuilt

@@ -229,8 +229,7 @@ class PrefillJobs:
         run.stats = {**run.stats, **guard.stats()}
         keep = exact.info["answer_kept"]
         if keep < len(run.tokens):  # a rewind (``run.held``: nothing was sent): back to the agreed tokens
-            del run.tokens[keep:]
-            run.stream = run.stream.rewound(keep)
+            run.decoder.rewind(keep)
             run.position = run.stats["prompt_tokens"] + keep
         self._running.append(run)
         self._advance(run, exact.logits)

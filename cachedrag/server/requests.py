@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cachedrag.engine import DecodeTieGuard
-from cachedrag.model.generation import SamplingParams, TextStream
+from cachedrag.model.generation import SamplingParams, SequenceDecoder, TextStream
 from cachedrag.prompt import Segment
 
 
@@ -85,19 +85,25 @@ class ServeRequest:
 class _Running:
     request: ServeRequest
     kv: object  # KVBuffer
-    stream: TextStream
-    generator: torch.Generator | None
+    decoder: SequenceDecoder  # tokens, sampling state, stop strings (shared with ``generate``)
     stats: dict
     position: int  # where the last chosen token goes when fed back
     params: SamplingParams  # this choice's (``ServeRequest.choice_params``)
     index: int = 0  # the choice (``ServeRequest.n``)
-    tokens: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
     last: int | None = None  # the token to feed next
     logprobs: list[TokenLogprob] = field(default_factory=list)  # chosen, not yet sent with a text delta
     guard: DecodeTieGuard | None = None  # CacheConfig.exact.tie_guard_decode (None: off, or the prefill was exact)
     near_tie: torch.Tensor | None = None  # [V] the near-tied logits while the request waits for its exact prefill
     held: bool = False  # its text is sent whole when it finishes (the guard may rewind it; nobody sees a delta)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.decoder.tokens
+
+    @property
+    def stream(self) -> TextStream:
+        return self.decoder.stream
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         if self.request.logprobs is None:
