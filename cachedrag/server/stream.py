@@ -82,8 +82,12 @@ class Choice:
     def finish(self, event: Finished) -> list[dict]:
         """The choice ended: the last deltas its parser held back; sets ``reason``."""
         self.finished = event
-        complete = event.finish_reason == "stop" and getattr(self.constraint, "complete", True)
+        watch = getattr(self.constraint, "watch", None)
+        repeated = bool(watch is not None and watch.repeated)  # a repeat of an earlier call ended the answer
+        complete = event.finish_reason == "stop" and (getattr(self.constraint, "complete", True) or repeated)
         out = self._apply(self.parser.close(complete)) if self.parser else []
+        if repeated and self.calls:
+            self.calls.pop()  # the repeat is the last call started: not a call (the parsers drop it too)
         self.reason = "tool_calls" if self.calls and complete else event.finish_reason
         return out
 

@@ -37,3 +37,29 @@ def test_repeat_watch_sees_the_repeat_when_it_closes(second, repeated):
     for token in tok.encode(second[-1], add_special_tokens=False):
         watch.add(token)
     assert watch.repeated is repeated
+
+
+def test_a_whole_answer_ended_by_a_repeated_call_holds_the_calls_before_it():
+    """The server's choice of an answer that a repeated parallel call ended: finish reason
+    ``tool_calls`` and the calls before the repeat (not the envelope's text)."""
+    from types import SimpleNamespace
+
+    from cachedrag.server.requests import Delta, Finished
+    from cachedrag.server.stream import Choice
+    from cachedrag.server.structured import FormatParser
+
+    text = '{"tool_calls":[' + CALL + "," + OTHER + "," + CALL + ","
+    constraint = SimpleNamespace(complete=False, watch=SimpleNamespace(repeated=True))
+    choice = Choice(0, FormatParser(parser_for(F.ENVELOPE)), constraint=constraint)
+    choice.push(Delta(text))
+    choice.finish(Finished("stop", 10, 30, 0, 0.1, 0.2, text, []))
+    message = choice.message()
+    assert choice.reason == "tool_calls"
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["search", "search"]
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == [
+        '{"query":"heapq","k":2}', '{"query":"bisect","k":2}']
+    not_repeated = Choice(0, FormatParser(parser_for(F.ENVELOPE)),
+                          constraint=SimpleNamespace(complete=False, watch=SimpleNamespace(repeated=False)))
+    not_repeated.push(Delta(text))
+    not_repeated.finish(Finished("length", 10, 30, 0, 0.1, 0.2, text, []))
+    assert not_repeated.reason == "length" and not_repeated.message()["content"] == text  # cut short: text

@@ -85,6 +85,8 @@ def served():
         proc.wait(timeout=60)
 
 
+@pytest.mark.xfail(strict=False, reason="open (issue 57): through the server the default 135M model's forced call "
+                   "degenerates (arguments repeat '.query' until max_tokens), while the same agent in process calls")
 def test_langgraph_react_agent_over_chat_openai_against_the_server(index_dir, served):
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
