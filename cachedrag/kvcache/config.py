@@ -247,7 +247,7 @@ class CacheConfig:
         once. "all" (the reference behaviour) computes those too, against the uncorrected cache,
         so the ranking sees them, and the prefill computes them again (their rows cannot be taken
         over: in the prefill they see the recomputed rows before them). Only the ranking differs:
-        on ``bench ttft``'s stream (docs/fidelity.md, round 8) mean TTFT -4%, teacher-forced top-1 and
+        on ``bench ttft``'s stream (docs/notes/fidelity.md, round 8) mean TTFT -4%, teacher-forced top-1 and
         KL unchanged (0.985 / 0.003), ROUGE-L vs full 0.924 -> 0.919 (one near tie flipped).
         A Triton or sliding-window runner computes them ("all"; noted in the result).
       question_weight: weight of the question ranking in ``question+deviation`` and

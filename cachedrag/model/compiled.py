@@ -22,7 +22,7 @@ Why a module of our own and this route: ``torch.compile`` (dynamo) of the same s
 1.7-5 ms per token *slower* than the eager fast path (guard checks and the Python wrapper per
 call: ~20-70 us x 30 calls, more with the projections as custom ops), while the AOTInductor
 package runs the same generated kernels from C++: -2 to -3 ms per token in fp32, int8 and int4
-(exclusive probes, docs/speed.md "Decode, round 5"). bf16 (plain bf16 matmuls on argument weights
+(exclusive probes, docs/notes/speed.md "Decode, round 5"). bf16 (plain bf16 matmuls on argument weights
 were 4 ms slower than eager oneDNN packed ones) and int8-dynamic (fbgemm's packed parameters are
 an opaque object) are not offered.
 

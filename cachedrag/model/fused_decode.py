@@ -22,7 +22,7 @@ float32, bf16 and int8 weights are read from a packed copy (``packed``, default 
 ``PACK_LIMIT_BYTES``; bf16 where the CPU has AVX512-BF16): tiles of 32 rows interleaved by columns
 (bf16: column pairs), one load per column (pair) of 16 rows, the inputs' values broadcast,
 no horizontal sums; a batch of 8 is then bounded by the weight stream rather than by the load
-ports (docs/speed.md round 12). The small ops that follow a projection (bf16 rounding, residual
+ports (docs/notes/speed.md round 12). The small ops that follow a projection (bf16 rounding, residual
 adds, SiLU(gate) * up from gate/up tiles that hold 16 units' gate and up rows) run in its parallel
 region on each tile's outputs (``Epilogue``), not as serial passes over the batch.
 

@@ -21,7 +21,7 @@ Costs one bfloat16 copy of those layers' projections (17 layers of SmolLM2-135M:
 212 MB, with ``recompute_dtype="bfloat16"``). The same copies serve the recomputed rows of reused
 chunks when asked (``RowSplitLayer``): those rows only repair approximate cached K/V, and their
 matmuls are most of a reuse-served request's time; in bfloat16 they run ~2x faster here
-(docs/fidelity.md, round 10).
+(docs/notes/fidelity.md, round 10).
 
 Does not own: the pre-pass or when it may use these (``cachedrag.engine``), the runner's own weight
 formats (``weights.py``).

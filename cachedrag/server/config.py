@@ -75,13 +75,13 @@ class SchedulerConfig(BaseModel):
                              "approximate one while at least this many requests wait behind it: its answer would "
                              "be prefilled exactly before its second token anyway, and under a queue the second "
                              "prefill delays everyone waiting more than the earlier first token gains (0 = never; "
-                             "docs/fidelity.md, round 23)")
+                             "docs/notes/fidelity.md, round 23)")
     exact_whole_answers: bool = Field(
         True, description="with the tie guard during decoding at every token (tie_guard_decode=inf, fidelity "
                           "'faithful'), admit a non-streaming request (its answer is sent whole) with prefix "
                           "caching's exact prefill: nobody sees its first token early, and its answer would be "
                           "prefilled exactly before its second token anyway, so an approximate prefill first "
-                          "would only add work (docs/fidelity.md, round 24)")
+                          "would only add work (docs/notes/fidelity.md, round 24)")
     trim_heap_idle_s: float | None = Field(
         1.0, ge=0.0, description="after this many seconds with nothing waiting, running or to promote, the loop "
                                  "returns the C heap's freed memory (finished requests' KV buffers) to the OS "
