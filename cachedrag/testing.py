@@ -232,3 +232,32 @@ def _tiny_gguf_metadata(writer, cfg, tok) -> None:
     writer.add_pad_token_id(tok.pad_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(tok.chat_template)
+
+
+def serve_requests(engine, requests, max_batch: int | None = None, timeout_s: float = 60.0):
+    """Run ``requests`` (``(segments, SamplingParams)`` pairs) through a fifo ``EngineLoop`` of
+    ``engine`` at ``max_batch`` (default: all at once); returns each request's ``Finished`` in order
+    and the stopped loop. Raises ``AssertionError`` when one fails or the loop does not finish."""
+    import threading
+
+    from cachedrag.server.config import SchedulerConfig
+    from cachedrag.server.loop import EngineLoop, Failed, Finished, ServeRequest
+
+    loop = EngineLoop(engine, SchedulerConfig(max_batch=max_batch or len(requests), order="fifo"))
+    results, done = {}, threading.Event()
+
+    def emitter(i):
+        def emit(event):
+            if isinstance(event, (Finished, Failed)):
+                results[i] = event
+                if len(results) == len(requests):
+                    done.set()
+        return emit
+
+    for i, (segments, params) in enumerate(requests):
+        loop.submit(ServeRequest(segments=segments, params=params, emit=emitter(i)))
+    loop.start()
+    assert done.wait(timeout_s), "the engine loop did not finish every request"
+    loop.stop()
+    assert all(isinstance(r, Finished) for r in results.values()), results
+    return [results[i] for i in range(len(requests))], loop

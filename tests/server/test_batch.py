@@ -19,7 +19,7 @@ from cachedrag.server.config import SchedulerConfig
 from cachedrag.server.loop import EngineLoop, Failed, Finished, ServeRequest
 from cachedrag.server.metrics import ServerMetrics
 from cachedrag.model.runner import ModelRunner
-from cachedrag.testing import TINY_DOCS, byte_tokenizer, tiny_model, tiny_runner
+from cachedrag.testing import TINY_DOCS, byte_tokenizer, serve_requests, tiny_model, tiny_runner
 
 QUESTIONS = ["What does heapq do?", "How do I parse JSON?", "Explain itertools.chain briefly.", "What is a deque?"]
 NO_DRAFTS = EngineConfig(lookup=LookupConfig(max_draft=0))
@@ -84,24 +84,7 @@ def test_packed_weights_from_packed_rows_on_and_only_for_dense_float32():
 
 
 def _run_loop(engine, requests, max_batch):
-    loop = EngineLoop(engine, SchedulerConfig(max_batch=max_batch, order="fifo"))
-    results, done = {}, threading.Event()
-
-    def emitter(i):
-        def emit(event):
-            if isinstance(event, (Finished, Failed)):
-                results[i] = event
-                if len(results) == len(requests):
-                    done.set()
-        return emit
-
-    for i, (segments, params) in enumerate(requests):
-        loop.submit(ServeRequest(segments=segments, params=params, emit=emitter(i)))
-    loop.start()
-    assert done.wait(60)
-    loop.stop()
-    assert all(isinstance(r, Finished) for r in results.values()), results
-    return [results[i] for i in range(len(requests))], loop
+    return serve_requests(engine, requests, max_batch)
 
 
 def test_batch_of_one_equals_engine_generate():

@@ -4,40 +4,20 @@ grammar constraint (including a grammar that completes on the last allowed token
 
 from __future__ import annotations
 
-import threading
 
 from cachedrag.config import EngineConfig
 from cachedrag.engine import CachedEngine
 from cachedrag.model.constraint import JsonConstraint
 from cachedrag.model.generation import SamplingParams, SequenceDecoder
 from cachedrag.model.lookup import LookupConfig
-from cachedrag.server.config import SchedulerConfig
-from cachedrag.server.loop import EngineLoop, Failed, Finished, ServeRequest
-from cachedrag.testing import TINY_DOCS, tiny_runner
+from cachedrag.testing import TINY_DOCS, serve_requests, tiny_runner
 
 NO_DRAFTS = EngineConfig(lookup=LookupConfig(max_draft=0))
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
 def _serve(engine, requests):
-    loop = EngineLoop(engine, SchedulerConfig(max_batch=len(requests), order="fifo"))
-    results, done = {}, threading.Event()
-
-    def emitter(i):
-        def emit(event):
-            if isinstance(event, (Finished, Failed)):
-                results[i] = event
-                if len(results) == len(requests):
-                    done.set()
-        return emit
-
-    for i, (segments, params) in enumerate(requests):
-        loop.submit(ServeRequest(segments=segments, params=params, emit=emitter(i)))
-    loop.start()
-    assert done.wait(60)
-    loop.stop()
-    assert all(isinstance(r, Finished) for r in results.values()), results
-    return [results[i] for i in range(len(requests))]
+    return serve_requests(engine, requests)[0]
 
 
 def test_server_and_generate_agree_on_tokens_text_and_finish_reason():
