@@ -229,11 +229,12 @@ def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch
         pytest.skip(f"an earlier block of {block.page} failed ({page.failed})")
     monkeypatch.chdir(page.cwd)
     monkeypatch.setenv("CACHEDRAG_HOME", str(page.cwd / ".cachedrag"))
-    page.failed = f"line {block.line}"
+    # what the block needs first: a need skipped here (no redis-server, no Ray) skips this block only
     provided = {need: request.getfixturevalue(f"doc_{need}") for need in block.needs if need != "ray"}
     with contextlib.ExitStack() as stack:
         if "ray" in block.needs:
             stack.enter_context(_ray_on_the_tiny_model(docs_env[0], page.cwd / ".cachedrag"))
+        page.failed = f"line {block.line}"
         stack.enter_context(tiny_default_model(docs_env[0]))
         stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         run_block(block, page.namespace, provided)
