@@ -94,8 +94,11 @@ def run(args: argparse.Namespace) -> int:
                               "repeated_questions": len(questions) - len(set(questions))}, "runs": {}}
         for k in steps:
             for policy in policies:
-                records = measure(runner, index_dir, questions, k, policy, modes, args)
+                servers: dict = {}
+                records = measure(runner, index_dir, questions, k, policy, modes, args, servers)
                 results["runs"][f"K={k} {policy}"] = summarize(records, modes, k)
+                if servers:
+                    results["runs"][f"K={k} {policy}"]["servers"] = servers
     results["wall_s"] = round(time.perf_counter() - started, 1)
     results["command"] = "cachedrag " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print_table(results)
@@ -104,9 +107,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes: list[str], args) -> list[dict]:
+def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes: list[str], args,
+            server_stats: dict | None = None) -> list[dict]:
     """One record per question and mode: per step stats, tool calls, the answer, passage ids.
-    Fresh engines (and caches) for each K and policy; modes rotate per question."""
+    Fresh engines (and caches) for each K and policy; modes rotate per question. With ``--serve``,
+    ``server_stats`` (when given) gets each mode's server counters at the end (``_Served.counters``)."""
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.integrations.langchain import ChatCachedRAG
@@ -142,6 +147,11 @@ def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes:
     finally:
         searcher.close()
         for server in servers:
+            if server_stats is not None:
+                try:
+                    server_stats[server.mode] = server.counters()
+                except Exception as exc:  # the figures stand without them
+                    server_stats[server.mode] = {"error": repr(exc)}
             server.close()
     return records
 
@@ -217,6 +227,7 @@ class _Served:
 
         from langchain_openai import ChatOpenAI
 
+        self.mode = mode
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0", "--mode", MODES[mode], "--cache-gb",
              str(args.cache_gb), "--max-tokens", str(args.max_tokens)],
@@ -233,6 +244,19 @@ class _Served:
             raise RuntimeError(f"cachedrag serve --mode {MODES[mode]} did not start")
         self.chat = ChatOpenAI(base_url=url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct",
                                max_tokens=args.max_tokens, temperature=0.0, stream_usage=True)
+
+    def counters(self) -> dict:
+        """The server's engine-loop counters of interest: conversation steps stored (tokens, seconds),
+        decode steps and their seconds (``/metrics``)."""
+        import httpx
+
+        names = {"cachedrag_conversation_stored_tokens_total": "conversation_stored_tokens",
+                 "cachedrag_conversation_store_seconds_total": "conversation_store_s",
+                 "cachedrag_time_per_output_token_seconds_sum": "decode_token_s_sum",
+                 "cachedrag_time_per_output_token_seconds_count": "decode_tokens"}
+        text = httpx.get(self.chat.openai_api_base.removesuffix("/v1") + "/metrics", timeout=30).text
+        return {names[line.split()[0]]: float(line.split()[-1]) for line in text.splitlines()
+                if line.split() and line.split()[0] in names}
 
     def close(self) -> None:
         if self.proc.poll() is None:
