@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 SEARCH = {"type": "function", "function": {
     "name": "search", "description": "Search the library manual",
@@ -59,6 +60,8 @@ def test_agent_step_reuses_the_previous_prompt_and_answer_as_in_process(live_ser
                                             max_tokens=12, temperature=0)
     first, second = step.usage, answer.usage
     assert s.loop.remembered_tokens >= first.completion_tokens - 1  # the first step's answer was stored
+    metrics = httpx.get(s.url + "/metrics").text
+    assert f"cachedrag_conversation_stored_tokens_total {float(s.loop.remembered_tokens)}" in metrics
     # the second step computed only what is new: the tool result's message (and the call's last token)
     assert second.prompt_tokens_details.cached_tokens >= first.prompt_tokens + first.completion_tokens - 1
     assert second.prompt_tokens_details.cached_tokens < second.prompt_tokens
