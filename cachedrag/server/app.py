@@ -5,7 +5,8 @@ Owns: ``create_app(engine, config, embedder)``, which builds the app from its ro
 ``POST /v1/embeddings``; here: ``GET /health``, ``GET /v1/models``, ``GET /metrics`` in the
 Prometheus text format), the engine loop's lifetime (it runs while the app does), errors in
 the OpenAI shape (a bad request body: 400), and the middleware that counts every response and
-refuses ``/v1`` requests without the API key when one is set (401).
+refuses ``/v1`` requests without the API key when one is set (401). With ``config.index``, the
+index's chunks are known passages from the start (``index_passages``).
 
 What a completion request can ask (``n`` choices decoded from one prefill, sampling, stop,
 penalties, structured output and tool calls, ``logprobs``, streaming), the ``usage`` and
@@ -42,6 +43,8 @@ def create_app(engine, config: ServerConfig | None = None, embedder=None) -> Fas
     metrics = ServerMetrics(engine, loop)
     loop.observer = metrics
     planner = PromptPlanner(engine, config.passages)
+    if config.index is not None and config.passages.enabled:
+        planner.seen.register(index_passages(config.index))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -141,3 +144,13 @@ class _CountAndAuthorize:
 def _authorized(headers: Headers, key: bytes) -> bool:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+
+
+def index_passages(index_dir: str) -> list[str]:
+    """The chunk texts of the index at ``index_dir``: known passages from the start, so a tool
+    result (or a prompt) holding one of them is cut at that chunk's boundaries, as the retriever
+    cut it, not paragraph by paragraph (a chunk's short paragraphs would be computed every time)."""
+    from cachedrag.retrieval.index import load_index
+
+    return [chunk.text for chunk in load_index(index_dir, verify=False).chunks]
+

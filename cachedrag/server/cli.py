@@ -109,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=8, help="most requests decoding together (1 = no batching)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     parser.add_argument("--index", default=None, metavar="DIR",
-                        help="an index directory (`cachedrag index build`): /v1/embeddings embeds with its embedder")
+                        help="an index directory (`cachedrag index build`): its chunks are known passages (found whole in "
+                             "prompts and tool results); /v1/embeddings embeds with its embedder")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="in-memory chunk-cache budget (GB)")
     parser.add_argument("--disk-dir", default=None, help="add a disk tier in this directory (persists across restarts)")
     parser.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget (GB) with --disk-dir")

@@ -168,8 +168,10 @@ class ServerConfig(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     passages: PassageConfig = Field(default_factory=PassageConfig)
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
-    index: str | None = Field(None, description="an index directory (``cachedrag index``): /v1/embeddings embeds "
-                                                "with its embedder, loaded on the first embeddings request")
+    index: str | None = Field(None, description="an index directory (``cachedrag index``): its chunks are known "
+                                                "passages from the start (found whole in prompts and tool results); "
+                                                "/v1/embeddings embeds with its embedder, loaded on the first "
+                                                "embeddings request")
     api_key: SecretStr | None = Field(None, description="when set, every /v1 route needs 'Authorization: Bearer "
                                                         "<key>' (401 otherwise); /health and /metrics stay open")
 
