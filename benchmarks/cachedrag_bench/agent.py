@@ -123,7 +123,7 @@ def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes:
     chats, servers = {}, []
     for m in modes:
         if getattr(args, "serve", False):
-            servers.append(_Served(m, args))
+            servers.append(_Served(m, args, index_dir))
             chats[m] = servers[-1].chat
             continue
         engine = CachedEngine(runner, config=EngineConfig(mode=MODES[m], cache_bytes=int(args.cache_gb * 2**30)))
@@ -218,9 +218,10 @@ def _served(model) -> bool:
 
 
 class _Served:
-    """One ``cachedrag serve --mode M --port 0`` process and a ``ChatOpenAI`` client of it."""
+    """One ``cachedrag serve --mode M --port 0 --index DIR`` process (the index the agent's tool
+    searches: its chunks are the server's known passages) and a ``ChatOpenAI`` client of it."""
 
-    def __init__(self, mode: str, args):
+    def __init__(self, mode: str, args, index_dir):
         import os
         import re
         import subprocess
@@ -230,7 +231,7 @@ class _Served:
         self.mode = mode
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0", "--mode", MODES[mode], "--cache-gb",
-             str(args.cache_gb), "--max-tokens", str(args.max_tokens)],
+             str(args.cache_gb), "--max-tokens", str(args.max_tokens), "--index", str(index_dir)],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         url, deadline = None, time.monotonic() + 300
         while url is None and time.monotonic() < deadline:
