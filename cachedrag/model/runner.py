@@ -109,7 +109,7 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
     SDPA (the reference); ``"auto"`` (default): the kernel where it builds (fast CPU path), else
     SDPA, the reason in ``decode_attention_note``. The resolved choice is ``self.decode_attention``.
     ``decode_step``: how the one-token step runs. ``"fused"``: every layer and the LM head in one
-    native call (``model/fused_decode.py``: float32/bfloat16 dense and int8 weights, the split-K
+    native call (``model/fused_decode.py``: float32/bfloat16 dense, int8 and int4 weights, the split-K
     attention; built with the attention kernel); ``"torch"``: op by op (``_decode_layer``, or the
     ``compile=True`` packages; the reference); ``"cuda-graph"``: a CUDA runner's step replayed
     from a graph captured once per KV buffer (``model/cuda_graph.py``; buffer capacities then
