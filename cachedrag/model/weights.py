@@ -250,11 +250,12 @@ def head_numerics(numerics: Numerics, dense: bool = False) -> Numerics:
 
 def pack_head(head: torch.nn.Module, numerics: Numerics) -> PackedLinear:
     """The LM head module (``weight`` ``[V, Dm]``) as a ``PackedLinear`` in ``numerics``
-    (``head_numerics``' choice); ``ValueError`` where its weight was never loaded (``meta``: an untied
-    GGUF head kept quantised only)."""
+    (``head_numerics``' choice), quantised from the weight in ``numerics.dtype`` (as a GGUF load packs
+    it, whatever dtype the model holds now); ``ValueError`` where its weight was never loaded
+    (``meta``: an untied GGUF head kept quantised only)."""
     if head.weight.device.type == "meta":
         raise ValueError("the LM head's weight was loaded quantised only (an untied GGUF head); no dense head")
-    return PackedLinear(head.weight, getattr(head, "bias", None), numerics)
+    return PackedLinear(head.weight.to(numerics.torch_dtype), getattr(head, "bias", None), numerics)
 
 
 def int8_rows(weight: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
