@@ -9,8 +9,10 @@ ms/token (one token per step, no speculation).
 - ``cachedrag-fp32`` / ``-bf16`` / ``-int8`` / ``-int8-dynamic`` / ``-int4``: ``ModelRunner`` (fast path)
   ``prefill`` + ``decode_step`` (``-int8-dynamic`` only where its VNNI kernel runs).
   Their decode is the runner's default step: the fused native one where it applies (fp32, bf16,
-  int8; ``model/fused_decode.py``); ``cachedrag-fp32-torch`` / ``-bf16-torch`` / ``-int8-torch`` time
-  the op-by-op torch step (``decode_step="torch"``) beside it, ``-compiled`` its ``compile=True`` form.
+  int8, int4; ``model/fused_decode.py``); ``cachedrag-fp32-torch`` / ``-bf16-torch`` / ``-int8-torch`` /
+  ``-int4-torch`` time the op-by-op torch step (``decode_step="torch"``) beside it, ``-compiled`` its
+  ``compile=True`` form; ``cachedrag-int4-bf16head`` int4 with the LM head in bf16 (``head_weights="dense"``,
+  the reference of int4's int8 head).
 - ``transformers-fp32`` / ``-bf16``: HF ``generate`` (sdpa) with 1 and 1 + N new tokens.
 - ``llamacpp-f32`` / ``llamacpp-q4_1``: llama.cpp through llama-cpp-python (only when importable),
   on an F32 GGUF dequantised from the shipped Q4_1 file and on that Q4_1 file.
@@ -42,7 +44,8 @@ SYSTEM_PROMPT = (
     "given by the user. Be brief."
 )
 ALL_SYSTEMS = ("cachedrag-fp32", "cachedrag-bf16", "cachedrag-int8", "cachedrag-int8-dynamic", "cachedrag-int4",
-               "cachedrag-fp32-torch", "cachedrag-bf16-torch", "cachedrag-int8-torch",
+               "cachedrag-int4-bf16head", "cachedrag-fp32-torch", "cachedrag-bf16-torch", "cachedrag-int8-torch",
+               "cachedrag-int4-torch",
                "cachedrag-fp32-compiled", "cachedrag-int8-compiled", "cachedrag-int4-compiled",
                "transformers-fp32", "transformers-bf16", "llamacpp-f32", "llamacpp-q4_1")
 _NUMERICS = {"cachedrag-fp32": ("float32", "dense"), "cachedrag-bf16": ("bfloat16", "dense"),
@@ -50,10 +53,14 @@ _NUMERICS = {"cachedrag-fp32": ("float32", "dense"), "cachedrag-bf16": ("bfloat1
              "cachedrag-int4": ("bfloat16", "int4"), "cachedrag-fp32-compiled": ("float32", "dense"),
              "cachedrag-int8-compiled": ("bfloat16", "int8"), "cachedrag-int4-compiled": ("bfloat16", "int4"),
              "cachedrag-fp32-torch": ("float32", "dense"), "cachedrag-bf16-torch": ("bfloat16", "dense"),
-             "cachedrag-int8-torch": ("bfloat16", "int8")}
+             "cachedrag-int8-torch": ("bfloat16", "int8"), "cachedrag-int4-torch": ("bfloat16", "int4"),
+             "cachedrag-int4-bf16head": ("bfloat16", "int4")}
 # ``decode_step="torch"`` runners: the op-by-op eager step, beside the default (the fused native step
 # where it applies, model/fused_decode.py); prefill is the default's, so no miss probe of their own
-_TORCH_STEP = ("cachedrag-fp32-torch", "cachedrag-bf16-torch", "cachedrag-int8-torch")
+_TORCH_STEP = ("cachedrag-fp32-torch", "cachedrag-bf16-torch", "cachedrag-int8-torch", "cachedrag-int4-torch")
+# ``head_weights="dense"`` runners: the LM head in bf16 (the reference of int4's int8 head), for fidelity and
+# decode beside the default; the same prefill KV, so no miss probe of their own
+_DENSE_HEAD = ("cachedrag-int4-bf16head",)
 # ``compile=True`` runners (model/compiled.py): timed at the default thread count only (the packages'
 # kernels are built for one thread count); their prefill is the eager one, so no miss probe of their own
 _COMPILED = ("cachedrag-fp32-compiled", "cachedrag-int8-compiled", "cachedrag-int4-compiled")
@@ -172,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     # int4 quantises the fp32 values (as from_pretrained does), so it gets its own fp32 copy, cast after packing
     runners = {name: ModelRunner(*(load_model(None) if w == "int4" else models[d]), dtype=d, weights=w,
                                  threads=threads[0], compile=name in _COMPILED,
-                                 decode_step="torch" if name in _TORCH_STEP else "auto")
+                                 decode_step="torch" if name in _TORCH_STEP else "auto",
+                                 head_weights="dense" if name in _DENSE_HEAD else "auto")
                for name, (d, w) in _NUMERICS.items() if name in systems or name == "cachedrag-fp32"}
     tokenizer = runners["cachedrag-fp32"].tokenizer
     work = build_workload(tokenizer, top_k=5, chunk_tokens=256, n_requests=max(args.stream, 2 * args.rounds + 2),
@@ -234,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
                    for i in range(min(args.fidelity_prompts, len(work.questions)))]
         results["fidelity"] = dtype_fidelity(runners, prompts, args.fidelity_tokens)
     misses = {name: _miss_ratio(r, work, 2 * args.rounds + 2)[1] for name, r in runners.items()
-              if (name in systems or name == "cachedrag-fp32") and name not in _COMPILED + _TORCH_STEP}
+              if (name in systems or name == "cachedrag-fp32") and name not in _COMPILED + _TORCH_STEP + _DENSE_HEAD}
     results["miss_ratio"], results["miss"] = misses["cachedrag-fp32"]["ratio"], misses["cachedrag-fp32"]
     results["miss_by_system"] = misses
     results["end_to_end"] = _end_to_end(runners, work, results["systems"], args.stream) if args.stream else {}

@@ -7,7 +7,10 @@ for B requests at once, each with its own KV buffer, as one call into the native
 ``native.py`` builds and caches). Per layer: RMSNorm, the fused q/k/v projection, RoPE, the
 K/V row writes, the split-K attention (the very code ``decode_attention`` runs), the output
 projection, RMSNorm, gate/up, SiLU x up, down, the residuals. Formats: float32 and bfloat16 dense
-weights and int8 weight-only (the runner's ``PackedLinear`` weights as they are, no copy).
+weights and int8 weight-only (the runner's ``PackedLinear`` weights as they are, no copy), and int4
+weight-only (the ``PackedLinear``'s levels, scales and zeros copied into tiles of 16 rows,
+``int4_tiles``; read by AVX512-BF16 ``vdpbf16ps``, ``csrc/int4_decode.cpp``; the op-by-op step
+through torch's int4 kernel is the reference).
 
 Why hand-written: a decode step of a 135M model on a 2-core CPU is ~25 small ops per layer
 around 4 one-row matmuls; each op costs a dispatch (and, inside a step, reads its inputs from a
@@ -26,7 +29,8 @@ ports (docs/notes/speed.md round 12). The small ops that follow a projection (bf
 adds, SiLU(gate) * up from gate/up tiles that hold 16 units' gate and up rows) run in its parallel
 region on each tile's outputs (``Epilogue``), not as serial passes over the batch.
 
-Numerics: float32 accumulation everywhere; in a bfloat16 stream every value is rounded to bf16
+Numerics: float32 accumulation everywhere (int4: per group of 32 columns ``scale * sum (128 + q) x +
+(zero - 136 scale) * sum x``, exact bf16 products); in a bfloat16 stream every value is rounded to bf16
 (round to nearest even) where the torch step rounds it (each projection's output, RoPE's two
 products and their sum, the attention output, each residual add, the norms, SiLU and its product),
 so it agrees with ``_decode_layer`` to the rounding of the dot products' summation order (tests:
@@ -47,8 +51,9 @@ import torch
 
 from cachedrag.errors import ConfigError
 from cachedrag.model import native
+from cachedrag.model.weights import INT4_GROUP
 
-SUPPORTED = ("float32 dense", "bfloat16 dense", "int8 weight-only")
+SUPPORTED = ("float32 dense", "bfloat16 dense", "int8 weight-only", "int4 weight-only")
 
 # The largest packed copy of the projections made by default (``FusedDecode(packed=None)``): the copy
 # doubles those weights' memory, cheap for small models (the default SmolLM2-135M: ~270 MB in bf16,
@@ -64,11 +69,53 @@ def unsupported_reason(runner) -> str | None:
     if runner.device.type != "cpu":
         return "not a CPU runner"
     n = runner.numerics
-    if n.weights not in ("dense", "int8") or runner._decode_dtype != runner.dtype:
+    if n.weights not in ("dense", "int8", "int4") or runner._decode_dtype != runner.dtype:
         return f"{n.weights} weights (the fused step runs {', '.join(SUPPORTED)})"
+    if n.weights == "int4" and not _int4_available():
+        return "int4 weights on a CPU without AVX512-BF16 (the fused step's int4 kernel)"
     if getattr(runner.config, "hidden_act", None) != "silu":
         return f"activation {getattr(runner.config, 'hidden_act', None)!r} (the fused step runs SiLU MLPs)"
     return None
+
+
+def _int4_available() -> bool:
+    module = native.kernel()
+    return module is not None and bool(module.int4_available())
+
+
+def int4_levels(p) -> torch.Tensor:
+    """An int4 ``PackedLinear``'s levels ``q`` (0..15) ``[O', I]`` uint8 (``O'``: rows padded to 16),
+    read back from torch's CPU int4 layout (private: blocks of 64 rows ``[K, 32]`` bytes holding rows
+    ``d`` and ``32 + d`` in the low and high nibbles, a last block of fewer rows holding row pairs);
+    checked by packing them again (``ConfigError`` where torch's layout differs)."""
+    packed = p.int4_packed  # [O', I/2] uint8
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    flat, full = packed.reshape(-1), rows // 64 * 64
+    parts = []
+    if full:
+        head = flat[: full * cols // 2].view(full // 64, cols, 32)  # [nb, I, 32]
+        parts.append(torch.stack([head & 15, head >> 4], 2).permute(0, 2, 3, 1).reshape(full, cols))  # [full, I]
+    if rows > full:
+        tail = flat[full * cols // 2:].view(cols, (rows - full) // 2)  # [I, r/2]
+        parts.append(torch.stack([tail & 15, tail >> 4], 2).reshape(cols, rows - full).t())  # [r, I]
+    levels = torch.cat(parts).contiguous()  # [O', I]
+    if not torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1), packed):
+        raise ConfigError("the fused decode step cannot read this torch version's int4 layout; use decode_step='torch'")
+    return levels
+
+
+def int4_tiles(p) -> torch.Tensor:
+    """An int4 ``PackedLinear`` in the fused step's layout (``csrc/int4_decode.cpp``): ``[O'/16, I/32, 320]``
+    uint8; per tile of 16 rows and group of 32 columns, 4 blocks of 32 16-bit words (word ``2i + e``,
+    nibble ``j`` = row ``i``, column ``8c + 2j + e``), then the rows' bf16 scales and zeros."""
+    q = int4_levels(p)  # [O', I]
+    rows, cols = q.shape
+    tiles, groups = rows // 16, cols // INT4_GROUP
+    q = q.view(tiles, 16, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)  # [T, G, c, i, e, j]
+    words = torch.stack([q[..., 0] | (q[..., 1] << 4), q[..., 2] | (q[..., 3] << 4)], -1)  # [T, G, c, i, e, 2] bytes
+    sz = p.int4_scale_zero.view(groups, tiles, 16, 2).permute(1, 0, 3, 2)  # [T, G, 2, 16] bf16
+    sz = sz.contiguous().view(torch.uint8).reshape(tiles, groups, 64)  # [T, G, 64]: 16 scales, 16 zeros
+    return torch.cat([words.reshape(tiles, groups, 256), sz], -1).contiguous()  # [T, G, 320]
 
 
 def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,6 +125,8 @@ def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w, scale = p.qweight, p.scale
     elif p.kind in ("dense", "mkldnn"):
         w, scale = p.weight, empty
+    elif p.kind == "int4":
+        w, scale = int4_tiles(p), empty
     else:
         raise ConfigError(f"the fused decode step does not read {p.kind} weights")
     return w.contiguous(), scale, p.bias if p.bias is not None else empty
@@ -104,12 +153,13 @@ class FusedDecode:
         if module is None:
             raise ConfigError(f"decode_step='fused': the native kernels are {native.kernel_status()}")
         self.runner = runner
-        weights, scales, biases = [], [], []
+        weights, scales, biases, rows = [], [], [], []
         for p in [q for lw in runner.fast_layers for q in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [runner.fast_head]:
             w, s, b = _parts(p)
             weights.append(w)
             scales.append(s)
             biases.append(b)
+            rows.append(p.out_features)
         norms, eps = [], []
         for layer in runner.layers:
             for n in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -118,13 +168,13 @@ class FusedDecode:
         final = runner.model.model.norm
         norms.append(final.weight.detach().to(runner.dtype).float())
         eps.append(float(final.variance_epsilon))
-        if packed is None:
-            weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        if packed is None:  # the copy is of the float32 / bf16 / int8 weights (int4 ones are read as they are)
+            weight_bytes = sum(w.numel() * w.element_size() for w in weights if w.dtype != torch.uint8)
             packed = 0 < weight_bytes <= PACK_LIMIT_BYTES
         self._step = module.FusedStep(weights, scales, biases, norms, eps, runner.n_heads, runner.n_kv_heads,
                                       runner.head_dim, runner.fast_layers[0].ff,
                                       [w or 0 for w in runner.windows], runner.scaling,
-                                      runner.dtype == torch.bfloat16, bool(packed))
+                                      runner.dtype == torch.bfloat16, bool(packed), rows)
         self.packed_projections = self._step.packed_count()  # how many read packed tiles (0: none)
         self.packed_bytes = self._step.packed_bytes()  # the tiles' memory
         self._step.set_prefetch(prefetch)

@@ -341,7 +341,7 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, numerics=None, linear_dt
               with_tokenizer: bool = True) -> GGUFModel:
     """Load ``path`` tensor by tensor. ``dtype``: embedding and norms (and linears unless ``linear_dtype``);
     ``numerics`` (``weights.Numerics``): pack every layer into ``LayerWeights`` as it completes, and the
-    LM head into a ``PackedLinear`` (int4 keeps the head dense, as ``ModelRunner._fast_weights`` does)."""
+    LM head into a ``PackedLinear`` (its format: ``weights.head_numerics``, as ``ModelRunner._fast_weights``)."""
     report = LoadReport(path=str(path), file_bytes=Path(path).stat().st_size if Path(path).is_file() else 0,
                         rss_before_bytes=current_rss_bytes())
     start = time.perf_counter()
@@ -397,12 +397,11 @@ def _pack_layer(layer, numerics):
 
 
 def _pack_head(model, numerics):
-    from cachedrag.model.weights import PackedLinear
+    from cachedrag.model.weights import PackedLinear, head_numerics
 
     head = model.lm_head
-    head_numerics = numerics.model_copy(update={"weights": "dense"}) if numerics.weights == "int4" else numerics
     weight = head.weight if head.weight.dtype == numerics.torch_dtype else head.weight.to(numerics.torch_dtype)
-    packed = PackedLinear(weight, getattr(head, "bias", None), head_numerics)
+    packed = PackedLinear(weight, getattr(head, "bias", None), head_numerics(numerics))
     if packed.kind == "int8" and head.weight is not model.model.embed_tokens.weight:  # an untied head: its
         head.weight = torch.nn.Parameter(torch.empty(head.weight.shape, device="meta", dtype=head.weight.dtype),
                                          requires_grad=False)  # int8 copy is the only one

@@ -40,8 +40,8 @@ from cachedrag.model.runner_attention import CausalBlocks, RunnerAttention
 from cachedrag.model.runner_cached import RunnerCachedWrites
 from cachedrag.model.runner_decode import DECODE_STEPS, RunnerDecode
 from cachedrag.model.runner_rows import RunnerRows
-from cachedrag.model.weights import (DTYPES, QUANTIZED, LayerWeights, Numerics, PackedLinear, dtype_name, packable,
-                                     vnni_available)
+from cachedrag.model.weights import (DTYPES, QUANTIZED, LayerWeights, Numerics, PackedLinear, dtype_name, head_numerics,
+                                     pack_head, packable, vnni_available)
 
 # Names other modules import from here (their old home).
 _rms_norm, _rms_norm_rows = rms_norm, rms_norm_rows
@@ -109,7 +109,7 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
     SDPA (the reference); ``"auto"`` (default): the kernel where it builds (fast CPU path), else
     SDPA, the reason in ``decode_attention_note``. The resolved choice is ``self.decode_attention``.
     ``decode_step``: how the one-token step runs. ``"fused"``: every layer and the LM head in one
-    native call (``model/fused_decode.py``: float32/bfloat16 dense and int8 weights, the split-K
+    native call (``model/fused_decode.py``: float32/bfloat16 dense, int8 and int4 weights, the split-K
     attention; built with the attention kernel); ``"torch"``: op by op (``_decode_layer``, or the
     ``compile=True`` packages; the reference); ``"cuda-graph"``: a CUDA runner's step replayed
     from a graph captured once per KV buffer (``model/cuda_graph.py``; buffer capacities then
@@ -125,6 +125,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
     sliding window, and float32 calls of fewer than ``_KERNEL_MIN_ROWS`` rows, keep SDPA.
     ``prepacked``: every layer's ``LayerWeights`` and the LM head's ``PackedLinear`` already built (a
     GGUF load packs them layer by layer, ``model/gguf.py``); used instead of packing ``model``'s weights.
+    ``head_weights``: ``"auto"`` (default): the LM head as ``weights.head_numerics`` says (int8 rows for
+    int4 runners); ``"dense"``: in ``dtype`` (the reference; the head changes logits, never KV).
     ``prefill_pairs``: with bfloat16 K/V and queries on an AVX512-BF16 CPU, which of the kernel's
     products multiply bf16 pairs (``vdpbf16ps``; ``model/attention.py``'s ``prefill_attention``):
     ``"scores"`` (default: exact products, the widened path's accuracy), ``"scores+values"``
@@ -138,11 +140,15 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
                  dtype=None, weights: str = "dense", kv_store_dtype=None, fast: bool = True,
                  threads: int | None = None, block_causal: bool = True, compile: bool = False,
                  compile_cache_dir=None, decode_attention: str = "auto", decode_step: str = "auto",
-                 prefill_attention: str = "auto", prefill_pairs: str = "scores", prepacked: tuple | None = None):
+                 prefill_attention: str = "auto", prefill_pairs: str = "scores", prepacked: tuple | None = None,
+                 head_weights: str = "auto"):
         """The runner over ``model`` (cast in place to ``dtype`` when it differs; arguments: the class
         docstring)."""
         if kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
+        if head_weights not in ("auto", "dense"):
+            raise ConfigError(f"head_weights must be 'auto' or 'dense', got {head_weights!r}")
+        self.head_weights = head_weights
         self.architecture = _architecture(model)
         self.numerics = _numerics(model, dtype, weights, kv_store_dtype, fast)
         fast_weights = prepacked if fast else None  # (layers, head) built while loading (model/gguf.py)
@@ -159,6 +165,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         self.fast_head: PackedLinear | None = None
         if fast and packable(model):
             self.fast_layers, self.fast_head = fast_weights or self._fast_weights(model)
+            if head_weights == "dense" and self.fast_head.kind in ("int8", "int4"):  # a prepacked quantised head
+                self.fast_head = pack_head(model.lm_head, head_numerics(self.numerics, dense=True))
         elif weights in QUANTIZED:
             raise UnsupportedModelError(f"{weights} weights need Llama-family linear projections in every layer")
         self._pick_paths(decode_attention, decode_step, prefill_attention, prefill_pairs, compile, compile_cache_dir)
@@ -211,19 +219,13 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         self.prefill_pairs = prefill_pairs
 
     def _fast_weights(self, model) -> tuple[list[LayerWeights], PackedLinear]:
-        """Every layer's fused projections and the LM head in the numerics' fast layout. With int4
-        weights the LM head stays bf16: the default GGUF keeps it (the tied embedding) at Q8_0, and
-        int4 there moved the next-token distribution ~25x more than int4 projections did
-        (teacher-forced KL vs fp32 0.045 vs 0.0018 nats, docs/speed.md) for 2.3 ms per token."""
+        """Every layer's fused projections and the LM head in the numerics' fast layout (the head's:
+        ``weights.head_numerics``, dense with ``head_weights="dense"``)."""
         try:
             layers = [LayerWeights(layer, self.numerics) for layer in model.model.layers]
-            head = model.lm_head
-            head_numerics = self.numerics
-            if self.numerics.weights == "int4":
-                head_numerics = self.numerics.model_copy(update={"weights": "dense"})
-            return layers, PackedLinear(head.weight, getattr(head, "bias", None), head_numerics)
         except ValueError as exc:  # a shape the weight format cannot take (int4 groups)
             raise UnsupportedModelError(str(exc)) from exc
+        return layers, pack_head(model.lm_head, head_numerics(self.numerics, dense=self.head_weights == "dense"))
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype=None, weights: str = "dense",

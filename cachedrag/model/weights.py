@@ -40,8 +40,12 @@ projections of SmolLM2-135M for one token, ``docs/speed.md``):
   memory saving). The default GGUF is Q4_1 (blocks of 32 with a scale and a minimum), so its
   dequantised weights take at most 16 levels per group of 32: min/max quantisation recovers
   them up to the rounding of scale and zero to bf16. The group quantisation is kept here (a few
-  lines); torchao's ``Int4WeightOnlyConfig`` wraps the same kernel in a tensor subclass. The
-  runner keeps the LM head in bf16 for int4 (``ModelRunner._fast_weights``).
+  lines); torchao's ``Int4WeightOnlyConfig`` wraps the same kernel in a tensor subclass.
+
+The LM head (``head_numerics``, ``pack_head``): in the runner's format, except int4 runners read it
+as int8 rows (a group-wise int4 head moved the next-token distribution far more than the int4
+projections; llama.cpp's Q4_K_M likewise keeps its output matrix at 6 bits). ``head_weights="dense"``
+on the runner keeps it in ``dtype`` (the reference). The head writes no KV: not part of the tag.
 
 Does not own: which layers exist or the attention (``runner.py``).
 """
@@ -230,6 +234,28 @@ class PackedLinear:
                 return out.reshape(*x.shape[:-1], self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def head_numerics(numerics: Numerics, dense: bool = False) -> Numerics:
+    """The LM head's numerics: the runner's, except that an int4 runner's head is int8 per row (a
+    group-wise int4 head moved the next-token distribution ~25x more than the int4 projections did,
+    module docstring), and ``dense=True``: the head in ``numerics.dtype`` (the reference). The head
+    writes no KV, so it is not part of ``Numerics.tag``."""
+    if dense:
+        return numerics.model_copy(update={"weights": "dense"})
+    if numerics.weights == "int4":
+        return numerics.model_copy(update={"weights": "int8"})
+    return numerics
+
+
+def pack_head(head: torch.nn.Module, numerics: Numerics) -> PackedLinear:
+    """The LM head module (``weight`` ``[V, Dm]``) as a ``PackedLinear`` in ``numerics``
+    (``head_numerics``' choice), quantised from the weight in ``numerics.dtype`` (as a GGUF load packs
+    it, whatever dtype the model holds now); ``ValueError`` where its weight was never loaded
+    (``meta``: an untied GGUF head kept quantised only)."""
+    if head.weight.device.type == "meta":
+        raise ValueError("the LM head's weight was loaded quantised only (an untied GGUF head); no dense head")
+    return PackedLinear(head.weight.to(numerics.torch_dtype), getattr(head, "bias", None), numerics)
 
 
 def int8_rows(weight: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:

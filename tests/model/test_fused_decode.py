@@ -49,14 +49,22 @@ def test_fused_step_equals_the_torch_step_in_float32(arch, overrides):
     torch.testing.assert_close(kvs["fused"].v[:, :, :42], kvs["torch"].v[:, :, :42], rtol=0, atol=1e-5)
 
 
+needs_int4 = pytest.mark.skipif(attention.kernel() is None or not attention.kernel().int4_available(),
+                                reason="the fused step's int4 kernel needs the native kernels on an AVX512-BF16 CPU")
+# the formats of a bfloat16 stream, with the shapes each takes (int4: input sizes divisible by 32)
+BF16_CASES = [(w, o) for w in ("dense", "int8") for o in ({}, WIDE, RAGGED)] + [
+    pytest.param("int4", o, marks=needs_int4) for o in ({}, WIDE)]
+
+
 @needs_kernel
-@pytest.mark.parametrize("weights", ["dense", "int8"])
-@pytest.mark.parametrize("overrides", [{}, WIDE, RAGGED])
-def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides):
-    """bfloat16 stream (dense bf16 or int8 weights): every value rounded where the torch step rounds
-    it, so the two differ by the dot products' summation order only: close relative to the logits'
-    spread, and the bf16 K/V rows within a couple of bf16 steps."""
-    runners = _pair(overrides=overrides, dtype="bfloat16", weights=weights)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights,overrides", BF16_CASES)
+def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides, arch):
+    """bfloat16 stream (dense bf16, int8 or int4 weights): every value rounded where the torch step
+    rounds it, so the two differ by the dot products' summation order only (int4: the same levels,
+    scales and zeros as torch's int4 kernel): close relative to the logits' spread, and the bf16 K/V
+    rows within a couple of bf16 steps."""
+    runners = _pair(arch, overrides=overrides, dtype="bfloat16", weights=weights)
     assert runners["fused"].decode_step_kind == "fused"
     kvs = prefilled(runners, torch.arange(3, 30), 40)
     for step in range(6):
@@ -69,8 +77,10 @@ def test_fused_step_is_close_to_the_torch_step_in_bfloat16(weights, overrides):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")])
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {}), ("llama", RAGGED)])
+@pytest.mark.parametrize("dtype,weights,arch,overrides", [
+    (d, w, a, o) for d, w in (("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8"))
+    for a, o in (("llama", {}), ("mistral", {}), ("llama", RAGGED))] + [
+    pytest.param("bfloat16", "int4", a, {}, marks=needs_int4) for a in ("llama", "mistral")])
 def test_each_row_of_a_batch_is_its_single_step_bit_for_bit(dtype, weights, arch, overrides):
     """B requests of different lengths (mistral: some past the window) in one call: every row's
     logits and K/V rows equal the single call on that request, bit for bit (9 requests: the row-major dot
@@ -154,8 +164,9 @@ def test_packing_by_default_only_where_it_applies(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")])
-@pytest.mark.parametrize("overrides", [{}, RAGGED])
+@pytest.mark.parametrize("dtype,weights,overrides", [
+    (d, w, o) for d, w in (("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")) for o in ({}, RAGGED)] + [
+    pytest.param("bfloat16", "int4", {}, marks=needs_int4)])
 @pytest.mark.parametrize("packed", [None, False])
 def test_speed_options_change_no_value(dtype, weights, overrides, packed):
     """The projections' software prefetch (4+ requests), rows handed to threads in chunks and the
@@ -201,7 +212,10 @@ def test_decode_step_choice():
     sdpa = tiny_runner(decode_attention="sdpa")
     assert sdpa.decode_step_kind == "torch" and sdpa.fused is None and "sdpa" in sdpa.decode_step_note
     int4 = tiny_runner(dtype="bfloat16", weights="int4")
-    assert int4.decode_step_kind == "torch" and "int4" in int4.decode_step_note
+    if attention.kernel() is not None and attention.kernel().int4_available():
+        assert int4.decode_step_kind == "fused"
+    else:
+        assert int4.decode_step_kind == "torch" and "int4" in int4.decode_step_note
     reference = tiny_runner(fast=False)
     assert reference.decode_step_kind == "torch" and "fast CPU decode path" in reference.decode_step_note
     assert tiny_runner(decode_step="torch").decode_step_kind == "torch"
@@ -210,3 +224,25 @@ def test_decode_step_choice():
     with pytest.raises(ConfigError, match="decode_step must be"):
         tiny_runner(decode_step="native")
 
+
+
+@needs_int4
+@pytest.mark.parametrize("out_features", [64, 80, 144])
+def test_int4_tiles_hold_the_packed_linear_levels(out_features):
+    """``int4_levels`` reads torch's int4 layout back (blocks of 64 rows and a last block of fewer):
+    the levels dequantise to the ``PackedLinear``'s weight; ``int4_tiles`` holds each row's scale and
+    zero per group where the kernel reads them."""
+    from cachedrag.model.fused_decode import int4_levels, int4_tiles
+    from cachedrag.model.weights import Numerics, PackedLinear
+
+    w = torch.randn(out_features, 96, generator=torch.Generator().manual_seed(out_features))  # [O, I]
+    p = PackedLinear(w, None, Numerics(weights="int4"))
+    q = int4_levels(p)  # [O', I]
+    scale, zero = p.int4_scale_zero[..., 0].float().t(), p.int4_scale_zero[..., 1].float().t()  # [O', G] each
+    deq = (q.float() - 8).view(q.shape[0], -1, 32) * scale[..., None] + zero[..., None]  # [O', G, 32]
+    assert torch.equal(deq.view(q.shape)[:out_features].bfloat16(), p.weight)
+    tiles = int4_tiles(p)  # [T, G, 320]
+    assert tiles.shape == (q.shape[0] // 16, 3, 320)
+    assert torch.equal(tiles[1, 2, 256:288].view(torch.bfloat16), p.int4_scale_zero[2, 16:32, 0])
+    word = tiles[0, 1, :64].view(torch.int16).int() & 0xFFFF  # block c = 0 of group 1: 32 words
+    assert int(word[2 * 3 + 1] >> 4 & 15) == int(q[3, 32 + 2 * 1 + 1])  # row 3, column 8c + 2j + e, j = e = 1

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from cachedrag.errors import ConfigError, UnsupportedModelError
 from cachedrag.model.runner import ModelRunner, default_threads, set_threads
 from cachedrag.model.weights import Numerics, PackedLinear, vnni_available
-from cachedrag.testing import TINY_ARCHITECTURES, byte_tokenizer, tiny_model
+from cachedrag.testing import TINY_ARCHITECTURES, byte_tokenizer, tiny_model, tiny_runner
 
 needs_vnni = pytest.mark.skipif(not vnni_available() or torch.backends.quantized.engine not in ("x86", "fbgemm"),
                                 reason="int8-dynamic needs fbgemm on a CPU with VNNI")
@@ -253,12 +253,36 @@ def test_weight_format_is_part_of_the_chunk_cache_namespace():
     assert len(set(digests.values())) == len(formats)
 
 
-def test_int4_runner_keeps_the_lm_head_in_bf16():
-    tok = byte_tokenizer()
-    runner = ModelRunner(tiny_model("llama", vocab_size=len(tok)), tok, weights="int4")
-    assert runner.numerics.tag == "bfloat16+int4w-g32"
-    assert {lw.qkv.kind for lw in runner.fast_layers} == {"int4"}
-    assert runner.fast_head.kind in ("mkldnn", "dense") and runner.fast_head.weight.dtype == torch.bfloat16
+def test_int4_runner_reads_an_int8_lm_head_and_the_dense_one_on_request():
+    """int4 runners read the LM head as int8 rows (``head_numerics``); ``head_weights="dense"`` keeps
+    it bf16 (the reference). The head writes no KV: the numerics tag and every K/V row are the same."""
+    runners = {h: tiny_runner(weights="int4", head_weights=h) for h in ("auto", "dense")}
+    fast, ref = runners["auto"], runners["dense"]
+    assert fast.numerics.tag == ref.numerics.tag == "bfloat16+int4w-g32"
+    assert {lw.qkv.kind for lw in fast.fast_layers} == {"int4"}
+    assert fast.fast_head.kind == "int8" and fast.fast_head.qweight.dtype == torch.int8
+    assert ref.fast_head.kind in ("mkldnn", "dense") and ref.fast_head.weight.dtype == torch.bfloat16
+    assert tiny_runner(weights="int8", head_weights="dense").fast_head.kind in ("mkldnn", "dense")
+    with pytest.raises(ConfigError, match="head_weights"):
+        tiny_runner(weights="int4", head_weights="int4")
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantised_lm_head_is_close_to_the_dense_head(weights):
+    """The int8 head (fast) against the bf16 head (reference) on the same runner weights: all-position
+    prefill logits and a decode step's within 2% of the logits' spread, greedy tokens mostly alike,
+    and the KV bit for bit (the head computes no KV)."""
+    runners = {h: tiny_runner(weights=weights, head_weights=h, decode_step="torch") for h in ("auto", "dense")}
+    ids = torch.arange(3, 40)  # [37]
+    kvs = {h: r.new_kv(48) for h, r in runners.items()}
+    logits = {h: r.prefill(ids, kv=kvs[h], all_logits=True) for h, r in runners.items()}  # [T, V] each
+    want = logits["dense"]
+    spread = (want.amax(-1) - want.amin(-1))[:, None]  # [T, 1]
+    assert ((logits["auto"] - want).abs() / spread).max() < 0.02
+    assert (logits["auto"].argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert torch.equal(kvs["auto"].k, kvs["dense"].k) and torch.equal(kvs["auto"].v, kvs["dense"].v)
+    step = {h: r.decode_step(7, 37, kvs[h]) for h, r in runners.items()}  # [V] each
+    assert (step["auto"] - step["dense"]).abs().max() < 0.02 * (step["dense"].max() - step["dense"].min())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

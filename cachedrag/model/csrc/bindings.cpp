@@ -6,5 +6,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_batch", &decode_attention_batch, "decode_attention for B requests in one call (cachedrag)");
   m.def("prefill_attention", &prefill_attention, "sorted query positions over KV rows, causal by position (cachedrag)");
   m.def("prefill_attention_available", &prefill_attention_available, "whether prefill_attention was built (AVX-512)");
+  m.def("int4_available", &int4_available, "whether the fused decode step reads int4 weights (AVX512-BF16)");
   register_fused_decode(m);
 }

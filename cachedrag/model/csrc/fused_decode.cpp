@@ -1,18 +1,20 @@
 // The fused decode step: every layer of the runner's one-token step and the LM head for B requests
 // in one call (RMSNorm, q/k/v projection, RoPE, K/V row writes, the decode kernel's split-K
 // attention, output projection, gate/up, SiLU x up, down, residuals); float32, bfloat16 and int8
-// weight-only projections, packed in tiles of 32 rows where asked. Python side:
+// weight-only projections, packed in tiles of 32 rows where asked, and int4 ones in their tiles of 16
+// rows (int4_decode.cpp). Python side:
 // cachedrag/model/fused_decode.py (FusedDecode).
 #include "native.h"
 
 namespace fused {
 
-enum Kind { F32 = 0, BF16 = 1, INT8 = 2 };
+enum Kind { F32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
 
 struct Proj {
   int kind = F32;
   int64_t rows = 0, cols = 0;
-  torch::Tensor w;           // [rows, cols] float32 / bfloat16 / int8, contiguous (held: no copy)
+  torch::Tensor w;           // [rows, cols] float32 / bfloat16 / int8, contiguous (held: no copy); int4: the
+                             // tiles [ceil(rows / 16), cols / 32, I4_TILE_BYTES] uint8 (int4_decode.cpp)
   std::vector<float> scale;  // int8: per row
   std::vector<float> bias;   // empty: none
   torch::Tensor packed;      // when packed: tiles of TILE rows, [cols / P][TILE][P] each, the weights' dtype (undefined: none)
@@ -44,17 +46,35 @@ torch::Tensor gate_up_rows(const torch::Tensor& w) {
   return torch::cat({g.view({tiles, half, K}), u.view({tiles, half, K})}, 1).view({tiles * TILE, K});
 }
 
-Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack_any,
-               bool pack_bf16, bool gate_up) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "fused decode: weights [O, I], contiguous, CPU");
-  Proj p;
-  p.rows = w.size(0);
-  p.cols = w.size(1);
+// int4 tiles [T, G, I4_TILE_BYTES] uint8 for `rows` output rows (16 (T - 1) < rows <= 16 T)
+void int4_proj(Proj& p, const torch::Tensor& w, int64_t rows) {
+  TORCH_CHECK(CAN_INT4, "fused decode: int4 weights need AVX512-BF16");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == I4_TILE_BYTES && w.is_contiguous() && w.device().is_cpu(),
+              "fused decode: int4 tiles [T, G, 320] uint8, contiguous, CPU");
+  TORCH_CHECK(rows > I4_ROWS * (w.size(0) - 1) && rows <= I4_ROWS * w.size(0), "fused decode: int4 rows");
+  p.kind = INT4;
+  p.rows = rows;
+  p.cols = w.size(1) * I4_GROUP;
   p.w = w;
-  if (w.scalar_type() == torch::kFloat32) p.kind = F32;
-  else if (w.scalar_type() == torch::kBFloat16) p.kind = BF16;
-  else if (w.scalar_type() == torch::kInt8) p.kind = INT8;
-  else TORCH_CHECK(false, "fused decode: weights must be float32, bfloat16 or int8");
+}
+
+Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack_any,
+               bool pack_bf16, bool gate_up, int64_t rows) {
+  Proj p;
+  if (w.scalar_type() == torch::kUInt8) {  // int4 tiles: never packed again
+    int4_proj(p, w, rows);
+    pack_any = pack_bf16 = false;
+  } else {
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "fused decode: weights [O, I], contiguous, CPU");
+    TORCH_CHECK(rows == w.size(0), "fused decode: rows");
+    p.rows = w.size(0);
+    p.cols = w.size(1);
+    p.w = w;
+    if (w.scalar_type() == torch::kFloat32) p.kind = F32;
+    else if (w.scalar_type() == torch::kBFloat16) p.kind = BF16;
+    else if (w.scalar_type() == torch::kInt8) p.kind = INT8;
+    else TORCH_CHECK(false, "fused decode: weights must be float32, bfloat16, int8 or int4 tiles (uint8)");
+  }
   if (p.kind == INT8) {
     TORCH_CHECK(scale.numel() == p.rows, "fused decode: int8 weights need one scale per row");
     auto s = scale.to(torch::kFloat32).contiguous();
@@ -406,10 +426,60 @@ void project_packed(const Proj& p, int64_t B, const X* in, float* y, bool dynami
 }
 #endif
 
+// Hands [0, n) to the intra-op threads as project_packed does (chunks from a shared counter when
+// `dynamic`, else one static range each): run(i0, i1).
+template <class F>
+void for_tiles(int64_t n, bool dynamic, const F& run) {
+  const int threads = at::get_num_threads();
+  if (!dynamic || threads == 1) {
+    at::parallel_for(0, n, 1, run);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, n / (8 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i0; (i0 = next.fetch_add(chunk)) < n;) run(i0, std::min(n, i0 + chunk));
+  });
+}
+
+// y [B, rows] = x [B, cols] @ W^T (+ bias) from int4 tiles (``int4_tile_dot``: inputs as bf16 bits xb,
+// their group sums from x, the same values), inputs 4, 2, 1 at a time; a row's value depends on
+// neither the batch nor the thread.
+void project_int4(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic,
+                  const Epilogue& ep) {
+  const uint8_t* base = p.w.data_ptr<uint8_t>();
+  const int64_t K = p.cols, N = p.rows, G = K / I4_GROUP, tiles = p.w.size(0);
+  std::vector<float> xs(B * G);  // [B, G]
+  int4_group_sums(x, B, K, xs.data());
+  for_tiles(tiles, dynamic, [&](int64_t t0, int64_t t1) {
+    alignas(64) float out[4 * I4_ROWS], biased[I4_ROWS];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tp = base + t * G * I4_TILE_BYTES;
+      const int64_t n0 = t * I4_ROWS, rows = std::min(I4_ROWS, N - n0);
+      for (int64_t b = 0; b < B;) {
+        const int nb = B - b >= 4 ? 4 : (B - b >= 2 ? 2 : 1);
+        if (nb == 4) int4_tile_dot<4>(tp, G, xb + b * K, K, xs.data() + b * G, out);
+        else if (nb == 2) int4_tile_dot<2>(tp, G, xb + b * K, K, xs.data() + b * G, out);
+        else int4_tile_dot<1>(tp, G, xb + b * K, K, xs.data() + b * G, out);
+        for (int j = 0; j < nb; ++j) {
+          const float* o = out + j * I4_ROWS;
+          if (!p.bias.empty()) {
+            for (int64_t r = 0; r < rows; ++r) biased[r] = o[r] + p.bias[n0 + r];
+            o = biased;
+          }
+          finish_range(ep, y + (b + j) * N + n0, o, rows);
+        }
+        b += nb;
+      }
+    }
+  });
+}
+
 template <int PF>
 void project_as(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float* y, bool dynamic,
                 const Epilogue& ep) {
   TORCH_CHECK(ep.kind != Epilogue::GATE_UP || p.gate_up_tiles, "fused decode: the gate/up epilogue needs gate/up tiles");
+  if (p.kind == INT4) return project_int4(p, B, x, xb, y, dynamic, ep);
 #if defined(__AVX512F__)
   if (p.packed.defined() && p.kind == F32) return project_packed<float, float>(p, B, x, y, dynamic, ep);
   if (p.packed.defined() && p.kind == INT8) return project_packed<int8_t, float>(p, B, x, y, dynamic, ep);
@@ -433,23 +503,26 @@ void project(const Proj& p, int64_t B, const float* x, const uint16_t* xb, float
 class Step {
  public:
   // weights / scales / biases: 4 per layer (qkv, o, gate_up, down) and the LM head last (empty
-  // tensors where none); norms: 2 per layer (input, post-attention) and the final one, float32 [Dm];
+  // tensors where none); rows: each projection's output rows (int4 tiles are padded to 16); norms: 2
+  // per layer (input, post-attention) and the final one, float32 [Dm];
   // windows: per layer, 0 = none.
   Step(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales, std::vector<torch::Tensor> biases,
        std::vector<torch::Tensor> norms, std::vector<double> eps, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-       int64_t ff, std::vector<int64_t> windows, double scaling, bool bf16_stream, bool pack)
+       int64_t ff, std::vector<int64_t> windows, double scaling, bool bf16_stream, bool pack, std::vector<int64_t> rows)
       : H_q(n_heads), H_kv(n_kv_heads), D(head_dim), FF(ff), windows_(windows), scaling_(scaling), bf16_(bf16_stream) {
     L = static_cast<int64_t>(windows.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 4 * L + 1 && scales.size() == weights.size() &&
-                biases.size() == weights.size(), "fused decode: 4 projections per layer and the head");
+                biases.size() == weights.size() && rows.size() == weights.size(),
+                "fused decode: 4 projections per layer and the head");
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1 && eps.size() == norms.size(), "fused decode: norms");
     TORCH_CHECK(H_kv > 0 && H_q % H_kv == 0 && H_q / H_kv <= MAX_G && D <= MAX_D && D % 2 == 0, "fused decode: heads/dim");
     for (size_t j = 0; j < weights.size(); ++j) {
       const bool gate_up = j % 4 == 2 && static_cast<int64_t>(j) < 4 * L;
-      proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK, pack && CAN_PACK_BF16, gate_up));
+      proj_.push_back(make_proj(weights[j], scales[j], biases[j], pack && CAN_PACK, pack && CAN_PACK_BF16, gate_up,
+                                rows[j]));
     }
     Dm = proj_[0].cols;
-    for (const Proj& p : proj_) bf16_weights_ = bf16_weights_ || p.kind == BF16;
+    for (const Proj& p : proj_) bf16_weights_ = bf16_weights_ || p.kind == BF16 || p.kind == INT4;
     for (int64_t i = 0; i < L; ++i) {
       TORCH_CHECK(proj_[4 * i].rows == (H_q + 2 * H_kv) * D && proj_[4 * i].cols == Dm, "fused decode: qkv shape");
       TORCH_CHECK(proj_[4 * i + 1].rows == Dm && proj_[4 * i + 1].cols == H_q * D, "fused decode: o shape");
@@ -576,7 +649,7 @@ class Step {
   bool prefetch_ = true;
   bool dynamic_ = true;
   bool epilogues_ = true;
-  bool bf16_weights_ = false;  // some projection reads bf16 input bits (int8 and float32 ones read floats)
+  bool bf16_weights_ = false;  // some projection reads bf16 input bits (bf16, int4; int8 and float32 ones read floats)
   std::vector<Proj> proj_;
   std::vector<std::vector<float>> norms_;
   std::vector<float> eps_;
@@ -686,7 +759,7 @@ void register_fused_decode(pybind11::module_& m) {
   pybind11::class_<fused::Step>(m, "FusedStep")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<double>, int64_t, int64_t, int64_t, int64_t,
-                          std::vector<int64_t>, double, bool, bool>())
+                          std::vector<int64_t>, double, bool, bool, std::vector<int64_t>>())
       .def("packed_count", &fused::Step::packed_count)
       .def("packed_bytes", &fused::Step::packed_bytes)
       .def("set_prefetch", &fused::Step::set_prefetch)
