@@ -40,6 +40,7 @@ from cachedrag.model.runner_attention import CausalBlocks, RunnerAttention
 from cachedrag.model.runner_cached import RunnerCachedWrites
 from cachedrag.model.runner_decode import DECODE_STEPS, RunnerDecode
 from cachedrag.model.runner_rows import RunnerRows
+from cachedrag.model.weight_views import pack_layers, release_head
 from cachedrag.model.weights import (DTYPES, QUANTIZED, LayerWeights, Numerics, PackedLinear, dtype_name, packable,
                                      vnni_available)
 
@@ -125,6 +126,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
     sliding window, and float32 calls of fewer than ``_KERNEL_MIN_ROWS`` rows, keep SDPA.
     ``prepacked``: every layer's ``LayerWeights`` and the LM head's ``PackedLinear`` already built (a
     GGUF load packs them layer by layer, ``model/gguf.py``); used instead of packing ``model``'s weights.
+    ``release_weights``: int8/int4 weights are the model's only copy: its projections then read them
+    (``model/weight_views.py``); for a model this runner alone uses (``from_pretrained``, a GGUF load).
     ``prefill_pairs``: with bfloat16 K/V and queries on an AVX512-BF16 CPU, which of the kernel's
     products multiply bf16 pairs (``vdpbf16ps``; ``model/attention.py``'s ``prefill_attention``):
     ``"scores"`` (default: exact products, the widened path's accuracy), ``"scores+values"``
@@ -138,16 +141,17 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
                  dtype=None, weights: str = "dense", kv_store_dtype=None, fast: bool = True,
                  threads: int | None = None, block_causal: bool = True, compile: bool = False,
                  compile_cache_dir=None, decode_attention: str = "auto", decode_step: str = "auto",
-                 prefill_attention: str = "auto", prefill_pairs: str = "scores", prepacked: tuple | None = None):
+                 prefill_attention: str = "auto", prefill_pairs: str = "scores", prepacked: tuple | None = None,
+                 release_weights: bool = False):
         """The runner over ``model`` (cast in place to ``dtype`` when it differs; arguments: the class
         docstring)."""
         if kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {kernel_backend!r}")
         self.architecture = _architecture(model)
         self.numerics = _numerics(model, dtype, weights, kv_store_dtype, fast)
-        fast_weights = prepacked if fast else None  # (layers, head) built while loading (model/gguf.py)
-        if fast_weights is None and fast and packable(model) and self.numerics.weights == "int4":  # quantise the weights as loaded (fp32
-            fast_weights = self._fast_weights(model)  # from the GGUF: its Q4_1 levels), before the cast below
+        fast_weights, can_pack = prepacked if fast else None, fast and (prepacked is not None or packable(model))
+        if fast_weights is None and can_pack and self.numerics.weights == "int4":  # quantise the weights as loaded (fp32
+            fast_weights = self._fast_weights(model, release_weights)  # from the GGUF: its Q4_1 levels), before the cast below
         if next(model.parameters()).dtype != self.numerics.torch_dtype:
             model.to(self.numerics.torch_dtype)
         self.threads = set_threads(threads)
@@ -157,8 +161,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         self.block_causal = block_causal
         self.fast_layers: list[LayerWeights] | None = None
         self.fast_head: PackedLinear | None = None
-        if fast and packable(model):
-            self.fast_layers, self.fast_head = fast_weights or self._fast_weights(model)
+        if can_pack:
+            self.fast_layers, self.fast_head = fast_weights or self._fast_weights(model, release_weights)
         elif weights in QUANTIZED:
             raise UnsupportedModelError(f"{weights} weights need Llama-family linear projections in every layer")
         self._pick_paths(decode_attention, decode_step, prefill_attention, prefill_pairs, compile, compile_cache_dir)
@@ -210,18 +214,19 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
             raise ConfigError(f"prefill_pairs must be one of {', '.join(PAIRS)}, got {prefill_pairs!r}")
         self.prefill_pairs = prefill_pairs
 
-    def _fast_weights(self, model) -> tuple[list[LayerWeights], PackedLinear]:
+    def _fast_weights(self, model, release: bool) -> tuple[list[LayerWeights], PackedLinear]:
         """Every layer's fused projections and the LM head in the numerics' fast layout. With int4
         weights the LM head stays bf16: the default GGUF keeps it (the tied embedding) at Q8_0, and
         int4 there moved the next-token distribution ~25x more than int4 projections did
         (teacher-forced KL vs fp32 0.045 vs 0.0018 nats, docs/speed.md) for 2.3 ms per token."""
         try:
-            layers = [LayerWeights(layer, self.numerics) for layer in model.model.layers]
+            layers = pack_layers(model.model.layers, self.numerics, release)  # release: quantised layers' HF weights
             head = model.lm_head
             head_numerics = self.numerics
             if self.numerics.weights == "int4":
                 head_numerics = self.numerics.model_copy(update={"weights": "dense"})
-            return layers, PackedLinear(head.weight, getattr(head, "bias", None), head_numerics)
+            head = PackedLinear(head.weight, getattr(head, "bias", None), head_numerics)
+            return layers, release_head(model, head) if release else head
         except ValueError as exc:  # a shape the weight format cannot take (int4 groups)
             raise UnsupportedModelError(str(exc)) from exc
 
@@ -233,20 +238,11 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         run one representative prefill and decode now so the first request pays no one-time cost.
         ``device``: ``"auto"`` (default: CUDA where present, else the CPU), ``"cpu"``, ``"cuda"``
         or ``"cuda:N"``."""
-        from cachedrag.model.gguf import is_gguf, load_gguf_packed
-        from cachedrag.model.loader import GEMMA_MODEL, load_model, resolve_model_path
+        from cachedrag.model.loader import load_for_runner
 
-        device = resolve_device(device)
-        if str(name_or_path).lower() == GEMMA_MODEL:
-            name_or_path = resolve_model_path(name_or_path)  # the GGUF file of the gemma extra
-        name = dtype_name(dtype) if dtype is not None else ("bfloat16" if weights in QUANTIZED else "float32")
-        load_dtype = DTYPES["float32"] if weights == "int4" else DTYPES[name]  # int4 quantises the fp32 values
-        report = None
-        if is_gguf(name_or_path) and torch.device(device).type == "cpu":  # each layer packed as it loads
-            model, tokenizer, kwargs["prepacked"], report = load_gguf_packed(
-                name_or_path, name, weights, kv_store_dtype, load_dtype, kwargs.get("fast", True))
-        else:
-            model, tokenizer = load_model(name_or_path, dtype=load_dtype, device=device)
+        model, tokenizer, name, kwargs["prepacked"], report = load_for_runner(
+            name_or_path, dtype, weights, kv_store_dtype, resolve_device(device), kwargs.get("fast", True))
+        kwargs.setdefault("release_weights", True)  # the runner alone holds the model it loaded
         runner = cls(model, tokenizer, dtype=name, weights=weights, kv_store_dtype=kv_store_dtype, threads=threads,
                      **kwargs)
         runner.load_report = report
@@ -269,7 +265,7 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         are paid at load instead of by the first request. Returns the seconds it took."""
         start = time.perf_counter()
         n = max(8, min(prompt_tokens, self.max_context - decode_steps - 8))
-        vocab = self.model.get_input_embeddings().weight.shape[0]
+        vocab = self.model.get_input_embeddings().num_embeddings
         ids = torch.arange(n) % max(1, vocab - 1) + 1  # [n]
         kv = self.new_kv(n + decode_steps + 8)
         self.prefill(ids, kv=kv)
