@@ -26,37 +26,54 @@ import torch.nn.functional as F
 
 INT4_GROUP = 32  # input columns per scale/zero group (= llama.cpp's Q4_1 block)
 ROW_MULTIPLE = 16  # the CPU kernel wants a multiple of 16 output rows (padded with zero rows)
-ROW_BLOCK = 512  # rows dequantised per step: the float32 intermediate stays in cache
+ROW_BLOCK = 512  # rows (de)quantised per step: the float32 intermediate stays in cache
+PACK_ROWS = 4096  # rows packed per call of torch's packing op (a multiple of its row blocks)
 _BLOCKS = (64, 32)  # row-block sizes torch packs with (AVX-512: 64; AVX2 and others: 32)
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes [O', I] uint8 in 0..15, scale_zero [G, O', 2] bf16)`` of ``weight`` ``[O, I]``, ``O'`` the
-    rows padded to ``ROW_MULTIPLE`` (zero rows), ``G = I / INT4_GROUP``."""
-    out_f, in_f = weight.shape
+def quantize(weight: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [O', I] uint8 in 0..15, scale_zero [G, O', 2] bf16)`` of ``weight`` ``[O, I]`` (or its row
+    blocks in order, quantised as if concatenated), ``O'`` the rows padded to ``ROW_MULTIPLE`` (zero
+    rows), ``G = I / INT4_GROUP``. ``ROW_BLOCK`` rows at a time: float32 temporaries of one block only."""
+    parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+    out_f, in_f = sum(p.shape[0] for p in parts), parts[0].shape[1]
     if in_f % INT4_GROUP:
         raise ValueError(f"int4 weights need input sizes divisible by {INT4_GROUP}, got a [{out_f}, {in_f}] weight")
     pad = -out_f % ROW_MULTIPLE
+    if pad:
+        parts.append(torch.zeros(pad, in_f))
     codes = torch.empty(out_f + pad, in_f, dtype=torch.uint8)  # [O', I]
     scale_zero = torch.empty(out_f + pad, in_f // INT4_GROUP, 2, dtype=torch.bfloat16)  # [O', G, 2]
-    for start in range(0, out_f + pad, ROW_BLOCK):  # row blocks: float32 temporaries of one block only
-        stop = min(start + ROW_BLOCK, out_f + pad)
-        w = weight[start:min(stop, out_f)].float()  # [b, I]
-        if w.shape[0] < stop - start:
-            w = F.pad(w, (0, 0, 0, stop - start - w.shape[0]))  # [b, I] with the zero padding rows
-        w = w.view(-1, in_f // INT4_GROUP, INT4_GROUP)  # [b, G, g]
-        lo, hi = w.amin(-1), w.amax(-1)  # [b, G]
-        scale = ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16).float()  # [b, G]
-        zero = (lo + 8 * scale).to(torch.bfloat16).float()  # [b, G]
-        q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)  # [b, G, g]
-        codes[start:start + w.shape[0]] = q.view(w.shape[0], in_f).to(torch.uint8)
-        scale_zero[start:start + w.shape[0]] = torch.stack([scale, zero], -1).to(torch.bfloat16)
+    row = 0
+    for part in parts:
+        for start in range(0, part.shape[0], ROW_BLOCK):
+            w = part[start:start + ROW_BLOCK].float()  # [b, I]
+            b = w.shape[0]
+            w = w.view(b, in_f // INT4_GROUP, INT4_GROUP)  # [b, G, g]
+            lo, hi = w.amin(-1), w.amax(-1)  # [b, G]
+            scale = ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16).float()  # [b, G]
+            zero = (lo + 8 * scale).to(torch.bfloat16).float()  # [b, G]
+            q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)  # [b, G, g]
+            codes[row:row + b] = q.view(b, in_f).to(torch.uint8)
+            scale_zero[row:row + b] = torch.stack([scale, zero], -1).to(torch.bfloat16)
+            row += b
     return codes, scale_zero.transpose(0, 1).contiguous()  # [O', I], [G, O', 2]
 
 
 def torch_pack(codes: torch.Tensor) -> torch.Tensor:
-    """torch's CPU kernel layout of ``codes`` ``[O', I]`` (uint8 ``[O', I/2]``, private)."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    """torch's CPU kernel layout of ``codes`` ``[O', I]`` (uint8 ``[O', I/2]``, private). Where the layout is
+    known (its row blocks independent), ``PACK_ROWS`` rows at a time: the op's int32 input is never the
+    whole weight (4 bytes a code)."""
+    block, rows = layout(), codes.shape[0]
+    if block is None or rows <= PACK_ROWS:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    out = torch.empty(rows, codes.shape[1] // 2, dtype=torch.uint8)  # [O', I/2]
+    flat, half = out.view(-1), codes.shape[1] // 2
+    for start in range(0, rows, PACK_ROWS):
+        stop = min(start + PACK_ROWS, rows)
+        flat[start * half:stop * half] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes[start:stop].to(torch.int32), 1).view(-1)
+    return out
 
 
 def plain_pack(codes: torch.Tensor) -> torch.Tensor:
@@ -99,7 +116,8 @@ def layout() -> int | None:
         for rows in (16, 32, 48, block, block + 16, 2 * block + 48):
             codes = torch.randint(0, 16, (rows, 96), dtype=torch.uint8, generator=g)  # [O', I]
             try:
-                got = _unpack_torch(torch_pack(codes), block, 0, rows, rows, 96)
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+                got = _unpack_torch(packed, block, 0, rows, rows, 96)
             except RuntimeError:  # a view that does not fit this layout's sizes
                 ok = False
                 break
@@ -124,9 +142,11 @@ class Int4Weight:
     """One weight ``[O, I]`` in int4: torch's packed codes (``packed``, what the kernel reads),
     ``scale_zero`` ``[G, O', 2]`` bf16, and the plain-layout codes only where torch's layout is unknown."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.out_features, self.in_features = weight.shape
-        codes, self.scale_zero = quantize(weight)  # [O', I], [G, O', 2]
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor]):
+        """``weight``: ``[O, I]`` or its row blocks in order (``quantize``)."""
+        parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+        self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        codes, self.scale_zero = quantize(parts)  # [O', I], [G, O', 2]
         self.rows = codes.shape[0]
         self.packed = torch_pack(codes)  # [O', I/2] uint8
         self.block = layout()

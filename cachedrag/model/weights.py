@@ -147,24 +147,29 @@ class Numerics(BaseModel):
 class PackedLinear:
     """``x @ W^T + b`` for ``x`` ``[..., I]`` with ``W`` ``[O, I]`` in a CPU-friendly layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, numerics: Numerics):
-        weight = weight.detach()
-        self.out_features, self.in_features = weight.shape
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, numerics: Numerics):
+        """``weight``: ``[O, I]``, or its row blocks in order (quantised formats read them one at a time,
+        never concatenating them: no float copy of the fused weight while packing)."""
+        parts = [w.detach() for w in weight] if isinstance(weight, (list, tuple)) else [weight.detach()]
+        self.out_features, self.in_features = sum(w.shape[0] for w in parts), parts[0].shape[1]
         self.kind = "dense"
         self.bias = bias.detach().to(numerics.torch_dtype) if bias is not None else None
-        self.weight = weight.to(numerics.torch_dtype).contiguous()  # [O, I]
-        if weight.device.type != "cpu":
+        cpu = parts[0].device.type == "cpu"
+        self.weight = None  # [O, I] below, unless quantised on the CPU
+        if not cpu or numerics.weights not in QUANTIZED:
+            self.weight = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(numerics.torch_dtype).contiguous()
+        if not cpu:
             return
         self.dynamic = None
         if numerics.weights in ("int8", "int8-dynamic"):
-            self.qweight, scale = int8_rows(weight)  # [O, I] int8, [O] float32
+            self.qweight, scale = int8_rows(parts)  # [O, I] int8, [O] float32
             self.scale = scale.to(numerics.torch_dtype)  # [O]
             self.weight = None
             self.kind = "int8"
             if numerics.weights == "int8-dynamic":
                 self.dynamic = _prepack_dynamic(self.qweight, self.scale, self.bias)
         elif numerics.weights == "int4":  # the packed codes only: prefill dequantises one weight per call
-            self.int4 = Int4Weight(weight)
+            self.int4 = Int4Weight(parts)
             self.int4_packed, self.int4_scale_zero = self.int4.packed, self.int4.scale_zero  # [O', I/2], [G, O', 2]
             self.weight = None
             self.kind = "int4"
@@ -225,17 +230,22 @@ class PackedLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-def int8_rows(weight: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_rows(weight: torch.Tensor | list[torch.Tensor], block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-row symmetric int8: ``q = round(w / s)``, ``s = absmax(row) / 127``; ``(q [O, I] int8,
     s [O] float32)``. Computed ``block`` rows at a time (each row alone, so the result is the same for
-    any block): a large weight (Gemma's 262k-row tied embedding as LM head) never has float32 copies."""
-    q = torch.empty(weight.shape, dtype=torch.int8)  # [O, I]
-    scale = torch.empty(weight.shape[0], dtype=torch.float32)  # [O]
-    for start in range(0, weight.shape[0], block):
-        w = weight[start:start + block].float()  # [b, I]
-        s = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [b]
-        q[start:start + block] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
-        scale[start:start + block] = s
+    any block): a large weight (Gemma's 262k-row tied embedding as LM head) never has float32 copies.
+    ``weight`` may be a list of row blocks (quantised in order, as if concatenated)."""
+    parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+    q = torch.empty(sum(p.shape[0] for p in parts), parts[0].shape[1], dtype=torch.int8)  # [O, I]
+    scale = torch.empty(q.shape[0], dtype=torch.float32)  # [O]
+    row = 0
+    for part in parts:
+        for start in range(0, part.shape[0], block):
+            w = part[start:start + block].float()  # [b, I]
+            s = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [b]
+            q[row:row + w.shape[0]] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+            scale[row:row + w.shape[0]] = s
+            row += w.shape[0]
     return q, scale
 
 
@@ -300,11 +310,11 @@ class LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         self.q_out = attn.q_proj.weight.shape[0]
         self.kv_out = attn.k_proj.weight.shape[0]
-        w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # [Oq + 2*Okv, Dm]
+        w = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]  # row blocks of [Oq + 2*Okv, Dm]
         self.qkv = PackedLinear(w, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), numerics)
         self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, numerics)
         self.ff = mlp.gate_proj.weight.shape[0]
-        gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2*Dff, Dm]
+        gu = [mlp.gate_proj.weight, mlp.up_proj.weight]  # row blocks of [2*Dff, Dm]
         self.gate_up = PackedLinear(gu, _cat_bias(mlp.gate_proj, mlp.up_proj), numerics)
         self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, numerics)
         self.act = mlp.act_fn

@@ -13,14 +13,17 @@ from cachedrag.testing import byte_tokenizer, tiny_model
 
 
 @pytest.mark.parametrize("rows,cols", [(16, 64), (40, 32), (64, 96), (80, 64), (700, 64), (1000, 32)])
-def test_int4_dequantized_from_packed_codes_equals_the_reference(rows, cols):
+def test_int4_dequantized_from_packed_codes_equals_the_reference(rows, cols, monkeypatch):
     """The weight rebuilt from torch's packed codes (full 64-row blocks, tails, padded rows, several
-    ``ROW_BLOCK`` steps) equals ``(q - 8) * scale + zero`` from the codes before packing, bit for bit."""
+    ``ROW_BLOCK`` steps) equals ``(q - 8) * scale + zero`` from the codes before packing, bit for bit;
+    packed in row chunks it is torch's packing of the whole weight, and row blocks quantise as the whole."""
+    monkeypatch.setattr(int4, "PACK_ROWS", 128)
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.1  # [O, I]
     codes, scale_zero = int4.quantize(w)  # [O', I], [G, O', 2]
-    weight = int4.Int4Weight(w)
+    weight = int4.Int4Weight([w[:rows // 3], w[rows // 3:]])  # two row blocks, as a fused q/k/v arrives
     assert torch.equal(weight.dequantized(), int4.reference_dequantized(codes, scale_zero)[:rows])
-    assert torch.equal(weight.packed, int4.torch_pack(codes))  # what the kernel reads: unchanged
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    assert torch.equal(weight.packed, whole) and torch.equal(weight.scale_zero, scale_zero)  # what the kernel reads
 
 
 def test_int4_plain_layout_where_torch_layout_is_unknown(monkeypatch):
