@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 #: llama.cpp architecture names the runner drives (``general.architecture``)
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-_SLICE_BYTES = 64 << 20  # a large tensor (the embedding) is dequantised this many float32 bytes at a time
+_SLICE_BYTES = 16 << 20  # tensors are dequantised this many float32 bytes at a time (gguf's numpy routines make
+# several temporaries of a slice's size)
 
 
 def is_gguf(name_or_path) -> bool:
