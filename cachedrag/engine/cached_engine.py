@@ -97,7 +97,7 @@ class CachedEngine:
         self.buffer_fill: float | None = None
         # the question pre-pass: "eager" op by op in ``_question_scores`` (the default, and the reference);
         # "cuda-graph" replays it from graphs captured per buffer and row bucket (model/question_graph.py;
-        # opt-in on CUDA until a GPU run proves it equal, docs/gpu.md); "static" runs that padded pass
+        # opt-in on CUDA until a GPU run proves it equal, docs/notes/gpu.md); "static" runs that padded pass
         # eagerly (its CPU check)
         self.question_pass = "eager"
         self.question_graphs = None  # QuestionPassGraphs once a padded pass ran (its captures, passes, failure)

@@ -78,7 +78,7 @@ class RowPrecision:
     attention stay in the runner's precision). Each field is ``"bfloat16"`` or ``"float32"`` (the
     runner's own weights: the reference path). bfloat16 applies to a float32 runner with fused fast
     layers only; any other runner computes in its own precision. System and question rows always
-    keep the runner's precision. Measured trade-offs: docs/fidelity.md.
+    keep the runner's precision. Measured trade-offs: docs/notes/fidelity.md.
 
       question: the question pre-pass that ranks reused tokens (question token choices). It only
         ranks; a request whose fresh chunks lead every reused one runs it in the runner's precision,
@@ -205,7 +205,7 @@ class CacheConfig:
         Retrieved chunks are reused at any length. 0 = off (the reference behaviour). >= 0.
       recompute_ratio: None = per-chunk ceil(CFO x len) recompute (Cache-Craft); a number = fixed
         global ratio, ceil(ratio x len) tokens of every reused chunk (token choice unchanged).
-        [0, 1]. Default 0.27: the measured frontier's pick (docs/fidelity.md): the first ratio past
+        [0, 1]. Default 0.27: the measured frontier's pick (docs/notes/fidelity.md): the first ratio past
         teacher-forced top-1 0.98 and ROUGE-L 0.90 vs full prefill on ``bench ttft``, at x_prefix 2.07
         in that run (0.3: 1.86; 0.2, the previous default: 2.40 at ROUGE-L 0.86).
       token_choice: which tokens of a reused chunk are recomputed (the count is always
@@ -231,7 +231,7 @@ class CacheConfig:
                        ``token_inter`` (free: no probe), ``question_weight`` as above.
         Default ``question+inter``: the lowest teacher-forced KL of every real choice at 20-50%
         recompute on the measured frontier (SmolLM2-135M, stdlib + GNU info, 2 seeds,
-        docs/fidelity.md).
+        docs/notes/fidelity.md).
       check_layer: the layer whose K/V deviation picks the tokens (``token_choice="deviation"``),
         >= 1; a model with no more layers than this recomputes by ``leading`` instead.
       deviation_on: what the deviation measures: "v" (default), "k" (rotated K, as CacheBlend)

@@ -22,7 +22,7 @@ query. For a prefill, SDPA takes an arbitrary causal-by-position mask only as a 
 reads for every block; the prefill kernel masks only the tiles a row's position cuts and skips the
 rows that end before a tile. With bf16 queries and K/V on AVX512-BF16 CPUs the prefill scores run
 on bf16 pairs (``pairs``). Threads: ``at::parallel_for`` with torch's intra-op thread count.
-Measurements: docs/speed.md.
+Measurements: docs/notes/speed.md.
 
 Does not own: building the library (``native.py``), where the KV lives or its dtype
 (``runner.py``), which rows a prefill computes.

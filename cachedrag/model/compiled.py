@@ -11,7 +11,7 @@ three packages shared by every layer (the layer's weights are arguments, not con
 
 Attention (its key count grows every step) stays eager between the calls (the runner's
 ``_attend_row``: the split-K kernel by default), as do the K/V row writes and the LM head (attention and the writes inside the package, the KV length a dynamic
-dimension, saved <= ~1 ms per token: the flash kernel's own time dominates; docs/speed.md
+dimension, saved <= ~1 ms per token: the flash kernel's own time dominates; docs/notes/speed.md
 "Decode, round 6"). Packages are cached under ``cache_home()/aoti``, keyed by the segment's
 shapes and formats, torch's version, the thread count baked into the kernels and the CPU's
 instruction-set flags, each beside the SHA-256 of its bytes; a package whose bytes no longer match
@@ -61,7 +61,7 @@ def _kind(p: PackedLinear) -> str:
     if p.kind == "int4":
         return "int4"
     raise ConfigError(f"compile=True supports {', '.join(SUPPORTED)} (bfloat16 dense and int8-dynamic decode "
-                      f"faster eager, docs/speed.md); this runner's projections are {p.kind!r}")
+                      f"faster eager, docs/notes/speed.md); this runner's projections are {p.kind!r}")
 
 
 def _linear_args(p: PackedLinear) -> tuple[torch.Tensor, ...]:

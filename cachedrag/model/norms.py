@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     measured, torch 2.13); for bf16 it rounds differently from HF (weight applied in float32), so
     the HF arithmetic is spelled out (``F.rms_norm`` without a weight on the float32 row, then
     rounding and the weight, is bitwise equal with half the ops, but no faster inside a decode
-    step: measured, docs/speed.md)."""
+    step: measured, docs/notes/speed.md)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # [T, Dm]
     xf = x.float()  # [T, Dm]
@@ -30,7 +30,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """``rms_norm`` for the decode step in 3-4 kernels instead of ~10: LayerNorm of ``[x, -x]``
     (mean 0, mean square equal to ``x``'s) is ``x * rsqrt(mean(x^2) + eps)`` on its first half, and
     ``F.layer_norm`` is one fused CPU kernel while ``F.rms_norm`` is composite on the CPU in torch
-    2.13 (casts, pow, mean, add, rsqrt, mul: measured 1.0-1.5 ms of a decode step, docs/speed.md).
+    2.13 (casts, pow, mean, add, rsqrt, mul: measured 1.0-1.5 ms of a decode step, docs/notes/speed.md).
     ``weight`` comes from ``RunnerDecode._norm_weights``: for float32 rows it is ``[w, 0]`` (``[2*Dm]``,
     applied inside the kernel; equal to ``F.rms_norm`` to float rounding, the mean of ``[x, -x]``
     is zero only up to it); for bfloat16 rows it is ``w`` (``[Dm]``), applied after the kernel's

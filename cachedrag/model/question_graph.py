@@ -11,7 +11,7 @@ and the reference this one is tested against).
 
 Why our own: on a GPU the pre-pass is a few dozen rows through ~17 layers, ~30 launches a layer,
 for almost no arithmetic: on an 8B model the host issuing those launches set the pace (~1.2 ms a
-layer, ~20 ms of a ~100 ms reuse request, GPU mostly idle; docs/gpu.md). Replayed from a graph
+layer, ~20 ms of a ~100 ms reuse request, GPU mostly idle; docs/notes/gpu.md). Replayed from a graph
 the launches cost the GPU 1-2 µs each and the host one call. ``torch.compile`` with CUDA graphs
 would recompile per row count and buffer size; this is the runner's own ops captured as they are,
 as the decode step is (``model/cuda_graph.py``), so it stays equal to the eager pass (tests).
@@ -25,7 +25,7 @@ uninitialised NaN would still be NaN.
 Status: opt-in (``CachedEngine.question_pass = "cuda-graph"``; the default is the eager pass). It
 was written on a machine without a GPU: the padded static pass is tested against the eager pass
 on the CPU, the capture only by GPU-marked tests not yet run; ``cachedrag bench shapes`` times it
-beside the eager pass on CUDA (``cachedrag_graph_pass``). docs/gpu.md says what remains.
+beside the eager pass on CUDA (``cachedrag_graph_pass``). docs/notes/gpu.md says what remains.
 
 Does not own: which requests may take it (the engine: no hidden rows, no leading fresh rows shared
 with the prefill, no sliding windows), the layer loads it reads (done before the replay), or what

@@ -14,7 +14,7 @@ Why: the engine's question pre-pass (``CachedEngine._question_scores``) runs the
 With so few rows the float32 projections are bound by reading the weights (14 MB a layer for
 SmolLM2-135M); bfloat16 weights through oneDNN (AMX where the CPU has it) read half the bytes and
 compute faster: the pre-pass of a request that reuses 5 chunks fell from 52 to 38 ms (probe,
-docs/fidelity.md). The pass produces a ranking, never KV or logits of the answer: the prefill
+docs/notes/fidelity.md). The pass produces a ranking, never KV or logits of the answer: the prefill
 overwrites every row it wrote. Residual stream, norms, RoPE and attention stay in the runner's
 dtype; only the matmuls round their inputs and outputs to bfloat16 (fp32 accumulation).
 Costs one bfloat16 copy of those layers' projections (17 layers of SmolLM2-135M: 120 MB; all 30,

@@ -5,7 +5,7 @@ for the GPU. ``torch.tensor(values, device="cuda")`` copies from pageable memory
 the GPU has run everything queued before it (a stream synchronisation per call). A reuse request
 builds ~30 such tensors (token ids, compute positions, fresh rows, each reused chunk's scores), so
 at an 8B shape on an H100 every one of them stalled the host behind the GPU and the GPU behind the
-host (docs/gpu.md). Here the values go into page-locked memory and the copy is queued behind the
+host (docs/notes/gpu.md). Here the values go into page-locked memory and the copy is queued behind the
 GPU's work; PyTorch's caching host allocator keeps the page-locked block until that copy has run.
 On the CPU it is ``torch.tensor``.
 

@@ -22,7 +22,7 @@ Separators (``PassageConfig.attach_separators``, off by default): left as text s
 own, the 1-2-token separators between chunks are computed, never reused (the engine's
 ``CacheConfig.min_reuse_tokens``), so an all-miss request is a plain prefill that stores its exact
 path. Joined to the chunk before them, they are cached and approximated with it (lower fidelity
-measured: docs/serving.md).
+measured: docs/notes/scheduling.md, "Separators between chunks").
 
 Does not own: HTTP and request bodies (``cachedrag.server``), tokenisation details and keys
 (``segments``, ``cachedrag.kvcache``), or the engine.
@@ -57,7 +57,7 @@ class PassageConfig(BaseModel):
     attach_separators: bool = Field(
         False, description="the whitespace after each chunk joins the chunk's segment instead of being a segment of "
                            "its own between chunks (faster cold and repeated prefills; lower fidelity measured: "
-                           "docs/serving.md)")
+                           "docs/notes/scheduling.md)")
     tokenization: Literal["whole", "parts"] = Field(
         "whole", description="'whole': the rendered prompt is tokenised as one text (the ids any server computes "
                              "for these messages) and cut at chunk boundaries; 'parts': every chunk and text part "

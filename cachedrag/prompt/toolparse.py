@@ -9,9 +9,9 @@ its string is closed, before any of its arguments; arguments stream as the raw J
 model wrote (compact under a grammar). Text that might be the start of a call marker is held
 back until it is decided. Partial JSON is tolerated: ``finish`` closes a call cut off by the
 token limit (open strings and brackets closed, a dangling key dropped), so its arguments are
-still a JSON object. A call that repeats an earlier one (name and arguments) is dropped after its
-name was announced (``repeats`` counts them): the constraint stops such an answer there
-(``model.constraint.RepeatWatch``).
+still a JSON object. A call that repeats an earlier one (name and arguments) is dropped (``repeats`` counts them): a
+call named like an earlier call streams only once it ended and was not a repeat, so no stream
+shows a dropped call; the constraint stops such an answer there (``model.constraint.RepeatWatch``).
 
 Does not own: the formats themselves (``toolformat``) or the grammars (``toolgrammar``). Pure Python.
 """
@@ -167,6 +167,7 @@ class _CallParser:
         self._id = ""
         self._args_sent = 0
         self.repeats = 0  # calls dropped for repeating an earlier call (name and arguments)
+        self._hold: list | None = None  # events of an open call named like an earlier one (``_release``)
 
     # --- the interface ----------------------------------------------------------------------
     def feed(self, delta: str) -> list:
@@ -176,7 +177,7 @@ class _CallParser:
             n = len(events)
             consumed = self._step(events)
             if not consumed and len(events) == n:
-                return events
+                return self._release(events)
 
     def finish(self) -> list:
         events: list = []
@@ -187,7 +188,28 @@ class _CallParser:
         if self.buf and not self.in_calls:
             events.append(TextDelta(self.buf))
         self.buf = ""
+        events = self._release(events)
+        self._hold = None  # a held call that never ended was a dropped repeat
         return events
+
+    def _release(self, events: list) -> list:
+        """``events`` less those of a call whose name an earlier call already has, which are held
+        until the call ends: passed on with its ``CallEnded``, or never when it was a repeat (no
+        ``CallEnded``), so a stream never shows a call the answer drops. Other calls stream as they come."""
+        out = []
+        for event in events:
+            if isinstance(event, CallStarted):
+                self._hold = [event] if any(c.name == event.name for c in self.calls[:event.index]) else None
+                if self._hold is not None:
+                    continue
+            elif self._hold is not None and isinstance(event, ArgumentsDelta):
+                self._hold.append(event)
+                continue
+            elif self._hold is not None and isinstance(event, CallEnded):
+                out.extend(self._hold)
+                self._hold = None
+            out.append(event)
+        return out
 
     # --- modes ------------------------------------------------------------------------------
     def _step(self, events: list, final: bool = False) -> bool:

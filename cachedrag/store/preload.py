@@ -201,7 +201,7 @@ class LayerLoader:
         host only issues, so no thread: a thread per chunk that waited on each layer's copy before
         handing it over made the host wait too and contend for the GIL (20 chunks at an 8B shape
         on an H100: 466 ms from this tier vs 155 ms from the GPU tier, for ~27 ms of copies;
-        docs/gpu.md). PyTorch's host allocator keeps a page-locked block alive until the copies
+        commit 3574ef0; this tier's figures since: docs/notes/gpu.md). PyTorch's host allocator keeps a page-locked block alive until the copies
         reading it have run, so an entry evicted meanwhile is still read whole. Their time is not
         observed (``mean_layer_seconds`` stays None): copies of other chunks run between them."""
         self._queued = True

@@ -19,11 +19,10 @@ from llama_index.core.query_engine import (
     SubQuestionQueryEngine,
     TransformQueryEngine,
 )
-from llama_index.core.output_parsers.base import StructuredOutput
 from llama_index.core.question_gen import LLMQuestionGenerator
-from llama_index.core.question_gen.output_parser import SubQuestionOutputParser
 from llama_index.core.question_gen.types import SubQuestion
 from llama_index.core.response_synthesizers import get_response_synthesizer
+from llama_index.core.schema import QueryBundle
 from llama_index.core.tools import QueryEngineTool, ToolMetadata
 
 from cachedrag.integrations.llama_index import CachedRAGLLM, CachedRAGRetriever
@@ -87,39 +86,23 @@ def test_transform_query_engine_with_hyde(query_engine, retriever, llm):
     assert llm.last_stats["registered_chunks"] == 2
 
 
-class _SubQuestionsOrWhole(SubQuestionOutputParser):
-    """The default parser; when the model's JSON is unusable, the whole question for the one tool.
-
-    SmolLM2-135M rarely writes valid sub-question JSON; the fallback keeps the engine's own
-    path (question generation by the LLM, sub-queries, synthesis) running end to end.
-    """
-
-    def __init__(self, question: str, tool: str):
-        self.question, self.tool, self.fell_back = question, tool, False
-
-    def parse(self, output: str):
-        try:
-            return super().parse(output)
-        except Exception:  # OutputParserException, ValueError, ValidationError, ...
-            self.fell_back = True
-            return StructuredOutput(raw_output=output,
-                                    parsed_output=[SubQuestion(sub_question=self.question, tool_name=self.tool)])
-
-
-def test_sub_question_query_engine(query_engine, llm):
+def test_sub_question_query_engine_with_the_stock_question_generator(query_engine, llm):
+    """LlamaIndex's own ``LLMQuestionGenerator`` (its prompt and parser, nothing custom): the sub-question
+    JSON is decoded under the parser's schema, so the 135M model's plan parses and names a real tool."""
     question = "What do heapq.heappush and bisect.insort do?"
-    parser = _SubQuestionsOrWhole(question, "stdlib_docs")
-    question_llm = CachedRAGLLM(max_new_tokens=48)  # room for JSON; same shared engine and cache
+    question_llm = CachedRAGLLM(max_new_tokens=160)  # room for the JSON; same shared engine and cache
     assert question_llm.engine is llm.engine
     tools = [QueryEngineTool(query_engine=query_engine,
                              metadata=ToolMetadata(name="stdlib_docs", description="Python standard library docs"))]
-    engine = SubQuestionQueryEngine.from_defaults(
-        query_engine_tools=tools, llm=llm, use_async=True, verbose=False,
-        question_gen=LLMQuestionGenerator.from_defaults(llm=question_llm, output_parser=parser))
+    generator = LLMQuestionGenerator.from_defaults(llm=question_llm)
+    sub_questions = generator.generate([t.metadata for t in tools], QueryBundle(question))
+    assert sub_questions and all(isinstance(q, SubQuestion) for q in sub_questions)
+    assert {q.tool_name for q in sub_questions} == {"stdlib_docs"} and all(q.sub_question for q in sub_questions)
+    engine = SubQuestionQueryEngine.from_defaults(query_engine_tools=tools, llm=llm, use_async=True,
+                                                  verbose=False, question_gen=generator)
     response = engine.query(question)
     assert isinstance(response.response, str)
-    assert response.source_nodes  # the sub-answers, each citing its own sources
-    assert question_llm.last_stats["prompt_tokens"] > 0
+    assert len(response.source_nodes) >= len(sub_questions)  # each sub-answer cites its own sources
 
 
 def test_multi_step_query_engine(query_engine, llm):

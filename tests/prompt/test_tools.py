@@ -162,6 +162,27 @@ def test_parsers_stream_name_first_then_arguments(fmt, text, step):
     assert text_out == ("Let me check. " if fmt is F.HERMES else "")
 
 
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_a_repeated_call_never_reaches_the_stream(step):
+    """Two calls named alike: the second streams once it ended, or never when it repeats the first
+    (a small model looping on parallel calls), so a streamed message and the whole answer agree."""
+    text = ('{"tool_calls": [{"name": "ping", "arguments": {}}, {"name": "ping", "arguments": {}}, '
+            '{"name": "search", "arguments": {"query": "x"}}, {"name": "search", "arguments": {"query": "y"}}]}')
+    events, calls = _events(F.ENVELOPE, text, step)
+    assert [(c.name, c.args) for c in calls] == [("ping", {}), ("search", {"query": "x"}), ("search", {"query": "y"})]
+    started = [e for e in events if isinstance(e, CallStarted)]
+    assert [(e.index, e.name) for e in started] == [(0, "ping"), (1, "search"), (2, "search")]
+    last_search = [i for i, e in enumerate(events) if getattr(e, "index", None) == 2]
+    assert last_search == list(range(last_search[0], len(events)))  # held, then passed on whole at its end
+    assert isinstance(events[last_search[-1]], CallEnded)
+    for index in (0, 1, 2):
+        args = "".join(e.text for e in events if isinstance(e, ArgumentsDelta) and e.index == index)
+        assert json.loads(args) == calls[index].args
+    events, calls = _events(F.ENVELOPE, '{"tool_calls": [{"name": "ping", "arguments": {}}, {"name": "ping", "argu',
+                            step)  # a repeat cut off by the token limit: dropped, never shown
+    assert len(calls) == 1 and [e.index for e in events if isinstance(e, CallStarted)] == [0]
+
+
 @pytest.mark.parametrize("fmt", [F.HERMES, F.ENVELOPE, F.LLAMA3_BARE, F.MISTRAL])
 def test_text_without_calls_passes_through(fmt):
     text = "No call needed: <tool is a word, [TOOL and {\"x\": 1} too."

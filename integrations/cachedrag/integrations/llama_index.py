@@ -56,6 +56,7 @@ from cachedrag.config import FidelityName
 from cachedrag.integrations.engines import engine_name, fidelity_engine, load_engine
 from cachedrag.integrations.generator import Answer, ChunkAwareGenerator, ToolRequest, json_constraint, sampling_params
 from cachedrag.integrations.llama_index_retrieval import CachedRAGNodePostprocessor, CachedRAGRetriever
+from cachedrag.integrations.llama_index_parsers import parser_schema
 from cachedrag.integrations.llama_index_tools import ToolCallTracker, prepare_chat_with_tools, tool_selections
 from cachedrag.integrations.llama_index_tools import to_messages as _messages
 from cachedrag.integrations.query_stats import QueryStats
@@ -130,18 +131,40 @@ class CachedRAGLLM(FunctionCallingLLM):
                            **prompt_args: Any):
         """An ``output_cls`` instance from grammar-constrained JSON decoding (valid for its schema
         whatever the model size), instead of LlamaIndex's prompt-and-parse fallback."""
-        messages = prompt.format_messages(llm=self, **prompt_args)
-        kwargs = dict(llm_kwargs or {})
-        kwargs["response_format"] = {"type": "json_schema", "schema": output_cls.model_json_schema()}
-        answer = self._answer(self._generator.render_messages(_messages(messages)), kwargs)
-        if answer.finish_reason == "length":
-            raise ValueError(f"structured output was cut at max_new_tokens={self.max_new_tokens} before the "
-                             f"JSON was complete; raise max_new_tokens")
-        return output_cls.model_validate_json(answer.text)
+        rendered = self._generator.render_messages(_messages(prompt.format_messages(llm=self, **prompt_args)))
+        return output_cls.model_validate_json(self._json_text(rendered, output_cls.model_json_schema(), llm_kwargs))
 
     async def astructured_predict(self, output_cls, prompt, llm_kwargs: dict[str, Any] | None = None,
                                   **prompt_args: Any):
         return await run_in_worker(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
+
+    def predict(self, prompt, **prompt_args: Any) -> str:
+        """LlamaIndex's ``predict``; when the prompt's output parser expects a known JSON shape (a
+        Pydantic class, LlamaIndex's sub-questions: ``llama_index_parsers``) the answer is decoded
+        under that shape's grammar, so the parser that reads it does not fail on a small model."""
+        schema = parser_schema(prompt.output_parser, prompt_args)
+        if schema is None:
+            return super().predict(prompt, **prompt_args)
+        if self.metadata.is_chat_model:
+            rendered = self._generator.render_messages(_messages(self._get_messages(prompt, **prompt_args)))
+        else:
+            rendered = self._completion_prompt(self._get_prompt(prompt, **prompt_args), formatted=True)
+        return self._parse_output(self._json_text(rendered, schema))
+
+    async def apredict(self, prompt, **prompt_args: Any) -> str:
+        if parser_schema(prompt.output_parser, prompt_args) is None:
+            return await super().apredict(prompt, **prompt_args)
+        return await run_in_worker(self.predict, prompt, **prompt_args)
+
+    def _json_text(self, rendered: RenderedPrompt, schema: dict, llm_kwargs: dict[str, Any] | None = None) -> str:
+        """The answer to ``rendered`` decoded under the JSON ``schema``; a cut answer raises."""
+        kwargs = dict(llm_kwargs or {})
+        kwargs["response_format"] = {"type": "json_schema", "schema": schema}
+        answer = self._answer(rendered, kwargs)
+        if answer.finish_reason == "length":
+            raise ValueError(f"structured output was cut at max_new_tokens={self.max_new_tokens} before the "
+                             f"JSON was complete; raise max_new_tokens")
+        return answer.text
 
     @classmethod
     def class_name(cls) -> str:
