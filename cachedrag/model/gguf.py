@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from cachedrag.errors import InputError, ModelNotFoundError, UnsupportedModelError
-from cachedrag.model.weight_views import resident_bytes
+from cachedrag.model.weight_views import resident_bytes, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -375,18 +375,6 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, numerics=None, linear_dt
     report.peak_rss_bytes = peak_rss_bytes()
     log.info(report.line())
     return GGUFModel(model, tokenizer, packed, report)
-
-
-def trim_heap() -> None:
-    """Hand the allocator's freed pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere). glibc
-    keeps freed blocks below its mmap threshold, which rises to 32 MB after large frees, so without
-    this the transients of dequantising and packing each tensor stay in the resident set."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _is_linear(model, hf_name: str) -> bool:

@@ -74,6 +74,7 @@ def pack_layers(layers, numerics, release: bool) -> list:
         packed.append(LayerWeights(layer, numerics))
         if release and packed[-1].qkv.kind in QUANTISED_KINDS:
             release_linears(layer, packed[-1])
+            trim_heap()
     return packed
 
 
@@ -149,3 +150,15 @@ def resident_bytes(model, packed=None) -> int:
             seen.add(key)
             total += key[1]
     return total
+
+
+def trim_heap() -> None:
+    """Hand the allocator's freed pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere). glibc
+    keeps freed blocks below its mmap threshold, which rises to 32 MB after large frees, so without
+    this the released weights and the transients of packing stay in the resident set."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -64,7 +64,8 @@ INT8_KERNEL_ROWS = 16  # up to this many rows, the int8 kernel; above, dequantis
 # torch's int8 kernel (_weight_int8pack_mm) reads input columns 16 at a time: at other widths it
 # returns garbage or crashes (torch 2.x, measured); those weights take the dequantised matmul
 INT8_KERNEL_COLUMNS = 16
-INT4_KERNEL_ROWS = 16  # up to this many rows, the int4 kernel; above, oneDNN bf16 on the dequantised weight
+INT4_KERNEL_ROWS = 192  # up to this many rows, the int4 kernel; above, dequantise (one transient bf16 weight)
+# + oneDNN: per 1.5B layer the kernel takes 83 ms for 128 rows, 165 for 256; the dequantised matmul 118, 142
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZED = ("int8", "int8-dynamic", "int4")

@@ -43,7 +43,7 @@ def test_int4_projection_keeps_only_its_packed_codes():
     p = PackedLinear(w, None, Numerics(weights="int4"))
     assert p.weight is None and getattr(p, "packed", None) is None
     assert p.resident_bytes <= 0.63 * w.numel() + (p.int4.plain.numel() if p.int4.plain is not None else 0)
-    x = torch.randn(40, 128).bfloat16()  # prefill rows: one transient dequantised weight
+    x = torch.randn(256, 128).bfloat16()  # prefill rows past the kernel's: one transient dequantised weight
     torch.testing.assert_close(p(x).float(), F.linear(x, p.dequantized()).float(), atol=0, rtol=0)
 
 
@@ -115,3 +115,25 @@ def test_int4_from_a_bf16_checkpoint_loads_bf16_and_packs_the_same(tmp_path):
     for a, b in zip(runner.fast_layers, ref.fast_layers):
         for pa, pb in ((a.qkv, b.qkv), (a.gate_up, b.gate_up), (a.down, b.down)):
             assert torch.equal(pa.int4_packed, pb.int4_packed) and torch.equal(pa.int4_scale_zero, pb.int4_scale_zero)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_gguf_load_keeps_one_copy_and_reports_it(tmp_path, weights):
+    """A GGUF with a tied embedding loaded into int8/int4: the HF modules read the packed weights, an
+    int8 head serves the embedding, and the load report's weight bytes are what the runner keeps;
+    the logits track a runner packed from transformers' load of the same file (which keeps every copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from cachedrag.testing import save_tiny_gguf
+
+    path, _ = save_tiny_gguf(tmp_path / "tied.gguf", qtype="Q8_0", tie_word_embeddings=True)
+    direct = ModelRunner.from_pretrained(str(path), dtype="bfloat16", weights=weights, warmup=False)
+    assert isinstance(direct.layers[1].mlp.down_proj, FusedRows)
+    assert isinstance(direct.model.get_input_embeddings(), HeadRowsEmbedding) == (direct.fast_head.kind == "int8")
+    assert direct.load_report.weight_bytes == resident_bytes(direct.model, (direct.fast_layers, direct.fast_head))
+    load_dtype = torch.float32 if weights == "int4" else torch.bfloat16
+    ref_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=load_dtype).eval()
+    ref = ModelRunner(ref_model, direct.tokenizer, dtype="bfloat16", weights=weights)
+    ids = torch.arange(3, 60)  # [T]
+    want, got = ref.prefill(ids, all_logits=True), direct.prefill(ids, all_logits=True)  # [T, V] each
+    assert (got - want).abs().max() < 0.05 * want.std() + 0.05
