@@ -16,7 +16,10 @@ and ``default`` (the engine's default fidelity level: earlier steps as prefix hi
 result's passages reused as chunks). In-process through ``ChatCachedRAG`` (LangChain), whose
 agent steps store their prompt and answer as a conversation path (``engine/continuation.py``);
 with ``--serve``, through ``ChatOpenAI`` against one ``cachedrag serve --mode M`` process per mode
-(TTFT measured by the client on the stream; computed = prompt - cached tokens of the usage).
+(computed = prompt - cached tokens of the usage; TTFT is the server's, arrival to first token, read
+from its ``cachedrag_time_to_first_token_seconds`` histogram around each request, as in process the
+engine's: the client sees a forced call's first chunk only once its name is decoded, a dozen
+tokens later, which ``client_ttft_s`` records).
 
 Reported per K, policy and mode: per step (step 1 = the first call, step K+1 = the answer) TTFT
 p50/p95 and median prompt / computed / cached tokens; per question the summed TTFT; against full
@@ -87,11 +90,15 @@ def run(args: argparse.Namespace) -> int:
         index_dir, build = _index(args, runner.tokenizer, Path(tmp) / "index")
         questions = _questions(args)
         results = {"config": {**{k: v for k, v in vars(args).items() if k != "func"}, "index": build,
-                              "n_questions": len(questions)}, "runs": {}}
+                              "n_questions": len(questions),
+                              "repeated_questions": len(questions) - len(set(questions))}, "runs": {}}
         for k in steps:
             for policy in policies:
-                records = measure(runner, index_dir, questions, k, policy, modes, args)
+                servers: dict = {}
+                records = measure(runner, index_dir, questions, k, policy, modes, args, servers)
                 results["runs"][f"K={k} {policy}"] = summarize(records, modes, k)
+                if servers:
+                    results["runs"][f"K={k} {policy}"]["servers"] = servers
     results["wall_s"] = round(time.perf_counter() - started, 1)
     results["command"] = "cachedrag " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print_table(results)
@@ -100,9 +107,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes: list[str], args) -> list[dict]:
+def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes: list[str], args,
+            server_stats: dict | None = None) -> list[dict]:
     """One record per question and mode: per step stats, tool calls, the answer, passage ids.
-    Fresh engines (and caches) for each K and policy; modes rotate per question."""
+    Fresh engines (and caches) for each K and policy; modes rotate per question. With ``--serve``,
+    ``server_stats`` (when given) gets each mode's server counters at the end (``_Served.counters``)."""
     from cachedrag.config import EngineConfig
     from cachedrag.engine import CachedEngine
     from cachedrag.integrations.langchain import ChatCachedRAG
@@ -138,6 +147,11 @@ def measure(runner, index_dir, questions: list[str], k: int, policy: str, modes:
     finally:
         searcher.close()
         for server in servers:
+            if server_stats is not None:
+                try:
+                    server_stats[server.mode] = server.counters()
+                except Exception as exc:  # the figures stand without them
+                    server_stats[server.mode] = {"error": repr(exc)}
             server.close()
     return records
 
@@ -170,6 +184,8 @@ def _invoke(model, messages):
     """The answer and its step stats: the engine's (in-process) or, from a server, TTFT as the client
     saw the stream's first token and the usage's token counts."""
     if _served(model):
+        base = model.bound.openai_api_base
+        before = _server_ttft_sum(base)
         start, first, message = time.perf_counter(), None, None
         for chunk in model.stream(messages):
             if first is None and (chunk.content or chunk.tool_call_chunks):
@@ -177,11 +193,24 @@ def _invoke(model, messages):
             message = chunk if message is None else message + chunk
         usage = message.usage_metadata or {}
         prompt, cached = usage.get("input_tokens", 0), (usage.get("input_token_details") or {}).get("cache_read", 0)
-        return message, {"ttft_s": first if first is not None else time.perf_counter() - start,
+        return message, {"ttft_s": _server_ttft_sum(base) - before,
+                         "client_ttft_s": first if first is not None else time.perf_counter() - start,
                          "prompt_tokens": prompt, "computed_tokens": prompt - cached, "cached_tokens": cached,
                          "prefix_hit_tokens": None, "chunks_hit": None, "approximations": []}
     message = model.invoke(messages)
     return message, _step(message)
+
+
+def _server_ttft_sum(base_url: str) -> float:
+    """The server's summed time to first token so far (its Prometheus histogram's ``_sum``): the
+    difference around one request (the bench sends one at a time) is that request's TTFT."""
+    import httpx
+
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    for line in text.splitlines():
+        if line.startswith("cachedrag_time_to_first_token_seconds_sum"):
+            return float(line.split()[-1])
+    raise RuntimeError("the server's /metrics has no cachedrag_time_to_first_token_seconds_sum")
 
 
 def _served(model) -> bool:
@@ -198,6 +227,7 @@ class _Served:
 
         from langchain_openai import ChatOpenAI
 
+        self.mode = mode
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0", "--mode", MODES[mode], "--cache-gb",
              str(args.cache_gb), "--max-tokens", str(args.max_tokens)],
@@ -214,6 +244,19 @@ class _Served:
             raise RuntimeError(f"cachedrag serve --mode {MODES[mode]} did not start")
         self.chat = ChatOpenAI(base_url=url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct",
                                max_tokens=args.max_tokens, temperature=0.0, stream_usage=True)
+
+    def counters(self) -> dict:
+        """The server's engine-loop counters of interest: conversation steps stored (tokens, seconds),
+        decode steps and their seconds (``/metrics``)."""
+        import httpx
+
+        names = {"cachedrag_conversation_stored_tokens_total": "conversation_stored_tokens",
+                 "cachedrag_conversation_store_seconds_total": "conversation_store_s",
+                 "cachedrag_time_per_output_token_seconds_sum": "decode_token_s_sum",
+                 "cachedrag_time_per_output_token_seconds_count": "decode_tokens"}
+        text = httpx.get(self.chat.openai_api_base.removesuffix("/v1") + "/metrics", timeout=30).text
+        return {names[line.split()[0]]: float(line.split()[-1]) for line in text.splitlines()
+                if line.split() and line.split()[0] in names}
 
     def close(self) -> None:
         if self.proc.poll() is None:

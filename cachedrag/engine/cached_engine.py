@@ -193,12 +193,15 @@ class CachedEngine:
         return _prefilled(pre)
 
     def prefill_task(self, segments: Sequence[Segment], max_new_tokens: int, mode: str | None = None,
-                     defer_store: bool = False, exact: bool = False) -> PrefillTask:
+                     defer_store: bool = False, exact: bool = False, conversation: bool = False) -> PrefillTask:
         """``prefill`` as a task the caller advances layer by layer (``PrefillTask``: ``advance()``
         returns after each layer but the last; its ``result`` is the ``Prefilled``): the serving loop
-        runs other work between layers instead of being called back from inside the prefill."""
+        runs other work between layers instead of being called back from inside the prefill.
+        ``conversation``: as in ``generate_segments`` (the leading segments follow the conversation's
+        stored paths, approximate ones included); the caller stores the answer
+        (``continuation.remember`` with ``Prefilled.segments`` and ``exact_segments``)."""
         steps = self._prefill_steps(list(segments), self._mode(mode), max_new_tokens, defer_store=defer_store,
-                                    exact_plan=exact)
+                                    exact_plan=exact, conversation=conversation)
         return PrefillTask(_as_prefilled(steps))
 
     def prefill_exact_continuation(self, segments: Sequence[Segment], answer: Sequence[int], max_new_tokens: int,
@@ -375,7 +378,7 @@ class CachedEngine:
 
 def _prefilled(pre: _Prefill) -> Prefilled:
     return Prefilled(kv=pre.kv, logits=pre.logits, info=pre.info, hand_off=pre.hand_off, promote=pre.promote,
-                     segments=pre.segments)
+                     segments=pre.segments, exact_segments=pre.exact_segments)
 
 
 def _as_prefilled(steps: Steps) -> Steps:

@@ -104,6 +104,7 @@ class Prefilled:
     #                                              response, e.g. when idle; ``between_layers=`` may abandon it by
     #                                              raising (nothing stored). None: nothing to promote
     segments: list[Segment] | None = None  # the prompt as served (order-aware reuse may reorder the chunks)
+    exact_segments: int = 0  # leading segments whose KV equals full prefill (``continuation.remember``)
 
 
 class GenerationStream:

@@ -74,6 +74,7 @@ class PlannedPrompt:
     segments: list[Segment]
     n_chunks: int  # chunk segments (explicit or detected)
     chunk_source: str  # "explicit", "auto" or "none"
+    conversation: bool = False  # ``RenderedPrompt.conversation``: a next step will extend this prompt and its answer
 
     @property
     def prompt_tokens(self) -> int:
@@ -141,7 +142,7 @@ class PromptPlanner:
             parts = question_apart(parts, rendered.text, last_paragraph(contents[-1]))
         parts = attach_separators(parts) if self.config.attach_separators else parts
         segments = self.engine.prompts.text_segments(parts, tokenization=self.config.tokenization)
-        return PlannedPrompt(segments, split.n_chunks, source if split.n_chunks else "none")
+        return PlannedPrompt(segments, split.n_chunks, source if split.n_chunks else "none", rendered.conversation)
 
 
 def question_apart(parts: Sequence[tuple[str, str]], text: str, question: str | None) -> list[tuple[str, str]]:

@@ -101,7 +101,7 @@ class CompletionService:
 
         rid = self._submit(ServeRequest(segments=planned.segments, params=params[0], more=params[1:], emit=emit,
                                         mode=self.config.mode, logprobs=body.logprob_alternatives,
-                                        whole_answer=not body.stream))
+                                        whole_answer=not body.stream, conversation=chat and planned.conversation))
         answer = Answer(P.new_id("chatcmpl" if chat else "cmpl"), body.model, chat, body.include_usage,
                         self._logprobs)
         if body.stream:

@@ -11,7 +11,11 @@ hands in: prompt segments, sampling parameters, an ``emit`` callback) and the ev
    its store hand-off follows, with the cache told which chunks the waiting requests will read
    (evicted last: ``ChunkCacheManager.hold``, ``SchedulerConfig.hold_waiting``);
 3. ONE batched decode forward (``cachedrag.server.batch``) gives every running request its next
-   token; finished requests (EOS, stop string, ``max_tokens``) leave.
+   token; finished requests (EOS, stop string, ``max_tokens``) leave;
+4. a conversation step that finished (``ServeRequest.conversation``: a chat request with tools or
+   earlier assistant / tool turns) has its prompt and answer stored as one tree path
+   (``continuation.remember``, as in process), after every event of the step was emitted: the
+   conversation's next request, admitted at a later step, computes only its new messages.
 
 So requests join and leave between steps (continuous batching). A request with ``n`` choices
 (``ServeRequest.more``) is prefilled once: its choices start from the same prompt KV and first
@@ -60,6 +64,7 @@ from collections import deque
 import torch
 
 from cachedrag.engine import DecodeTieGuard
+from cachedrag.engine.continuation import remember
 from cachedrag.executor import release_openmp_threads
 from cachedrag.heap import trim_heap
 from cachedrag.kvcache.planner import Mode
@@ -113,6 +118,10 @@ class EngineLoop(PrefillJobs):
         self.promotions_yielded = 0  # promotions abandoned mid-prefill for an arriving request
         self.heap_trims = 0  # idle-time returns of freed heap memory to the OS (``trim_heap_idle_s``)
         self.exact_admissions = 0  # faithful requests prefilled exactly (exact_when_waiting, exact_whole_answers)
+        # conversations: (prefill, answer ids, mode) of finished steps, stored at the end of the step
+        self._answers: list[tuple[object, list[int], Mode]] = []
+        self.remembered_tokens = 0  # prompt and answer tokens stored as conversation paths
+        self.remember_s = 0.0  # seconds spent storing them (on this thread, between decode steps)
         self.heap_released_bytes = 0  # resident bytes they released
 
     # ------------------------------------------------------------------ public API
@@ -222,6 +231,25 @@ class EngineLoop(PrefillJobs):
                 self._current = None
         self._decode()
         self._running = [r for r in self._running if r.last is not None]
+        self._remember_answers()
+
+    def _remember_answers(self) -> None:
+        """Store the conversation steps that finished during this step: each one's prompt as served
+        and its answer as one tree path (``continuation.remember``, as ``generate_segments(conversation=
+        True)`` does in process), so the next step of the same conversation computes only its new
+        messages. Run here, after the step's decode forward and every emit, outside any prefill (the
+        tree changes between prefills only): a step's finished answers delay the next step by the
+        rows they copy (prompt and answer tokens not on the tree yet), never a token already chosen.
+        The next request of that conversation is admitted at a later step, after this."""
+        answers, self._answers = self._answers, []
+        for pre, tokens, mode in answers:
+            t0 = time.perf_counter()
+            try:
+                self.remembered_tokens += remember(self.engine, pre.segments, pre.kv, tokens,
+                                                   exact_segments=pre.exact_segments, mode=mode, conversation=True)
+            except Exception:  # the answer stands; only its caching failed (the next step computes it again)
+                log.exception("storing a conversation's answer failed")
+            self.remember_s += time.perf_counter() - t0
 
     def _decode(self) -> None:
         """ONE batched decode forward for every running request that has a token to feed."""
@@ -263,7 +291,8 @@ class EngineLoop(PrefillJobs):
         decoder = SequenceDecoder.start(engine.runner, params, engine.eos_ids)
         return _Running(request=request, kv=pre.kv, decoder=decoder, stats=info,
                         position=info["prompt_tokens"], params=params, index=index, guard=guard,
-                        held=guard is not None and guard.rewind)
+                        held=guard is not None and guard.rewind,
+                        prefilled=pre if request.conversation and index == 0 else None)
 
     def _admits_exactly(self, request: ServeRequest) -> bool:
         """Whether ``request`` gets an exact prefill (prefix caching's plan; what it computes is still stored
@@ -344,7 +373,10 @@ class EngineLoop(PrefillJobs):
                         completion_tokens=len(run.tokens), cached_tokens=int(cached), ttft_s=run.ttft_s,
                         total_s=time.perf_counter() - run.request.arrival, text=run.stream.text,
                         token_ids=list(run.tokens), stats=info, index=run.index)
-        run.kv = None  # free the buffer now, not when the list is rebuilt
+        run.kv = None  # free the buffer now, not when the list is rebuilt (a conversation's: once stored)
+        if run.prefilled is not None:  # stored at the end of this step (``_remember_answers``)
+            self._answers.append((run.prefilled, list(run.tokens), Mode(run.request.mode or self.engine.config.mode)))
+            run.prefilled = None
         if self.observer is not None:
             self.observer.on_finished(done)
         run.request.emit(done)

@@ -64,7 +64,7 @@ class _CacheCollector:
 
 class _LoopCollector:
     """What the engine loop did: the admission order (``SchedulerPolicy`` counters), exact-repeat
-    promotions, idle-time heap trims (read at scrape time)."""
+    promotions, idle-time heap trims, stored conversation steps (read at scrape time)."""
 
     def __init__(self, loop):
         self.loop = loop
@@ -89,6 +89,10 @@ class _LoopCollector:
             ("cachedrag_heap_trims", loop.heap_trims,
              "idle-time returns of freed heap memory to the OS (SchedulerConfig.trim_heap_idle_s)"),
             ("cachedrag_heap_released_bytes", loop.heap_released_bytes, "resident bytes those returns released"),
+            ("cachedrag_conversation_stored_tokens", loop.remembered_tokens,
+             "prompt and answer tokens of conversation steps stored as tree paths (the next step's prefix hit)"),
+            ("cachedrag_conversation_store_seconds", loop.remember_s,
+             "engine-loop seconds spent storing them (between decode steps)"),
         ):
             family = CounterMetricFamily(name, help_)
             family.add_metric([], float(value))

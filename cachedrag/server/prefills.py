@@ -173,7 +173,8 @@ class PrefillJobs:
         failed = lambda exc: request.emit(Failed(exc))  # noqa: E731
         try:
             task = self.engine.prefill_task(request.segments, request.params.max_new_tokens, mode=request.mode,
-                                            defer_store=True, exact=self._admits_exactly(request))
+                                            defer_store=True, exact=self._admits_exactly(request),
+                                            conversation=request.conversation)
         except Exception as exc:
             task = PrefillTask(_raise(exc))
         return self._job(task, lambda pre: self._admitted(request, pre), failed, chunked=chunked,
@@ -208,6 +209,7 @@ class PrefillJobs:
         on from the near-tied approximate logits (logged and noted in its stats)."""
         near_tie, run.near_tie = run.near_tie, None
         guard, run.guard = run.guard, None  # once per answer
+        run.prefilled = None  # its answer goes on in another buffer: not stored as a path (as in ``generate``)
         t0 = time.perf_counter()
 
         def failed(exc: Exception) -> None:

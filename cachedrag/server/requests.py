@@ -64,6 +64,8 @@ class ServeRequest:
     #                             during decoding may rewind it (``DecodeTieGuard.rewind``)
     more: list[SamplingParams] = field(default_factory=list)  # choices 1..n-1 (each its own seed and
     #                                                            constraint); they fork the prompt's prefill
+    conversation: bool = False  # a chat's or an agent's step (``PlannedPrompt.conversation``): its prompt and its
+    #                             first choice's answer are stored as one tree path (``continuation.remember``)
     arrival: float = field(default_factory=time.perf_counter)
     id: int = 0  # set by submit
     cancelled: bool = False
@@ -96,6 +98,8 @@ class _Running:
     guard: DecodeTieGuard | None = None  # CacheConfig.exact.tie_guard_decode (None: off, or the prefill was exact)
     near_tie: torch.Tensor | None = None  # [V] the near-tied logits while the request waits for its exact prefill
     held: bool = False  # its text is sent whole when it finishes (the guard may rewind it; nobody sees a delta)
+    prefilled: object = None  # Prefilled: kept while its prompt and answer are to be stored (a conversation's
+    #                           first choice; dropped when the tie guard moves it onto another buffer)
 
     @property
     def tokens(self) -> list[int]:

@@ -11,9 +11,11 @@ pieces, each choice's finish chunk, the usage chunk, ``[DONE]``).
 
 Usage of ``n`` choices: the prompt is counted once (one prefill), completion tokens summed.
 A choice whose calls are whole (it stopped where its grammar accepts) finishes with
-``"tool_calls"``. A call cut short (``max_tokens``, a stop string) is not a call: a whole answer
-gives its text as content, with its own finish reason; a stream has sent the call's deltas by then,
-and its finish reason (``"length"``, ``"stop"``) says the call is not whole.
+``"tool_calls"``. A call cut short (``max_tokens``, a stop string) is still a call, as OpenAI
+reports it, with its own finish reason (``"length"``, ``"stop"``) saying it is not whole: its
+arguments are what the parser closed (the open strings, arrays and objects ended: valid JSON,
+as the in-process chat models parse the same text), in the whole answer and in the stream's
+argument deltas alike; a call whose name was cut is dropped (``structured.FormatParser``).
 
 Does not own: the events (``loop``), the wire shapes' builders (``protocol``), the tool-call
 formats (``cachedrag.prompt.tools``), routing and disconnects (``app``).
@@ -33,9 +35,10 @@ from cachedrag.server.loop import Delta, Failed, Finished
 @dataclass
 class ToolEvent:
     """``content``: answer text; ``call``: call ``index`` begins (its ``id`` and ``name``);
-    ``arguments``: the next piece of call ``index``'s JSON arguments."""
+    ``arguments``: the next piece of call ``index``'s JSON arguments; ``drop`` (at the end): the
+    last call started is not a call after all (a repeat of an earlier one)."""
 
-    kind: Literal["content", "call", "arguments"]
+    kind: Literal["content", "call", "arguments", "drop"]
     text: str = ""
     index: int = 0
     id: str | None = None
@@ -62,7 +65,6 @@ class Choice:
     want_logprobs: bool = False
     constraint: object | None = None
     content: list[str] = field(default_factory=list)
-    raw: list[str] = field(default_factory=list)  # every text delta, calls included
     calls: list[dict] = field(default_factory=list)  # OpenAI tool calls, arguments as they grow
     records: list = field(default_factory=list)  # TokenLogprob of every token (when asked)
     unsent: list = field(default_factory=list)  # TokenLogprob not yet sent with a delta (streaming)
@@ -75,7 +77,6 @@ class Choice:
         if self.want_logprobs:
             self.records += delta.logprobs or []
             self.unsent += delta.logprobs or []
-        self.raw.append(delta.text)
         events = self.parser.feed(delta.text) if self.parser else [ToolEvent("content", delta.text)]
         return self._apply(events)
 
@@ -85,9 +86,7 @@ class Choice:
         watch = getattr(self.constraint, "watch", None)
         repeated = bool(watch is not None and watch.repeated)  # a repeat of an earlier call ended the answer
         complete = event.finish_reason == "stop" and (getattr(self.constraint, "complete", True) or repeated)
-        out = self._apply(self.parser.close(complete)) if self.parser else []
-        if repeated and self.calls:
-            self.calls.pop()  # the repeat is the last call started: not a call (the parsers drop it too)
+        out = self._apply(self.parser.close(complete)) if self.parser else []  # the repeat: a ``drop``
         self.reason = "tool_calls" if self.calls and complete else event.finish_reason
         return out
 
@@ -96,12 +95,10 @@ class Choice:
         return "".join(self.content)
 
     def message(self) -> dict:
-        """The assistant message of a whole chat answer: a call cut short (``max_tokens``, a stop
-        string) is not a call, so such an answer is its whole text."""
-        if self.calls and self.reason == "tool_calls":
-            return {"role": "assistant", "content": self.text or None, "tool_calls": self.calls}
+        """The assistant message of a whole chat answer: its text outside the calls and its calls,
+        a call cut short (``max_tokens``, a stop string) included (``reason`` says it is not whole)."""
         if self.calls:
-            return {"role": "assistant", "content": "".join(self.raw)}
+            return {"role": "assistant", "content": self.text or None, "tool_calls": self.calls}
         return {"role": "assistant", "content": self.text}
 
     def take_unsent(self) -> list:
@@ -115,6 +112,9 @@ class Choice:
                 if e.text:
                     self.content.append(e.text)
                     deltas.append({"content": e.text})
+            elif e.kind == "drop":
+                if self.calls:
+                    self.calls.pop()
             elif e.kind == "call":
                 cid = e.id or P.call_id()
                 self.calls.append({"id": cid, "type": "function", "function": {"name": e.name, "arguments": ""}})

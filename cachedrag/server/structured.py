@@ -71,34 +71,45 @@ class ToolAnswer:
         from cachedrag.prompt.toolformat import detect_format
         from cachedrag.prompt.toolparse import parser_for
 
-        return FormatParser(parser_for(detect_format(tokenizer), P.call_id))
+        return FormatParser(parser_for(detect_format(tokenizer), P.call_id), {t.name for t in self.tools})
 
 
 class FormatParser:
-    """``stream.CallParser`` over the core's incremental parser of one tool format."""
+    """``stream.CallParser`` over the core's incremental parser of one tool format. At the end of an
+    answer cut short, the parser closes the call it was in (``toolparse``); a call whose name was
+    cut (not one of ``names``, the offered tools; None: any) is dropped with its arguments, and a
+    call the parser dropped after it started (a repeat of an earlier call) is reported as a
+    ``drop`` event: the choice takes it back."""
 
-    def __init__(self, parser):
-        self.parser = parser
+    def __init__(self, parser, names: set[str] | None = None):
+        self.parser, self.names = parser, names
+        self.open = 0  # calls reported started whose end the parser has not reported (yet)
 
     def feed(self, text: str) -> list[ToolEvent]:
-        return _events(self.parser.feed(text))
+        return self._events(self.parser.feed(text))
 
     def close(self, complete: bool) -> list[ToolEvent]:
-        return _events(self.parser.finish())
+        events = self._events(self.parser.finish(), final=True)
+        return events + [ToolEvent("drop") for _ in range(self.open)]  # started, never ended: dropped
 
+    def _events(self, events, final: bool = False) -> list[ToolEvent]:
+        from cachedrag.prompt.toolparse import ArgumentsDelta, CallEnded, CallStarted, TextDelta
 
-def _events(events) -> list[ToolEvent]:
-    from cachedrag.prompt.toolparse import ArgumentsDelta, CallStarted, TextDelta
-
-    out = []
-    for e in events:
-        if isinstance(e, TextDelta):
-            out.append(ToolEvent("content", e.text))
-        elif isinstance(e, CallStarted):
-            out.append(ToolEvent("call", index=e.index, id=e.id, name=e.name))
-        elif isinstance(e, ArgumentsDelta):
-            out.append(ToolEvent("arguments", e.text, index=e.index))
-    return out  # CallEnded: the call's deltas were all sent
+        if final and self.names is not None:  # only the call closed at the end can have a cut name
+            cut = {e.index for e in events if isinstance(e, CallStarted) and e.name not in self.names}
+            events = [e for e in events if getattr(e, "index", None) not in cut]
+        out = []
+        for e in events:
+            if isinstance(e, TextDelta):
+                out.append(ToolEvent("content", e.text))
+            elif isinstance(e, CallStarted):
+                self.open += 1
+                out.append(ToolEvent("call", index=e.index, id=e.id, name=e.name))
+            elif isinstance(e, ArgumentsDelta):
+                out.append(ToolEvent("arguments", e.text, index=e.index))
+            elif isinstance(e, CallEnded):  # the call's deltas were all sent
+                self.open -= 1
+        return out
 
 
 def request_tools(body) -> list[ToolSpec]:

@@ -62,4 +62,6 @@ def test_a_whole_answer_ended_by_a_repeated_call_holds_the_calls_before_it():
                           constraint=SimpleNamespace(complete=False, watch=SimpleNamespace(repeated=False)))
     not_repeated.push(Delta(text))
     not_repeated.finish(Finished("length", 10, 30, 0, 0.1, 0.2, text, []))
-    assert not_repeated.reason == "length" and not_repeated.message()["content"] == text  # cut short: text
+    assert not_repeated.reason == "length"  # cut short: its calls, with a finish reason saying so
+    assert [c["function"]["arguments"] for c in not_repeated.message()["tool_calls"]] == [
+        '{"query":"heapq","k":2}', '{"query":"bisect","k":2}']

@@ -92,3 +92,9 @@ def live_server():
 def long_engine():
     """``make_long_engine()``: a tiny engine with 2048 positions."""
     return make_long_engine()
+
+
+@pytest.fixture
+def new_long_engine():
+    """``make_long_engine`` itself: each call a fresh engine with the same weights."""
+    return make_long_engine

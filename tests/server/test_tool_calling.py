@@ -119,3 +119,38 @@ def test_parallel_tool_calls_and_n_choices(live_server, long_engine):
         if c.finish_reason == "tool_calls":
             (call,) = c.message.tool_calls
             json.loads(call.function.arguments)
+
+
+def test_a_forced_call_cut_short_is_a_call_with_closed_arguments(live_server, long_engine):
+    """As OpenAI reports a call that ``max_tokens`` cut: in ``tool_calls``, finish reason ``length``;
+    its arguments closed to valid JSON, the same in the whole answer and the stream's deltas (and
+    as the in-process chat models parse the same text)."""
+    client = _client(live_server(long_engine))
+    kw = dict(model="tiny", messages=ASK, tools=[SEARCH], tool_choice="required", parallel_tool_calls=False,
+              temperature=0)
+    whole = client.chat.completions.create(**kw, max_tokens=80)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    cut = client.chat.completions.create(**kw, max_tokens=whole.usage.completion_tokens - 6)  # inside the query
+    choice = cut.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "length" and call.function.name == "search"
+    assert set(json.loads(call.function.arguments)) <= {"q"}
+    deltas = [d for chunk in client.chat.completions.create(**kw, max_tokens=whole.usage.completion_tokens - 6,
+                                                             stream=True)
+              for c in chunk.choices for d in c.delta.tool_calls or []]
+    assert deltas[0].function.name == "search"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_a_call_whose_name_was_cut_is_dropped():
+    from cachedrag.prompt import toolformat as F
+    from cachedrag.prompt.toolparse import parser_for
+    from cachedrag.server.loop import Finished
+    from cachedrag.server.requests import Delta
+    from cachedrag.server.stream import Choice
+    from cachedrag.server.structured import FormatParser
+
+    choice = Choice(0, FormatParser(parser_for(F.ENVELOPE), {"search"}))
+    choice.push(Delta('{"tool_calls":[{"name":"sear'))
+    choice.finish(Finished("length", 10, 8, 0, 0.1, 0.2, "", []))
+    assert choice.reason == "length" and choice.message() == {"role": "assistant", "content": ""}
