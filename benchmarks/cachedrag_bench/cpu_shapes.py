@@ -104,6 +104,13 @@ def load_hf(shape: str):
     return model, AutoTokenizer.from_pretrained(path)
 
 
+def load_tokenizer(shape: str):
+    """The tokenizer saved with ``shape``'s random weights (the model made first when missing)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir(shape))
+
+
 def llama_cpp_source() -> Path:
     """llama.cpp's source tree of the installed llama-cpp-python (``convert_hf_to_gguf.py`` and its
     ``gguf-py``), unpacked from the version's sdist (fetched with pip once)."""

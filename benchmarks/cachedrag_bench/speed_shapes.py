@@ -8,8 +8,9 @@ same precision class (``bf16`` / F16, ``int8`` / Q8_0, ``int4`` / Q4_K_M), measu
 (ours, theirs, then theirs, ours in the next round):
 
 - full prefill of the prompt (seconds, tokens/s) and greedy decode ms/token after it;
-- RSS each adds to the process when loaded (our runner: the bf16 model and its packed weights;
-  llama.cpp: the touched pages of its mapped GGUF, its buffers and KV);
+- RSS each adds to the process when loaded (our runner: its weights as it keeps them, the HF
+  model's own released once packed, plus warm-up buffers; llama.cpp: the touched pages of its mapped
+  GGUF, its buffers and KV), and our runner's resident weight bytes (``weights_gib``);
 - unless ``--no-reuse``: TTFT after request A has run (its chunks cached: ours in ``cachedrag``
   mode, llama.cpp with ``LlamaRAMCache`` and its context's common-prefix reuse), for request B with
   the same chunks in a new order (reversed) and another question: ours reuses every chunk;
@@ -137,10 +138,8 @@ def measure(args, formats: list[str], anchor: bool) -> dict:
 
     threads = int(args.threads.split(",")[0]) if args.threads else default_threads()
     set_threads(threads)
-    model, tokenizer = cpu_shapes.load_hf(args.shape)
+    tokenizer = cpu_shapes.load_tokenizer(args.shape)
     req_a, req_b = _requests(tokenizer, args.chunks, args.chunk_tokens)
-    del model
-    gc.collect()
     results = {"config": {"shape": args.shape, "threads": threads, "rounds": args.rounds,
                           "new_tokens": args.new_tokens, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
                           "torch": torch.__version__, "fields": cpu_shapes.CPU_SHAPES[args.shape][1]},
@@ -157,13 +156,17 @@ def _measure_format(args, fmt: str, threads: int, anchor: bool, req_a, req_b) ->
     """Ours in ``fmt`` beside llama.cpp's GGUF of the same class: load, rounds, reuse arms."""
     from cachedrag.engine import CachedEngine
     from cachedrag.model.runner import ModelRunner
+    from cachedrag.model.weight_views import resident_bytes
     from cachedrag_bench import cpu_shapes
 
     weights, gguf_type = PAIRS[fmt]
     base = _rss()
     t0 = time.perf_counter()
     model, tokenizer = cpu_shapes.load_hf(args.shape)
-    runner = ModelRunner(model, tokenizer, dtype="bfloat16", weights=weights, threads=threads)
+    runner = ModelRunner(model, tokenizer, dtype="bfloat16", weights=weights, threads=threads,
+                         release_weights=True)  # the model is this runner's alone
+    del model
+    ours_weights = resident_bytes(runner.model, (runner.fast_layers, runner.fast_head))
     runner.warmup(512, 4)
     ours_load = time.perf_counter() - t0
     ours_rss = _rss() - base
@@ -172,7 +175,7 @@ def _measure_format(args, fmt: str, threads: int, anchor: bool, req_a, req_b) ->
            for k, (chunks, q) in (("a", req_a), ("b", req_b))}
     timers = {"ours": _Ours(runner)}
     row = {"ours": {"weights": weights, "numerics": runner.numerics.tag, "load_s": ours_load, "rss_gib": ours_rss / 2**30,
-                    "decode_step": runner.decode_step_kind},
+                    "weights_gib": ours_weights / 2**30, "decode_step": runner.decode_step_kind},
            "prompt_tokens": len(ids["b"])}
     theirs = None
     if anchor:
@@ -200,7 +203,7 @@ def _measure_format(args, fmt: str, threads: int, anchor: bool, req_a, req_b) ->
         row["reuse"] = _reuse(runner, theirs, req_a, req_b, ids)
     if theirs is not None:
         theirs.close()
-    del runner, model, timers, probe
+    del runner, timers, probe
     return row
 
 
@@ -279,14 +282,16 @@ def print_table(results: dict) -> None:
     print(f"\nspeed at the {cfg['shape']} shape (random weights), {cfg['prompt_tokens']}-token RAG prompt "
           f"({cfg['chunks']} x {cfg['chunk_tokens']}), {cfg['threads']} threads, {cfg['new_tokens']} decode steps, "
           f"median of {cfg['rounds']} alternating rounds")
-    print(f"{'system':<26} {'prefill tok/s':>13} {'prefill s':>10} {'decode ms/tok':>14} {'RSS GiB':>8} {'load s':>7}")
+    print(f"{'system':<26} {'prefill tok/s':>13} {'prefill s':>10} {'decode ms/tok':>14} {'RSS GiB':>8} {'load s':>7} "
+          f"{'weights GiB':>11}")
     for fmt, row in results["formats"].items():
         for who in ("ours", "llamacpp"):
             if who in row:
                 r = row[who]
                 name = f"cachedrag-{fmt}" if who == "ours" else f"llama.cpp-{r['gguf']}"
                 print(f"{name:<26} {r['prefill_tokens_per_s']:>13.1f} {r['prefill_s']:>10.2f} "
-                      f"{r['decode_ms_per_token']:>14.1f} {r['rss_gib']:>8.2f} {r['load_s']:>7.1f}")
+                      f"{r['decode_ms_per_token']:>14.1f} {r['rss_gib']:>8.2f} {r['load_s']:>7.1f} "
+                      f"{r.get('weights_gib', float('nan')):>11.2f}")
         for key, value in row.get("reuse", {}).items():
             extra = {k: v for k, v in value.items() if k in ("computed_tokens", "prompt_tokens", "chunk_order")}
             print(f"  {fmt} TTFT {key:<34} {value['ttft_s']:>8.2f}s {extra if extra else ''}")

@@ -15,8 +15,8 @@ reverse of llama.cpp's q/k row permutation, Gemma's ``norm - 1``).
 Contracts: the values are exactly transformers' dequantisation of the same file (the same
 ``gguf`` routine), rounded once to the load dtype; an unsupported architecture or quantisation
 type, a missing or damaged file is one ``CachedRAGError`` line. With quantised runner weights
-(int8/int4) the Hugging Face linear modules are left empty (``meta``): the runner's fused
-weights are the only copy, so the reference path (``fast=False``) is not available for them.
+(int8/int4) the Hugging Face linear modules read the runner's fused weights (``weight_views.py``,
+dequantised on each read): those are the only copy.
 
 Does not own: the forward pass (``runner.py``), the weight formats (``weights.py``), the
 directory-of-safetensors path and the default model (``loader.py``).
@@ -37,12 +37,14 @@ import numpy as np
 import torch
 
 from cachedrag.errors import InputError, ModelNotFoundError, UnsupportedModelError
+from cachedrag.model.weight_views import resident_bytes, trim_heap
 
 log = logging.getLogger(__name__)
 
 #: llama.cpp architecture names the runner drives (``general.architecture``)
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-_SLICE_BYTES = 64 << 20  # a large tensor (the embedding) is dequantised this many float32 bytes at a time
+_SLICE_BYTES = 16 << 20  # tensors are dequantised this many float32 bytes at a time (gguf's numpy routines make
+# several temporaries of a slice's size)
 
 
 def is_gguf(name_or_path) -> bool:
@@ -67,12 +69,13 @@ class LoadReport:
     seconds: float = 0.0
     rss_before_bytes: int = 0
     peak_rss_bytes: int = 0  # the process's high-water mark after loading (ru_maxrss)
+    weight_bytes: int = 0  # what the loaded weights keep resident (every copy, ``weight_views.resident_bytes``)
     tensor_types: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
         types = ", ".join(f"{n} {k}" for k, n in sorted(self.tensor_types.items()))
         return (f"loaded {Path(self.path).name} ({self.file_bytes / 1e9:.2f} GB; tensors: {types}) in "
-                f"{self.seconds:.1f} s; peak RSS {self.peak_rss_bytes / 1e9:.2f} GB "
+                f"{self.seconds:.1f} s; weights {self.weight_bytes / 1e9:.2f} GB; peak RSS {self.peak_rss_bytes / 1e9:.2f} GB "
                 f"(before loading {self.rss_before_bytes / 1e9:.2f} GB)")
 
 
@@ -318,14 +321,6 @@ def _set_param(model, hf_name: str, value: torch.Tensor) -> None:
     setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
 
 
-def _empty_linears(layer) -> None:
-    """Point a packed layer's HF linear weights at ``meta`` (the runner's fused weights are the copy)."""
-    for module in layer.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.device.type != "meta":
-            module.weight = torch.nn.Parameter(torch.empty(module.weight.shape, device="meta",
-                                                           dtype=module.weight.dtype), requires_grad=False)
-
-
 @dataclass
 class GGUFModel:
     """A loaded GGUF: the HF model (linear weights empty where ``packed``), tokenizer, the runner's
@@ -364,16 +359,19 @@ def load_gguf(path, dtype: torch.dtype = torch.float32, numerics=None, linear_dt
     layers = []
     for t in blocks.pop(None, []):
         _set_param(model, name_map[t.name], source.read(t, dtype))
-    for i in sorted(blocks):
+    _tie_or_check(model, path)
+    head = _pack_head(model, numerics) if numerics is not None else None  # before the layers: a quantised head
+    for i in sorted(blocks):  # (with a tied embedding read from it) frees its dense table while memory is low
         for t in blocks[i]:
             hf = name_map[t.name]
             _set_param(model, hf, source.read(t, linear_dtype if linear_dtype and _is_linear(model, hf) else dtype))
         _check_loaded(model.model.layers[i], f"model.layers.{i}", path)
         if numerics is not None:
             layers.append(_pack_layer(model.model.layers[i], numerics))
-    _tie_or_check(model, path)
-    packed = (layers, _pack_head(model, numerics)) if numerics is not None else None
+        trim_heap()
+    packed = (layers, head) if numerics is not None else None
     report.seconds = time.perf_counter() - start
+    report.weight_bytes = resident_bytes(model, packed)
     report.peak_rss_bytes = peak_rss_bytes()
     log.info(report.line())
     return GGUFModel(model, tokenizer, packed, report)
@@ -385,27 +383,22 @@ def _is_linear(model, hf_name: str) -> bool:
 
 
 def _pack_layer(layer, numerics):
-    from cachedrag.model.weights import LayerWeights
+    from cachedrag.model.weight_views import pack_layers
 
     try:
-        packed = LayerWeights(layer, numerics)
+        return pack_layers([layer], numerics, release=True)[0]  # quantised: the layer's modules read the packed weights
     except ValueError as exc:  # a shape the weight format cannot take (int4 groups)
         raise UnsupportedModelError(str(exc)) from exc
-    if numerics.weights != "dense":
-        _empty_linears(layer)
-    return packed
 
 
 def _pack_head(model, numerics):
+    from cachedrag.model.weight_views import release_head
     from cachedrag.model.weights import PackedLinear, head_numerics
 
     head = model.lm_head
     weight = head.weight if head.weight.dtype == numerics.torch_dtype else head.weight.to(numerics.torch_dtype)
-    packed = PackedLinear(weight, getattr(head, "bias", None), head_numerics(numerics))
-    if packed.kind == "int8" and head.weight is not model.model.embed_tokens.weight:  # an untied head: its
-        head.weight = torch.nn.Parameter(torch.empty(head.weight.shape, device="meta", dtype=head.weight.dtype),
-                                         requires_grad=False)  # int8 copy is the only one
-    return packed
+    return release_head(model, PackedLinear(weight, getattr(head, "bias", None), head_numerics(numerics)))  # an
+    # untied quantised head's packed copy is its only one
 
 
 def _tie_or_check(model, path) -> None:

@@ -224,6 +224,38 @@ def load_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float
     return model, tokenizer
 
 
+def load_for_runner(name_or_path, dtype, weights: str, kv_store_dtype, device, fast: bool):
+    """``(model, tokenizer, dtype name, prepacked layers and head or None, LoadReport or None)`` for
+    ``ModelRunner.from_pretrained``: a GGUF on the CPU is packed layer by layer as it loads
+    (``model/gguf.py``); anything else loads whole. int4 weights quantise the checkpoint's own values:
+    a float32 checkpoint (the default model, converted from its Q4_1 GGUF) loads in float32, so its
+    16 levels per group come back exactly; a bfloat16 one in bfloat16 (the same values, half the bytes)."""
+    from cachedrag.model import gguf
+    from cachedrag.model.weights import DTYPES, QUANTIZED, dtype_name
+
+    if str(name_or_path).lower() == GEMMA_MODEL:
+        name_or_path = resolve_model_path(name_or_path)  # the GGUF file of the gemma extra
+    name = dtype_name(dtype) if dtype is not None else ("bfloat16" if weights in QUANTIZED else "float32")
+    load_dtype = DTYPES[name]
+    if weights == "int4":
+        load_dtype = torch.float32 if gguf.is_gguf(name_or_path) else _checkpoint_dtype(name_or_path)
+    if gguf.is_gguf(name_or_path) and torch.device(device).type == "cpu":
+        model, tokenizer, prepacked, report = gguf.load_gguf_packed(name_or_path, name, weights, kv_store_dtype,
+                                                                    load_dtype, fast)
+        return model, tokenizer, name, prepacked, report
+    model, tokenizer = load_model(name_or_path, dtype=load_dtype, device=device)
+    return model, tokenizer, name, None, None
+
+
+def _checkpoint_dtype(name_or_path) -> torch.dtype:
+    """bfloat16 where the model directory's config says its weights are bfloat16, else float32."""
+    try:
+        config = json.loads((Path(local_model_dir(name_or_path)) / "config.json").read_text())
+    except (OSError, ValueError, ModelNotFoundError):
+        return torch.float32
+    return torch.bfloat16 if (config.get("dtype") or config.get("torch_dtype")) == "bfloat16" else torch.float32
+
+
 def _first_line(exc: BaseException, path: str | None = None) -> str:
     if path is not None and not Path(path).exists():  # transformers' text would mention a hub it never asked
         return "no such directory, and no model of that name in the local Hugging Face cache (nothing is downloaded)"

@@ -40,6 +40,7 @@ from cachedrag.model.runner_attention import CausalBlocks, RunnerAttention
 from cachedrag.model.runner_cached import RunnerCachedWrites
 from cachedrag.model.runner_decode import DECODE_STEPS, RunnerDecode
 from cachedrag.model.runner_rows import RunnerRows
+from cachedrag.model.weight_views import pack_layers, release_head
 from cachedrag.model.weights import (DTYPES, QUANTIZED, LayerWeights, Numerics, PackedLinear, dtype_name, head_numerics,
                                      pack_head, packable, vnni_available)
 
@@ -127,6 +128,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
     GGUF load packs them layer by layer, ``model/gguf.py``); used instead of packing ``model``'s weights.
     ``head_weights``: ``"auto"`` (default): the LM head as ``weights.head_numerics`` says (int8 rows for
     int4 runners); ``"dense"``: in ``dtype`` (the reference; the head changes logits, never KV).
+    ``release_weights``: int8/int4 weights are the model's only copy: its projections then read them
+    (``model/weight_views.py``); for a model this runner alone uses (``from_pretrained``, a GGUF load).
     ``prefill_pairs``: with bfloat16 K/V and queries on an AVX512-BF16 CPU, which of the kernel's
     products multiply bf16 pairs (``vdpbf16ps``; ``model/attention.py``'s ``prefill_attention``):
     ``"scores"`` (default: exact products, the widened path's accuracy), ``"scores+values"``
@@ -141,7 +144,7 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
                  threads: int | None = None, block_causal: bool = True, compile: bool = False,
                  compile_cache_dir=None, decode_attention: str = "auto", decode_step: str = "auto",
                  prefill_attention: str = "auto", prefill_pairs: str = "scores", prepacked: tuple | None = None,
-                 head_weights: str = "auto"):
+                 head_weights: str = "auto", release_weights: bool = False):
         """The runner over ``model`` (cast in place to ``dtype`` when it differs; arguments: the class
         docstring)."""
         if kernel_backend not in ("auto", "torch", "triton"):
@@ -151,9 +154,9 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         self.head_weights = head_weights
         self.architecture = _architecture(model)
         self.numerics = _numerics(model, dtype, weights, kv_store_dtype, fast)
-        fast_weights = prepacked if fast else None  # (layers, head) built while loading (model/gguf.py)
-        if fast_weights is None and fast and packable(model) and self.numerics.weights == "int4":  # quantise the weights as loaded (fp32
-            fast_weights = self._fast_weights(model)  # from the GGUF: its Q4_1 levels), before the cast below
+        fast_weights, can_pack = prepacked if fast else None, fast and (prepacked is not None or packable(model))
+        if fast_weights is None and can_pack and self.numerics.weights == "int4":  # quantise the weights as loaded (fp32
+            fast_weights = self._fast_weights(model, release_weights)  # from the GGUF: its Q4_1 levels), before the cast below
         if next(model.parameters()).dtype != self.numerics.torch_dtype:
             model.to(self.numerics.torch_dtype)
         self.threads = set_threads(threads)
@@ -163,8 +166,8 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         self.block_causal = block_causal
         self.fast_layers: list[LayerWeights] | None = None
         self.fast_head: PackedLinear | None = None
-        if fast and packable(model):
-            self.fast_layers, self.fast_head = fast_weights or self._fast_weights(model)
+        if can_pack:
+            self.fast_layers, self.fast_head = fast_weights or self._fast_weights(model, release_weights)
             if head_weights == "dense" and self.fast_head.kind in ("int8", "int4"):  # a prepacked quantised head
                 self.fast_head = pack_head(model.lm_head, head_numerics(self.numerics, dense=True))
         elif weights in QUANTIZED:
@@ -218,14 +221,16 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
             raise ConfigError(f"prefill_pairs must be one of {', '.join(PAIRS)}, got {prefill_pairs!r}")
         self.prefill_pairs = prefill_pairs
 
-    def _fast_weights(self, model) -> tuple[list[LayerWeights], PackedLinear]:
+    def _fast_weights(self, model, release: bool) -> tuple[list[LayerWeights], PackedLinear]:
         """Every layer's fused projections and the LM head in the numerics' fast layout (the head's:
-        ``weights.head_numerics``, dense with ``head_weights="dense"``)."""
+        ``weights.head_numerics``, dense with ``head_weights="dense"``); ``release``: quantised
+        layers' and head's HF weights are released (``model/weight_views.py``)."""
         try:
-            layers = [LayerWeights(layer, self.numerics) for layer in model.model.layers]
+            layers = pack_layers(model.model.layers, self.numerics, release)
         except ValueError as exc:  # a shape the weight format cannot take (int4 groups)
             raise UnsupportedModelError(str(exc)) from exc
-        return layers, pack_head(model.lm_head, head_numerics(self.numerics, dense=self.head_weights == "dense"))
+        head = pack_head(model.lm_head, head_numerics(self.numerics, dense=self.head_weights == "dense"))
+        return layers, release_head(model, head) if release else head
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, dtype=None, weights: str = "dense",
@@ -235,20 +240,11 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         run one representative prefill and decode now so the first request pays no one-time cost.
         ``device``: ``"auto"`` (default: CUDA where present, else the CPU), ``"cpu"``, ``"cuda"``
         or ``"cuda:N"``."""
-        from cachedrag.model.gguf import is_gguf, load_gguf_packed
-        from cachedrag.model.loader import GEMMA_MODEL, load_model, resolve_model_path
+        from cachedrag.model.loader import load_for_runner
 
-        device = resolve_device(device)
-        if str(name_or_path).lower() == GEMMA_MODEL:
-            name_or_path = resolve_model_path(name_or_path)  # the GGUF file of the gemma extra
-        name = dtype_name(dtype) if dtype is not None else ("bfloat16" if weights in QUANTIZED else "float32")
-        load_dtype = DTYPES["float32"] if weights == "int4" else DTYPES[name]  # int4 quantises the fp32 values
-        report = None
-        if is_gguf(name_or_path) and torch.device(device).type == "cpu":  # each layer packed as it loads
-            model, tokenizer, kwargs["prepacked"], report = load_gguf_packed(
-                name_or_path, name, weights, kv_store_dtype, load_dtype, kwargs.get("fast", True))
-        else:
-            model, tokenizer = load_model(name_or_path, dtype=load_dtype, device=device)
+        model, tokenizer, name, kwargs["prepacked"], report = load_for_runner(
+            name_or_path, dtype, weights, kv_store_dtype, resolve_device(device), kwargs.get("fast", True))
+        kwargs.setdefault("release_weights", True)  # the runner alone holds the model it loaded
         runner = cls(model, tokenizer, dtype=name, weights=weights, kv_store_dtype=kv_store_dtype, threads=threads,
                      **kwargs)
         runner.load_report = report
@@ -271,7 +267,7 @@ class ModelRunner(RunnerAttention, RunnerDecode, RunnerCachedWrites, RunnerRows)
         are paid at load instead of by the first request. Returns the seconds it took."""
         start = time.perf_counter()
         n = max(8, min(prompt_tokens, self.max_context - decode_steps - 8))
-        vocab = self.model.get_input_embeddings().weight.shape[0]
+        vocab = self.model.get_input_embeddings().num_embeddings
         ids = torch.arange(n) % max(1, vocab - 1) + 1  # [n]
         kv = self.new_kv(n + decode_steps + 8)
         self.prefill(ids, kv=kv)

@@ -35,9 +35,11 @@ projections of SmolLM2-135M for one token, ``docs/speed.md``):
   scale and zero per group): PyTorch's ``_weight_int4pack_mm_for_cpu`` kernel (what torchao's
   Int4 CPU layout calls) for few rows: all 121 matmuls of one decode step in 4.9 ms against
   11.4 ms for int8 and 15.5 ms for bf16 (2 threads). Its packed layout is private and the kernel
-  is ~13x slower than oneDNN for many rows, so prefill runs oneDNN's bf16 matmul on the
-  dequantised weights (kept packed beside the int4 ones: int4 is a decode-speed format, not a
-  memory saving). The default GGUF is Q4_1 (blocks of 32 with a scale and a minimum), so its
+  is ~13x slower than oneDNN for many rows, so prefill dequantises each weight per call into a
+  transient bf16 copy (``model/int4.py``: the packed codes are the only resident copy, 0.56 bytes
+  a weight) and runs oneDNN's bf16 matmul on it: +20% per layer's projections against a resident
+  oneDNN-packed bf16 copy at the 1.5B shape over 2,614 rows, +44% over 715 (docs/notes/gguf-gemma.md),
+  for 4.5x less memory. The default GGUF is Q4_1 (blocks of 32 with a scale and a minimum), so its
   dequantised weights take at most 16 levels per group of 32: min/max quantisation recovers
   them up to the rounding of scale and zero to bf16. The group quantisation is kept here (a few
   lines); torchao's ``Int4WeightOnlyConfig`` wraps the same kernel in a tensor subclass.
@@ -60,13 +62,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cachedrag.model.int4 import INT4_GROUP, Int4Weight
+
 INT8_KERNEL_ROWS = 16  # up to this many rows, the int8 kernel; above, dequantise + bf16 matmul
 # torch's int8 kernel (_weight_int8pack_mm) reads input columns 16 at a time: at other widths it
 # returns garbage or crashes (torch 2.x, measured); those weights take the dequantised matmul
 INT8_KERNEL_COLUMNS = 16
-INT4_KERNEL_ROWS = 16  # up to this many rows, the int4 kernel; above, oneDNN bf16 on the dequantised weight
-INT4_GROUP = 32  # input columns per int4 scale/zero group (= llama.cpp's Q4_1 block)
-_INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel wants a multiple of 16 output rows (padded with zero rows)
+INT4_KERNEL_ROWS = 192  # up to this many rows, the int4 kernel; above, dequantise (one transient bf16 weight)
+# + oneDNN: per 1.5B layer the kernel takes 83 ms for 128 rows, 165 for 256; the dequantised matmul 118, 142
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZED = ("int8", "int8-dynamic", "int4")
@@ -149,48 +152,35 @@ class Numerics(BaseModel):
 class PackedLinear:
     """``x @ W^T + b`` for ``x`` ``[..., I]`` with ``W`` ``[O, I]`` in a CPU-friendly layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, numerics: Numerics):
-        weight = weight.detach()
-        self.out_features, self.in_features = weight.shape
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, numerics: Numerics):
+        """``weight``: ``[O, I]``, or its row blocks in order (quantised formats read them one at a time,
+        never concatenating them: no float copy of the fused weight while packing)."""
+        parts = [w.detach() for w in weight] if isinstance(weight, (list, tuple)) else [weight.detach()]
+        self.out_features, self.in_features = sum(w.shape[0] for w in parts), parts[0].shape[1]
         self.kind = "dense"
         self.bias = bias.detach().to(numerics.torch_dtype) if bias is not None else None
-        self.weight = weight.to(numerics.torch_dtype).contiguous()  # [O, I]
-        if weight.device.type != "cpu":
+        cpu = parts[0].device.type == "cpu"
+        self.weight = None  # [O, I] below, unless quantised on the CPU
+        if not cpu or numerics.weights not in QUANTIZED:
+            self.weight = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(numerics.torch_dtype).contiguous()
+        if not cpu:
             return
         self.dynamic = None
         if numerics.weights in ("int8", "int8-dynamic"):
-            self.qweight, scale = int8_rows(weight)  # [O, I] int8, [O] float32
+            self.qweight, scale = int8_rows(parts)  # [O, I] int8, [O] float32
             self.scale = scale.to(numerics.torch_dtype)  # [O]
             self.weight = None
             self.kind = "int8"
             if numerics.weights == "int8-dynamic":
                 self.dynamic = _prepack_dynamic(self.qweight, self.scale, self.bias)
-        elif numerics.weights == "int4":
-            self._quantize_int4(weight)
+        elif numerics.weights == "int4":  # the packed codes only: prefill dequantises one weight per call
+            self.int4 = Int4Weight(parts)
+            self.int4_packed, self.int4_scale_zero = self.int4.packed, self.int4.scale_zero  # [O', I/2], [G, O', 2]
+            self.weight = None
+            self.kind = "int4"
         elif numerics.dtype == "bfloat16" and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)  # oneDNN blocked layout
             self.kind = "mkldnn"
-
-    def _quantize_int4(self, weight: torch.Tensor) -> None:
-        """Group-wise asymmetric int4: per group of ``INT4_GROUP`` input columns, ``w = (q - 8) * scale + zero``
-        with ``q`` in 0..15 (the kernel's convention); scale and zero are rounded to bf16 first and ``q``
-        chosen against the rounded values."""
-        out_f, in_f = weight.shape
-        if in_f % INT4_GROUP:
-            raise ValueError(f"int4 weights need input sizes divisible by {INT4_GROUP}, got a [{out_f}, {in_f}] weight")
-        pad = -out_f % _INT4_ROW_MULTIPLE
-        w = F.pad(weight.float(), (0, 0, 0, pad)).view(out_f + pad, in_f // INT4_GROUP, INT4_GROUP)  # [O', G, g]
-        lo, hi = w.amin(-1), w.amax(-1)  # [O', G]
-        scale = ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16).float()  # [O', G]
-        zero = (lo + 8 * scale).to(torch.bfloat16).float()  # [O', G]
-        q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)  # [O', G, g]
-        self.int4_scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, O', 2]
-        self.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.view(out_f + pad, in_f).to(torch.int32), 1)  # [O', I/2] uint8, the kernel's private layout
-        self.weight = ((q - 8) * scale[..., None] + zero[..., None]).view(out_f + pad, in_f)[:out_f].to(
-            torch.bfloat16).contiguous()  # [O, I] dequantised: what the kernel computes with
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)  # prefill: oneDNN on the same values
-        self.kind = "int4"
 
     @property
     def nbytes(self) -> int:
@@ -198,13 +188,24 @@ class PackedLinear:
         if self.kind == "int8":
             return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
         if self.kind == "int4":
-            return self.int4_packed.numel() + self.int4_scale_zero.numel() * self.int4_scale_zero.element_size()
+            return self.int4.nbytes
         return self.weight.numel() * self.weight.element_size()
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this projection keeps in memory (every copy: the oneDNN-packed one included)."""
+        if self.kind == "int4":
+            return self.int4.resident_bytes() + (self.bias.nbytes if self.bias is not None else 0)
+        packed = getattr(self, "packed", None)
+        extra = packed.numel() * packed.element_size() if packed is not None else 0
+        return self.nbytes + extra + (self.bias.nbytes if self.bias is not None else 0)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, in the compute dtype: ``[O, I]``."""
         if self.kind == "int8":
             return self.qweight.to(self.scale.dtype) * self.scale[:, None]
+        if self.kind == "int4":
+            return self.int4.dequantized()
         return self.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -226,13 +227,11 @@ class PackedLinear:
         if self.kind == "int4":
             rows = x.numel() // x.shape[-1]
             if 0 < rows <= INT4_KERNEL_ROWS:
-                flat = x.reshape(rows, x.shape[-1])  # [N, I]
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.int4_packed, INT4_GROUP,
-                                                                 self.int4_scale_zero)[:, :self.out_features]  # [N, O]
+                out = self.int4.matmul(x.reshape(rows, x.shape[-1]))  # [N, O]
                 if self.bias is not None:
                     out = out + self.bias
                 return out.reshape(*x.shape[:-1], self.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return F.linear(x, self.int4.dequantized(), self.bias)  # one transient bf16 copy of this weight
         return F.linear(x, self.weight, self.bias)
 
 
@@ -240,7 +239,8 @@ def head_numerics(numerics: Numerics, dense: bool = False) -> Numerics:
     """The LM head's numerics: the runner's, except that an int4 runner's head is int8 per row (a
     group-wise int4 head moved the next-token distribution ~25x more than the int4 projections did,
     module docstring), and ``dense=True``: the head in ``numerics.dtype`` (the reference). The head
-    writes no KV, so it is not part of ``Numerics.tag``."""
+    writes no KV, so it is not part of ``Numerics.tag``; where a released int8 head also serves the
+    tied embedding (``weight_views.release_head``), the model's fingerprint changes with it."""
     if dense:
         return numerics.model_copy(update={"weights": "dense"})
     if numerics.weights == "int4":
@@ -258,17 +258,22 @@ def pack_head(head: torch.nn.Module, numerics: Numerics) -> PackedLinear:
     return PackedLinear(head.weight.to(numerics.torch_dtype), getattr(head, "bias", None), numerics)
 
 
-def int8_rows(weight: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_rows(weight: torch.Tensor | list[torch.Tensor], block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-row symmetric int8: ``q = round(w / s)``, ``s = absmax(row) / 127``; ``(q [O, I] int8,
     s [O] float32)``. Computed ``block`` rows at a time (each row alone, so the result is the same for
-    any block): a large weight (Gemma's 262k-row tied embedding as LM head) never has float32 copies."""
-    q = torch.empty(weight.shape, dtype=torch.int8)  # [O, I]
-    scale = torch.empty(weight.shape[0], dtype=torch.float32)  # [O]
-    for start in range(0, weight.shape[0], block):
-        w = weight[start:start + block].float()  # [b, I]
-        s = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [b]
-        q[start:start + block] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
-        scale[start:start + block] = s
+    any block): a large weight (Gemma's 262k-row tied embedding as LM head) never has float32 copies.
+    ``weight`` may be a list of row blocks (quantised in order, as if concatenated)."""
+    parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+    q = torch.empty(sum(p.shape[0] for p in parts), parts[0].shape[1], dtype=torch.int8)  # [O, I]
+    scale = torch.empty(q.shape[0], dtype=torch.float32)  # [O]
+    row = 0
+    for part in parts:
+        for start in range(0, part.shape[0], block):
+            w = part[start:start + block].float()  # [b, I]
+            s = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [b]
+            q[row:row + w.shape[0]] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+            scale[row:row + w.shape[0]] = s
+            row += w.shape[0]
     return q, scale
 
 
@@ -333,11 +338,11 @@ class LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         self.q_out = attn.q_proj.weight.shape[0]
         self.kv_out = attn.k_proj.weight.shape[0]
-        w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # [Oq + 2*Okv, Dm]
+        w = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]  # row blocks of [Oq + 2*Okv, Dm]
         self.qkv = PackedLinear(w, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), numerics)
         self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, numerics)
         self.ff = mlp.gate_proj.weight.shape[0]
-        gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2*Dff, Dm]
+        gu = [mlp.gate_proj.weight, mlp.up_proj.weight]  # row blocks of [2*Dff, Dm]
         self.gate_up = PackedLinear(gu, _cat_bias(mlp.gate_proj, mlp.up_proj), numerics)
         self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, numerics)
         self.act = mlp.act_fn

@@ -1,0 +1,139 @@
+"""Which weight copies a runner keeps: int4 codes only (model/int4.py), HF modules reading the fused
+weights once released (model/weight_views.py), and the checkpoint-dtype load of int4 runners."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cachedrag.model import int4
+from cachedrag.model.runner import ModelRunner
+from cachedrag.model.weight_views import FusedRows, HeadRowsEmbedding, resident_bytes
+from cachedrag.model.weights import Numerics, PackedLinear
+from cachedrag.testing import byte_tokenizer, tiny_model
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 64), (40, 32), (64, 96), (80, 64), (700, 64), (1000, 32)])
+def test_int4_dequantized_from_packed_codes_equals_the_reference(rows, cols, monkeypatch):
+    """The weight rebuilt from torch's packed codes (full 64-row blocks, tails, padded rows, several
+    ``ROW_BLOCK`` steps) equals ``(q - 8) * scale + zero`` from the codes before packing, bit for bit;
+    packed in row chunks it is torch's packing of the whole weight, and row blocks quantise as the whole."""
+    monkeypatch.setattr(int4, "PACK_ROWS", 128)
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.1  # [O, I]
+    codes, scale_zero = int4.quantize(w)  # [O', I], [G, O', 2]
+    weight = int4.Int4Weight([w[:rows // 3], w[rows // 3:]])  # two row blocks, as a fused q/k/v arrives
+    assert torch.equal(weight.dequantized(), int4.reference_dequantized(codes, scale_zero)[:rows])
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    assert torch.equal(weight.packed, whole) and torch.equal(weight.scale_zero, scale_zero)  # what the kernel reads
+
+
+def test_int4_plain_layout_where_torch_layout_is_unknown(monkeypatch):
+    """Without a known inverse of torch's packing the codes are kept once more in a plain layout and read
+    from there: the same weight, 0.5 bytes a weight more."""
+    w = torch.randn(80, 64, generator=torch.Generator().manual_seed(1)) * 0.1  # [O, I]
+    known = int4.Int4Weight(w)
+    monkeypatch.setattr(int4, "layout", lambda: None)
+    plain = int4.Int4Weight(w)
+    assert plain.plain is not None and known.plain is None
+    assert torch.equal(plain.dequantized(), known.dequantized())
+    assert plain.resident_bytes() == known.resident_bytes() + 80 * 64 // 2
+
+
+def test_int4_projection_keeps_only_its_packed_codes():
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(2)) * 0.1  # [O, I]
+    p = PackedLinear(w, None, Numerics(weights="int4"))
+    assert p.weight is None and getattr(p, "packed", None) is None
+    assert p.resident_bytes <= 0.63 * w.numel() + (p.int4.plain.numel() if p.int4.plain is not None else 0)
+    x = torch.randn(256, 128).bfloat16()  # prefill rows past the kernel's: one transient dequantised weight
+    torch.testing.assert_close(p(x).float(), F.linear(x, p.dequantized()).float(), atol=0, rtol=0)
+
+
+def _runners(weights: str, **config):
+    tok = byte_tokenizer()
+    kept = ModelRunner(tiny_model(vocab_size=len(tok), **config), tok, dtype="bfloat16", weights=weights)
+    released = ModelRunner(tiny_model(vocab_size=len(tok), **config), tok, dtype="bfloat16", weights=weights,
+                           release_weights=True)
+    return kept, released
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_released_runner_computes_as_before(weights):
+    """Releasing the HF weights changes no value the fast path computes (an untied head): prefill and
+    decode bit for bit; the released modules read their rows of the fused weights."""
+    kept, released = _runners(weights)
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(3))
+    kv_k, kv_r = kept.new_kv(34), released.new_kv(34)
+    assert torch.equal(kept.prefill(ids, kv=kv_k), released.prefill(ids, kv=kv_r))
+    assert torch.equal(kept.decode_step(7, 30, kv_k), released.decode_step(7, 30, kv_r))
+    attn, lw = released.layers[0].self_attn, released.fast_layers[0]
+    assert isinstance(attn.k_proj, FusedRows) and not list(attn.k_proj.parameters())
+    assert torch.equal(attn.k_proj.weight, lw.qkv.dequantized()[lw.q_out:lw.q_out + lw.kv_out])
+    assert isinstance(released.model.lm_head, FusedRows) == (released.fast_head.kind in ("int8", "int4"))
+    assert resident_bytes(released.model) < resident_bytes(kept.model)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_released_model_runs_as_a_reference_on_the_fused_weights(weights):
+    """The HF modules of a released model compute with the weights the runner's kernels use: a reference
+    runner (HF modules, F.linear) over that model tracks the fast runner's logits."""
+    _, released = _runners(weights)
+    ref = ModelRunner(released.model, released.tokenizer, fast=False, skinny_linear=False)
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(4))
+    want, got = ref.prefill(ids, kv=ref.new_kv(24)), released.prefill(ids, kv=released.new_kv(24))
+    assert (got - want).abs().max() < 0.02 * want.std() + 0.02
+    with torch.no_grad():
+        hf = released.model(ids[None]).logits[0, -1].float()  # [V] the model's own forward
+    assert (hf - want).abs().max() < 0.05 * want.std() + 0.05
+
+
+def test_tied_int8_head_serves_the_embedding():
+    """A tied int8 head, released: the embedding gathers its rows and dequantises them (no bf16 table)."""
+    kept, released = _runners("int8", tie_word_embeddings=True)
+    emb = released.model.get_input_embeddings()
+    assert isinstance(emb, HeadRowsEmbedding) and released.fast_head.kind == "int8"
+    ids = torch.tensor([0, 5, 255, 5])
+    assert torch.equal(emb(ids), released.fast_head.dequantized()[ids])
+    assert torch.equal(released.embed(ids), emb(ids))
+    x = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(5))
+    want, got = kept.prefill(x, kv=kept.new_kv(20)), released.prefill(x, kv=released.new_kv(20))
+    assert (got - want).abs().max() < 0.05 * want.std() + 0.05  # only the embedding's int8 rounding differs
+    assert resident_bytes(released.model) < resident_bytes(kept.model)
+
+
+def test_int4_from_a_bf16_checkpoint_loads_bf16_and_packs_the_same(tmp_path):
+    """int4 quantises the checkpoint's own values: a bfloat16 directory loads in bfloat16 (half the bytes of
+    the float32 load), and its int4 codes are those of the float32 load."""
+    from cachedrag.model.loader import _checkpoint_dtype
+
+    tok = byte_tokenizer()
+    model = tiny_model(vocab_size=len(tok), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert _checkpoint_dtype(str(tmp_path)) == torch.bfloat16
+    runner = ModelRunner.from_pretrained(str(tmp_path), weights="int4", warmup=False)
+    assert runner.load_report is None and isinstance(runner.layers[0].mlp.up_proj, FusedRows)
+    ref = ModelRunner(tiny_model(vocab_size=len(tok), dtype=torch.bfloat16).float(), tok, weights="int4")
+    for a, b in zip(runner.fast_layers, ref.fast_layers):
+        for pa, pb in ((a.qkv, b.qkv), (a.gate_up, b.gate_up), (a.down, b.down)):
+            assert torch.equal(pa.int4_packed, pb.int4_packed) and torch.equal(pa.int4_scale_zero, pb.int4_scale_zero)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_gguf_load_keeps_one_copy_and_reports_it(tmp_path, weights):
+    """A GGUF with a tied embedding loaded into int8/int4: the HF modules read the packed weights, an
+    int8 head serves the embedding, and the load report's weight bytes are what the runner keeps;
+    the logits track a runner packed from transformers' load of the same file (which keeps every copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from cachedrag.testing import save_tiny_gguf
+
+    path, _ = save_tiny_gguf(tmp_path / "tied.gguf", qtype="Q8_0", tie_word_embeddings=True)
+    direct = ModelRunner.from_pretrained(str(path), dtype="bfloat16", weights=weights, warmup=False)
+    assert isinstance(direct.layers[1].mlp.down_proj, FusedRows)
+    assert isinstance(direct.model.get_input_embeddings(), HeadRowsEmbedding) == (direct.fast_head.kind == "int8")
+    assert direct.load_report.weight_bytes == resident_bytes(direct.model, (direct.fast_layers, direct.fast_head))
+    load_dtype = torch.float32 if weights == "int4" else torch.bfloat16
+    ref_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=load_dtype).eval()
+    ref = ModelRunner(ref_model, direct.tokenizer, dtype="bfloat16", weights=weights)
+    ids = torch.arange(3, 60)  # [T]
+    want, got = ref.prefill(ids, all_logits=True), direct.prefill(ids, all_logits=True)  # [T, V] each
+    assert (got - want).abs().max() < 0.05 * want.std() + 0.05
