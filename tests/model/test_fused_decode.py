@@ -240,7 +240,7 @@ def test_int4_tiles_hold_the_packed_linear_levels(out_features):
     q = int4_levels(p)  # [O', I]
     scale, zero = p.int4_scale_zero[..., 0].float().t(), p.int4_scale_zero[..., 1].float().t()  # [O', G] each
     deq = (q.float() - 8).view(q.shape[0], -1, 32) * scale[..., None] + zero[..., None]  # [O', G, 32]
-    assert torch.equal(deq.view(q.shape)[:out_features].bfloat16(), p.weight)
+    assert torch.equal(deq.view(q.shape)[:out_features].bfloat16(), p.dequantized())
     tiles = int4_tiles(p)  # [T, G, 320]
     assert tiles.shape == (q.shape[0] // 16, 3, 320)
     assert torch.equal(tiles[1, 2, 256:288].view(torch.bfloat16), p.int4_scale_zero[2, 16:32, 0])
