@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 _SLICE_BYTES = 16 << 20  # tensors are dequantised this many float32 bytes at a time (gguf's numpy routines make
 # several temporaries of a slice's size)
+_WHOLE_TENSORS = (".attn_q.", ".attn_k.")  # a processor reorders their rows across heads (Llama's q/k un-permute):
+# dequantised whole (at most a few tens of MB); every other tensor's processing is per element
 
 
 def is_gguf(name_or_path) -> bool:
@@ -276,9 +278,9 @@ class _TensorSource:
         data = self.gf.raw(entry)  # [rows, bytes per row], memory-mapped
         rows = data.shape[0]
         step = max(1, _SLICE_BYTES // (4 * entry.shape[-1]))
-        if rows <= step:
+        if rows <= step or any(part in entry.name for part in _WHOLE_TENSORS):
             result = self._dequantize(data, entry, dtype)
-        else:  # slices of rows: never the whole tensor in float32 (processors act per element or per head)
+        else:  # slices of rows: never the whole tensor in float32 (the processing of these is per element)
             result = torch.empty((rows, entry.shape[-1]), dtype=dtype)  # [rows, cols]
             for start in range(0, rows, step):
                 result[start:start + step] = self._dequantize(data[start:start + step], entry, dtype)  # [r, cols]

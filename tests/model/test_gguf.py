@@ -45,6 +45,18 @@ def test_tiny_gguf_logits_equal_transformers(tmp_path, qtype):
     assert runner.load_report is not None and runner.load_report.peak_rss_bytes > 0
 
 
+def test_tensors_dequantised_in_slices_equal_whole_ones(tmp_path, monkeypatch):
+    """Slices of rows (the memory bound for large tensors) give the same weights as whole tensors,
+    Llama's permuted q/k rows included (read whole: their un-permute spans heads)."""
+    path, _ = save_tiny_gguf(tmp_path / "tiny-q8.gguf", qtype="Q8_0")
+    whole = dict(ModelRunner.from_pretrained(str(path), dtype="float32", warmup=False).model.named_parameters())
+    monkeypatch.setattr(g, "_SLICE_BYTES", 4 * 64 * 3)  # three rows of 64 columns per slice
+    sliced = dict(ModelRunner.from_pretrained(str(path), dtype="float32", warmup=False).model.named_parameters())
+    assert sliced.keys() == whole.keys()
+    for name, p in whole.items():
+        assert torch.equal(sliced[name], p), name
+
+
 def _packed_tensors(p) -> list[torch.Tensor]:
     """What a ``PackedLinear`` computes with, per format."""
     return {"int8": lambda: [p.qweight, p.scale], "int4": lambda: [p.int4_packed, p.int4_scale_zero, p.dequantized()]}.get(
