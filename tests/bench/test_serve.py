@@ -126,6 +126,7 @@ def test_a_cache_budget_that_is_not_positive_is_one_clear_line(capsys):
     assert rc == 2 and "--cache-gb must be > 0" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # make test's time budget; make test-slow runs it
 @pytest.mark.timeout(300)
 def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
     out = tmp_path / "serve.json"
@@ -152,6 +153,7 @@ def test_bench_serve_tiny_bf16_with_a_queue_level(tmp_path):
     assert "c_vs_d_ttft_mean_c3q" in data["ratios"]
 
 
+@pytest.mark.slow  # make test's time budget; make test-slow runs it
 @pytest.mark.timeout(300)
 def test_bench_serve_runs_a_fidelity_level_beside_full_prefill(tmp_path):
     out = tmp_path / "serve.json"

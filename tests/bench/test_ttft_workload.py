@@ -116,6 +116,7 @@ def test_workload_only_writes_the_file_and_loads_no_model(tiny_model_dir, tiny_c
     assert "wrote workload" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # make test's time budget; make test-slow runs it
 def test_the_workload_path_imports_no_sentence_transformers(tiny_model_dir, tiny_corpus, tmp_path):
     """In a fresh process, a --workload run never imports sentence-transformers (absent on the GPU machine)."""
     corpus, questions = tiny_corpus

@@ -53,6 +53,7 @@ def test_mixed_campaign(runner, tmp_path, redis_server):
 CAMPAIGN = Path(__file__).with_name("campaign.py")
 
 
+@pytest.mark.slow  # make test's time budget; make test-slow runs it
 def test_the_campaign_runs_as_a_script(tmp_path):
     out_json = tmp_path / "faults.json"
     out = subprocess.run([sys.executable, str(CAMPAIGN), "--rounds", "2", "--kinds", "odd_file,bit_flip",
