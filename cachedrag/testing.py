@@ -261,3 +261,24 @@ def serve_requests(engine, requests, max_batch: int | None = None, timeout_s: fl
     loop.stop()
     assert all(isinstance(r, Finished) for r in results.values()), results
     return [results[i] for i in range(len(requests))], loop
+
+
+def listening_url(proc, timeout_s: float) -> tuple[str | None, list[str]]:
+    """Read a ``cachedrag serve`` child's stderr (``proc.stderr``, text) until its "listening on URL"
+    line or ``timeout_s`` (checked between lines; a blocking read) or the stream ends: ``(URL or None,
+    the lines read)``. Tests and benchmarks that start the server as a process use it."""
+    import re
+    import time
+
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (http://[\w.:\[\]]+)", line)
+        if m:
+            return m.group(1), lines
+    return None, lines
+

@@ -223,23 +223,18 @@ class _Served:
 
     def __init__(self, mode: str, args, index_dir):
         import os
-        import re
         import subprocess
 
         from langchain_openai import ChatOpenAI
+
+        from cachedrag.testing import listening_url
 
         self.mode = mode
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0", "--mode", MODES[mode], "--cache-gb",
              str(args.cache_gb), "--max-tokens", str(args.max_tokens), "--index", str(index_dir)],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        url, deadline = None, time.monotonic() + 300
-        while url is None and time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                break
-            m = re.search(r"listening on (http://[\w.:\[\]]+)", line)
-            url = m.group(1) if m else None
+        url, _ = listening_url(self.proc, 300)
         if url is None:
             self.close()
             raise RuntimeError(f"cachedrag serve --mode {MODES[mode]} did not start")

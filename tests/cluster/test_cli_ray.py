@@ -4,13 +4,12 @@ Redis and the deployment, answers on the printed address and stops cleanly on SI
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from cachedrag.testing import listening_url
 
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
@@ -29,16 +28,7 @@ def test_serve_with_ray_replicas_answers_and_stops_on_sigterm():
                              "--backend", "ray", "--replica-cpus", "0.5", "--port", "0", "--max-tokens", "4"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
-        url, lines = None, []
-        deadline = time.monotonic() + 240
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"cachedrag serve: listening on (http://\S+)", line)
-            if m:
-                url = m.group(1)
+        url, lines = listening_url(proc, 240)
         assert url, "".join(lines[-30:])
         assert "2 replicas on Ray Serve" in lines[-1] and "redis://127.0.0.1" in lines[-1]
         chunk = "Passage: " + "cobalt " * 30

@@ -28,7 +28,7 @@ def test_full_prefill_equals_hf_logits(arch, length):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("arch", [*TINY_ARCHITECTURES, "gemma3"])  # gemma3: sliding-window and global layers
 @pytest.mark.parametrize("subset", [[0], [5, 6, 7], [3, 9, 10, 30, 44], list(range(20, 45))])
 def test_subset_with_exact_kv_equals_full(arch, subset):
     """Recomputing a gapped subset against exact K/V of every other row reproduces full prefill."""

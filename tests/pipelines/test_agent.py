@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from cachedrag.pipelines.agent import ToolScript
+from cachedrag.testing import listening_url
 
 pytestmark = pytest.mark.slow
 QUESTION = "How do I pretty-print a JSON document with indentation?"
@@ -69,14 +68,7 @@ def served():
     proc = subprocess.Popen([sys.executable, "-m", "cachedrag.cli", "serve", "--port", "0", "--max-tokens", "48"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url, lines, deadline = None, [], time.monotonic() + 300
-    while url is None and time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        url = m.group(1) if m else None
+    url, lines = listening_url(proc, 300)
     try:
         assert url, "".join(lines)
         yield url

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from cachedrag.testing import listening_url
 
 pytest.importorskip("uvicorn")
 
@@ -25,15 +25,7 @@ def _serve(*args):
 def test_serve_logs_address_and_stops_cleanly(sig):
     proc = _serve("--max-batch", "2")
     try:
-        url, lines = None, []
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
+        url, lines = listening_url(proc, 120)
         assert url, "".join(lines)
         for _ in range(100):  # uvicorn starts accepting right after the log line
             try:
