@@ -35,10 +35,9 @@ from cachedrag.server.loop import Delta, Failed, Finished
 @dataclass
 class ToolEvent:
     """``content``: answer text; ``call``: call ``index`` begins (its ``id`` and ``name``);
-    ``arguments``: the next piece of call ``index``'s JSON arguments; ``drop`` (at the end): the
-    last call started is not a call after all (a repeat of an earlier one)."""
+    ``arguments``: the next piece of call ``index``'s JSON arguments."""
 
-    kind: Literal["content", "call", "arguments", "drop"]
+    kind: Literal["content", "call", "arguments"]
     text: str = ""
     index: int = 0
     id: str | None = None
@@ -86,7 +85,7 @@ class Choice:
         watch = getattr(self.constraint, "watch", None)
         repeated = bool(watch is not None and watch.repeated)  # a repeat of an earlier call ended the answer
         complete = event.finish_reason == "stop" and (getattr(self.constraint, "complete", True) or repeated)
-        out = self._apply(self.parser.close(complete)) if self.parser else []  # the repeat: a ``drop``
+        out = self._apply(self.parser.close(complete)) if self.parser else []
         self.reason = "tool_calls" if self.calls and complete else event.finish_reason
         return out
 
@@ -112,9 +111,6 @@ class Choice:
                 if e.text:
                     self.content.append(e.text)
                     deltas.append({"content": e.text})
-            elif e.kind == "drop":
-                if self.calls:
-                    self.calls.pop()
             elif e.kind == "call":
                 cid = e.id or P.call_id()
                 self.calls.append({"id": cid, "type": "function", "function": {"name": e.name, "arguments": ""}})

@@ -77,23 +77,21 @@ class ToolAnswer:
 class FormatParser:
     """``stream.CallParser`` over the core's incremental parser of one tool format. At the end of an
     answer cut short, the parser closes the call it was in (``toolparse``); a call whose name was
-    cut (not one of ``names``, the offered tools; None: any) is dropped with its arguments, and a
-    call the parser dropped after it started (a repeat of an earlier call) is reported as a
-    ``drop`` event: the choice takes it back."""
+    cut (not one of ``names``, the offered tools; None: any) is dropped with its arguments. A call
+    that repeats an earlier one is never reported (the core parser holds it until it is known not to
+    be a repeat: ``toolparse``)."""
 
     def __init__(self, parser, names: set[str] | None = None):
         self.parser, self.names = parser, names
-        self.open = 0  # calls reported started whose end the parser has not reported (yet)
 
     def feed(self, text: str) -> list[ToolEvent]:
         return self._events(self.parser.feed(text))
 
     def close(self, complete: bool) -> list[ToolEvent]:
-        events = self._events(self.parser.finish(), final=True)
-        return events + [ToolEvent("drop") for _ in range(self.open)]  # started, never ended: dropped
+        return self._events(self.parser.finish(), final=True)
 
     def _events(self, events, final: bool = False) -> list[ToolEvent]:
-        from cachedrag.prompt.toolparse import ArgumentsDelta, CallEnded, CallStarted, TextDelta
+        from cachedrag.prompt.toolparse import ArgumentsDelta, CallStarted, TextDelta
 
         if final and self.names is not None:  # only the call closed at the end can have a cut name
             cut = {e.index for e in events if isinstance(e, CallStarted) and e.name not in self.names}
@@ -103,12 +101,9 @@ class FormatParser:
             if isinstance(e, TextDelta):
                 out.append(ToolEvent("content", e.text))
             elif isinstance(e, CallStarted):
-                self.open += 1
                 out.append(ToolEvent("call", index=e.index, id=e.id, name=e.name))
             elif isinstance(e, ArgumentsDelta):
                 out.append(ToolEvent("arguments", e.text, index=e.index))
-            elif isinstance(e, CallEnded):  # the call's deltas were all sent
-                self.open -= 1
         return out
 
 
