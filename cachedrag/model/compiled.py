@@ -68,7 +68,7 @@ def _linear_args(p: PackedLinear) -> tuple[torch.Tensor, ...]:
     kind = _kind(p)
     if kind == "dense":
         args = (p.weight,)
-    elif kind == "int8":
+    elif kind == "int8":  # row-major levels (int8 tiles: a copy read from them, held by the compiled step)
         args = (p.qweight, p.scale)
     else:
         args = (p.int4_packed, p.int4_scale_zero)

@@ -121,8 +121,8 @@ def int4_tiles(p) -> torch.Tensor:
 def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A ``PackedLinear``'s weight as the fused step reads it: (weight, int8 scales, bias)."""
     empty = torch.empty(0)
-    if p.kind == "int8":
-        w, scale = p.qweight, p.scale
+    if p.kind == "int8":  # tiles [T, I, 32] as they are (shared, never copied), or the row-major levels
+        w, scale = p.tiles if p.tiles is not None else p.qrows, p.scale
     elif p.kind in ("dense", "mkldnn"):
         w, scale = p.weight, empty
     elif p.kind == "int4":
@@ -168,8 +168,8 @@ class FusedDecode:
         final = runner.model.model.norm
         norms.append(final.weight.detach().to(runner.dtype).float())
         eps.append(float(final.variance_epsilon))
-        if packed is None:  # the copy is of the float32 / bf16 / int8 weights (int4 ones are read as they are)
-            weight_bytes = sum(w.numel() * w.element_size() for w in weights if w.dtype != torch.uint8)
+        if packed is None:  # the copy is of row-major float32 / bf16 / int8 weights (int4 and int8 tiles: none)
+            weight_bytes = sum(w.numel() * w.element_size() for w in weights if w.dim() == 2)
             packed = 0 < weight_bytes <= PACK_LIMIT_BYTES
         self._step = module.FusedStep(weights, scales, biases, norms, eps, runner.n_heads, runner.n_kv_heads,
                                       runner.head_dim, runner.fast_layers[0].ff,

@@ -98,7 +98,7 @@ class HeadRowsEmbedding(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         p = self.packed
         flat = input_ids.reshape(-1)  # [T]
-        rows = p.qweight.index_select(0, flat).to(p.scale.dtype) * p.scale.index_select(0, flat)[:, None]  # [T, Dm]
+        rows = p.levels(flat).to(p.scale.dtype) * p.scale.index_select(0, flat)[:, None]  # [T, Dm]
         if self.embed_scale is not None:
             rows = rows * (self.embed_scale.to(rows.dtype) if torch.is_tensor(self.embed_scale) else self.embed_scale)
         return rows.view(*input_ids.shape, self.embedding_dim)
@@ -123,7 +123,7 @@ def release_head(model, head):
 def _tensors_of(packed) -> list[torch.Tensor]:
     """Every tensor a ``PackedLinear`` keeps (its weight in each layout, scales, bias)."""
     int4 = getattr(packed, "int4", None)
-    names = ("weight", "packed", "qweight", "scale", "bias")
+    names = ("weight", "packed", "qrows", "tiles", "scale", "bias")
     found = [getattr(packed, n, None) for n in names]
     if int4 is not None:
         found += [int4.packed, int4.scale_zero, int4.plain]

@@ -62,9 +62,13 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cachedrag.model import native
 from cachedrag.model.int4 import INT4_GROUP, Int4Weight
 
 INT8_KERNEL_ROWS = 16  # up to this many rows, the int8 kernel; above, dequantise + bf16 matmul
+# int8 weight-only levels stored as the fused decode step's tiles where the native library reads them
+# (``int8_tiles``); False: row-major and torch's kernels everywhere (the reference; tests switch it)
+INT8_TILES = True
 # torch's int8 kernel (_weight_int8pack_mm) reads input columns 16 at a time: at other widths it
 # returns garbage or crashes (torch 2.x, measured); those weights take the dequantised matmul
 INT8_KERNEL_COLUMNS = 16
@@ -150,7 +154,14 @@ class Numerics(BaseModel):
 
 
 class PackedLinear:
-    """``x @ W^T + b`` for ``x`` ``[..., I]`` with ``W`` ``[O, I]`` in a CPU-friendly layout."""
+    """``x @ W^T + b`` for ``x`` ``[..., I]`` with ``W`` ``[O, I]`` in a CPU-friendly layout.
+
+    int8 (weight-only, ``Numerics.weights="int8"``) keeps ONE copy of the levels: ``tiles`` (the fused
+    decode step's layout, module docstring) where ``int8_tiles()`` has the native library, else ``qrows``
+    ``[O, I]`` row-major (int8-dynamic always: fbgemm's prepack reads them); the other is None."""
+
+    tiles: torch.Tensor | None = None  # int8 [ceil(O / 32), I, 32]: element [t, k, r] = level [32 t + r, k]
+    qrows: torch.Tensor | None = None  # int8 [O, I] row-major
 
     def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, numerics: Numerics):
         """``weight``: ``[O, I]``, or its row blocks in order (quantised formats read them one at a time,
@@ -167,12 +178,17 @@ class PackedLinear:
             return
         self.dynamic = None
         if numerics.weights in ("int8", "int8-dynamic"):
-            self.qweight, scale = int8_rows(parts)  # [O, I] int8, [O] float32
+            qweight, scale = int8_rows(parts)  # [O, I] int8, [O] float32
             self.scale = scale.to(numerics.torch_dtype)  # [O]
             self.weight = None
             self.kind = "int8"
+            module = int8_tiles() if numerics.weights == "int8" else None
+            if module is not None:
+                self.tiles = module.int8_tiles_pack(qweight)  # [T, I, 32]; the row-major levels are dropped
+            else:
+                self.qrows = qweight
             if numerics.weights == "int8-dynamic":
-                self.dynamic = _prepack_dynamic(self.qweight, self.scale, self.bias)
+                self.dynamic = _prepack_dynamic(qweight, self.scale, self.bias)
         elif numerics.weights == "int4":  # the packed codes only: prefill dequantises one weight per call
             self.int4 = Int4Weight(parts)
             self.int4_packed, self.int4_scale_zero = self.int4.packed, self.int4.scale_zero  # [O', I/2], [G, O', 2]
@@ -183,10 +199,23 @@ class PackedLinear:
             self.kind = "mkldnn"
 
     @property
+    def qweight(self) -> torch.Tensor | None:
+        """int8's levels row-major ``[O, I]``: ``qrows``, or read from ``tiles`` (a new tensor, ``O * I`` bytes)."""
+        if self.tiles is not None:
+            return self.tiles.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features].contiguous()
+        return self.qrows
+
+    def levels(self, ids: torch.Tensor) -> torch.Tensor:
+        """int8's levels of rows ``ids`` ``[n]``: ``[n, I]`` (gathered from the tiles where stored so)."""
+        if self.tiles is not None:
+            return self.tiles[ids // 32, :, ids % 32]  # [n, I]
+        return self.qrows.index_select(0, ids)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes a few-row (decode) call reads."""
+        """Bytes a few-row (decode) call reads (int8 tiles: their zero rows past ``O`` not counted)."""
         if self.kind == "int8":
-            return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+            return self.out_features * self.in_features + self.scale.numel() * self.scale.element_size()
         if self.kind == "int4":
             return self.int4.nbytes
         return self.weight.numel() * self.weight.element_size()
@@ -198,12 +227,16 @@ class PackedLinear:
             return self.int4.resident_bytes() + (self.bias.nbytes if self.bias is not None else 0)
         packed = getattr(self, "packed", None)
         extra = packed.numel() * packed.element_size() if packed is not None else 0
+        if self.tiles is not None:  # the zero rows that pad the last tile
+            extra = self.tiles.numel() - self.out_features * self.in_features
         return self.nbytes + extra + (self.bias.nbytes if self.bias is not None else 0)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, in the compute dtype: ``[O, I]``."""
+        if self.kind == "int8" and self.tiles is not None:  # bit for bit the expression below
+            return _native().int8_tiles_dequantize(self.tiles, self.scale, self.out_features)
         if self.kind == "int8":
-            return self.qweight.to(self.scale.dtype) * self.scale[:, None]
+            return self.qrows.to(self.scale.dtype) * self.scale[:, None]
         if self.kind == "int4":
             return self.int4.dequantized()
         return self.weight
@@ -211,6 +244,14 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "mkldnn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.kind == "int8" and self.tiles is not None:
+            rows = x.numel() // x.shape[-1]
+            if 0 < rows <= INT8_KERNEL_ROWS:  # the fused step's tile kernel: float32 sums, bias, one rounding
+                bias = self.bias if self.bias is not None else x.new_empty(0)
+                out = _native().int8_tiles_linear(x.reshape(rows, x.shape[-1]), self.tiles, self.scale, bias,
+                                                  self.out_features)  # [N, O]
+                return out.reshape(*x.shape[:-1], self.out_features)
+            return F.linear(x, self.dequantized(), self.bias)
         if self.kind == "int8":
             rows = x.numel() // x.shape[-1]
             kernel = self.dynamic is not None or self.in_features % INT8_KERNEL_COLUMNS == 0
@@ -219,7 +260,7 @@ class PackedLinear:
                 if self.dynamic is not None:  # fbgemm: float32 in and out, bias inside; out in x's dtype
                     out = torch.ops.quantized.linear_dynamic(flat.float(), self.dynamic, False).to(x.dtype)  # [N, O]
                     return out.reshape(*x.shape[:-1], self.out_features)
-                out = torch._weight_int8pack_mm(flat, self.qweight, self.scale)  # [N, O]
+                out = torch._weight_int8pack_mm(flat, self.qrows, self.scale)  # [N, O]
                 if self.bias is not None:
                     out = out + self.bias
                 return out.reshape(*x.shape[:-1], self.out_features)
@@ -275,6 +316,19 @@ def int8_rows(weight: torch.Tensor | list[torch.Tensor], block: int = 4096) -> t
             scale[row:row + w.shape[0]] = s
             row += w.shape[0]
     return q, scale
+
+
+def _native():
+    return native.kernel()
+
+
+def int8_tiles():
+    """The native library where int8 weight-only levels are stored as tiles (``INT8_TILES``, the library
+    built, AVX-512: ``int8_tiles_available``), else None (row-major levels, torch's kernels)."""
+    if not INT8_TILES:
+        return None
+    module = _native()
+    return module if module is not None and module.int8_tiles_available() else None
 
 
 @lru_cache(maxsize=1)

@@ -5,6 +5,7 @@ import torch
 
 from cachedrag.errors import ConfigError
 from cachedrag.model import attention
+from cachedrag.model import weights as weights_module
 from cachedrag.model.runner import ModelRunner
 from cachedrag.model.weights import cpu_flags
 from cachedrag.testing import byte_tokenizer, prefilled, tiny_model, tiny_runner
@@ -114,16 +115,17 @@ PACKS = {"float32": attention.kernel() is not None and "avx512f" in cpu_flags(),
 @pytest.mark.parametrize("dtype,weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("overrides", [{}, RAGGED])
-def test_packed_tiles_are_close_to_the_row_major_step(dtype, weights, arch, overrides):
+def test_packed_tiles_are_close_to_the_row_major_step(dtype, weights, arch, overrides, monkeypatch):
     """Projections from the packed tiles (32 rows interleaved by columns, bf16 by column pairs, int8
     widened with its row scales; row counts that are no multiple of 32, qwen2's biases) against the
     row-major dot products: the same values to the summation order (float32: to 1e-4; bf16 stream:
     close relative to the logits' spread, K/V rows within a bf16 step or two); every projection of
-    the step packed."""
+    the step packed. int8: the row-major levels (``INT8_TILES`` off), packed by the step."""
     if not PACKS["float32" if weights == "int8" else dtype]:
         pytest.skip(f"no packed {dtype} {weights} tiles on this CPU")
     from cachedrag.model.fused_decode import FusedDecode
 
+    monkeypatch.setattr(weights_module, "INT8_TILES", False)
     tok = byte_tokenizer()
     runner = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, dtype=dtype, weights=weights)
     steps = {"packed": FusedDecode(runner, packed=True), "row-major": FusedDecode(runner, packed=False)}
@@ -146,21 +148,27 @@ def test_packed_tiles_are_close_to_the_row_major_step(dtype, weights, arch, over
 
 @needs_kernel
 def test_packing_by_default_only_where_it_applies(monkeypatch):
-    """``packed=None``: float32, bf16 and int8 weights are packed (where the CPU has the
+    """``packed=None``: float32, bf16 and row-major int8 weights are packed (where the CPU has the
     instructions; int8's bf16 LM head with bf16's), none past ``PACK_LIMIT_BYTES`` (the copy doubles
-    their memory)."""
+    their memory); int8 weights stored as tiles are read as they are whatever the limit (no copy)."""
     from cachedrag.model import fused_decode
 
     bf16, fp32, int8 = tiny_runner(dtype="bfloat16"), tiny_runner(), tiny_runner(dtype="bfloat16", weights="int8")
+    monkeypatch.setattr(weights_module, "INT8_TILES", False)
+    int8_rows = tiny_runner(dtype="bfloat16", weights="int8")
+    assert int8_rows.fast_head.qrows is not None
     every = 4 * len(bf16.layers) + 1
     assert bf16.fused.packed_projections == (every if PACKS["bfloat16"] else 0)
     assert fp32.fused.packed_projections == (every if PACKS["float32"] else 0)
     head_bf16 = int8.fast_head.kind != "int8"
     expected_int8 = (every - 1 if PACKS["float32"] else 0) + (1 if PACKS["bfloat16" if head_bf16 else "float32"] else 0)
-    assert int8.fused.packed_projections == expected_int8
+    assert int8.fused.packed_projections == int8_rows.fused.packed_projections == expected_int8
+    tiles = int8.fast_head.tiles is not None
+    assert tiles == PACKS["float32"] and (int8.fused.packed_bytes == 0) == tiles
     monkeypatch.setattr(fused_decode, "PACK_LIMIT_BYTES", 0)
-    for runner in (bf16, fp32, int8):
+    for runner in (bf16, fp32, int8_rows):
         assert fused_decode.FusedDecode(runner).packed_projections == 0
+    assert fused_decode.FusedDecode(int8).packed_projections == (every if tiles else 0)
 
 
 @needs_kernel
@@ -200,6 +208,45 @@ def test_speed_options_change_no_value(dtype, weights, overrides, packed):
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(kvs["prefetch"], kvs["reference"]):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+@pytest.mark.skipif(weights_module.int8_tiles() is None, reason="int8 levels stored as tiles need AVX-512")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("overrides", [{}, RAGGED])
+def test_int8_tiles_step_is_the_packed_step_of_the_row_major_levels(arch, overrides, monkeypatch):
+    """A runner whose int8 levels are stored as tiles hands them to the fused step as they are (no
+    copy: ``packed_bytes`` 0, every projection read from tiles); the step computes what the step over
+    the row-major levels packed into its own copy computes, bit for bit (the same tiles and sums; a
+    gate/up tile's rows in another order change no value): 3 requests, logits and K/V rows."""
+    from cachedrag.model.fused_decode import FusedDecode
+
+    tok = byte_tokenizer()
+    runners = {"tiles": ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, weights="int8")}
+    monkeypatch.setattr(weights_module, "INT8_TILES", False)
+    runners["rows"] = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, weights="int8")
+    assert runners["rows"].fast_layers[0].qkv.tiles is None and runners["tiles"].fast_layers[0].qkv.qrows is None
+    steps = {"tiles": runners["tiles"].fused, "rows": FusedDecode(runners["rows"], packed=True)}
+    assert steps["tiles"].packed_bytes == 0 and steps["rows"].packed_bytes > 0
+    assert steps["tiles"].packed_projections == steps["rows"].packed_projections == 4 * len(runners["rows"].layers) + 1
+    # prompts past INT8_KERNEL_ROWS: prefill dequantises (bit for bit the row-major levels' weight)
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (17, 20, 23)]
+    kvs = {}
+    for name, runner in runners.items():
+        kvs[name] = []
+        for p in prompts:
+            kv = runner.new_kv(len(p) + 4)
+            runner.prefill(p, kv=kv)
+            kvs[name].append(kv)
+    for a, b in zip(kvs["tiles"], kvs["rows"]):  # prefill over the tiles (dequantised) as over the rows
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    tokens, positions = [7, 8, 9], [len(p) for p in prompts]
+    for _ in range(3):
+        got = steps["tiles"].step_batch(tokens, positions, kvs["tiles"])  # [B, V]
+        want = steps["rows"].step_batch(tokens, positions, kvs["rows"])  # [B, V]
+        assert torch.equal(got, want)
+        tokens, positions = want.argmax(-1).tolist(), [p + 1 for p in positions]
+    for a, b in zip(kvs["tiles"], kvs["rows"]):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from cachedrag.model import int4
 from cachedrag.model.runner import ModelRunner
 from cachedrag.model.weight_views import FusedRows, HeadRowsEmbedding, resident_bytes
-from cachedrag.model.weights import Numerics, PackedLinear
+from cachedrag.model.weights import Numerics, PackedLinear, int8_tiles
 from cachedrag.testing import byte_tokenizer, tiny_model
 
 
@@ -97,6 +97,31 @@ def test_tied_int8_head_serves_the_embedding():
     want, got = kept.prefill(x, kv=kept.new_kv(20)), released.prefill(x, kv=released.new_kv(20))
     assert (got - want).abs().max() < 0.05 * want.std() + 0.05  # only the embedding's int8 rounding differs
     assert resident_bytes(released.model) < resident_bytes(kept.model)
+
+
+@pytest.mark.skipif(int8_tiles() is None, reason="int8 tiles need the native library on an AVX-512 CPU")
+def test_int8_runner_with_the_fused_step_keeps_one_copy():
+    """An int8 runner (released, tied head serving the embedding) keeps each projection's levels once, as
+    the fused step's tiles (1 byte a weight, the last tile's zero rows aside), and the fused step reads
+    them as they are (``packed_bytes`` 0): the resident bytes are the tiles, scales, biases and norms."""
+    tok = byte_tokenizer()
+    runner = ModelRunner(tiny_model(vocab_size=len(tok), tie_word_embeddings=True), tok, dtype="bfloat16",
+                         weights="int8", release_weights=True)
+    assert runner.decode_step_kind == "fused" and runner.fused.packed_bytes == 0
+    packed = [q for lw in runner.fast_layers for q in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [runner.fast_head]
+    assert all(p.tiles is not None and p.qrows is None for p in packed)
+    assert isinstance(runner.model.get_input_embeddings(), HeadRowsEmbedding)
+    levels = sum(p.out_features * p.in_features for p in packed)
+    padding = sum((-p.out_features % 32) * p.in_features for p in packed)
+    small = sum(p.scale.nbytes + (p.bias.nbytes if p.bias is not None else 0) for p in packed)
+    params = sum(t.nbytes for t in list(runner.model.parameters()) + list(runner.model.buffers()))
+    assert params < 0.05 * levels  # norms and rotary buffers: no weight matrix left in the model
+    total = resident_bytes(runner.model, (runner.fast_layers, runner.fast_head))
+    assert total == levels + padding + small + params
+    x = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(6))
+    kv = runner.new_kv(24)
+    runner.prefill(x, kv=kv)
+    assert runner.decode_step(7, 20, kv).isfinite().all()
 
 
 def test_int4_from_a_bf16_checkpoint_loads_bf16_and_packs_the_same(tmp_path):

@@ -8,4 +8,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &prefill_attention_available, "whether prefill_attention was built (AVX-512)");
   m.def("int4_available", &int4_available, "whether the fused decode step reads int4 weights (AVX512-BF16)");
   register_fused_decode(m);
+  register_int8_tiles(m);
 }

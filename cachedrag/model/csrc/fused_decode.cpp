@@ -19,6 +19,7 @@ struct Proj {
   std::vector<float> bias;   // empty: none
   torch::Tensor packed;      // when packed: tiles of TILE rows, [cols / P][TILE][P] each, the weights' dtype (undefined: none)
   bool gate_up_tiles = false;  // packed gate/up: tile t holds gate rows 16t.. then up rows 16t.. (``GATE_UP`` epilogue)
+  bool shared = false;  // int8: `packed` is the caller's tiles (the weight's only copy, int8_tiles.cpp), not a copy
 };
 
 // The packed layout: TILE (32) consecutive rows interleaved by groups of P columns (bf16: P = 2, the
@@ -58,11 +59,17 @@ void int4_proj(Proj& p, const torch::Tensor& w, int64_t rows) {
   p.w = w;
 }
 
+// int8 tiles [ceil(rows / 32), cols, 32] the caller already holds (int8_tiles.cpp): read as they are
+void int8_tiles_proj(Proj& p, const torch::Tensor& tiles, int64_t rows);
+
 Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack_any,
                bool pack_bf16, bool gate_up, int64_t rows) {
   Proj p;
   if (w.scalar_type() == torch::kUInt8) {  // int4 tiles: never packed again
     int4_proj(p, w, rows);
+    pack_any = pack_bf16 = false;
+  } else if (w.scalar_type() == torch::kInt8 && w.dim() == 3) {  // int8 tiles: shared, never packed again
+    int8_tiles_proj(p, w, rows);
     pack_any = pack_bf16 = false;
   } else {
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "fused decode: weights [O, I], contiguous, CPU");
@@ -539,7 +546,7 @@ class Step {
   }
 
   int64_t vocab() const { return proj_[4 * L].rows; }
-  // how many projections read packed tiles, and the bytes those copies hold
+  // how many projections read packed tiles, and the bytes those copies hold (shared int8 tiles: none)
   int64_t packed_count() const {
     int64_t n = 0;
     for (const Proj& p : proj_) n += p.packed.defined();
@@ -547,7 +554,7 @@ class Step {
   }
   int64_t packed_bytes() const {
     int64_t n = 0;
-    for (const Proj& p : proj_) n += p.packed.defined() ? p.packed.numel() * p.packed.element_size() : 0;
+    for (const Proj& p : proj_) n += p.packed.defined() && !p.shared ? p.packed.numel() * p.packed.element_size() : 0;
     return n;
   }
   // software prefetch in the projections of 4+ requests, rows handed out in chunks (both on by

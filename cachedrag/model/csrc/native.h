@@ -1,8 +1,8 @@
 // The native CPU library's shared code: what two or more of its sources use.
 //
 // The library is ONE translation unit: cachedrag/model/native.py hands torch's load_inline the
-// sources decode_attention.cpp, prefill_attention.cpp, int4_decode.cpp, fused_decode.cpp and bindings.cpp in that
-// order (one main.cpp), so the fused decode step calls the very machine code of the decode kernel
+// sources decode_attention.cpp, prefill_attention.cpp, int4_decode.cpp, fused_decode.cpp, int8_tiles.cpp and
+// bindings.cpp in that order (one main.cpp), so the fused decode step calls the very machine code of the decode kernel
 // (``scaled_query``, ``attend_batch``: a batched row is bit for bit the single call). Internal
 // helpers live in an anonymous namespace (internal linkage, as one translation unit allows).
 //
@@ -121,4 +121,6 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
                                 int64_t kv_len, double scale, torch::Tensor hidden, int64_t pairs);
 bool prefill_attention_available();
 void register_fused_decode(pybind11::module_& m);
+void register_int8_tiles(pybind11::module_& m);
+bool int8_tiles_available();
 bool int4_available();

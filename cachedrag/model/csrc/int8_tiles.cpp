@@ -1,0 +1,165 @@
+// int8 weight-only projections stored ONLY in the fused decode step's packed tile layout
+// (``weights.PackedLinear``, kind "int8", where ``int8_tiles_available``): the step reads those tiles
+// as they are (``int8_tiles_proj``: no second copy), and the rest of the runner reads them through
+// the entry points here. Python side: cachedrag/model/weights.py (``PackedLinear``).
+//
+// Layout (fused_decode.cpp's ``pack_tiles`` with P = 1, no gate/up reorder): int8 [T, I, TILE],
+// T = ceil(O / TILE); element [t, k, r] = q[TILE t + r, k] (rows past O are zeros).
+//
+// Entry points:
+// - ``int8_tiles_pack(q [O, I] int8) -> [T, I, 32]``;
+// - ``int8_tiles_linear(x [N, I], tiles, scale [O], bias [O] or empty, rows O) -> [N, O]`` in x's dtype:
+//   ``project_packed<int8_t, float>``'s arithmetic (the fused step's: per row a float32 sum over the
+//   columns in order, times the row's scale, plus the bias in float32), rounded once to x's dtype;
+// - ``int8_tiles_dequantize(tiles, scale, rows) -> [O, I]`` in scale's dtype, bit for bit
+//   ``q.to(scale.dtype) * scale[:, None]`` (int8 -> bfloat16 / float32 is exact, the product of an
+//   int8 and a bf16 value is exact in float32, then one round to nearest even);
+// All need AVX-512 (``int8_tiles_available``); without it the runner keeps row-major int8 and torch.
+#include "native.h"
+
+namespace fused {
+
+inline void check_int8_tiles(const torch::Tensor& tiles, int64_t rows) {
+  TORCH_CHECK(CAN_PACK, "int8 tiles need AVX-512");
+  TORCH_CHECK(tiles.scalar_type() == torch::kInt8 && tiles.dim() == 3 && tiles.size(2) == TILE && tiles.is_contiguous() &&
+              tiles.device().is_cpu(), "int8 tiles: [T, I, 32] int8, contiguous, CPU");
+  TORCH_CHECK(rows > TILE * (tiles.size(0) - 1) && rows <= TILE * tiles.size(0), "int8 tiles: rows");
+}
+
+// The fused step's projection over shared tiles (make_proj): packed, the scale and bias set by make_proj.
+void int8_tiles_proj(Proj& p, const torch::Tensor& tiles, int64_t rows) {
+  check_int8_tiles(tiles, rows);
+  p.kind = INT8;
+  p.rows = rows;
+  p.cols = tiles.size(1);
+  p.w = tiles;
+  p.packed = tiles;
+  p.shared = true;
+}
+
+torch::Tensor tiles_pack(torch::Tensor q) {
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.device().is_cpu(), "int8_tiles_pack: q [O, I] int8");
+  q = q.contiguous();
+  const int64_t O = q.size(0), K = q.size(1), T = (O + TILE - 1) / TILE;
+  auto out = torch::empty({T, K, TILE}, q.options());  // [T, I, 32]
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int8_t* tile = dst + t * K * TILE;
+      const int64_t rows = std::min(TILE, O - t * TILE);
+      if (rows < TILE) std::memset(tile, 0, K * TILE);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* row = src + (t * TILE + r) * K;
+        for (int64_t k = 0; k < K; ++k) tile[k * TILE + r] = row[k];
+      }
+    }
+  });
+  return out;
+}
+
+#if defined(__AVX512F__)
+// 16 bf16 bits of 16 float32 lanes, round to nearest even, NaN kept quiet (native.h's bf16_of)
+inline __m256i bf16_16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                   _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan));
+}
+
+// Rows r0..r0+3 (all < O) of one tile, columns [0, K): each dword gathered at column k + j holds the
+// four rows' bytes, so one gather serves 16 columns of 4 rows. out: row r0's first element.
+template <bool BF16>
+inline void dequantize_rows4(const int8_t* tile, int64_t K, int64_t r0, int64_t nr, const float* s, void* out,
+                             int64_t ld) {
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(TILE));
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512i v = _mm512_i32gather_epi32(offsets, tile + k * TILE + r0, 1);
+    for (int64_t i = 0; i < nr; ++i) {
+      const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * static_cast<int>(i)), 24);
+      const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[i]));
+      if constexpr (BF16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i * ld + k), bf16_16(w));
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(out) + i * ld + k, w);
+      }
+    }
+  }
+  for (; k < K; ++k)
+    for (int64_t i = 0; i < nr; ++i) {
+      const float w = static_cast<float>(tile[k * TILE + r0 + i]) * s[i];
+      if constexpr (BF16) static_cast<uint16_t*>(out)[i * ld + k] = bf16_of(w);
+      else static_cast<float*>(out)[i * ld + k] = w;
+    }
+}
+#endif
+
+torch::Tensor tiles_dequantize(const torch::Tensor& tiles, torch::Tensor scale, int64_t rows) {
+  check_int8_tiles(tiles, rows);
+  TORCH_CHECK(scale.numel() == rows && (scale.scalar_type() == torch::kBFloat16 || scale.scalar_type() == torch::kFloat32),
+              "int8_tiles_dequantize: scale [O] bfloat16 or float32");
+  const bool bf16 = scale.scalar_type() == torch::kBFloat16;
+  const auto s = scale.to(torch::kFloat32).contiguous();  // exact: the scale's values
+  const int64_t K = tiles.size(1), T = tiles.size(0);
+  auto out = torch::empty({rows, K}, scale.options());  // [O, I]
+#if defined(__AVX512F__)
+  const int8_t* base = tiles.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  char* dst = static_cast<char*>(out.data_ptr());
+  const int64_t esize = out.element_size();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE, nr = std::min(TILE, rows - n0);
+      for (int64_t r = 0; r < nr; r += 4) {
+        void* o = dst + (n0 + r) * K * esize;
+        if (bf16) dequantize_rows4<true>(base + t * K * TILE, K, r, std::min<int64_t>(4, nr - r), sp + n0 + r, o, K);
+        else dequantize_rows4<false>(base + t * K * TILE, K, r, std::min<int64_t>(4, nr - r), sp + n0 + r, o, K);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+torch::Tensor tiles_linear(torch::Tensor x, const torch::Tensor& tiles, const torch::Tensor& scale,
+                           const torch::Tensor& bias, int64_t rows) {
+  check_int8_tiles(tiles, rows);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == tiles.size(1), "int8_tiles_linear: x [N, I]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32, "int8_tiles_linear: x bfloat16 or float32");
+  Proj p;
+  p.kind = INT8;
+  p.rows = rows;
+  p.cols = tiles.size(1);
+  p.packed = tiles;
+  auto s = scale.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(s.numel() == rows, "int8_tiles_linear: one scale per row");
+  p.scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + rows);
+  if (bias.numel()) {
+    auto b = bias.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() == rows, "int8_tiles_linear: one bias per row");
+    p.bias.assign(b.data_ptr<float>(), b.data_ptr<float>() + rows);
+  }
+  const int64_t N = x.size(0);
+  auto xf = x.to(torch::kFloat32).contiguous();  // [N, I]
+  auto y = torch::empty({N, rows}, xf.options());  // [N, O]
+#if defined(__AVX512F__)
+  if (N > 0) project_packed<int8_t, float>(p, N, xf.data_ptr<float>(), y.data_ptr<float>(), true, Epilogue());
+#endif
+  return y.to(x.scalar_type());
+}
+
+}  // namespace fused
+
+bool int8_tiles_available() { return fused::CAN_PACK; }
+
+void register_int8_tiles(pybind11::module_& m) {
+  m.def("int8_tiles_available", &int8_tiles_available, "whether int8 weights are stored as the fused step's tiles (AVX-512)");
+  m.def("int8_tiles_pack", &fused::tiles_pack, "int8 [O, I] -> tiles [ceil(O / 32), I, 32] (cachedrag)");
+  m.def("int8_tiles_dequantize", &fused::tiles_dequantize, "int8 tiles * per-row scale -> [O, I] (cachedrag)");
+  m.def("int8_tiles_linear", &fused::tiles_linear, "x [N, I] @ (int8 tiles * scale)^T + bias (cachedrag)");
+}
