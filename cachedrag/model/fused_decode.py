@@ -7,7 +7,9 @@ for B requests at once, each with its own KV buffer, as one call into the native
 ``native.py`` builds and caches). Per layer: RMSNorm, the fused q/k/v projection, RoPE, the
 K/V row writes, the split-K attention (the very code ``decode_attention`` runs), the output
 projection, RMSNorm, gate/up, SiLU x up, down, the residuals. Formats: float32 and bfloat16 dense
-weights and int8 weight-only (the runner's ``PackedLinear`` weights as they are, no copy), and int4
+weights and int8 weight-only (the runner's ``PackedLinear`` weights as they are, no copy: int8 levels
+stored as tiles, ``PackedLinear.tiles``, are the packed layout below and are read in place whatever
+``packed`` and ``PACK_LIMIT_BYTES`` say; row-major ones where the runner keeps them so), and int4
 weight-only (the ``PackedLinear``'s levels, scales and zeros copied into tiles of 16 rows,
 ``int4_tiles``; read by AVX512-BF16 ``vdpbf16ps``, ``csrc/int4_decode.cpp``; the op-by-op step
 through torch's int4 kernel is the reference).
@@ -21,8 +23,8 @@ but keeps one call per layer and the extern matmuls; the attention inside the pa
 weight rows in their stored layout (float32 FMA; bf16 pairs through AVX512-BF16 ``vdpbf16ps``;
 int8 rows widened to float32 and scaled per row, ``_weight_int8pack_mm``'s arithmetic), split over
 torch's intra-op threads by rows (``at::parallel_for``), the small ops in between as plain loops.
-float32, bf16 and int8 weights are read from a packed copy (``packed``, default for copies up to
-``PACK_LIMIT_BYTES``; bf16 where the CPU has AVX512-BF16): tiles of 32 rows interleaved by columns
+float32, bf16 and row-major int8 weights are read from a packed copy (``packed``, default for copies up
+to ``PACK_LIMIT_BYTES``; bf16 where the CPU has AVX512-BF16): tiles of 32 rows interleaved by columns
 (bf16: column pairs), one load per column (pair) of 16 rows, the inputs' values broadcast,
 no horizontal sums; a batch of 8 is then bounded by the weight stream rather than by the load
 ports (docs/notes/speed.md round 12). The small ops that follow a projection (bf16 rounding, residual
@@ -57,8 +59,8 @@ SUPPORTED = ("float32 dense", "bfloat16 dense", "int8 weight-only", "int4 weight
 
 # The largest packed copy of the projections made by default (``FusedDecode(packed=None)``): the copy
 # doubles those weights' memory, cheap for small models (the default SmolLM2-135M: ~270 MB in bf16,
-# ~540 MB in float32, ~135 MB int8), not for a 7B model on a CPU (~14 GB more in bf16), which keeps
-# the row-major dot products.
+# ~540 MB in float32, ~135 MB row-major int8), not for a 7B model on a CPU (~14 GB more in bf16), which
+# keeps the row-major dot products. int8 levels stored as tiles make no copy: the limit does not apply.
 PACK_LIMIT_BYTES = 1 << 30
 
 
@@ -142,10 +144,12 @@ class FusedDecode:
         ``epilogues``: the rounding, residual adds and SiLU(gate) * up after a projection done inside
         its parallel region, not as serial passes. All three only move speed (every value the
         same); False, False, False is the reference. ``packed``: the projections (float32, bf16
-        or int8) read from a copy in tiles of 32 rows interleaved by columns (bf16: by column
-        pairs; one more copy of those weights in memory; sums in another order than the row-major
-        dot products, so another rounding, the same for every batch size); None: packed where the
-        copy is at most ``PACK_LIMIT_BYTES`` (bf16 ones only on CPUs with AVX512-BF16)."""
+        or row-major int8) read from a copy in tiles of 32 rows interleaved by columns (bf16: by
+        column pairs; one more copy of those weights in memory; sums in another order than the
+        row-major dot products, so another rounding, the same for every batch size); None: packed
+        where the copy is at most ``PACK_LIMIT_BYTES`` (bf16 ones only on CPUs with AVX512-BF16).
+        int8 weights the runner stores as tiles are read from them in any case (no copy, not
+        counted in ``packed_bytes``)."""
         reason = unsupported_reason(runner)
         if reason is not None:
             raise ConfigError(f"decode_step='fused' needs {reason}")
@@ -176,7 +180,7 @@ class FusedDecode:
                                       [w or 0 for w in runner.windows], runner.scaling,
                                       runner.dtype == torch.bfloat16, bool(packed), rows)
         self.packed_projections = self._step.packed_count()  # how many read packed tiles (0: none)
-        self.packed_bytes = self._step.packed_bytes()  # the tiles' memory
+        self.packed_bytes = self._step.packed_bytes()  # the copies' memory (shared int8 tiles: none)
         self._step.set_prefetch(prefetch)
         self._step.set_dynamic(dynamic_rows)
         self._step.set_epilogues(epilogues)

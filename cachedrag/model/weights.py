@@ -12,9 +12,18 @@ projections of SmolLM2-135M for one token, ``docs/speed.md``):
   row, and the ``W @ x^T`` layout of ``linear.py`` (faster on the EPYC it was tuned on) is slower here.
 - ``bfloat16``: oneDNN's packed (``mkldnn._reorder_linear_weight``) bf16 matmul, the kernel
   inductor's CPU backend uses for bf16 linears: 28.5 ms, against 41 ms through ``F.linear``.
-- ``int8`` weight-only (per-output-channel symmetric scales, bf16 activations): PyTorch's
-  ``_weight_int8pack_mm`` CPU kernel for few rows, 21 ms; many rows (prefill) dequantise the
-  weight to bf16 and take oneDNN's matmul. torchao's ``Int8WeightOnlyConfig`` was measured and
+- ``int8`` weight-only (per-output-channel symmetric scales, bf16 activations). Storage: ONE copy of
+  the int8 levels. Where the native library is built with AVX-512 (``int8_tiles()``) that copy is
+  the fused decode step's tile layout (``PackedLinear.tiles`` ``[ceil(O / 32), I, 32]``: 32 rows
+  interleaved by columns, the last tile's missing rows zero; ``csrc/int8_tiles.cpp``): the fused
+  step reads it as it is, few rows (up to ``INT8_KERNEL_ROWS``) take the same tile kernel
+  (``int8_tiles_linear``: float32 sums scaled per row, bias in float32, one bf16 rounding), many
+  rows (prefill) dequantise natively (``int8_tiles_dequantize``, bit for bit
+  ``q.to(bf16) * scale[:, None]``) and take oneDNN's matmul; row-major reads (``qweight``,
+  ``levels``: the tied head serving the embedding, ``compile=True``'s exported kernel) gather from
+  the tiles. Elsewhere (no compiler, no AVX-512, ``INT8_TILES`` off: the reference) the levels are
+  row-major (``PackedLinear.qrows`` ``[O, I]``): PyTorch's ``_weight_int8pack_mm`` CPU kernel for
+  few rows, 21 ms; many rows dequantise the weight to bf16 and take oneDNN's matmul. torchao's ``Int8WeightOnlyConfig`` was measured and
   not used: on the CPU in eager mode it dequantises the whole weight on every call, so it reads
   more bytes than bf16, and its compiled form needs a minutes-long inductor compile per model.
   The quantisation itself is three lines (absmax per row / 127), kept here.
@@ -30,7 +39,8 @@ projections of SmolLM2-135M for one token, ``docs/speed.md``):
   VNNI (no int16 saturation); the 7-bit fallback tripled the KL, so without VNNI the format is
   refused. PyTorch marks its quantized-tensor constructors deprecated (pytorch#184982); torch is
   pinned here, and the weight-only ``int8`` format does not depend on them. Prefill (many rows)
-  runs exactly as ``int8`` (dequantised weights, oneDNN bf16), so chunk caches are the same.
+  runs as the reference ``int8`` (dequantised weights, oneDNN bf16), so chunk caches are the same;
+  its levels stay row-major (fbgemm's prepack reads them).
 - ``int4`` weight-only (group-wise asymmetric, groups of ``INT4_GROUP`` = 32 input columns, bf16
   scale and zero per group): PyTorch's ``_weight_int4pack_mm_for_cpu`` kernel (what torchao's
   Int4 CPU layout calls) for few rows: all 121 matmuls of one decode step in 4.9 ms against
