@@ -170,12 +170,17 @@ class PackedLinear:
     decode step's layout, module docstring) where ``int8_tiles()`` has the native library, else ``qrows``
     ``[O, I]`` row-major (int8-dynamic always: fbgemm's prepack reads them); the other is None."""
 
-    tiles: torch.Tensor | None = None  # int8 [ceil(O / 32), I, 32]: element [t, k, r] = level [32 t + r, k]
+    # int8 [ceil(O / 32), I, 32]: element [t, k, r] = level [32 t + r, k]; gate/up ones [ceil(O / 32), I, 2, 16]:
+    # element [t, k, h, r] = level [h O / 2 + 16 t + r, k]
+    tiles: torch.Tensor | None = None
     qrows: torch.Tensor | None = None  # int8 [O, I] row-major
 
-    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, numerics: Numerics):
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, numerics: Numerics,
+                 gate_up: bool = False):
         """``weight``: ``[O, I]``, or its row blocks in order (quantised formats read them one at a time,
-        never concatenating them: no float copy of the fused weight while packing)."""
+        never concatenating them: no float copy of the fused weight while packing). ``gate_up``: a fused
+        gate/up weight (gate rows, then as many up rows); int8 tiles of one without bias hold 16 units'
+        gate and up rows each (``[T, I, 2, 16]``, the fused step's SiLU(gate) * up epilogue)."""
         parts = [w.detach() for w in weight] if isinstance(weight, (list, tuple)) else [weight.detach()]
         self.out_features, self.in_features = sum(w.shape[0] for w in parts), parts[0].shape[1]
         self.kind = "dense"
@@ -194,7 +199,8 @@ class PackedLinear:
             self.kind = "int8"
             module = int8_tiles() if numerics.weights == "int8" else None
             if module is not None:
-                self.tiles = module.int8_tiles_pack(qweight)  # [T, I, 32]; the row-major levels are dropped
+                pairs = gate_up and bias is None and self.out_features % 2 == 0
+                self.tiles = module.int8_tiles_pack(qweight, pairs)  # [T, I, 32] / [T, I, 2, 16]; row-major dropped
             else:
                 self.qrows = qweight
             if numerics.weights == "int8-dynamic":
@@ -211,12 +217,19 @@ class PackedLinear:
     @property
     def qweight(self) -> torch.Tensor | None:
         """int8's levels row-major ``[O, I]``: ``qrows``, or read from ``tiles`` (a new tensor, ``O * I`` bytes)."""
+        if self.tiles is not None and self.tiles.dim() == 4:  # gate/up: [T, I, 2, 16] -> [2, 16 T, I]
+            halves = self.tiles.permute(2, 0, 3, 1).reshape(2, -1, self.in_features)[:, : self.out_features // 2]
+            return halves.reshape(self.out_features, self.in_features)
         if self.tiles is not None:
             return self.tiles.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features].contiguous()
         return self.qrows
 
     def levels(self, ids: torch.Tensor) -> torch.Tensor:
         """int8's levels of rows ``ids`` ``[n]``: ``[n, I]`` (gathered from the tiles where stored so)."""
+        if self.tiles is not None and self.tiles.dim() == 4:
+            half = (ids >= self.out_features // 2).long()  # [n] 0: gate, 1: up
+            unit = ids - half * (self.out_features // 2)  # [n]
+            return self.tiles[unit // 16, :, half, unit % 16]  # [n, I]
         if self.tiles is not None:
             return self.tiles[ids // 32, :, ids % 32]  # [n, I]
         return self.qrows.index_select(0, ids)
@@ -407,7 +420,7 @@ class LayerWeights:
         self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, numerics)
         self.ff = mlp.gate_proj.weight.shape[0]
         gu = [mlp.gate_proj.weight, mlp.up_proj.weight]  # row blocks of [2*Dff, Dm]
-        self.gate_up = PackedLinear(gu, _cat_bias(mlp.gate_proj, mlp.up_proj), numerics)
+        self.gate_up = PackedLinear(gu, _cat_bias(mlp.gate_proj, mlp.up_proj), numerics, gate_up=True)
         self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, numerics)
         self.act = mlp.act_fn
         _share(self.qkv, (attn.q_proj, attn.k_proj, attn.v_proj))

@@ -217,8 +217,8 @@ def test_speed_options_change_no_value(dtype, weights, overrides, packed):
 def test_int8_tiles_step_is_the_packed_step_of_the_row_major_levels(arch, overrides, monkeypatch):
     """A runner whose int8 levels are stored as tiles hands them to the fused step as they are (no
     copy: ``packed_bytes`` 0, every projection read from tiles); the step computes what the step over
-    the row-major levels packed into its own copy computes, bit for bit (the same tiles and sums; a
-    gate/up tile's rows in another order change no value): 3 requests, logits and K/V rows."""
+    the row-major levels packed into its own copy computes, bit for bit (the same tiles, gate/up ones
+    holding 16 units' gate and up rows, and sums): 3 requests, logits and K/V rows."""
     from cachedrag.model.fused_decode import FusedDecode
 
     tok = byte_tokenizer()

@@ -59,7 +59,7 @@ void int4_proj(Proj& p, const torch::Tensor& w, int64_t rows) {
   p.w = w;
 }
 
-// int8 tiles [ceil(rows / 32), cols, 32] the caller already holds (int8_tiles.cpp): read as they are
+// int8 tiles [T, cols, 32] (gate/up ones [T, cols, 2, 16]) the caller already holds (int8_tiles.cpp): read as they are
 void int8_tiles_proj(Proj& p, const torch::Tensor& tiles, int64_t rows);
 
 Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, bool pack_any,
@@ -68,7 +68,7 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
   if (w.scalar_type() == torch::kUInt8) {  // int4 tiles: never packed again
     int4_proj(p, w, rows);
     pack_any = pack_bf16 = false;
-  } else if (w.scalar_type() == torch::kInt8 && w.dim() == 3) {  // int8 tiles: shared, never packed again
+  } else if (w.scalar_type() == torch::kInt8 && w.dim() >= 3) {  // int8 tiles: shared, never packed again
     int8_tiles_proj(p, w, rows);
     pack_any = pack_bf16 = false;
   } else {
@@ -88,7 +88,8 @@ Proj make_proj(const torch::Tensor& w, const torch::Tensor& scale, const torch::
     p.scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + p.rows);
   }
   const bool pack = (pack_bf16 && p.kind == BF16 && p.cols % 2 == 0) || (pack_any && p.kind != BF16);
-  p.gate_up_tiles = pack && gate_up && bias.numel() == 0 && p.rows % 2 == 0;
+  if (!p.shared) p.gate_up_tiles = pack && gate_up && bias.numel() == 0 && p.rows % 2 == 0;
+  TORCH_CHECK(!p.gate_up_tiles || bias.numel() == 0, "fused decode: gate/up tiles have no bias");
   if (pack) p.packed = pack_tiles(p.gate_up_tiles ? gate_up_rows(w) : w, p.kind == BF16 ? 2 : 1);
   if (bias.numel()) {
     TORCH_CHECK(bias.numel() == p.rows, "fused decode: one bias per row");

@@ -3,11 +3,14 @@
 // as they are (``int8_tiles_proj``: no second copy), and the rest of the runner reads them through
 // the entry points here. Python side: cachedrag/model/weights.py (``PackedLinear``).
 //
-// Layout (fused_decode.cpp's ``pack_tiles`` with P = 1, no gate/up reorder): int8 [T, I, TILE],
-// T = ceil(O / TILE); element [t, k, r] = q[TILE t + r, k] (rows past O are zeros).
+// Layout (fused_decode.cpp's ``pack_tiles`` with P = 1): int8 [T, I, TILE], T = ceil(O / TILE);
+// element [t, k, r] = q[TILE t + r, k] (rows past O are zeros). A fused gate/up weight (``gate_up``:
+// O = 2 FF rows, gate then up, no bias) is stored as fused_decode.cpp's ``gate_up_rows`` orders it,
+// [T, I, 2, 16] with T = ceil(FF / 16): element [t, k, h, r] = q[h FF + 16 t + r, k] (units past FF
+// zero), so the fused step's tiles hold both halves of 16 units (its SiLU(gate) * up epilogue).
 //
 // Entry points:
-// - ``int8_tiles_pack(q [O, I] int8) -> [T, I, 32]``;
+// - ``int8_tiles_pack(q [O, I] int8, gate_up) -> [T, I, 32]`` or ``[T, I, 2, 16]``;
 // - ``int8_tiles_linear(x [N, I], tiles, scale [O], bias [O] or empty, rows O) -> [N, O]`` in x's dtype:
 //   ``project_packed<int8_t, float>``'s arithmetic (the fused step's: per row a float32 sum over the
 //   columns in order, times the row's scale, plus the bias in float32), rounded once to x's dtype;
@@ -19,16 +22,29 @@
 
 namespace fused {
 
-inline void check_int8_tiles(const torch::Tensor& tiles, int64_t rows) {
+// Whether tiles are a gate/up weight's ([T, I, 2, 16]) and checks of their shape against `rows` (O)
+inline bool check_int8_tiles(const torch::Tensor& tiles, int64_t rows) {
   TORCH_CHECK(CAN_PACK, "int8 tiles need AVX-512");
-  TORCH_CHECK(tiles.scalar_type() == torch::kInt8 && tiles.dim() == 3 && tiles.size(2) == TILE && tiles.is_contiguous() &&
-              tiles.device().is_cpu(), "int8 tiles: [T, I, 32] int8, contiguous, CPU");
-  TORCH_CHECK(rows > TILE * (tiles.size(0) - 1) && rows <= TILE * tiles.size(0), "int8 tiles: rows");
+  const bool gate_up = tiles.dim() == 4;
+  TORCH_CHECK(tiles.scalar_type() == torch::kInt8 && tiles.is_contiguous() && tiles.device().is_cpu() &&
+              ((tiles.dim() == 3 && tiles.size(2) == TILE) || (gate_up && tiles.size(2) == 2 && tiles.size(3) == TILE / 2)),
+              "int8 tiles: [T, I, 32] or gate/up [T, I, 2, 16] int8, contiguous, CPU");
+  const int64_t per = gate_up ? TILE / 2 : TILE, units = gate_up ? rows / 2 : rows;
+  TORCH_CHECK((!gate_up || rows % 2 == 0) && units > per * (tiles.size(0) - 1) && units <= per * tiles.size(0),
+              "int8 tiles: rows");
+  return gate_up;
+}
+
+// The weight row that row r of tile t holds (O rows; gate/up: FF = O / 2 units), or -1 (a zero row)
+inline int64_t tile_row(int64_t t, int64_t r, int64_t O, bool gate_up) {
+  if (!gate_up) return t * TILE + r < O ? t * TILE + r : -1;
+  const int64_t half = TILE / 2, unit = t * half + r % half, FF = O / 2;
+  return unit < FF ? (r < half ? unit : FF + unit) : -1;
 }
 
 // The fused step's projection over shared tiles (make_proj): packed, the scale and bias set by make_proj.
 void int8_tiles_proj(Proj& p, const torch::Tensor& tiles, int64_t rows) {
-  check_int8_tiles(tiles, rows);
+  p.gate_up_tiles = check_int8_tiles(tiles, rows);
   p.kind = INT8;
   p.rows = rows;
   p.cols = tiles.size(1);
@@ -37,20 +53,24 @@ void int8_tiles_proj(Proj& p, const torch::Tensor& tiles, int64_t rows) {
   p.shared = true;
 }
 
-torch::Tensor tiles_pack(torch::Tensor q) {
+torch::Tensor tiles_pack(torch::Tensor q, bool gate_up) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.device().is_cpu(), "int8_tiles_pack: q [O, I] int8");
+  TORCH_CHECK(!gate_up || q.size(0) % 2 == 0, "int8_tiles_pack: gate/up rows come in pairs");
   q = q.contiguous();
-  const int64_t O = q.size(0), K = q.size(1), T = (O + TILE - 1) / TILE;
-  auto out = torch::empty({T, K, TILE}, q.options());  // [T, I, 32]
+  const int64_t O = q.size(0), K = q.size(1), T = gate_up ? (O / 2 + TILE / 2 - 1) / (TILE / 2) : (O + TILE - 1) / TILE;
+  auto out = gate_up ? torch::empty({T, K, 2, TILE / 2}, q.options()) : torch::empty({T, K, TILE}, q.options());
   const int8_t* src = q.data_ptr<int8_t>();
   int8_t* dst = out.data_ptr<int8_t>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int8_t* tile = dst + t * K * TILE;
-      const int64_t rows = std::min(TILE, O - t * TILE);
-      if (rows < TILE) std::memset(tile, 0, K * TILE);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* row = src + (t * TILE + r) * K;
+      for (int64_t r = 0; r < TILE; ++r) {
+        const int64_t n = tile_row(t, r, O, gate_up);
+        if (n < 0) {
+          for (int64_t k = 0; k < K; ++k) tile[k * TILE + r] = 0;
+          continue;
+        }
+        const int8_t* row = src + n * K;
         for (int64_t k = 0; k < K; ++k) tile[k * TILE + r] = row[k];
       }
     }
@@ -70,8 +90,9 @@ inline __m256i bf16_16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan));
 }
 
-// Rows r0..r0+3 (all < O) of one tile, columns [0, K): each dword gathered at column k + j holds the
-// four rows' bytes, so one gather serves 16 columns of 4 rows. out: row r0's first element.
+// Tile rows r0..r0+nr-1 (nr <= 4, weight rows consecutive, scales s[0..nr)), columns [0, K): each dword
+// gathered at column k + j holds the four tile rows' bytes, so one gather serves 16 columns of 4
+// rows. out: the first row's first element, rows ld apart.
 template <bool BF16>
 inline void dequantize_rows4(const int8_t* tile, int64_t K, int64_t r0, int64_t nr, const float* s, void* out,
                              int64_t ld) {
@@ -100,7 +121,7 @@ inline void dequantize_rows4(const int8_t* tile, int64_t K, int64_t r0, int64_t 
 #endif
 
 torch::Tensor tiles_dequantize(const torch::Tensor& tiles, torch::Tensor scale, int64_t rows) {
-  check_int8_tiles(tiles, rows);
+  const bool gate_up = check_int8_tiles(tiles, rows);
   TORCH_CHECK(scale.numel() == rows && (scale.scalar_type() == torch::kBFloat16 || scale.scalar_type() == torch::kFloat32),
               "int8_tiles_dequantize: scale [O] bfloat16 or float32");
   const bool bf16 = scale.scalar_type() == torch::kBFloat16;
@@ -114,11 +135,14 @@ torch::Tensor tiles_dequantize(const torch::Tensor& tiles, torch::Tensor scale, 
   const int64_t esize = out.element_size();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * TILE, nr = std::min(TILE, rows - n0);
-      for (int64_t r = 0; r < nr; r += 4) {
-        void* o = dst + (n0 + r) * K * esize;
-        if (bf16) dequantize_rows4<true>(base + t * K * TILE, K, r, std::min<int64_t>(4, nr - r), sp + n0 + r, o, K);
-        else dequantize_rows4<false>(base + t * K * TILE, K, r, std::min<int64_t>(4, nr - r), sp + n0 + r, o, K);
+      for (int64_t r = 0; r < TILE; r += 4) {  // 4 tile rows: consecutive weight rows (a half is 16 rows)
+        const int64_t n = tile_row(t, r, rows, gate_up);
+        if (n < 0) continue;
+        int64_t nr = 1;
+        while (nr < 4 && tile_row(t, r + nr, rows, gate_up) == n + nr) ++nr;
+        void* o = dst + n * K * esize;
+        if (bf16) dequantize_rows4<true>(base + t * K * TILE, K, r, nr, sp + n, o, K);
+        else dequantize_rows4<false>(base + t * K * TILE, K, r, nr, sp + n, o, K);
       }
     }
   });
@@ -128,7 +152,8 @@ torch::Tensor tiles_dequantize(const torch::Tensor& tiles, torch::Tensor scale, 
 
 torch::Tensor tiles_linear(torch::Tensor x, const torch::Tensor& tiles, const torch::Tensor& scale,
                            const torch::Tensor& bias, int64_t rows) {
-  check_int8_tiles(tiles, rows);
+  const bool gate_up = check_int8_tiles(tiles, rows);
+  TORCH_CHECK(!gate_up || bias.numel() == 0, "int8_tiles_linear: gate/up tiles have no bias");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == tiles.size(1), "int8_tiles_linear: x [N, I]");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32, "int8_tiles_linear: x bfloat16 or float32");
   Proj p;
@@ -136,6 +161,7 @@ torch::Tensor tiles_linear(torch::Tensor x, const torch::Tensor& tiles, const to
   p.rows = rows;
   p.cols = tiles.size(1);
   p.packed = tiles;
+  p.gate_up_tiles = gate_up;  // project_packed writes the rows back in their order (gate units, then up units)
   auto s = scale.to(torch::kFloat32).contiguous();
   TORCH_CHECK(s.numel() == rows, "int8_tiles_linear: one scale per row");
   p.scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + rows);
@@ -159,7 +185,8 @@ bool int8_tiles_available() { return fused::CAN_PACK; }
 
 void register_int8_tiles(pybind11::module_& m) {
   m.def("int8_tiles_available", &int8_tiles_available, "whether int8 weights are stored as the fused step's tiles (AVX-512)");
-  m.def("int8_tiles_pack", &fused::tiles_pack, "int8 [O, I] -> tiles [ceil(O / 32), I, 32] (cachedrag)");
+  m.def("int8_tiles_pack", &fused::tiles_pack, "int8 [O, I] -> tiles [ceil(O / 32), I, 32] or gate/up ones (cachedrag)",
+        pybind11::arg("q"), pybind11::arg("gate_up") = false);
   m.def("int8_tiles_dequantize", &fused::tiles_dequantize, "int8 tiles * per-row scale -> [O, I] (cachedrag)");
   m.def("int8_tiles_linear", &fused::tiles_linear, "x [N, I] @ (int8 tiles * scale)^T + bias (cachedrag)");
 }
