@@ -1,7 +1,8 @@
 // The native CPU library's shared code: what two or more of its sources use.
 //
 // The library is ONE translation unit: cachedrag/model/native.py hands torch's load_inline the
-// sources decode_attention.cpp, prefill_attention.cpp, int4_decode.cpp, fused_decode.cpp and bindings.cpp in that
+// sources decode_attention.cpp, prefill_attention.cpp, int4_decode.cpp, fused_decode.cpp, int4_linear.cpp and
+// bindings.cpp in that
 // order (one main.cpp), so the fused decode step calls the very machine code of the decode kernel
 // (``scaled_query``, ``attend_batch``: a batched row is bit for bit the single call). Internal
 // helpers live in an anonymous namespace (internal linkage, as one translation unit allows).
@@ -122,3 +123,5 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
 bool prefill_attention_available();
 void register_fused_decode(pybind11::module_& m);
 bool int4_available();
+torch::Tensor int4_dequantize(torch::Tensor tiles, int64_t rows, std::optional<torch::Tensor> out);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, int64_t rows, torch::Tensor bias);
