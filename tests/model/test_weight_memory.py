@@ -97,6 +97,9 @@ def test_int4_projection_keeps_only_its_packed_codes(storage, monkeypatch):
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(2)) * 0.1  # [O, I]
     p = PackedLinear(w, None, Numerics(weights="int4"))
     assert p.weight is None and getattr(p, "packed", None) is None and p.int4.storage == storage
+    from cachedrag.model.weight_views import _tensors_of
+
+    assert sum(t.numel() * t.element_size() for t in _tensors_of(p)) == p.resident_bytes  # what reports count
     assert p.resident_bytes <= 0.63 * w.numel() + (p.int4.plain.numel() if p.int4.plain is not None else 0)
     x = torch.randn(256, 128).bfloat16()  # prefill rows past the kernel's: one transient dequantised weight
     torch.testing.assert_close(p(x).float(), F.linear(x, p.dequantized()).float(), atol=0, rtol=0)
