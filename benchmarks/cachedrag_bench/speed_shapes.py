@@ -8,8 +8,9 @@ same precision class (``bf16`` / F16, ``int8`` / Q8_0, ``int4`` / Q4_K_M), measu
 (ours, theirs, then theirs, ours in the next round):
 
 - full prefill of the prompt (seconds, tokens/s) and greedy decode ms/token after it;
-- RSS each adds to the process when loaded (our runner: its weights as it keeps them, the HF
-  model's own released once packed, plus warm-up buffers; llama.cpp: the touched pages of its mapped
+- RSS each adds to the process when loaded (our runner: loaded from the very GGUF llama.cpp runs,
+  as a user's file loads, packed layer by layer; without llama.cpp (no GGUFs) from the random
+  weights' Hugging Face directory; plus warm-up buffers; llama.cpp: the touched pages of its mapped
   GGUF, its buffers and KV), and our runner's resident weight bytes (``weights_gib``);
 - unless ``--no-reuse``: TTFT after request A has run (its chunks cached: ours in ``cachedrag``
   mode, llama.cpp with ``LlamaRAMCache`` and its context's common-prefix reuse), for request B with
@@ -162,10 +163,16 @@ def _measure_format(args, fmt: str, threads: int, anchor: bool, req_a, req_b) ->
     weights, gguf_type = PAIRS[fmt]
     base = _rss()
     t0 = time.perf_counter()
-    model, tokenizer = cpu_shapes.load_hf(args.shape)
-    runner = ModelRunner(model, tokenizer, dtype="bfloat16", weights=weights, threads=threads,
-                         release_weights=True)  # the model is this runner's alone
-    del model
+    if anchor:  # ours loads the very GGUF llama.cpp runs, as a user's file loads (its RSS comparable)
+        source = f"gguf {gguf_type}"
+        runner = ModelRunner.from_pretrained(str(cpu_shapes.gguf_path(args.shape, gguf_type)), dtype="bfloat16",
+                                             weights=weights, threads=threads, warmup=False)
+    else:
+        source = "hf bf16"
+        model, tokenizer = cpu_shapes.load_hf(args.shape)
+        runner = ModelRunner(model, tokenizer, dtype="bfloat16", weights=weights, threads=threads,
+                             release_weights=True)  # the model is this runner's alone
+        del model
     ours_weights = resident_bytes(runner.model, (runner.fast_layers, runner.fast_head))
     runner.warmup(512, 4)
     ours_load = time.perf_counter() - t0
@@ -174,7 +181,8 @@ def _measure_format(args, fmt: str, threads: int, anchor: bool, req_a, req_b) ->
     ids = {k: [t for s in probe.prompts.chat(chunks, q, SYSTEM_PROMPT) for t in s.ids]
            for k, (chunks, q) in (("a", req_a), ("b", req_b))}
     timers = {"ours": _Ours(runner)}
-    row = {"ours": {"weights": weights, "numerics": runner.numerics.tag, "load_s": ours_load, "rss_gib": ours_rss / 2**30,
+    row = {"ours": {"weights": weights, "source": source, "numerics": runner.numerics.tag, "load_s": ours_load,
+                    "rss_gib": ours_rss / 2**30,
                     "weights_gib": ours_weights / 2**30, "decode_step": runner.decode_step_kind},
            "prompt_tokens": len(ids["b"])}
     theirs = None

@@ -71,7 +71,7 @@ def _linear_args(p: PackedLinear) -> tuple[torch.Tensor, ...]:
     elif kind == "int8":  # row-major levels (int8 tiles: a copy read from them, held by the compiled step)
         args = (p.qweight, p.scale)
     else:
-        args = (p.int4_packed, p.int4_scale_zero)
+        args = p.int4.torch_layout()  # torch's kernel layout (a copy where the weight is kept as native tiles)
     return args + ((p.bias,) if p.bias is not None else ())
 
 

@@ -53,7 +53,6 @@ import torch
 
 from cachedrag.errors import ConfigError
 from cachedrag.model import native
-from cachedrag.model.weights import INT4_GROUP
 
 SUPPORTED = ("float32 dense", "bfloat16 dense", "int8 weight-only", "int4 weight-only")
 
@@ -85,41 +84,6 @@ def _int4_available() -> bool:
     return module is not None and bool(module.int4_available())
 
 
-def int4_levels(p) -> torch.Tensor:
-    """An int4 ``PackedLinear``'s levels ``q`` (0..15) ``[O', I]`` uint8 (``O'``: rows padded to 16),
-    read back from torch's CPU int4 layout (private: blocks of 64 rows ``[K, 32]`` bytes holding rows
-    ``d`` and ``32 + d`` in the low and high nibbles, a last block of fewer rows holding row pairs);
-    checked by packing them again (``ConfigError`` where torch's layout differs)."""
-    packed = p.int4_packed  # [O', I/2] uint8
-    rows, cols = packed.shape[0], packed.shape[1] * 2
-    flat, full = packed.reshape(-1), rows // 64 * 64
-    parts = []
-    if full:
-        head = flat[: full * cols // 2].view(full // 64, cols, 32)  # [nb, I, 32]
-        parts.append(torch.stack([head & 15, head >> 4], 2).permute(0, 2, 3, 1).reshape(full, cols))  # [full, I]
-    if rows > full:
-        tail = flat[full * cols // 2:].view(cols, (rows - full) // 2)  # [I, r/2]
-        parts.append(torch.stack([tail & 15, tail >> 4], 2).reshape(cols, rows - full).t())  # [r, I]
-    levels = torch.cat(parts).contiguous()  # [O', I]
-    if not torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1), packed):
-        raise ConfigError("the fused decode step cannot read this torch version's int4 layout; use decode_step='torch'")
-    return levels
-
-
-def int4_tiles(p) -> torch.Tensor:
-    """An int4 ``PackedLinear`` in the fused step's layout (``csrc/int4_decode.cpp``): ``[O'/16, I/32, 320]``
-    uint8; per tile of 16 rows and group of 32 columns, 4 blocks of 32 16-bit words (word ``2i + e``,
-    nibble ``j`` = row ``i``, column ``8c + 2j + e``), then the rows' bf16 scales and zeros."""
-    q = int4_levels(p)  # [O', I]
-    rows, cols = q.shape
-    tiles, groups = rows // 16, cols // INT4_GROUP
-    q = q.view(tiles, 16, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)  # [T, G, c, i, e, j]
-    words = torch.stack([q[..., 0] | (q[..., 1] << 4), q[..., 2] | (q[..., 3] << 4)], -1)  # [T, G, c, i, e, 2] bytes
-    sz = p.int4_scale_zero.view(groups, tiles, 16, 2).permute(1, 0, 3, 2)  # [T, G, 2, 16] bf16
-    sz = sz.contiguous().view(torch.uint8).reshape(tiles, groups, 64)  # [T, G, 64]: 16 scales, 16 zeros
-    return torch.cat([words.reshape(tiles, groups, 256), sz], -1).contiguous()  # [T, G, 320]
-
-
 def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A ``PackedLinear``'s weight as the fused step reads it: (weight, int8 scales, bias)."""
     empty = torch.empty(0)
@@ -128,7 +92,7 @@ def _parts(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     elif p.kind in ("dense", "mkldnn"):
         w, scale = p.weight, empty
     elif p.kind == "int4":
-        w, scale = int4_tiles(p), empty
+        w, scale = p.int4.as_tiles(), empty  # the weight's own tiles (a copy only for torch storage)
     else:
         raise ConfigError(f"the fused decode step does not read {p.kind} weights")
     return w.contiguous(), scale, p.bias if p.bias is not None else empty

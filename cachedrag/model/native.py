@@ -3,8 +3,9 @@
 Owns: ``kernel()`` (the compiled library's Python module, or None), ``kernel_status()``,
 ``library_dir()`` and the build. The library's C++ sources are package data in ``csrc/``
 (``native.h`` shared by ``decode_attention.cpp``, ``prefill_attention.cpp``, ``int4_decode.cpp``,
-``fused_decode.cpp``, ``int8_tiles.cpp`` and ``bindings.cpp``); they are read at build time and handed to torch's ``load_inline`` in that
-order as ONE translation unit, compiled with the system's C++ compiler at first use
+``fused_decode.cpp``, ``int4_linear.cpp``, ``int8_tiles.cpp`` and ``bindings.cpp``); they are read at
+build time and handed to torch's ``load_inline`` in that order as ONE translation unit, compiled
+with the system's C++ compiler at first use
 (``-O3 -march=native``) and cached on disk under ``cache_home()/ext``, keyed by the sources, the
 flags, torch's version and the CPU's flags. The library's SHA-256 is written beside it after a
 build: a library whose bytes changed since is rebuilt, never loaded. Concurrent processes build
@@ -37,10 +38,11 @@ CSRC = Path(__file__).with_name("csrc")
 #: included by every source (``#include "native.h"``: ``CSRC`` is on the include path)
 HEADERS = ("native.h",)
 #: the translation unit's parts, in order: the decode kernel, the prefill kernel, the int4 tiles' dot
-#: product, the fused decode step that calls the first and the third, the int8 tiles' entry points
-#: (they call the fused step's tile kernel), the Python bindings
-SOURCES = ("decode_attention.cpp", "prefill_attention.cpp", "int4_decode.cpp", "fused_decode.cpp", "int8_tiles.cpp",
-           "bindings.cpp")
+#: product, the fused decode step that calls the first and the third, the int4 tiles' dequantisation and
+#: few-row matmul (the fused step's int4 projection), the int8 tiles' entry points (they call the fused
+#: step's tile kernel), the Python bindings
+SOURCES = ("decode_attention.cpp", "prefill_attention.cpp", "int4_decode.cpp", "fused_decode.cpp", "int4_linear.cpp",
+           "int8_tiles.cpp", "bindings.cpp")
 
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
           "-fopenmp"]

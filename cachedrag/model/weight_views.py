@@ -126,7 +126,7 @@ def _tensors_of(packed) -> list[torch.Tensor]:
     names = ("weight", "packed", "qrows", "tiles", "scale", "bias")
     found = [getattr(packed, n, None) for n in names]
     if int4 is not None:
-        found += [int4.packed, int4.scale_zero, int4.plain]
+        found += [int4.tiles, int4.packed, int4.scale_zero, int4.plain]
     return [t for t in found if torch.is_tensor(t)]
 
 

@@ -42,17 +42,16 @@ projections of SmolLM2-135M for one token, ``docs/speed.md``):
   runs as the reference ``int8`` (dequantised weights, oneDNN bf16), so chunk caches are the same;
   its levels stay row-major (fbgemm's prepack reads them).
 - ``int4`` weight-only (group-wise asymmetric, groups of ``INT4_GROUP`` = 32 input columns, bf16
-  scale and zero per group): PyTorch's ``_weight_int4pack_mm_for_cpu`` kernel (what torchao's
-  Int4 CPU layout calls) for few rows: all 121 matmuls of one decode step in 4.9 ms against
-  11.4 ms for int8 and 15.5 ms for bf16 (2 threads). Its packed layout is private and the kernel
-  is ~13x slower than oneDNN for many rows, so prefill dequantises each weight per call into a
-  transient bf16 copy (``model/int4.py``: the packed codes are the only resident copy, 0.56 bytes
-  a weight) and runs oneDNN's bf16 matmul on it: +20% per layer's projections against a resident
-  oneDNN-packed bf16 copy at the 1.5B shape over 2,614 rows, +44% over 715 (docs/notes/gguf-gemma.md),
-  for 4.5x less memory. The default GGUF is Q4_1 (blocks of 32 with a scale and a minimum), so its
-  dequantised weights take at most 16 levels per group of 32: min/max quantisation recovers
-  them up to the rounding of scale and zero to bf16. The group quantisation is kept here (a few
-  lines); torchao's ``Int4WeightOnlyConfig`` wraps the same kernel in a tensor subclass.
+  scale and zero per group), kept once (``model/int4.py``): where the native library reads int4
+  (AVX512-BF16), as the fused decode step's tiles of 16 rows, few rows through the native
+  ``int4_linear`` (the fused step's projection) and many rows through the weight dequantised natively
+  into a per-thread transient bf16 buffer and oneDNN's bf16 matmul (the dequantisation is ~3% of a
+  1.5B prefill's matmuls); elsewhere in torch's ``_weight_int4pack_mm_for_cpu`` layout (what
+  torchao's Int4 CPU layout calls), few rows through that kernel, many through the weight dequantised
+  in torch. 0.56 bytes a weight, no resident bf16 copy. The default GGUF is Q4_1 (blocks of 32 with a
+  scale and a minimum), so its dequantised weights take at most 16 levels per group of 32: min/max
+  quantisation recovers them up to the rounding of scale and zero to bf16. The group quantisation is
+  kept here (a few lines); torchao's ``Int4WeightOnlyConfig`` wraps torch's kernel in a tensor subclass.
 
 The LM head (``head_numerics``, ``pack_head``): in the runner's format, except int4 runners read it
 as int8 rows (a group-wise int4 head moved the next-token distribution far more than the int4
@@ -73,7 +72,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cachedrag.model import native
-from cachedrag.model.int4 import INT4_GROUP, Int4Weight
+from cachedrag.model.int4 import INT4_GROUP, Int4Weight, scratch
 
 INT8_KERNEL_ROWS = 16  # up to this many rows, the int8 kernel; above, dequantise + bf16 matmul
 # int8 weight-only levels stored as the fused decode step's tiles where the native library reads them
@@ -82,8 +81,9 @@ INT8_TILES = True
 # torch's int8 kernel (_weight_int8pack_mm) reads input columns 16 at a time: at other widths it
 # returns garbage or crashes (torch 2.x, measured); those weights take the dequantised matmul
 INT8_KERNEL_COLUMNS = 16
-INT4_KERNEL_ROWS = 192  # up to this many rows, the int4 kernel; above, dequantise (one transient bf16 weight)
-# + oneDNN: per 1.5B layer the kernel takes 83 ms for 128 rows, 165 for 256; the dequantised matmul 118, 142
+INT4_KERNEL_ROWS = 128  # up to this many rows, the int4 kernel; above, dequantise (one transient bf16 weight) +
+# oneDNN: the 1.5B gate/up (17920 x 1536) from native tiles took 26.5 ms both ways at 128 rows, 4.8 vs 25.7 at 16,
+# 45.0 vs 40.5 at 256 (docs/notes/gguf-gemma.md); torch's int4 kernel crossed over at 128-256 rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZED = ("int8", "int8-dynamic", "int4")
@@ -206,8 +206,7 @@ class PackedLinear:
             if numerics.weights == "int8-dynamic":
                 self.dynamic = _prepack_dynamic(qweight, self.scale, self.bias)
         elif numerics.weights == "int4":  # the packed codes only: prefill dequantises one weight per call
-            self.int4 = Int4Weight(parts)
-            self.int4_packed, self.int4_scale_zero = self.int4.packed, self.int4.scale_zero  # [O', I/2], [G, O', 2]
+            self.int4 = Int4Weight(parts)  # kept once: native tiles or torch's layout (model/int4.py)
             self.weight = None
             self.kind = "int4"
         elif numerics.dtype == "bfloat16" and torch.backends.mkldnn.is_available():
@@ -291,11 +290,10 @@ class PackedLinear:
         if self.kind == "int4":
             rows = x.numel() // x.shape[-1]
             if 0 < rows <= INT4_KERNEL_ROWS:
-                out = self.int4.matmul(x.reshape(rows, x.shape[-1]))  # [N, O]
-                if self.bias is not None:
-                    out = out + self.bias
+                out = self.int4.matmul(x.reshape(rows, x.shape[-1]), self.bias)  # [N, O]
                 return out.reshape(*x.shape[:-1], self.out_features)
-            return F.linear(x, self.int4.dequantized(), self.bias)  # one transient bf16 copy of this weight
+            w = self.int4.dequantized(scratch(self.out_features, self.in_features))  # [O, I] transient, reused
+            return F.linear(x, w, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -20,11 +20,20 @@ RAGGED = {"hidden_size": 88, "intermediate_size": 200, "num_attention_heads": 2,
 
 
 def _pair(arch="llama", **kwargs):
-    """Two runners over the same random weights: the fused step and the torch step."""
+    """Two runners over the same random weights: the fused step and the torch step (int4: kept in torch's
+    layout and read by torch's int4 kernel, the reference of the native tiles)."""
+    from cachedrag.model import int4
+
     tok = byte_tokenizer()
     overrides = kwargs.pop("overrides", {})
-    return {c: ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, decode_step=c, **kwargs)
-            for c in ("fused", "torch")}
+    runners = {}
+    try:
+        for c, storage in (("fused", None), ("torch", "torch")):
+            int4.STORAGE = storage
+            runners[c] = ModelRunner(tiny_model(arch, vocab_size=len(tok), **overrides), tok, decode_step=c, **kwargs)
+    finally:
+        int4.STORAGE = None
+    return runners
 
 
 @needs_kernel
@@ -276,20 +285,18 @@ def test_decode_step_choice():
 @needs_int4
 @pytest.mark.parametrize("out_features", [64, 80, 144])
 def test_int4_tiles_hold_the_packed_linear_levels(out_features):
-    """``int4_levels`` reads torch's int4 layout back (blocks of 64 rows and a last block of fewer):
-    the levels dequantise to the ``PackedLinear``'s weight; ``int4_tiles`` holds each row's scale and
-    zero per group where the kernel reads them."""
-    from cachedrag.model.fused_decode import int4_levels, int4_tiles
+    """The fused step reads the ``PackedLinear``'s own tiles (no copy): each row's scale and zero per group
+    and each level where ``csrc/int4_decode.cpp`` reads them."""
+    from cachedrag.model import int4
+    from cachedrag.model.fused_decode import _parts
     from cachedrag.model.weights import Numerics, PackedLinear
 
     w = torch.randn(out_features, 96, generator=torch.Generator().manual_seed(out_features))  # [O, I]
     p = PackedLinear(w, None, Numerics(weights="int4"))
-    q = int4_levels(p)  # [O', I]
-    scale, zero = p.int4_scale_zero[..., 0].float().t(), p.int4_scale_zero[..., 1].float().t()  # [O', G] each
-    deq = (q.float() - 8).view(q.shape[0], -1, 32) * scale[..., None] + zero[..., None]  # [O', G, 32]
-    assert torch.equal(deq.view(q.shape)[:out_features].bfloat16(), p.dequantized())
-    tiles = int4_tiles(p)  # [T, G, 320]
+    assert p.int4.storage == "tiles" and _parts(p)[0].data_ptr() == p.int4.tiles.data_ptr()
+    q, scale_zero = int4.quantize(w)  # [O', I], [G, O', 2]
+    tiles = p.int4.tiles  # [T, G, 320]
     assert tiles.shape == (q.shape[0] // 16, 3, 320)
-    assert torch.equal(tiles[1, 2, 256:288].view(torch.bfloat16), p.int4_scale_zero[2, 16:32, 0])
+    assert torch.equal(tiles[1, 2, 256:288].view(torch.bfloat16), scale_zero[2, 16:32, 0])
     word = tiles[0, 1, :64].view(torch.int16).int() & 0xFFFF  # block c = 0 of group 1: 32 words
     assert int(word[2 * 3 + 1] >> 4 & 15) == int(q[3, 32 + 2 * 1 + 1])  # row 3, column 8c + 2j + e, j = e = 1

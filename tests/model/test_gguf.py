@@ -59,7 +59,7 @@ def test_tensors_dequantised_in_slices_equal_whole_ones(tmp_path, monkeypatch):
 
 def _packed_tensors(p) -> list[torch.Tensor]:
     """What a ``PackedLinear`` computes with, per format."""
-    return {"int8": lambda: [p.qweight, p.scale], "int4": lambda: [p.int4_packed, p.int4_scale_zero, p.dequantized()]}.get(
+    return {"int8": lambda: [p.qweight, p.scale], "int4": lambda: [*p.int4.state(), p.dequantized()]}.get(
         p.kind, lambda: [p.weight])()
 
 

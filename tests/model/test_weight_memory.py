@@ -11,6 +11,59 @@ from cachedrag.model.weight_views import FusedRows, HeadRowsEmbedding, resident_
 from cachedrag.model.weights import Numerics, PackedLinear, int8_tiles
 from cachedrag.testing import byte_tokenizer, tiny_model
 
+needs_native_int4 = pytest.mark.skipif(int4.native_int4() is None,
+                                       reason="int4 tiles need the native kernels on an AVX512-BF16 CPU")
+
+
+@needs_native_int4
+@pytest.mark.parametrize("rows,cols", [(16, 64), (40, 32), (80, 96), (700, 64)])
+def test_int4_tiles_dequantise_and_multiply_as_the_reference(rows, cols):
+    """Tiles: the native dequantisation equals ``(q - 8) * scale + zero`` bit for bit (into a reused buffer
+    too), ``from_tiles`` gives back the codes and scales, and the native few-row matmul (+ bias) is the
+    float32 product with the dequantised weight to its bf16 rounding; tiles and torch's layout hold the
+    same weight."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.1  # [O, I]
+    codes, scale_zero = int4.quantize(w)  # [O', I], [G, O', 2]
+    tiles = int4.Int4Weight([w[:rows // 3], w[rows // 3:]], storage="tiles")
+    want = int4.reference_dequantized(codes, scale_zero)[:rows]  # [O, I]
+    assert torch.equal(tiles.dequantized(), want)
+    buf = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)
+    assert tiles.dequantized(buf).data_ptr() == buf.data_ptr() and torch.equal(buf, want)
+    back = int4.from_tiles(tiles.tiles)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scale_zero)
+    assert torch.equal(int4.Int4Weight(w, storage="torch").dequantized(), want)
+    assert tiles.nbytes == int4.Int4Weight(w, storage="torch").nbytes  # the same bytes, rearranged
+    sz = scale_zero.float().transpose(0, 1)  # [O', G, 2]
+    exact = ((codes.float().view(codes.shape[0], -1, 32) - 8) * sz[..., :1] + sz[..., 1:])  # [O', G, 32] unrounded
+    exact = exact.view(codes.shape)[:rows]  # [O, I]: the kernels' weight (dequantized() rounds it to bf16)
+    bias = torch.randn(rows).bfloat16()
+    for n in (1, 3, 16, 100):
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).bfloat16()  # [N, I]
+        ref = x.float() @ exact.t() + bias.float()  # [N, O]
+        got = tiles.matmul(x, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (n, rows)
+        torch.testing.assert_close(got.float(), ref.bfloat16().float(), atol=1e-3, rtol=8e-3)
+
+
+@needs_native_int4
+def test_int4_storages_compute_alike_in_a_projection(monkeypatch):
+    """A ``PackedLinear`` kept as native tiles and one kept in torch's layout: the same dequantised weight,
+    and close outputs for decode rows (the two kernels) and prefill rows (the same oneDNN matmul on the
+    same weight, bit for bit); the prefill's buffer is reused, never aliased by the output."""
+    w = torch.randn(80, 96, generator=torch.Generator().manual_seed(3)) * 0.1  # [O, I]
+    b = torch.randn(80) * 0.1
+    monkeypatch.setattr(int4, "STORAGE", "torch")
+    ref = PackedLinear(w, b, Numerics(weights="int4"))
+    monkeypatch.setattr(int4, "STORAGE", "tiles")
+    fast = PackedLinear(w, b, Numerics(weights="int4"))
+    assert (ref.int4.storage, fast.int4.storage) == ("torch", "tiles")
+    assert torch.equal(ref.dequantized(), fast.dequantized())
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    torch.testing.assert_close(fast(x).float(), ref(x).float(), atol=2e-2, rtol=2e-2)
+    rows = torch.randn(300, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+    first = fast(rows)
+    assert torch.equal(first, ref(rows)) and torch.equal(fast(rows), first)
+
 
 @pytest.mark.parametrize("rows,cols", [(16, 64), (40, 32), (64, 96), (80, 64), (700, 64), (1000, 32)])
 def test_int4_dequantized_from_packed_codes_equals_the_reference(rows, cols, monkeypatch):
@@ -20,7 +73,7 @@ def test_int4_dequantized_from_packed_codes_equals_the_reference(rows, cols, mon
     monkeypatch.setattr(int4, "PACK_ROWS", 128)
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.1  # [O, I]
     codes, scale_zero = int4.quantize(w)  # [O', I], [G, O', 2]
-    weight = int4.Int4Weight([w[:rows // 3], w[rows // 3:]])  # two row blocks, as a fused q/k/v arrives
+    weight = int4.Int4Weight([w[:rows // 3], w[rows // 3:]], storage="torch")  # two row blocks, as q/k/v arrive
     assert torch.equal(weight.dequantized(), int4.reference_dequantized(codes, scale_zero)[:rows])
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     assert torch.equal(weight.packed, whole) and torch.equal(weight.scale_zero, scale_zero)  # what the kernel reads
@@ -30,18 +83,23 @@ def test_int4_plain_layout_where_torch_layout_is_unknown(monkeypatch):
     """Without a known inverse of torch's packing the codes are kept once more in a plain layout and read
     from there: the same weight, 0.5 bytes a weight more."""
     w = torch.randn(80, 64, generator=torch.Generator().manual_seed(1)) * 0.1  # [O, I]
-    known = int4.Int4Weight(w)
+    known = int4.Int4Weight(w, storage="torch")
     monkeypatch.setattr(int4, "layout", lambda: None)
-    plain = int4.Int4Weight(w)
+    plain = int4.Int4Weight(w, storage="torch")
     assert plain.plain is not None and known.plain is None
     assert torch.equal(plain.dequantized(), known.dequantized())
     assert plain.resident_bytes() == known.resident_bytes() + 80 * 64 // 2
 
 
-def test_int4_projection_keeps_only_its_packed_codes():
+@pytest.mark.parametrize("storage", ["torch", pytest.param("tiles", marks=needs_native_int4)])
+def test_int4_projection_keeps_only_its_packed_codes(storage, monkeypatch):
+    monkeypatch.setattr(int4, "STORAGE", storage)
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(2)) * 0.1  # [O, I]
     p = PackedLinear(w, None, Numerics(weights="int4"))
-    assert p.weight is None and getattr(p, "packed", None) is None
+    assert p.weight is None and getattr(p, "packed", None) is None and p.int4.storage == storage
+    from cachedrag.model.weight_views import _tensors_of
+
+    assert sum(t.numel() * t.element_size() for t in _tensors_of(p)) == p.resident_bytes  # what reports count
     assert p.resident_bytes <= 0.63 * w.numel() + (p.int4.plain.numel() if p.int4.plain is not None else 0)
     x = torch.randn(256, 128).bfloat16()  # prefill rows past the kernel's: one transient dequantised weight
     torch.testing.assert_close(p(x).float(), F.linear(x, p.dequantized()).float(), atol=0, rtol=0)
@@ -140,7 +198,7 @@ def test_int4_from_a_bf16_checkpoint_loads_bf16_and_packs_the_same(tmp_path):
     ref = ModelRunner(tiny_model(vocab_size=len(tok), dtype=torch.bfloat16).float(), tok, weights="int4")
     for a, b in zip(runner.fast_layers, ref.fast_layers):
         for pa, pb in ((a.qkv, b.qkv), (a.gate_up, b.gate_up), (a.down, b.down)):
-            assert torch.equal(pa.int4_packed, pb.int4_packed) and torch.equal(pa.int4_scale_zero, pb.int4_scale_zero)
+            assert all(torch.equal(a_, b_) for a_, b_ in zip(pa.int4.state(), pb.int4.state()))
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])

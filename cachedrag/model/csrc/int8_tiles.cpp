@@ -187,6 +187,8 @@ void register_int8_tiles(pybind11::module_& m) {
   m.def("int8_tiles_available", &int8_tiles_available, "whether int8 weights are stored as the fused step's tiles (AVX-512)");
   m.def("int8_tiles_pack", &fused::tiles_pack, "int8 [O, I] -> tiles [ceil(O / 32), I, 32] or gate/up ones (cachedrag)",
         pybind11::arg("q"), pybind11::arg("gate_up") = false);
-  m.def("int8_tiles_dequantize", &fused::tiles_dequantize, "int8 tiles * per-row scale -> [O, I] (cachedrag)");
-  m.def("int8_tiles_linear", &fused::tiles_linear, "x [N, I] @ (int8 tiles * scale)^T + bias (cachedrag)");
+  m.def("int8_tiles_dequantize", &fused::tiles_dequantize, "int8 tiles * per-row scale -> [O, I] (cachedrag)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_tiles_linear", &fused::tiles_linear, "x [N, I] @ (int8 tiles * scale)^T + bias (cachedrag)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,9 +1,9 @@
 // The native CPU library's shared code: what two or more of its sources use.
 //
 // The library is ONE translation unit: cachedrag/model/native.py hands torch's load_inline the
-// sources decode_attention.cpp, prefill_attention.cpp, int4_decode.cpp, fused_decode.cpp, int8_tiles.cpp and
-// bindings.cpp in that order (one main.cpp), so the fused decode step calls the very machine code of the decode kernel
-// (``scaled_query``, ``attend_batch``: a batched row is bit for bit the single call). Internal
+// sources decode_attention.cpp, prefill_attention.cpp, int4_decode.cpp, fused_decode.cpp, int4_linear.cpp,
+// int8_tiles.cpp and bindings.cpp in that order (one main.cpp), so the fused decode step calls the very
+// machine code of the decode kernel (``scaled_query``, ``attend_batch``: a batched row is bit for bit the single call). Internal
 // helpers live in an anonymous namespace (internal linkage, as one translation unit allows).
 //
 // Owns: the includes; the kernels' limits (query heads per KV head, head dim); bfloat16 <-> float32
@@ -124,3 +124,5 @@ void register_fused_decode(pybind11::module_& m);
 void register_int8_tiles(pybind11::module_& m);
 bool int8_tiles_available();
 bool int4_available();
+torch::Tensor int4_dequantize(torch::Tensor tiles, int64_t rows, std::optional<torch::Tensor> out);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, int64_t rows, torch::Tensor bias);
