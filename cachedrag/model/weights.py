@@ -253,10 +253,11 @@ class PackedLinear:
             extra = self.tiles.numel() - self.out_features * self.in_features
         return self.nbytes + extra + (self.bias.nbytes if self.bias is not None else 0)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight as the kernel sees it, in the compute dtype: ``[O, I]``."""
+    def dequantized(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight as the kernel sees it, in the compute dtype: ``[O, I]`` (native int8 tiles: into ``out``
+        when given, a reused buffer)."""
         if self.kind == "int8" and self.tiles is not None:  # bit for bit the expression below
-            return _native().int8_tiles_dequantize(self.tiles, self.scale, self.out_features)
+            return _native().int8_tiles_dequantize(self.tiles, self.scale, self.out_features, out)
         if self.kind == "int8":
             return self.qrows.to(self.scale.dtype) * self.scale[:, None]
         if self.kind == "int4":
@@ -273,7 +274,8 @@ class PackedLinear:
                 out = _native().int8_tiles_linear(x.reshape(rows, x.shape[-1]), self.tiles, self.scale, bias,
                                                   self.out_features)  # [N, O]
                 return out.reshape(*x.shape[:-1], self.out_features)
-            return F.linear(x, self.dequantized(), self.bias)
+            buffer = scratch(self.out_features, self.in_features) if self.scale.dtype == torch.bfloat16 else None
+            return F.linear(x, self.dequantized(buffer), self.bias)  # [O, I] transient, reused
         if self.kind == "int8":
             rows = x.numel() // x.shape[-1]
             kernel = self.dynamic is not None or self.in_features % INT8_KERNEL_COLUMNS == 0

@@ -32,6 +32,8 @@ def test_dequantize_is_the_torch_expression_bit_for_bit(rows, cols, dtype):
     assert not tiles.permute(0, 2, 1).reshape(-1, cols)[rows:].any()  # the last tile's padding rows are zero
     got = native.int8_tiles_dequantize(tiles, scale, rows)  # [O, I]
     assert got.dtype == dtype and torch.equal(got, q.to(dtype) * scale[:, None])
+    buf = torch.full((rows, cols), float("nan"), dtype=dtype)  # a reused buffer: every value overwritten
+    assert native.int8_tiles_dequantize(tiles, scale, rows, buf).data_ptr() == buf.data_ptr() and torch.equal(buf, got)
 
 
 @pytest.mark.parametrize("ff,cols", [(1, 16), (16, 48), (21, 40), (35, 17), (200, 96)])
@@ -109,7 +111,7 @@ def test_packed_linear_of_tiles_agrees_with_the_row_major_reference(bias, gate_u
     padding = tiles.tiles.numel() - out_features * in_features  # the last tile's zero rows
     assert 0 <= padding < 32 * in_features and tiles.resident_bytes == rows.resident_bytes + padding
     x = torch.randn(40, in_features).bfloat16()  # [T, I]
-    assert torch.equal(tiles(x), rows(x))
+    assert torch.equal(tiles(x), rows(x)) and torch.equal(tiles(x), rows(x))  # the reused buffer again
     deq = tiles.dequantized().float()
     for n in (1, 3, 16):
         want = F.linear(x[:n].float(), deq, b.bfloat16().float() if bias else None)  # [N, O]

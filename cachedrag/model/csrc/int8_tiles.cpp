@@ -120,14 +120,18 @@ inline void dequantize_rows4(const int8_t* tile, int64_t K, int64_t r0, int64_t 
 }
 #endif
 
-torch::Tensor tiles_dequantize(const torch::Tensor& tiles, torch::Tensor scale, int64_t rows) {
+torch::Tensor tiles_dequantize(const torch::Tensor& tiles, torch::Tensor scale, int64_t rows,
+                               std::optional<torch::Tensor> given) {
   const bool gate_up = check_int8_tiles(tiles, rows);
   TORCH_CHECK(scale.numel() == rows && (scale.scalar_type() == torch::kBFloat16 || scale.scalar_type() == torch::kFloat32),
               "int8_tiles_dequantize: scale [O] bfloat16 or float32");
   const bool bf16 = scale.scalar_type() == torch::kBFloat16;
   const auto s = scale.to(torch::kFloat32).contiguous();  // exact: the scale's values
   const int64_t K = tiles.size(1), T = tiles.size(0);
-  auto out = torch::empty({rows, K}, scale.options());  // [O, I]
+  // [O, I]; `given`: a buffer the caller reuses (its pages not faulted in again on every call)
+  auto out = given.has_value() ? *given : torch::empty({rows, K}, scale.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == K && out.is_contiguous() &&
+              out.scalar_type() == scale.scalar_type(), "int8_tiles_dequantize: out [O, I] contiguous, scale's dtype");
 #if defined(__AVX512F__)
   const int8_t* base = tiles.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
@@ -188,6 +192,7 @@ void register_int8_tiles(pybind11::module_& m) {
   m.def("int8_tiles_pack", &fused::tiles_pack, "int8 [O, I] -> tiles [ceil(O / 32), I, 32] or gate/up ones (cachedrag)",
         pybind11::arg("q"), pybind11::arg("gate_up") = false);
   m.def("int8_tiles_dequantize", &fused::tiles_dequantize, "int8 tiles * per-row scale -> [O, I] (cachedrag)",
+        pybind11::arg("tiles"), pybind11::arg("scale"), pybind11::arg("rows"), pybind11::arg("out") = pybind11::none(),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_tiles_linear", &fused::tiles_linear, "x [N, I] @ (int8 tiles * scale)^T + bias (cachedrag)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
