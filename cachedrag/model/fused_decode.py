@@ -10,9 +10,9 @@ projection, RMSNorm, gate/up, SiLU x up, down, the residuals. Formats: float32 a
 weights and int8 weight-only (the runner's ``PackedLinear`` weights as they are, no copy: int8 levels
 stored as tiles, ``PackedLinear.tiles``, are the packed layout below and are read in place whatever
 ``packed`` and ``PACK_LIMIT_BYTES`` say; row-major ones where the runner keeps them so), and int4
-weight-only (the ``PackedLinear``'s levels, scales and zeros copied into tiles of 16 rows,
-``int4_tiles``; read by AVX512-BF16 ``vdpbf16ps``, ``csrc/int4_decode.cpp``; the op-by-op step
-through torch's int4 kernel is the reference).
+weight-only (the ``PackedLinear``'s own tiles of 16 rows, ``model/int4.py``, read as they are by
+AVX512-BF16 ``vdpbf16ps``, ``csrc/int4_decode.cpp``; the op-by-op step through torch's int4 kernel on
+torch's layout is the reference).
 
 Why hand-written: a decode step of a 135M model on a 2-core CPU is ~25 small ops per layer
 around 4 one-row matmuls; each op costs a dispatch (and, inside a step, reads its inputs from a
