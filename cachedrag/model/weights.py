@@ -83,7 +83,7 @@ INT8_TILES = True
 INT8_KERNEL_COLUMNS = 16
 INT4_KERNEL_ROWS = 128  # up to this many rows, the int4 kernel; above, dequantise (one transient bf16 weight) +
 # oneDNN: the 1.5B gate/up (17920 x 1536) from native tiles took 26.5 ms both ways at 128 rows, 4.8 vs 25.7 at 16,
-# 45.0 vs 40.5 at 256 (docs/notes/gguf-gemma.md); torch's int4 kernel crossed over at 128-256 rows
+# 45.0 vs 40.5 at 256 (docs/notes/cpu-sizes.md); torch's int4 kernel crossed over at 128-256 rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZED = ("int8", "int8-dynamic", "int4")
