@@ -16,11 +16,11 @@ asymmetric, ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 and scale/zero ro
 
 Contract: ``dequantized()`` equals ``reference_dequantized(codes, scale_zero)`` bit for bit in both
 storages (tests); ``matmul``'s kernels (both storages) compute with the unrounded ``(q - 8) * scale +
-zero`` in float32, so they differ from ``x @ dequantized()^T`` by its bf16 rounding of the weight. torch's packed layout
-is private: :func:`layout` finds it once per process by packing probe codes (full row blocks and tails)
-and checking the inverse below on them; where no known layout inverts them (another torch or CPU), the
-codes are kept a second time in a plain layout (``[O', I/2]`` bytes, column pairs) and read from there,
-0.5 bytes a weight more, never a wrong value.
+zero`` in float32, so they differ from ``x @ dequantized()^T`` by its bf16 rounding of the weight.
+torch's packed layout is private: :func:`layout` finds it once per process by packing probe codes (full
+row blocks and tails) and checking the inverse below on them; where no known layout inverts them
+(another torch or CPU), the codes are kept a second time in a plain layout (``[O', I/2]`` bytes, column
+pairs) and read from there, 0.5 bytes a weight more, never a wrong value.
 
 Does not own: when a projection calls the kernel or the dequantised matmul (``weights.py``), the native
 code (``model/native.py``).
@@ -281,5 +281,6 @@ class Int4Weight:
             empty = torch.empty(0)
             return native_int4().int4_linear(x.contiguous(), self.tiles, self.out_features,
                                              bias if bias is not None else empty)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)[:, :self.out_features]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP,
+                                                         self.scale_zero)[:, :self.out_features]  # [N, O]
         return out + bias if bias is not None else out

@@ -23,10 +23,11 @@ projections of SmolLM2-135M for one token, ``docs/speed.md``):
   ``levels``: the tied head serving the embedding, ``compile=True``'s exported kernel) gather from
   the tiles. Elsewhere (no compiler, no AVX-512, ``INT8_TILES`` off: the reference) the levels are
   row-major (``PackedLinear.qrows`` ``[O, I]``): PyTorch's ``_weight_int8pack_mm`` CPU kernel for
-  few rows, 21 ms; many rows dequantise the weight to bf16 and take oneDNN's matmul. torchao's ``Int8WeightOnlyConfig`` was measured and
-  not used: on the CPU in eager mode it dequantises the whole weight on every call, so it reads
-  more bytes than bf16, and its compiled form needs a minutes-long inductor compile per model.
-  The quantisation itself is three lines (absmax per row / 127), kept here.
+  few rows, 21 ms; many rows dequantise the weight to bf16 and take oneDNN's matmul. torchao's
+  ``Int8WeightOnlyConfig`` was measured and not used: on the CPU in eager mode it dequantises the
+  whole weight on every call, so it reads more bytes than bf16, and its compiled form needs a
+  minutes-long inductor compile per model. The quantisation itself is three lines (absmax per row /
+  127), kept here.
 - ``int8-dynamic``: the same int8 weights, and for few rows (decode) the activations quantised
   too, per row (one row: per token), asymmetric uint8 from the row's min/max, through fbgemm's
   VNNI int8 GEMM (``quantized.linear_dynamic`` on ``quantized.linear_prepack``-ed per-channel
