@@ -60,7 +60,7 @@ EXAMPLES: dict[str, Example] = {
     "decode_guard.py": Example((r"tie_guard_decode=inf", r"\(= full prefill\)")),
     "exact_repeats.py": Example((r"exact_repeats=0", r"exact_repeats=2", r"TTFT [\d.]+ s, approximations")),
     "serve_fidelity.py": Example((r"streamed answers equal to full prefill's", r"equal to full prefill's: True"),
-                                 args=("--tiny",), needs=("fastapi", "openai")),
+                                 args=("--tiny",), needs=("fastapi", "openai"), marks=(pytest.mark.slow,)),
     "tiered_store.py": Example((r"one chunk cache: [\d.]+ MiB", r"after puts:")),
     "persistent_cache.py": Example((r"[1-9]\d* tree entries and [1-9]\d* chunk variants found at start",
                                     r"What does heapq.heappush do\?': TTFT \d+ ms, 3/3 chunks from cache"),

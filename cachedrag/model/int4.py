@@ -163,7 +163,8 @@ def scratch(rows: int, cols: int) -> torch.Tensor:
     need = rows * cols
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < need:
-        _scratch.buf = buf = torch.empty(need, dtype=torch.bfloat16)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            _scratch.buf = buf = torch.empty(need, dtype=torch.bfloat16)
     return buf[:need].view(rows, cols)
 
 

@@ -215,6 +215,7 @@ def test_bad_configs_and_levels_exit_2_with_one_line(argv, says, capsys):
     assert err.startswith("cachedrag: error:") and says in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow  # 16 s (make test-slow)
 @pytest.mark.timeout(300)
 def test_bench_serve_with_a_disk_tier_reports_hits_per_tier(tmp_path):
     """Below a tiny memory tier, chunks evicted from memory come back from each server's own disk

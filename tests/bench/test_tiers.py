@@ -11,6 +11,7 @@ from cachedrag.cli import main
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow  # 16 s (make test-slow)
 def test_bench_tiers_reports_every_tier_and_restart(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     corpus, questions = tiny_corpus
     out = tmp_path / "tiers.json"

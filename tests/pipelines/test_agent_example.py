@@ -14,6 +14,7 @@ pytest.importorskip("langgraph.prebuilt")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_rag.py"
 
 
+@pytest.mark.slow  # 23 s (make test-slow); the agent loop itself: tests/pipelines/test_agent.py
 def test_agent_example_runs_on_the_tiny_model():
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--tiny"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
