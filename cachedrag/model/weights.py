@@ -255,49 +255,46 @@ class PackedLinear:
         return self.nbytes + extra + (self.bias.nbytes if self.bias is not None else 0)
 
     def dequantized(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight as the kernel sees it, in the compute dtype: ``[O, I]`` (native int8 tiles: into ``out``
-        when given, a reused buffer)."""
+        """The weight as the kernel sees it, in the compute dtype: ``[O, I]`` (native int8 tiles and int4: into
+        ``out`` when given, a reused buffer)."""
         if self.kind == "int8" and self.tiles is not None:  # bit for bit the expression below
             return _native().int8_tiles_dequantize(self.tiles, self.scale, self.out_features, out)
         if self.kind == "int8":
             return self.qrows.to(self.scale.dtype) * self.scale[:, None]
         if self.kind == "int4":
-            return self.int4.dequantized()
+            return self.int4.dequantized(out)
         return self.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "mkldnn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.kind == "int8" and self.tiles is not None:
-            rows = x.numel() // x.shape[-1]
-            if 0 < rows <= INT8_KERNEL_ROWS:  # the fused step's tile kernel: float32 sums, bias, one rounding
-                bias = self.bias if self.bias is not None else x.new_empty(0)
-                out = _native().int8_tiles_linear(x.reshape(rows, x.shape[-1]), self.tiles, self.scale, bias,
-                                                  self.out_features)  # [N, O]
-                return out.reshape(*x.shape[:-1], self.out_features)
-            buffer = scratch(self.out_features, self.in_features) if self.scale.dtype == torch.bfloat16 else None
-            return F.linear(x, self.dequantized(buffer), self.bias)  # [O, I] transient, reused
-        if self.kind == "int8":
-            rows = x.numel() // x.shape[-1]
-            kernel = self.dynamic is not None or self.in_features % INT8_KERNEL_COLUMNS == 0
-            if 0 < rows <= INT8_KERNEL_ROWS and kernel:
-                flat = x.reshape(rows, x.shape[-1])  # [N, I]
-                if self.dynamic is not None:  # fbgemm: float32 in and out, bias inside; out in x's dtype
-                    out = torch.ops.quantized.linear_dynamic(flat.float(), self.dynamic, False).to(x.dtype)  # [N, O]
-                    return out.reshape(*x.shape[:-1], self.out_features)
-                out = torch._weight_int8pack_mm(flat, self.qrows, self.scale)  # [N, O]
-                if self.bias is not None:
-                    out = out + self.bias
-                return out.reshape(*x.shape[:-1], self.out_features)
-            return F.linear(x, self.dequantized(), self.bias)
+        if self.kind not in ("int8", "int4"):
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // x.shape[-1]
+        out = self._few_rows(x.reshape(rows, x.shape[-1])) if rows else None  # [N, O] or None
+        if out is not None:
+            return out.reshape(*x.shape[:-1], self.out_features)
+        buffered = self.kind == "int4" or (self.tiles is not None and self.scale.dtype == torch.bfloat16)
+        w = self.dequantized(scratch(self.out_features, self.in_features) if buffered else None)  # [O, I] transient
+        return F.linear(x, w, self.bias)
+
+    def _few_rows(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """``flat`` ``[N, I]`` through the format's few-row kernel (``[N, O]``), or None where ``N`` is past it
+        or the kernel cannot take this weight (the caller then multiplies the dequantised weight)."""
+        n = flat.shape[0]
         if self.kind == "int4":
-            rows = x.numel() // x.shape[-1]
-            if 0 < rows <= INT4_KERNEL_ROWS:
-                out = self.int4.matmul(x.reshape(rows, x.shape[-1]), self.bias)  # [N, O]
-                return out.reshape(*x.shape[:-1], self.out_features)
-            w = self.int4.dequantized(scratch(self.out_features, self.in_features))  # [O, I] transient, reused
-            return F.linear(x, w, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self.int4.matmul(flat, self.bias) if n <= INT4_KERNEL_ROWS else None
+        if n > INT8_KERNEL_ROWS:
+            return None
+        if self.tiles is not None:  # the fused step's tile kernel: float32 sums, bias, one rounding
+            bias = self.bias if self.bias is not None else flat.new_empty(0)
+            return _native().int8_tiles_linear(flat, self.tiles, self.scale, bias, self.out_features)
+        if self.dynamic is not None:  # fbgemm: float32 in and out, bias inside; out in x's dtype
+            return torch.ops.quantized.linear_dynamic(flat.float(), self.dynamic, False).to(flat.dtype)
+        if self.in_features % INT8_KERNEL_COLUMNS:
+            return None
+        out = torch._weight_int8pack_mm(flat, self.qrows, self.scale)  # [N, O]
+        return out + self.bias if self.bias is not None else out
 
 
 def head_numerics(numerics: Numerics, dense: bool = False) -> Numerics:
