@@ -236,10 +236,10 @@ def load_for_runner(name_or_path, dtype, weights: str, kv_store_dtype, device, f
     if str(name_or_path).lower() == GEMMA_MODEL:
         name_or_path = resolve_model_path(name_or_path)  # the GGUF file of the gemma extra
     name = dtype_name(dtype) if dtype is not None else ("bfloat16" if weights in QUANTIZED else "float32")
-    load_dtype = DTYPES[name]
+    load_dtype, is_gguf = DTYPES[name], gguf.is_gguf(name_or_path)
     if weights == "int4":
-        load_dtype = torch.float32 if gguf.is_gguf(name_or_path) else _checkpoint_dtype(name_or_path)
-    if gguf.is_gguf(name_or_path) and torch.device(device).type == "cpu":
+        load_dtype = torch.float32 if is_gguf else _checkpoint_dtype(name_or_path)
+    if is_gguf and torch.device(device).type == "cpu":
         model, tokenizer, prepacked, report = gguf.load_gguf_packed(name_or_path, name, weights, kv_store_dtype,
                                                                     load_dtype, fast)
         return model, tokenizer, name, prepacked, report
